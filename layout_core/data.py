@@ -1,0 +1,136 @@
+"""Deterministic language-modelling data: a learnable synthetic task and bytes.
+
+Every batch is a pure function of (seed, split, step), so a resumed run sees
+exactly the batches it would have seen, and the data position to checkpoint is
+just the step number.
+
+    task = MarkovTask(vocab_size=64, seq_len=64, branching=4, seed=1)
+    task.batch(step=0, batch_size=8).shape    # (8, 65): inputs + next-token labels
+    task.entropy_floor()                       # best achievable loss, in nats
+
+`MarkovTask` samples from a fixed random Markov chain in which each token has
+only `branching` possible successors, so a model can drive the loss from
+ln(vocab_size) down to the chain's entropy rate. `TextFileTask` serves random
+byte windows of a file (last 10% held out for evaluation).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Iterator
+
+import numpy as np
+import tensorflow as tf
+
+from layout_core.errors import ConfigError
+
+_SPLITS = {'train': 0, 'eval': 1}
+
+
+class LMTask:
+  vocab_size: int
+  seq_len: int
+
+  def batch(self, *, step: int, batch_size: int, split: str = 'train') -> np.ndarray:
+    """int32 [batch_size, seq_len + 1] token ids."""
+    raise NotImplementedError
+
+  def dataset(self, *, start_step: int, batch_size: int,
+              split: str = 'train') -> tf.data.Dataset:
+    """Batches for steps start_step, start_step + 1, ... (prefetched)."""
+    def make(step):
+      return self.batch(step=int(step), batch_size=batch_size, split=split)
+    ds = tf.data.Dataset.range(start_step, 2**62)
+    ds = ds.map(lambda s: tf.numpy_function(make, [s], tf.int32),
+                num_parallel_calls=1, deterministic=True)
+    return ds.prefetch(2)
+
+  def iterate(self, *, start_step: int, batch_size: int,
+              split: str = 'train') -> Iterator[np.ndarray]:
+    for value in self.dataset(start_step=start_step, batch_size=batch_size,
+                              split=split).as_numpy_iterator():
+      yield value
+
+  def _rng(self, seed: int, split: str, step: int) -> np.random.Generator:
+    return np.random.default_rng([seed, _SPLITS[split], step])
+
+
+class MarkovTask(LMTask):
+  """Sequences from a sparse random Markov chain (see module docstring)."""
+
+  def __init__(self, *, vocab_size: int = 64, seq_len: int = 64,
+               branching: int = 4, seed: int = 1234):
+    if not 1 <= branching <= vocab_size:
+      raise ConfigError(f'data.branching={branching} must be in [1, vocab_size={vocab_size}]')
+    self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+    chain = np.random.default_rng([seed, 7])
+    self.successors = np.stack([chain.choice(vocab_size, branching, replace=False)
+                                for _ in range(vocab_size)]).astype(np.int32)
+    probs = chain.dirichlet(np.ones(branching), size=vocab_size)
+    self.probs = probs
+    self.cumulative = np.cumsum(probs, axis=1)
+    self.cumulative[:, -1] = 1.0
+
+  def batch(self, *, step, batch_size, split='train'):
+    rng = self._rng(self.seed, split, step)
+    tokens = np.empty((batch_size, self.seq_len + 1), np.int32)
+    tokens[:, 0] = rng.integers(0, self.vocab_size, batch_size)
+    draws = rng.random((batch_size, self.seq_len))
+    for t in range(self.seq_len):
+      current = tokens[:, t]
+      choice = (draws[:, t, None] > self.cumulative[current]).sum(axis=1)
+      tokens[:, t + 1] = self.successors[current, choice]
+    return tokens
+
+  def entropy_floor(self) -> float:
+    """Entropy rate of the chain (nats/token): the best achievable eval loss."""
+    transition = np.zeros((self.vocab_size, self.vocab_size))
+    for i in range(self.vocab_size):
+      transition[i, self.successors[i]] += self.probs[i]
+    stationary = np.full(self.vocab_size, 1.0 / self.vocab_size)
+    for _ in range(1000):
+      stationary = stationary @ transition
+    row_entropy = -(self.probs * np.log(np.maximum(self.probs, 1e-30))).sum(axis=1)
+    return float(stationary @ row_entropy)
+
+  def describe(self) -> str:
+    return (f'Markov chain, vocab {self.vocab_size}, branching '
+            f'{self.successors.shape[1]}: uniform loss {math.log(self.vocab_size):.3f}, '
+            f'best possible {self.entropy_floor():.3f} nats/token')
+
+
+class TextFileTask(LMTask):
+  """Random byte windows of a text file; vocab 256; last 10% held out."""
+
+  def __init__(self, *, path: str, seq_len: int = 64, seed: int = 1234):
+    if not os.path.isfile(path):
+      raise ConfigError(f'data.text_file {path!r} does not exist',
+                        fix='give the path of a readable text file')
+    data = np.frombuffer(open(path, 'rb').read(), dtype=np.uint8)
+    cut = int(len(data) * 0.9)
+    self.parts = {'train': data[:cut], 'eval': data[cut:]}
+    for split, part in self.parts.items():
+      if len(part) < seq_len + 2:
+        raise ConfigError(
+            f'data.text_file {path!r} has {len(data)} bytes; its {split} part '
+            f'({len(part)} bytes) is shorter than seq_len + 2 = {seq_len + 2}',
+            fix='use a longer file or a smaller data.seq_len')
+    self.vocab_size, self.seq_len, self.seed, self.path = 256, seq_len, seed, path
+
+  def batch(self, *, step, batch_size, split='train'):
+    part = self.parts[split]
+    starts = self._rng(self.seed, split, step).integers(
+        0, len(part) - self.seq_len - 1, batch_size)
+    return np.stack([part[s:s + self.seq_len + 1] for s in starts]).astype(np.int32)
+
+  def describe(self) -> str:
+    return f'bytes of {self.path} ({sum(map(len, self.parts.values())):,} bytes)'
+
+
+def make_task(*, text_file: str | None = None, vocab_size: int = 64,
+              seq_len: int = 64, branching: int = 4, seed: int = 1234) -> LMTask:
+  if text_file:
+    return TextFileTask(path=text_file, seq_len=seq_len, seed=seed)
+  return MarkovTask(vocab_size=vocab_size, seq_len=seq_len, branching=branching,
+                    seed=seed)

@@ -1,0 +1,432 @@
+"""Layers built from Params, with declared variables and cost metadata.
+
+Every layer is a `tf.Module` built by `p.Instantiate(parent_path=...)`. A layer
+class answers three questions from its params alone, without running:
+
+  * `declare_variables(p)`: its own variables (name, shape, initializer);
+  * `child_params(p)`: its sub-layers, in order;
+  * `fprop_meta(p, *input_shapes)`: output shapes and forward FLOPs.
+
+so the whole model's variables (`variable_specs`) and cost per layer
+(`fprop_meta`) are known before anything is allocated: `launch.inspect` plans a
+100B-parameter model in seconds and the pipeline balances stages by FLOPs.
+
+    p = FeedForward.Params().Set(name='ffn', input_dim=64, hidden_dim=256)
+    FeedForward.fprop_meta(p, (8, 16, 64))   # LayerMeta(out_shapes=((8, 16, 64),), ...)
+    ffn = p.Instantiate(parent_path='lm/block_000')
+    ffn.w_in                                  # created as 'lm/block_000/ffn/w_in'
+
+FLOPs count a multiply-add as 2 (`matmul_flops`) plus one per output element of
+each elementwise op (`flops` includes both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tensorflow as tf
+
+from layout_core.errors import ConfigError
+from layout_core.params import Params
+from layout_core.variables import (Initializer, Normal, Ones, VariableSpec,
+                                   Zeros, create_variable)
+
+Shape = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerMeta:
+  out_shapes: tuple[Shape, ...]
+  flops: int         # all forward FLOPs, matmul + elementwise
+  matmul_flops: int  # 2 * multiply-adds of the dense contractions
+
+
+@dataclasses.dataclass(frozen=True)
+class Declared:
+  """A variable a layer owns: its attribute name, shape and initializer."""
+  name: str
+  shape: Shape
+  initializer: Initializer
+
+
+def _size(shape: Shape) -> int:
+  return math.prod(shape)
+
+
+def dense(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
+  """x[..., d] @ w[d, f] as an einsum with explicit letters (DTensor's einsum
+  does not implement '...' broadcasting)."""
+  batch = 'abcefgh'[:x.shape.rank - 1]
+  return tf.einsum(f'{batch}d,df->{batch}f', x, w)
+
+
+class BaseLayer(tf.Module):
+  """Params-built module; subclasses declare variables, children and costs."""
+
+  @classmethod
+  def Params(cls) -> Params:
+    p = Params()
+    p.Define('cls', cls, 'Layer class that Instantiate() builds.')
+    p.Define('name', cls.__name__.lower(), 'Layer name: its variable path component.')
+    p.Define('dtype', 'float32', 'Variable dtype.')
+    return p
+
+  def __init__(self, params: Params, *, parent_path: str = ''):
+    if not params.name or not params.name.isidentifier():
+      raise ConfigError(f'layer name {params.name!r} must be an identifier',
+                        where=f"{parent_path or '<root>'} ({type(self).__name__})")
+    super().__init__(name=params.name)
+    self.params = params.Copy().Freeze()
+    self.path = f'{parent_path}/{params.name}' if parent_path else params.name
+    for spec in self.own_variable_specs(self.params, self.path):
+      setattr(self, spec.path.rsplit('/', 1)[1], create_variable(spec))
+    self.child_names = tuple(self.child_params(self.params))
+    for name, child in self.child_params(self.params).items():
+      setattr(self, name, child.Instantiate(parent_path=self.path))
+
+  # -- declarations (classmethods: usable without building) ---------------------
+  @classmethod
+  def declare_variables(cls, p: Params) -> list[Declared]:
+    return []
+
+  @classmethod
+  def child_params(cls, p: Params) -> dict[str, Params]:
+    return {}
+
+  @classmethod
+  def own_variable_specs(cls, p: Params, path: str) -> list[VariableSpec]:
+    return [VariableSpec(path=f'{path}/{d.name}', shape=tuple(d.shape),
+                         initializer=d.initializer, dtype=p.dtype)
+            for d in cls.declare_variables(p)]
+
+  @classmethod
+  def variable_specs(cls, p: Params, parent_path: str = '') -> list[VariableSpec]:
+    """Every variable this layer and its children would create, in order."""
+    path = f'{parent_path}/{p.name}' if parent_path else p.name
+    specs = cls.own_variable_specs(p, path)
+    for child in cls.child_params(p).values():
+      specs += child.cls.variable_specs(child, path)
+    return specs
+
+  @classmethod
+  def fprop_meta(cls, p: Params, *input_shapes: Shape) -> LayerMeta:
+    raise NotImplementedError(f'{cls.__name__}.fprop_meta')
+
+  # -- running ------------------------------------------------------------------
+  def children(self) -> list['BaseLayer']:
+    return [getattr(self, n) for n in self.child_names]
+
+  def fprop(self, *inputs):
+    raise NotImplementedError
+
+  def __call__(self, *inputs):
+    return self.fprop(*inputs)
+
+
+class Embedding(BaseLayer):
+  """Token ids [B, T] -> vectors [B, T, D], plus learned positions."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.name = 'emb'
+    p.Define('vocab_size', 256, 'Number of token ids.')
+    p.Define('dim', 64, 'Embedding width.')
+    p.Define('max_len', 512, 'Longest sequence (position table rows); 0: none.')
+    p.Define('init_stddev', 0.02, 'Stddev of the initial embeddings.')
+    return p
+
+  @classmethod
+  def declare_variables(cls, p):
+    declared = [Declared('table', (p.vocab_size, p.dim), Normal(p.init_stddev))]
+    if p.max_len:
+      declared.append(Declared('pos_table', (p.max_len, p.dim), Normal(p.init_stddev)))
+    return declared
+
+  @classmethod
+  def fprop_meta(cls, p, ids_shape):
+    batch, length = ids_shape
+    if p.max_len and length > p.max_len:
+      raise ConfigError(f'sequence length {length} exceeds {p.name}.max_len={p.max_len}')
+    out = (batch, length, p.dim)
+    return LayerMeta(out_shapes=(out,), flops=_size(out) * (2 if p.max_len else 1),
+                     matmul_flops=0)
+
+  def fprop(self, ids):
+    x = tf.gather(self.table, ids)
+    if self.params.max_len:
+      x += self.pos_table[:ids.shape[1]]
+    return x
+
+
+class LayerNorm(BaseLayer):
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.name = 'ln'
+    p.Define('dim', 64, 'Normalised (last) dimension.')
+    p.Define('epsilon', 1e-6, 'Variance epsilon.')
+    return p
+
+  @classmethod
+  def declare_variables(cls, p):
+    return [Declared('scale', (p.dim,), Ones()), Declared('bias', (p.dim,), Zeros())]
+
+  @classmethod
+  def fprop_meta(cls, p, x_shape):
+    # mean, subtract, square, mean, rsqrt-multiply, scale, shift
+    return LayerMeta(out_shapes=(tuple(x_shape),), flops=7 * _size(x_shape),
+                     matmul_flops=0)
+
+  def fprop(self, x):
+    mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
+    normed = (x - mean) * tf.math.rsqrt(variance + self.params.epsilon)
+    return normed * self.scale + self.bias
+
+
+class FeedForward(BaseLayer):
+  """x -> act(x W_in + b_in) W_out + b_out."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.name = 'ffn'
+    p.Define('input_dim', 64, 'Input and output width.')
+    p.Define('hidden_dim', 256, 'Inner width.')
+    p.Define('activation', 'relu', "'relu' or 'gelu'.")
+    p.Define('init_stddev', 0.02, 'Stddev of the initial weights.')
+    return p
+
+  @classmethod
+  def declare_variables(cls, p):
+    if p.activation not in ('relu', 'gelu'):
+      raise ConfigError(f"{p.name}.activation is {p.activation!r}",
+                        fix="use 'relu' or 'gelu'")
+    return [Declared('w_in', (p.input_dim, p.hidden_dim), Normal(p.init_stddev)),
+            Declared('b_in', (p.hidden_dim,), Zeros()),
+            Declared('w_out', (p.hidden_dim, p.input_dim), Normal(p.init_stddev)),
+            Declared('b_out', (p.input_dim,), Zeros())]
+
+  @classmethod
+  def fprop_meta(cls, p, x_shape):
+    tokens = _size(x_shape[:-1])
+    matmul = 2 * tokens * p.input_dim * p.hidden_dim * 2
+    elementwise = tokens * (2 * p.hidden_dim + p.input_dim)  # bias, act, bias
+    return LayerMeta(out_shapes=(tuple(x_shape),), flops=matmul + elementwise,
+                     matmul_flops=matmul)
+
+  def fprop(self, x):
+    h = dense(x, self.w_in) + self.b_in
+    h = tf.nn.relu(h) if self.params.activation == 'relu' else tf.nn.gelu(h)
+    return dense(h, self.w_out) + self.b_out
+
+
+class MultiHeadAttention(BaseLayer):
+  """Causal multi-head self-attention; weights [D, H, K] and [H, K, D]."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.name = 'attn'
+    p.Define('model_dim', 64, 'Input and output width.')
+    p.Define('num_heads', 4, 'Attention heads.')
+    p.Define('head_dim', 0, 'Width per head; 0 means model_dim // num_heads.')
+    p.Define('causal', True, 'Mask attention to earlier positions only.')
+    p.Define('init_stddev', 0.02, 'Stddev of the initial weights.')
+    return p
+
+  @classmethod
+  def _head_dim(cls, p) -> int:
+    if p.head_dim:
+      return p.head_dim
+    if p.model_dim % p.num_heads:
+      raise ConfigError(f'{p.name}: model_dim {p.model_dim} is not divisible by '
+                        f'num_heads {p.num_heads}', fix='set head_dim explicitly')
+    return p.model_dim // p.num_heads
+
+  @classmethod
+  def declare_variables(cls, p):
+    qkv = (p.model_dim, p.num_heads, cls._head_dim(p))
+    init = Normal(p.init_stddev)
+    return [Declared('wq', qkv, init), Declared('wk', qkv, init),
+            Declared('wv', qkv, init),
+            Declared('wo', (p.num_heads, cls._head_dim(p), p.model_dim), init)]
+
+  @classmethod
+  def fprop_meta(cls, p, x_shape):
+    batch, length, dim = x_shape
+    heads, head_dim = p.num_heads, cls._head_dim(p)
+    tokens = batch * length
+    projections = 2 * tokens * dim * heads * head_dim * 4       # q, k, v, out
+    scores = 2 * batch * heads * length * length * head_dim * 2  # qk^T and attn.v
+    # scale, mask, softmax (exp, sum, divide ~ 3)
+    elementwise = batch * heads * length * length * 5
+    return LayerMeta(out_shapes=(tuple(x_shape),),
+                     flops=projections + scores + elementwise,
+                     matmul_flops=projections + scores)
+
+  def fprop(self, x):
+    p = self.params
+    q = tf.einsum('btd,dhk->bthk', x, self.wq)
+    k = tf.einsum('btd,dhk->bthk', x, self.wk)
+    v = tf.einsum('btd,dhk->bthk', x, self.wv)
+    logits = tf.einsum('bthk,bshk->bhts', q, k) * (self._head_dim(p) ** -0.5)
+    if p.causal:
+      length = x.shape[1]
+      mask = tf.linalg.band_part(tf.ones([length, length], logits.dtype), -1, 0)
+      logits += (1.0 - mask) * -1e9
+    probs = tf.nn.softmax(logits, axis=-1)
+    context = tf.einsum('bhts,bshk->bthk', probs, v)
+    return tf.einsum('bthk,hkd->btd', context, self.wo)
+
+
+class TransformerBlock(BaseLayer):
+  """Pre-norm block: x + attn(ln(x)), then x + ffn(ln(x))."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.name = 'block'
+    p.Define('model_dim', 64, 'Residual stream width.')
+    p.Define('num_heads', 4, 'Attention heads.')
+    p.Define('ffn_dim', 256, 'Feed-forward inner width.')
+    p.Define('activation', 'relu', "Feed-forward activation: 'relu' or 'gelu'.")
+    return p
+
+  @classmethod
+  def child_params(cls, p):
+    return {
+        'ln_attn': LayerNorm.Params().Set(name='ln_attn', dim=p.model_dim),
+        'attn': MultiHeadAttention.Params().Set(model_dim=p.model_dim,
+                                                num_heads=p.num_heads),
+        'ln_ffn': LayerNorm.Params().Set(name='ln_ffn', dim=p.model_dim),
+        'ffn': FeedForward.Params().Set(input_dim=p.model_dim, hidden_dim=p.ffn_dim,
+                                        activation=p.activation),
+    }
+
+  @classmethod
+  def fprop_meta(cls, p, x_shape):
+    children = cls.child_params(p)
+    parts = [c.cls.fprop_meta(c, x_shape) for c in children.values()]
+    residual_adds = 2 * _size(x_shape)
+    return LayerMeta(out_shapes=(tuple(x_shape),),
+                     flops=sum(m.flops for m in parts) + residual_adds,
+                     matmul_flops=sum(m.matmul_flops for m in parts))
+
+  def fprop(self, x):
+    x = x + self.attn(self.ln_attn(x))
+    return x + self.ffn(self.ln_ffn(x))
+
+
+class Softmax(BaseLayer):
+  """Projection to logits over classes (the loss is applied outside)."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.name = 'softmax'
+    p.Define('input_dim', 64, 'Input width.')
+    p.Define('num_classes', 256, 'Output classes (vocabulary).')
+    p.Define('init_stddev', 0.02, 'Stddev of the initial weights.')
+    return p
+
+  @classmethod
+  def declare_variables(cls, p):
+    return [Declared('w', (p.input_dim, p.num_classes), Normal(p.init_stddev)),
+            Declared('b', (p.num_classes,), Zeros())]
+
+  @classmethod
+  def fprop_meta(cls, p, x_shape):
+    tokens = _size(x_shape[:-1])
+    matmul = 2 * tokens * p.input_dim * p.num_classes
+    return LayerMeta(out_shapes=(tuple(x_shape[:-1]) + (p.num_classes,),),
+                     flops=matmul + tokens * p.num_classes, matmul_flops=matmul)
+
+  def fprop(self, x):
+    return dense(x, self.w) + self.b
+
+
+class Sequential(BaseLayer):
+  """Runs `sub` layers in order, `repeat` times (children `name_000`, ...).
+
+  With repeat == 1 children keep their own names; with repeat > 1 each copy of
+  sub-layer `s` is named `s_000`, `s_001`, ...
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.name = 'seq'
+    p.Define('sub', [], 'Params of the layers to run in order.')
+    p.Define('repeat', 1, 'How many times to repeat the whole `sub` list.')
+    return p
+
+  @classmethod
+  def child_params(cls, p):
+    if p.repeat < 1:
+      raise ConfigError(f'{p.name}.repeat is {p.repeat}', fix='use a positive count')
+    children = {}
+    for r in range(p.repeat):
+      for sub in p.sub:
+        child = sub.Copy()
+        if p.repeat > 1:
+          child.name = f'{sub.name}_{r:03d}'
+        if child.name in children:
+          raise ConfigError(f"{p.name} has two sub-layers named '{child.name}'",
+                            fix='give each sub-layer a distinct name')
+        children[child.name] = child
+    return children
+
+  @classmethod
+  def fprop_meta(cls, p, *shapes):
+    flops = matmul = 0
+    for child in cls.child_params(p).values():
+      meta = child.cls.fprop_meta(child, *shapes)
+      flops, matmul = flops + meta.flops, matmul + meta.matmul_flops
+      shapes = meta.out_shapes
+    return LayerMeta(out_shapes=tuple(shapes), flops=flops, matmul_flops=matmul)
+
+  def fprop(self, *inputs):
+    outputs = inputs
+    for child in self.children():
+      outputs = child(*outputs)
+      if not isinstance(outputs, tuple):
+        outputs = (outputs,)
+    return outputs[0] if len(outputs) == 1 else outputs
+
+
+def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
+                          num_heads: int = 4, ffn_dim: int = 256,
+                          num_layers: int = 2, max_len: int = 128,
+                          activation: str = 'relu', name: str = 'lm') -> Params:
+  """A decoder-only Transformer LM as a flat Sequential of heterogeneous layers:
+
+  lm/emb -> lm/stack/block_000..N-1 -> lm/final_ln -> lm/softmax (logits).
+  """
+  block = TransformerBlock.Params().Set(model_dim=model_dim, num_heads=num_heads,
+                                        ffn_dim=ffn_dim, activation=activation)
+  return Sequential.Params().Set(name=name, sub=[
+      Embedding.Params().Set(vocab_size=vocab_size, dim=model_dim, max_len=max_len),
+      Sequential.Params().Set(name='stack', sub=[block], repeat=num_layers),
+      LayerNorm.Params().Set(name='final_ln', dim=model_dim),
+      Softmax.Params().Set(input_dim=model_dim, num_classes=vocab_size),
+  ])
+
+
+def num_parameters(p: Params) -> int:
+  return sum(s.num_elements for s in p.cls.variable_specs(p))
+
+
+def flatten_layers(p: Params) -> list[Params]:
+  """Leaf layers of nested/repeated Sequentials, in execution order.
+
+  Leaves keep the names they would have as children (block_000, ...), so a
+  stage built from them creates variables at recognisable paths.
+  """
+  if p.cls is not Sequential:
+    return [p.Copy()]
+  leaves = []
+  for child in Sequential.child_params(p).values():
+    leaves += flatten_layers(child)
+  return leaves

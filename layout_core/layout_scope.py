@@ -1,0 +1,145 @@
+"""The layout scope: every variable created inside it is born sharded.
+
+    rules = LayoutRules([(r'.*/ffn/w_in', ('unsharded', 'model'))])
+    with LayoutScope(mesh=mesh, rules=rules, seed=0) as scope:
+      model = lm_params.Instantiate()        # variables are DVariables now
+    print(scope.table_markdown())            # what each rule did
+
+Each variable's initializer runs under its resolved layout
+(`dtensor.call_with_layout`), so every device computes only its own shard and
+no full-size copy of a sharded tensor exists at any point. `LayoutRecord`s
+keep the resolved spec, the rule that decided it and the bytes per device;
+`plan_layouts` produces the same records from specs alone (no allocation) for
+`launch.inspect`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging as logging_std
+import math
+from typing import Iterable, Mapping, Sequence
+
+import tensorflow as tf
+from absl import logging
+from tensorflow.experimental import dtensor
+
+from layout_core import mesh as mesh_lib
+from layout_core.errors import ConfigError
+from layout_core.rules import UNSHARDED, LayoutRules
+from layout_core.variables import VariableSpec, initial_value, variable_creator
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutRecord:
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  spec: tuple[str, ...]
+  source: str  # 'rule N: pattern' or 'default: replicated'
+  bytes_total: int
+  bytes_per_device: int
+
+
+def shards_of(spec: Sequence[str], mesh_axes: Mapping[str, int]) -> int:
+  return math.prod(mesh_axes[a] for a in spec if a != UNSHARDED)
+
+
+def plan_layouts(specs: Iterable[VariableSpec], rules: LayoutRules,
+                 mesh_axes: Mapping[str, int]) -> list[LayoutRecord]:
+  """Resolves and validates every spec's layout without creating anything."""
+  rules.check_mesh(mesh_axes)
+  records = []
+  for spec in specs:
+    resolution = rules.resolve(spec.path, spec.shape, mesh_axes)
+    records.append(LayoutRecord(
+        path=spec.path, shape=tuple(spec.shape), dtype=spec.dtype,
+        spec=resolution.spec, source=resolution.source(rules),
+        bytes_total=spec.num_bytes,
+        bytes_per_device=spec.num_bytes // shards_of(resolution.spec, mesh_axes)))
+  return records
+
+
+def report_unused_rules(rules: LayoutRules) -> None:
+  """Warns about (or, with strict rules, rejects) rules that matched nothing."""
+  unused = rules.unused_rules()
+  if not unused:
+    return
+  listing = '; '.join(r.describe() for r in unused)
+  if rules.strict:
+    raise ConfigError(f'{len(unused)} layout rule(s) matched no variable: {listing}',
+                      where='layout_rules.rules',
+                      fix='fix the regex or remove the rule '
+                          '(or set layout_rules.strict = False)')
+  logging.warning('%d layout rule(s) matched no variable: %s', len(unused), listing)
+
+
+class _OneShotTraceFilter(logging_std.Filter):
+  """Drops TF's "frequent retracing" warning for our one-shot init functions.
+
+  Each variable's initializer is its own tf.function, traced exactly once by
+  design (it must run under that variable's layout); the warning is noise.
+  """
+
+  def filter(self, record: logging_std.LogRecord) -> bool:
+    message = record.getMessage()
+    return not ('triggered tf.function retracing' in message and
+                ('LayoutScope' in message or '_zeros_like' in message))
+
+
+tf.get_logger().addFilter(_OneShotTraceFilter())
+
+
+class LayoutScope:
+  """Creates model variables as DVariables laid out by `rules` on `mesh`."""
+
+  def __init__(self, *, mesh: dtensor.Mesh, rules: LayoutRules | None = None,
+               seed: int = 0, log_assignments: bool = False):
+    self.mesh = mesh
+    self.rules = rules if rules is not None else LayoutRules()
+    self.mesh_axes = mesh_lib.mesh_axes(mesh)
+    self.rules.check_mesh(self.mesh_axes)
+    self.seed = seed
+    self.log_assignments = log_assignments
+    self.records: list[LayoutRecord] = []
+    self.variables: dict[str, dtensor.DVariable] = {}  # path -> variable, creation order
+    self._context = None
+
+  def layout(self, spec: Sequence[str]) -> dtensor.Layout:
+    return dtensor.Layout(list(spec), self.mesh)
+
+  def create(self, spec: VariableSpec) -> dtensor.DVariable:
+    record, = plan_layouts([spec], self.rules, self.mesh_axes)
+    layout = self.layout(record.spec)
+    init = tf.function(lambda: initial_value(spec, self.seed), autograph=False)
+    value = dtensor.call_with_layout(init, layout)
+    variable = dtensor.DVariable(value, trainable=spec.trainable,
+                                 name=spec.path.replace('/', '.'))
+    if spec.path in self.variables:
+      raise ConfigError(f"two variables share the path '{spec.path}'",
+                        fix='give sibling layers distinct names')
+    self.records.append(record)
+    self.variables[spec.path] = variable
+    if self.log_assignments:
+      logging.info('layout %-48s %-22s %s', spec.path, record.spec, record.source)
+    return variable
+
+  def __enter__(self) -> 'LayoutScope':
+    self._context = variable_creator(self.create)
+    self._context.__enter__()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self._context.__exit__(*exc)
+    self._context = None
+
+
+def table_markdown(records: Sequence[LayoutRecord]) -> str:
+  """The per-variable layout table (TensorBoard text / layouts.txt)."""
+  lines = ['| path | shape | dtype | sharding | rule | bytes/device |',
+           '|---|---|---|---|---|---|']
+  for r in records:
+    shape = 'x'.join(str(d) for d in r.shape) or 'scalar'
+    lines.append(f'| {r.path} | {shape} | {r.dtype} | {", ".join(r.spec) or "-"} '
+                 f'| {r.source} | {r.bytes_per_device:,} |')
+  return '\n'.join(lines) + '\n'

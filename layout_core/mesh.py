@@ -1,0 +1,157 @@
+"""Device meshes: named axes over real or virtual devices.
+
+A `MeshSpec` is the plain description (ordered axis name -> size, device
+type); `build_mesh` checks it against the machine and returns a DTensor mesh.
+On CPU the logical devices a mesh needs are created automatically, which only
+works before TensorFlow has initialised its devices:
+
+    spec = MeshSpec(shape={'data': 2, 'model': 4})
+    configure_virtual_cpus(spec.num_devices)   # before any TF op runs
+    mesh = build_mesh(spec)                    # DTensor Mesh 'data'=2 x 'model'=4
+
+`sub_meshes(mesh, 'stage')` cuts a mesh along one axis into the per-stage
+meshes used by pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from layout_core.errors import ConfigError
+
+UNSHARDED = dtensor.UNSHARDED  # 'unsharded'
+DEVICE_TYPES = ('CPU', 'GPU', 'TPU')
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+  """Axis names and sizes, in order (outermost first), and the device type."""
+  shape: Mapping[str, int] = dataclasses.field(
+      default_factory=lambda: {'data': 8})
+  device_type: str = 'CPU'
+
+  def __post_init__(self):
+    shape = dict(self.shape)
+    if not shape:
+      raise ConfigError('mesh.shape is empty',
+                        fix="give at least one axis, e.g. {'data': 8}")
+    for name, size in shape.items():
+      if not isinstance(name, str) or not name.isidentifier():
+        raise ConfigError(f'mesh axis name {name!r} is not an identifier')
+      if name == UNSHARDED:
+        raise ConfigError(f"'{UNSHARDED}' is reserved and cannot name a mesh axis")
+      if not isinstance(size, int) or size < 1:
+        raise ConfigError(f"mesh axis '{name}' has size {size!r}",
+                          fix='use a positive integer')
+    if self.device_type.upper() not in DEVICE_TYPES:
+      raise ConfigError(f'mesh.device_type {self.device_type!r} is unknown',
+                        fix=f'use one of {", ".join(DEVICE_TYPES)}')
+    object.__setattr__(self, 'shape', shape)
+    object.__setattr__(self, 'device_type', self.device_type.upper())
+
+  @property
+  def num_devices(self) -> int:
+    return math.prod(self.shape.values())
+
+  @property
+  def axis_names(self) -> tuple[str, ...]:
+    return tuple(self.shape)
+
+  def describe(self) -> str:
+    dims = 'x'.join(str(s) for s in self.shape.values())
+    axes = ', '.join(f'{k}={v}' for k, v in self.shape.items())
+    return f'{self.device_type} mesh {dims}={self.num_devices} ({axes})'
+
+
+def configure_virtual_cpus(count: int) -> int:
+  """Splits the physical CPU into `count` logical devices if TF allows it.
+
+  Must run before TensorFlow initialises its devices. Returns the number of
+  logical CPU devices now visible (more than `count` if an earlier call made
+  more; fewer if TF was already initialised).
+  """
+  cpus = tf.config.list_physical_devices('CPU')
+  try:
+    existing = tf.config.get_logical_device_configuration(cpus[0]) or []
+    if len(existing) < count:
+      tf.config.set_logical_device_configuration(
+          cpus[0], [tf.config.LogicalDeviceConfiguration()] * count)
+  except RuntimeError:
+    pass  # Already initialised: report what we have, the caller decides.
+  return len(tf.config.list_logical_devices('CPU'))
+
+
+def build_mesh(spec: MeshSpec) -> dtensor.Mesh:
+  """A DTensor mesh for `spec`, or ConfigError if the machine is too small."""
+  if spec.device_type == 'CPU':
+    available = configure_virtual_cpus(spec.num_devices)
+  else:
+    available = len(tf.config.list_logical_devices(spec.device_type))
+  if available < spec.num_devices:
+    raise ConfigError(
+        f'{spec.describe()} needs {spec.num_devices} devices but only '
+        f'{available} {spec.device_type} devices are visible',
+        where='mesh.shape',
+        fix=f'shrink mesh.shape to at most {available} devices in total'
+        + (' (virtual CPU devices can only be added before TensorFlow starts;'
+           ' run in a fresh process)' if spec.device_type == 'CPU' else ''))
+  devices = [f'{spec.device_type}:{i}' for i in range(spec.num_devices)]
+  return dtensor.create_mesh(list(spec.shape.items()), devices=devices,
+                             device_type=spec.device_type)
+
+
+def mesh_axes(mesh: dtensor.Mesh) -> dict[str, int]:
+  return dict(zip(mesh.dim_names, mesh.shape()))
+
+
+def describe_mesh(mesh: dtensor.Mesh) -> str:
+  axes = mesh_axes(mesh)
+  return MeshSpec(shape=axes, device_type=mesh.device_type()).describe()
+
+
+def sub_meshes(mesh: dtensor.Mesh, axis: str) -> list[dtensor.Mesh]:
+  """Cuts `mesh` along `axis` into one mesh per index, keeping the other axes.
+
+  Devices 0..7 on {'stage': 2, 'data': 4} give [devices 0-3, devices 4-7].
+  """
+  axes = mesh_axes(mesh)
+  if axis not in axes:
+    raise ConfigError(f"mesh has no axis '{axis}' (axes: {', '.join(axes)})")
+  rest = [(name, size) for name, size in axes.items() if name != axis]
+  if not rest:
+    rest = [('replica', 1)]
+  devices = mesh.local_devices()
+  locations = mesh.local_device_locations()
+  result = []
+  for index in range(axes[axis]):
+    chosen = [d for d, loc in zip(devices, locations) if loc[axis] == index]
+    result.append(dtensor.create_mesh(
+        rest, devices=chosen, device_type=mesh.device_type(),
+        mesh_name=f'{axis}{index}'))
+  return result
+
+
+def pack_global_array(array, layout: dtensor.Layout) -> tf.Tensor:
+  """A DTensor holding `array` (the global value) with `layout`.
+
+  Each local device gets only its own slice, so in a multi-client run every
+  client packs just the shards its devices own.
+  """
+  axes = mesh_axes(layout.mesh)
+  shards = []
+  for location in layout.mesh.local_device_locations():
+    index = []
+    for dim, axis in enumerate(layout.sharding_specs):
+      if axis == UNSHARDED:
+        index.append(slice(None))
+        continue
+      step = array.shape[dim] // axes[axis]
+      start = step * location[axis]
+      index.append(slice(start, start + step))
+    shards.append(tf.constant(array[tuple(index)]))
+  return dtensor.pack(shards, layout)

@@ -1,0 +1,239 @@
+"""Lingvo-style hyper-parameter trees.
+
+A `Params` object is a typed, documented, freezable namespace. Layers describe
+their knobs with `Define`, configs change them with `Set` (dotted keys reach
+into nested params), and `Instantiate` builds the class named by `cls`.
+
+    p = Params()
+    p.Define('name', 'ffn', 'Layer name; also the variable path component.')
+    p.Define('hidden_dim', 256, 'Width of the inner projection.')
+    p.Set(hidden_dim=512)
+    p.hidden_dmi = 3   # ConfigError: no param 'hidden_dmi'; did you mean 'hidden_dim'?
+    print(p.ToText())  # hidden_dim : 512 / name : 'ffn'
+
+Nested params, lists of params (explicit pipeline cells) and plain values may
+be mixed freely; `ToText` flattens them all to `dotted.key : value` lines so two
+configs can be compared with `TextDiff`.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from typing import Any, Iterator
+
+from layout_core.errors import ConfigError
+
+
+class _Param:
+  __slots__ = ('value', 'doc')
+
+  def __init__(self, value: Any, doc: str):
+    self.value = value
+    self.doc = doc
+
+
+def _did_you_mean(name: str, choices: list[str]) -> str:
+  close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+  return f"; did you mean '{close[0]}'?" if close else ''
+
+
+def _value_text(value: Any) -> str:
+  if isinstance(value, type):
+    return f'{value.__module__}.{value.__qualname__}'
+  if callable(value) and hasattr(value, '__qualname__'):
+    return f'{value.__module__}.{value.__qualname__}'
+  return repr(value)
+
+
+class Params:
+  """A tree of named, documented hyper-parameters (see module docstring)."""
+
+  def __init__(self):
+    object.__setattr__(self, '_params', {})
+    object.__setattr__(self, '_frozen', False)
+
+  # -- definition -------------------------------------------------------------
+  def Define(self, name: str, default: Any, doc: str) -> None:
+    """Adds a new parameter `name` with a default value and a docstring."""
+    if self._frozen:
+      raise ConfigError(f"cannot Define '{name}' on frozen params")
+    if not name.isidentifier() or name.startswith('_'):
+      raise ConfigError(f"param name {name!r} must be a public identifier")
+    if name in self._params:
+      raise ConfigError(f"param '{name}' is already defined")
+    self._params[name] = _Param(default, doc)
+
+  # -- access -----------------------------------------------------------------
+  def _lookup(self, name: str) -> _Param:
+    try:
+      return self._params[name]
+    except KeyError:
+      raise AttributeError(
+          f"no param '{name}'{_did_you_mean(name, list(self._params))} "
+          f"(defined: {', '.join(sorted(self._params))})") from None
+
+  def __getattr__(self, name: str) -> Any:
+    if name.startswith('__'):
+      raise AttributeError(name)
+    return self._lookup(name).value
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    if self._frozen:
+      raise ConfigError(f"cannot set '{name}': params are frozen",
+                        fix='call Copy() and change the copy')
+    try:
+      self._lookup(name).value = value
+    except AttributeError as e:
+      raise ConfigError(str(e)) from None
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._params
+
+  def __dir__(self):
+    return sorted(self._params)
+
+  def _resolve(self, dotted: str) -> tuple['Params', str]:
+    """Returns (params holding the leaf, leaf name) for 'a.b.c' or 'cells[1].x'."""
+    node, *rest = dotted.split('.')
+    holder: Params = self
+    for part in rest:
+      holder = holder._child(node, dotted)
+      node = part
+    return holder, node
+
+  def _child(self, key: str, dotted: str) -> 'Params':
+    name, index = key, None
+    if key.endswith(']') and '[' in key:
+      name, index_text = key[:-1].split('[', 1)
+      index = int(index_text)
+    try:
+      value = self._lookup(name).value
+    except AttributeError as e:
+      raise ConfigError(f"in '{dotted}': {e}") from None
+    if index is not None:
+      value = value[index]
+    if not isinstance(value, Params):
+      raise ConfigError(f"in '{dotted}': '{key}' is a {type(value).__name__}, "
+                        'not nested params')
+    return value
+
+  def Get(self, dotted: str) -> Any:
+    """Returns the value at a dotted path, e.g. p.Get('stack.block.ffn.hidden_dim')."""
+    holder, leaf = self._resolve(dotted)
+    try:
+      return holder._lookup(leaf).value
+    except AttributeError as e:
+      raise ConfigError(f"in '{dotted}': {e}") from None
+
+  def Set(self, **kwargs: Any) -> 'Params':
+    """Sets values; keys may be dotted (`p.Set(**{'ffn.hidden_dim': 8})`).
+
+    Dotted keys may also be written with '__' in place of '.' so that plain
+    keyword syntax works: `p.Set(ffn__hidden_dim=8)`. Returns self.
+    """
+    for key, value in kwargs.items():
+      holder, leaf = self._resolve(key.replace('__', '.'))
+      setattr(holder, leaf, value)
+    return self
+
+  def IterParams(self) -> Iterator[tuple[str, Any]]:
+    for name, param in self._params.items():
+      yield name, param.value
+
+  def Doc(self, name: str) -> str:
+    return self._lookup(name).doc
+
+  # -- lifecycle ----------------------------------------------------------------
+  def Copy(self) -> 'Params':
+    """A deep, unfrozen copy; classes and functions are shared, not copied."""
+    clone = Params()
+    for name, param in self._params.items():
+      clone._params[name] = _Param(_copy_value(param.value), param.doc)
+    return clone
+
+  def Freeze(self) -> 'Params':
+    """Makes this tree (and every nested Params) read-only. Returns self."""
+    object.__setattr__(self, '_frozen', True)
+    for _, value in self.IterParams():
+      for nested in _nested_params(value):
+        nested.Freeze()
+    return self
+
+  def IsFrozen(self) -> bool:
+    return self._frozen
+
+  def Instantiate(self, **kwargs: Any) -> Any:
+    """Builds `self.cls(self, **kwargs)`."""
+    if 'cls' not in self._params or self.cls is None:
+      raise ConfigError('params have no cls to instantiate',
+                        fix="Define('cls', ...) or build from SomeLayer.Params()")
+    return self.cls(self, **kwargs)
+
+  # -- text -------------------------------------------------------------------
+  def _flatten(self, prefix: str = '') -> Iterator[tuple[str, str]]:
+    for name in sorted(self._params):
+      value = self._params[name].value
+      key = f'{prefix}{name}'
+      if isinstance(value, Params):
+        yield from value._flatten(key + '.')
+      elif (isinstance(value, (list, tuple)) and value and
+            all(isinstance(v, Params) for v in value)):
+        for i, item in enumerate(value):
+          yield from item._flatten(f'{key}[{i}].')
+      else:
+        yield key, _value_text(value)
+
+  def ToText(self) -> str:
+    """One `dotted.key : value` line per leaf, sorted; nested params flattened."""
+    return ''.join(f'{k} : {v}\n' for k, v in self._flatten())
+
+  def TextDiff(self, other: 'Params') -> str:
+    """Lines `- key : old` / `+ key : new` for every leaf that differs."""
+    mine, theirs = dict(self._flatten()), dict(other._flatten())
+    lines = []
+    for key in sorted(set(mine) | set(theirs)):
+      if mine.get(key) != theirs.get(key):
+        if key in mine:
+          lines.append(f'- {key} : {mine[key]}')
+        if key in theirs:
+          lines.append(f'+ {key} : {theirs[key]}')
+    return ''.join(line + '\n' for line in lines)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, Params) and self.ToText() == other.ToText()
+
+  def __repr__(self) -> str:
+    return 'Params(\n' + ''.join(f'  {line}\n' for line in
+                                 self.ToText().splitlines()) + ')'
+
+  def __getstate__(self):
+    return {'params': self._params, 'frozen': self._frozen}
+
+  def __setstate__(self, state):
+    object.__setattr__(self, '_params', state['params'])
+    object.__setattr__(self, '_frozen', state['frozen'])
+
+
+def _nested_params(value: Any) -> list[Params]:
+  if isinstance(value, Params):
+    return [value]
+  if isinstance(value, (list, tuple)):
+    return [v for v in value if isinstance(v, Params)]
+  if isinstance(value, dict):
+    return [v for v in value.values() if isinstance(v, Params)]
+  return []
+
+
+def _copy_value(value: Any) -> Any:
+  if isinstance(value, Params):
+    return value.Copy()
+  if isinstance(value, list):
+    return [_copy_value(v) for v in value]
+  if isinstance(value, tuple):
+    return tuple(_copy_value(v) for v in value)
+  if isinstance(value, dict):
+    return {k: _copy_value(v) for k, v in value.items()}
+  if isinstance(value, type) or callable(value):
+    return value
+  return copy.deepcopy(value)
