@@ -1,0 +1,65 @@
+"""Every gin configurable meshgin offers, registered in one place.
+
+Library code in `layout_core/` knows nothing of gin; this file attaches gin to
+it at the edge (as gin's own `external_configurables.py` does). All names live
+in the `meshgin` module, so `mesh.shape` and `meshgin.mesh.shape` both work:
+
+    mesh.shape = {'data': 2, 'model': 4}
+    layout_rules.rules = [(r'.*/ffn/w_in', ('unsharded', 'model'))]
+    transformer_lm.num_layers = 4
+    train.num_steps = 300
+
+| configurable     | builds                                    | reference |
+|------------------|-------------------------------------------|-----------|
+| `mesh`           | `layout_core.mesh.MeshSpec`               | shape, device_type |
+| `layout_rules`   | `layout_core.rules.LayoutRules`           | rules, strict |
+| `transformer_lm` | the LM Params tree                        | sizes |
+| `model`          | the Params tree to train (+ dotted overrides) | params, overrides |
+| `data`           | `layout_core.data.make_task`              | text_file, vocab_size, seq_len, ... |
+| `optimizer`      | `layout_core.optimizer.OptimizerConfig`   | learning_rate, warmup_steps, ... |
+| `train`          | `layout_core.trainer.TrainConfig`         | num_steps, batch_size, ... |
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import gin
+
+from layout_core import data as data_lib
+from layout_core import layers
+from layout_core import mesh as mesh_lib
+from layout_core import optimizer as optimizer_lib
+from layout_core import rules as rules_lib
+from layout_core import trainer as trainer_lib
+from layout_core.errors import ConfigError
+from layout_core.params import Params
+
+MODULE = 'meshgin'
+
+mesh = gin.external_configurable(mesh_lib.MeshSpec, name='mesh', module=MODULE)
+layout_rules = gin.external_configurable(rules_lib.LayoutRules, name='layout_rules',
+                                         module=MODULE)
+transformer_lm = gin.external_configurable(layers.transformer_lm_params,
+                                           name='transformer_lm', module=MODULE)
+data = gin.external_configurable(data_lib.make_task, name='data', module=MODULE)
+optimizer = gin.external_configurable(optimizer_lib.OptimizerConfig,
+                                      name='optimizer', module=MODULE)
+train = gin.external_configurable(trainer_lib.TrainConfig, name='train', module=MODULE)
+
+
+@gin.configurable('model', module=MODULE)
+def model(params: Params | None = None,
+          overrides: Mapping[str, Any] | None = None) -> Params:
+  """The Params tree to train: `params` (default: `transformer_lm()`), then
+  `overrides` applied as dotted Set calls, e.g.
+  `model.overrides = {'stack.block.ffn_dim': 512}`."""
+  if params is gin.REQUIRED:
+    raise ConfigError('model.params is required but not set',
+                      where='model.params = %gin.REQUIRED (configs/runs/*.gin)',
+                      fix="include a model file such as 'configs/models/lm_tiny.gin' "
+                          'or bind model.params = @transformer_lm()')
+  tree = (params if params is not None else transformer_lm()).Copy()
+  if overrides:
+    tree.Set(**dict(overrides))
+  return tree

@@ -1,0 +1,126 @@
+"""One training run from the parsed gin config: the path every launcher shares.
+
+    parse_gin(files=[...], bindings=[...])
+    result = run_training(model_dir='/tmp/run')
+
+Order matters and is the data flow of the whole system: gin -> mesh (virtual
+CPU devices are created before TF touches a device) -> Params tree + rules ->
+model built in the layout scope -> train loop -> summaries. The operative gin
+config, the params tree and the layout table are written to `model_dir` and to
+TensorBoard before the first step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import gin
+import numpy as np
+from absl import logging
+
+from layout_core import layout_scope
+from layout_core import mesh as mesh_lib
+from layout_core.data import LMTask
+from layout_core.errors import ConfigError
+from layout_core.layers import Embedding, LayerMeta, flatten_layers
+from layout_core.params import Params
+from layout_core.rules import LayoutRules
+from layout_core.summaries import SummaryWriter, code_block
+from layout_core.trainer import TrainConfig, Trainer, TrainResult
+from plugins import configurables
+
+
+def write_text(model_dir: str, name: str, text: str) -> str:
+  """Writes model_dir/name atomically (temp file + rename)."""
+  path = os.path.join(model_dir, name)
+  temporary = path + '.tmp'
+  with open(temporary, 'w') as f:
+    f.write(text)
+  os.replace(temporary, path)
+  return path
+
+
+@dataclasses.dataclass
+class RunPlan:
+  """Everything the config decides, resolved without allocating the model."""
+  mesh_spec: mesh_lib.MeshSpec
+  params: Params
+  rules: LayoutRules
+  task: LMTask
+  train_config: TrainConfig
+  records: list[layout_scope.LayoutRecord]
+  meta: LayerMeta  # forward cost of one global batch
+
+
+def check_model_fits_data(params: Params, task: LMTask, batch_size: int) -> LayerMeta:
+  """Vocabulary and sequence-length agreement, plus the model's cost report."""
+  embeddings = [p for p in flatten_layers(params) if p.cls is Embedding]
+  if embeddings and embeddings[0].vocab_size < task.vocab_size:
+    raise ConfigError(
+        f'model vocabulary {embeddings[0].vocab_size} is smaller than the data '
+        f'vocabulary {task.vocab_size}', where='transformer_lm.vocab_size',
+        fix=f'set transformer_lm.vocab_size = {task.vocab_size}')
+  return params.cls.fprop_meta(params, (batch_size, task.seq_len))
+
+
+def plan_run() -> RunPlan:
+  """Resolves the gin config into a plan: no devices touched, nothing allocated."""
+  spec = configurables.mesh()
+  params = configurables.model()
+  rules = configurables.layout_rules()
+  task = configurables.data()
+  train_config = configurables.train()
+  configurables.optimizer()
+  meta = check_model_fits_data(params, task, train_config.batch_size)
+  records = layout_scope.plan_layouts(params.cls.variable_specs(params), rules,
+                                      spec.shape)
+  return RunPlan(mesh_spec=spec, params=params, rules=rules, task=task,
+                 train_config=train_config, records=records, meta=meta)
+
+
+def build_trainer(*, model_dir: str | None) -> Trainer:
+  """Builds mesh, model and optimizer from gin; writes the run's records."""
+  spec = configurables.mesh()
+  mesh = mesh_lib.build_mesh(spec)
+  logging.info('Mesh: %s', spec.describe())
+  params = configurables.model()
+  rules = configurables.layout_rules()
+  task = configurables.data()
+  logging.info('Data: %s', task.describe())
+  check_model_fits_data(params, task, configurables.train().batch_size)
+  writer = SummaryWriter(model_dir) if model_dir else None
+  trainer = Trainer(model_params=params, mesh=mesh, rules=rules, task=task,
+                    optimizer=configurables.optimizer(),
+                    config=configurables.train(), writer=writer)
+  layout_scope.report_unused_rules(rules)
+  logging.info('Model: %s parameters in %d variables', f'{trainer.num_parameters():,}',
+               len(trainer.variables))
+  if model_dir:
+    record_run(trainer, model_dir)
+  return trainer
+
+
+def record_run(trainer: Trainer, model_dir: str) -> None:
+  operative = gin.operative_config_str()
+  params_text = trainer.model_params.ToText()
+  write_text(model_dir, 'config.gin', operative)
+  write_text(model_dir, 'params.txt', params_text)
+  table = trainer.write_layouts()
+  write_text(model_dir, 'layouts.txt', table)
+  trainer.writer.text(step=0, tag='config/gin', markdown=code_block(operative))
+  trainer.writer.text(step=0, tag='config/params', markdown=code_block(params_text))
+  trainer.writer.flush()
+  logging.info('Operative config:\n%s', operative)
+
+
+def run_training(*, model_dir: str) -> TrainResult:
+  os.makedirs(model_dir, exist_ok=True)
+  trainer = build_trainer(model_dir=model_dir)
+  result = trainer.train()
+  first, last = result.eval_losses[0][1], result.eval_losses[-1][1]
+  logging.info('Done at step %d: eval loss %.4f (first %.4f, %.0f%%), %.2f steps/s',
+               result.final_step, last, first, 100 * last / first if first else np.nan,
+               result.steps_per_sec)
+  trainer.writer.close()
+  return result

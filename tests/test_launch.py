@@ -1,0 +1,62 @@
+"""launch.train end to end in real subprocesses, read back from real event files."""
+
+import os
+
+from tests.conftest import read_events, run_module
+
+QUICK = ['--gin_file=configs/experiments/quickstart.gin',
+         '--gin_bindings=train.num_steps = 6', '--gin_bindings=train.log_every = 2',
+         '--gin_bindings=train.eval_every = 3', '--gin_bindings=train.eval_batches = 1']
+
+
+def test_train_writes_run_record_and_tensorboard_events(tmp_path):
+  model_dir = str(tmp_path / 'run')
+  result = run_module('launch.train', *QUICK, f'--model_dir={model_dir}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  for name in ('config.gin', 'params.txt', 'layouts.txt'):
+    assert os.path.getsize(os.path.join(model_dir, name)) > 0, name
+  assert 'train.num_steps = 6' in open(os.path.join(model_dir, 'config.gin')).read()
+  assert 'sub[1].repeat : 2' in open(os.path.join(model_dir, 'params.txt')).read()
+
+  events = read_events(model_dir)
+  scalars, texts = events['scalars'], events['text']
+  assert [s for s, _ in scalars['train/loss']] == [2, 4, 6]
+  assert [s for s, _ in scalars['eval/loss']] == [0, 3, 6]
+  for tag in ('train/learning_rate', 'train/steps_per_sec', 'train/tokens_per_sec',
+              'layouts/params_total', 'layouts/bytes_per_device_max'):
+    assert tag in scalars, tag
+  assert 'train.num_steps = 6' in texts['config/gin'][0]
+  assert 'repeat : 2' in texts['config/params'][0]
+  assert 'lm/stack/block_001/ffn/w_in' in texts['layouts/variables'][0]
+
+
+def test_bad_binding_exits_2_naming_the_key(tmp_path):
+  result = run_module('launch.train', *QUICK, '--gin_bindings=train.stepz = 3',
+                      f'--model_dir={tmp_path}')
+  assert result.returncode == 2
+  assert "'stepz'" in result.stderr and 'train' in result.stderr
+  assert 'Traceback' not in result.stderr
+
+
+def test_unknown_configurable_missing_file_and_required_value_exit_2(tmp_path):
+  unknown = run_module('launch.train', *QUICK, '--gin_bindings=trainn.num_steps = 3',
+                       f'--model_dir={tmp_path}')
+  assert unknown.returncode == 2 and "Did you mean 'train'" in unknown.stderr
+  missing = run_module('launch.train', '--gin_file=configs/nope.gin',
+                       f'--model_dir={tmp_path}')
+  assert missing.returncode == 2 and "'configs/nope.gin' not found" in missing.stderr
+  required = run_module('launch.train', '--gin_file=configs/runs/train.gin',
+                        f'--model_dir={tmp_path}')
+  assert required.returncode == 2 and 'model' in required.stderr
+  for result in (unknown, missing, required):
+    assert 'Traceback' not in result.stderr
+  verbose = run_module('launch.train', '--gin_file=configs/nope.gin', '--verbose',
+                       f'--model_dir={tmp_path}')
+  assert verbose.returncode == 2 and 'Traceback' in verbose.stderr
+
+
+def test_help_explains_the_flags():
+  result = run_module('launch.train', '--help')
+  assert 'Train a model from gin config files' in result.stdout
+  for flag in ('--gin_file', '--gin_bindings', '--gin_search_paths', '--model_dir'):
+    assert flag in result.stdout

@@ -1,0 +1,125 @@
+"""Layers: declared variables, output shapes and FLOPs against independent counts.
+
+The FLOPs reference is counted from the traced TensorFlow graph (every Einsum
+/ MatMul op's index sizes, every elementwise op's output size), so it checks
+the hand-written `fprop_meta` formulas against what the layer really runs.
+"""
+
+import math
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from layout_core import layers
+from layout_core.errors import ConfigError
+
+ELEMENTWISE_COST = {'AddV2': 1, 'Add': 1, 'Sub': 1, 'Mul': 1, 'RealDiv': 1,
+                    'Relu': 1, 'Softmax': 3}
+
+
+def graph_flops(fn, *inputs):
+  """(matmul FLOPs, elementwise FLOPs) of the ops `fn` runs, from its graph."""
+  graph = tf.function(fn).get_concrete_function(*inputs).graph
+  matmul = elementwise = 0
+  for op in graph.get_operations():
+    if op.type == 'Einsum':
+      equation = op.get_attr('equation').decode()
+      lhs, _ = equation.split('->')
+      sizes = {}
+      for operand, tensor in zip(lhs.split(','), op.inputs):
+        sizes.update(zip(operand, tensor.shape.as_list()))
+      matmul += 2 * math.prod(sizes.values())
+    elif op.type in ('MatMul', 'BatchMatMulV2'):
+      a, b = (t.shape.as_list() for t in op.inputs)
+      matmul += 2 * math.prod(op.outputs[0].shape.as_list()) * a[-1]
+    elif op.type in ELEMENTWISE_COST:
+      shape = op.outputs[0].shape.as_list()
+      elementwise += ELEMENTWISE_COST[op.type] * math.prod(shape)
+  return matmul, elementwise
+
+
+def textbook_attention_matmul_flops(batch, length, dim, heads, head_dim):
+  """Kaplan et al. (2020), Table 1: 2 * (4 d_model d_attn + 2 n_ctx d_attn) per token."""
+  d_attn = heads * head_dim
+  return batch * length * 2 * (4 * dim * d_attn // 1 + 2 * length * d_attn) \
+      if dim == d_attn else None
+
+
+@pytest.mark.parametrize('batch,length,dim,heads', [(2, 16, 32, 4), (3, 8, 48, 6)])
+def test_attention_flops_and_shape(batch, length, dim, heads):
+  p = layers.MultiHeadAttention.Params().Set(model_dim=dim, num_heads=heads)
+  meta = p.cls.fprop_meta(p, (batch, length, dim))
+  layer = p.Instantiate()
+  x = tf.random.normal([batch, length, dim])
+  matmul, elementwise = graph_flops(layer.fprop, x)
+  assert meta.matmul_flops == matmul
+  assert meta.matmul_flops == textbook_attention_matmul_flops(
+      batch, length, dim, heads, dim // heads)
+  # Elementwise work on the [B, H, T, T] scores dominates; small mask ops aside.
+  assert abs(meta.flops - (matmul + elementwise)) <= 0.02 * meta.flops
+  assert meta.out_shapes == (tuple(layer(x).shape),)
+
+
+@pytest.mark.parametrize('shape,hidden', [((4, 8, 16), 64), ((5, 12), 20)])
+def test_feed_forward_flops_and_shape(shape, hidden):
+  p = layers.FeedForward.Params().Set(input_dim=shape[-1], hidden_dim=hidden)
+  meta = p.cls.fprop_meta(p, shape)
+  layer = p.Instantiate()
+  x = tf.random.normal(shape)
+  matmul, elementwise = graph_flops(layer.fprop, x)
+  tokens = math.prod(shape[:-1])
+  assert meta.matmul_flops == matmul == 4 * tokens * shape[-1] * hidden
+  assert meta.flops == matmul + elementwise
+  assert meta.out_shapes == (tuple(layer(x).shape),)
+
+
+def test_lm_meta_matches_running_it():
+  p = layers.transformer_lm_params(vocab_size=32, model_dim=16, num_heads=2,
+                                   ffn_dim=32, num_layers=2, max_len=8)
+  meta = p.cls.fprop_meta(p, (3, 8))
+  lm = p.Instantiate()
+  ids = tf.constant(np.random.RandomState(0).randint(0, 32, (3, 8)), tf.int32)
+  assert meta.out_shapes == ((3, 8, 32),) == (tuple(lm(ids).shape),)
+  matmul, _ = graph_flops(lm.fprop, ids)
+  assert meta.matmul_flops == matmul
+
+
+def test_variable_specs_match_created_variables_and_paths():
+  p = layers.transformer_lm_params(num_layers=3)
+  specs = p.cls.variable_specs(p)
+  lm = p.Instantiate()
+  created = {v.name.split(':')[0]: tuple(v.shape) for v in lm.variables}
+  assert {s.path.replace('/', '.'): s.shape for s in specs} == created
+  paths = [s.path for s in specs]
+  assert 'lm/stack/block_002/ffn/w_in' in paths and 'lm/emb/table' in paths
+  assert layers.num_parameters(p) == sum(math.prod(s) for s in created.values())
+
+
+def test_sequential_rejects_duplicate_names_and_bad_counts():
+  ffn = layers.FeedForward.Params()
+  with pytest.raises(ConfigError, match="two sub-layers named 'ffn'"):
+    layers.Sequential.Params().Set(sub=[ffn, ffn.Copy()]).Instantiate()
+  with pytest.raises(ConfigError, match='repeat is 0'):
+    layers.Sequential.Params().Set(sub=[ffn], repeat=0).cls.variable_specs(
+        layers.Sequential.Params().Set(sub=[ffn], repeat=0))
+
+
+def test_flatten_layers_unrolls_nested_repeats():
+  p = layers.transformer_lm_params(num_layers=3)
+  names = [q.name for q in layers.flatten_layers(p)]
+  assert names == ['emb', 'block_000', 'block_001', 'block_002', 'final_ln', 'softmax']
+
+
+def test_initial_values_do_not_depend_on_layout(mesh_2x4):
+  from tensorflow.experimental import dtensor
+  from layout_core.variables import Normal, VariableSpec, initial_value, to_numpy
+  spec = VariableSpec(path='w', shape=(16, 32), initializer=Normal(1.0))
+  reference = initial_value(spec, seed=3).numpy()
+  assert 0.8 < reference.std() < 1.2 and abs(reference.mean()) < 0.2
+  for sharding in (['unsharded', 'model'], ['model', 'data'], ['data', 'unsharded']):
+    value = dtensor.call_with_layout(tf.function(lambda: initial_value(spec, 3)),
+                                     dtensor.Layout(sharding, mesh_2x4))
+    np.testing.assert_array_equal(to_numpy(value), reference)
+  assert not np.array_equal(initial_value(spec, seed=4).numpy(), reference)
