@@ -15,6 +15,7 @@ keep the resolved spec, the rule that decided it and the bytes per device;
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging as logging_std
 import math
@@ -124,13 +125,25 @@ class LayoutScope:
       logging.info('layout %-48s %-22s %s', spec.path, record.spec, record.source)
     return variable
 
+  def _replicate_plain_variable(self, next_creator, **kwargs):
+    """Any other tf.Variable made in the scope (RNG state, counters): replicated."""
+    del next_creator
+    initial = kwargs['initial_value']
+    value = tf.convert_to_tensor(initial() if callable(initial) else initial,
+                                 dtype=kwargs.get('dtype'))
+    layout = dtensor.Layout.replicated(self.mesh, rank=value.shape.rank)
+    return dtensor.DVariable(dtensor.copy_to_mesh(value, layout),
+                             trainable=kwargs.get('trainable', True) is not False,
+                             name=kwargs.get('name'))
+
   def __enter__(self) -> 'LayoutScope':
-    self._context = variable_creator(self.create)
-    self._context.__enter__()
+    self._context = contextlib.ExitStack()
+    self._context.enter_context(variable_creator(self.create))
+    self._context.enter_context(tf.variable_creator_scope(self._replicate_plain_variable))
     return self
 
   def __exit__(self, *exc) -> None:
-    self._context.__exit__(*exc)
+    self._context.close()
     self._context = None
 
 

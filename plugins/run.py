@@ -13,6 +13,7 @@ TensorBoard before the first step.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import gin
@@ -26,6 +27,7 @@ from layout_core.errors import ConfigError
 from layout_core.layers import Embedding, LayerMeta, flatten_layers
 from layout_core.params import Params
 from layout_core.rules import LayoutRules
+from layout_core import trainer as trainer_lib
 from layout_core.summaries import SummaryWriter, code_block
 from layout_core.trainer import TrainConfig, Trainer, TrainResult
 from plugins import configurables
@@ -77,6 +79,35 @@ def plan_run() -> RunPlan:
                                       spec.shape)
   return RunPlan(mesh_spec=spec, params=params, rules=rules, task=task,
                  train_config=train_config, records=records, meta=meta)
+
+
+def _gib(num_bytes: int) -> str:
+  return f'{num_bytes / 2**30:,.3f} GiB'
+
+
+def describe_plan(plan: RunPlan, *, max_rows: int = 0) -> str:
+  """The inspect report: layout table, per-rule matches, memory per device."""
+  records = plan.records
+  rows = records if not max_rows or len(records) <= max_rows else records[:max_rows]
+  lines = [f'Mesh: {plan.mesh_spec.describe()}', '',
+           layout_scope.table_markdown(rows).rstrip()]
+  if len(rows) < len(records):
+    lines.append(f'... {len(records) - len(rows)} more rows (--max_rows=0 shows all)')
+  lines += ['', 'Rule matches:']
+  for rule, count in zip(plan.rules.rules, plan.rules.match_counts):
+    note = '' if count else '   <- matched nothing'
+    lines.append(f'  {count:6d}  rule {rule.index}: {rule.pattern} -> {rule.spec}{note}')
+  unmatched = sum(r.source.startswith('default') for r in records)
+  lines.append(f'  {unmatched:6d}  default: replicated')
+  num_params = sum(math.prod(r.shape) for r in records)
+  param_bytes = trainer_lib.bytes_per_device(records)
+  lines += ['', f'Parameters: {num_params:,} ({_gib(sum(r.bytes_total for r in records))} total)',
+            f'Forward cost of one global batch: {plan.meta.flops:.3e} FLOPs',
+            'Per device:',
+            f'  parameters        {_gib(param_bytes)}',
+            f'  Adam slots (m, v) {_gib(2 * param_bytes)}',
+            f'  total             {_gib(3 * param_bytes)}']
+  return '\n'.join(lines)
 
 
 def build_trainer(*, model_dir: str | None) -> Trainer:

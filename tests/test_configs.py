@@ -40,8 +40,11 @@ def test_there_are_configs_of_every_kind():
 @pytest.mark.parametrize('path', all_configs())
 def test_config_parses_and_builds(path):
   bindings = []
-  if path.endswith(('lm_small.gin',)) or 'layouts' in path:
-    bindings.append('data.vocab_size = 256')  # the larger models use a byte vocabulary
+  if path.endswith('lm_small.gin'):
+    bindings.append('data.vocab_size = 256')  # a byte-sized vocabulary
+  if 'layouts' in path:
+    bindings.append("mesh.shape = {'data': 2, 'model': 4}")  # rules name 'model'
+
   gin_setup.parse_gin(files=stack_for(path), bindings=bindings)
   plan = run.plan_run()
   assert plan.records, 'the model has no variables'

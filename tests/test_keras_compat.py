@@ -1,0 +1,83 @@
+"""LayoutMap: the Keras seed's documented examples, on plain tf.Module models."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from layout_core.keras_compat import LayoutMap
+from layout_core.variables import to_numpy
+
+
+class Dense(tf.Module):
+  def __init__(self, units, name=None):
+    super().__init__(name=name)
+    self.units = units
+    self.kernel = None
+
+  def __call__(self, x):
+    if self.kernel is None:
+      self.kernel = tf.Variable(tf.random.stateless_normal([x.shape[-1], self.units], [1, 2]))
+      self.bias = tf.Variable(tf.zeros([self.units]))
+    return tf.matmul(x, self.kernel) + self.bias
+
+
+class SubclassModel(tf.Module):
+  def __init__(self):
+    super().__init__()
+    self.d1 = Dense(16)
+    self.d2 = Dense(8)
+
+  def __call__(self, x):
+    return self.d2(self.d1(x))
+
+
+def layouts(mesh):
+  return (dtensor.Layout(['unsharded', 'model'], mesh), dtensor.Layout(['model'], mesh),
+          dtensor.Layout(['model', 'unsharded'], mesh), dtensor.Layout.replicated(mesh, 1))
+
+
+def test_lookup_exact_then_regex_in_insertion_order(mesh_2x4):
+  layout_2d, layout_1d, *_ = layouts(mesh_2x4)
+  layout_map = LayoutMap(mesh=mesh_2x4)
+  layout_map['.*dense.*kernel'] = layout_2d
+  layout_map['.*dense.*bias'] = layout_1d
+  layout_map['dense_1.kernel'] = layout_1d
+  assert layout_map['dense_1.kernel'] is layout_1d      # exact key first
+  assert layout_map['dense_2.kernel'] is layout_2d      # then regex
+  assert layout_map['my_model/dense_7/bias'] is layout_1d
+  assert layout_map['conv.kernel'] is None
+  assert len(layout_map) == 3 and list(layout_map)[0] == '.*dense.*kernel'
+  del layout_map['dense_1.kernel']
+  assert layout_map['dense_1.kernel'] is layout_2d
+  assert layout_map.get_default_mesh() is mesh_2x4
+
+
+def test_duplicate_key_and_non_layout_value_raise(mesh_2x4):
+  layout_map = LayoutMap(mesh=mesh_2x4)
+  layout_map['a'] = layouts(mesh_2x4)[0]
+  with pytest.raises(ValueError, match='already'):
+    layout_map['a'] = layouts(mesh_2x4)[1]
+  with pytest.raises(ValueError, match='dtensor.Layout'):
+    layout_map['b'] = 'not a layout'
+
+
+def test_scope_maps_subclassed_model_attribute_paths(mesh_2x4):
+  layout_1, layout_2, layout_3, layout_4 = layouts(mesh_2x4)
+  layout_map = LayoutMap(mesh=mesh_2x4)
+  layout_map['d1.kernel'] = layout_1
+  layout_map['d1.bias'] = layout_2
+  layout_map['d2.kernel'] = layout_3
+  with layout_map.scope():
+    model = SubclassModel()
+    inputs = tf.zeros((10, 10))
+    reference = model(inputs)  # weights are created (replicated) on first call
+  assert model.d1.kernel.layout == layout_1
+  assert model.d1.bias.layout == layout_2
+  assert model.d2.kernel.layout == layout_3
+  assert model.d2.bias.layout == layout_4              # no key: replicated
+  x = dtensor.copy_to_mesh(tf.ones((10, 10)), dtensor.Layout.replicated(mesh_2x4, 2))
+  expected = np.ones((10, 10)) @ to_numpy(model.d1.kernel) + to_numpy(model.d1.bias)
+  expected = expected @ to_numpy(model.d2.kernel) + to_numpy(model.d2.bias)
+  np.testing.assert_allclose(to_numpy(model(x)), expected, rtol=1e-5)
+  assert to_numpy(reference).shape == (10, 8)
