@@ -98,6 +98,12 @@ def global_norm(grads: Sequence[tf.Tensor], anchor: tf.Variable) -> tf.Tensor:
   return tf.sqrt(total)
 
 
+@dataclasses.dataclass
+class _Targets:
+  variables: list
+  paths: list
+
+
 class Adam(tf.Module):
   """Adam(W) whose slots mirror each parameter's layout (see module docstring)."""
 
@@ -108,21 +114,21 @@ class Adam(tf.Module):
       raise ValueError(f'{len(paths)} paths for {len(variables)} variables')
     self.config = config
     self.total_steps = total_steps
-    self._variables = list(variables)
-    self._paths = list(paths)
+    # A plain holder, so the parameters are not tracked (and checkpointed) twice.
+    self._targets = _Targets(list(variables), list(paths))
     self.m = {p: _zeros_like(v, f'{p}/m') for p, v in zip(paths, variables)}
     self.v = {p: _zeros_like(v, f'{p}/v') for p, v in zip(paths, variables)}
 
   def apply(self, grads: Sequence[tf.Tensor], step: tf.Tensor):
     """One update at 0-based `step`; returns (learning_rate, pre-clip grad norm)."""
     config = self.config
-    anchor = self._variables[0]
+    anchor = self._targets.variables[0]
     grads = [tf.convert_to_tensor(g) for g in grads]
     norm = global_norm(grads, anchor)
     lr = _scalar_on(learning_rate(config, step, self.total_steps), anchor)
     t = tf.cast(step, tf.float32) + 1.0
     correction = tf.sqrt(1.0 - config.beta2 ** t) / (1.0 - config.beta1 ** t)
-    for path, variable, grad in zip(self._paths, self._variables, grads):
+    for path, variable, grad in zip(self._targets.paths, self._targets.variables, grads):
       layout = getattr(variable, 'layout', None)
       if layout is not None:
         grad = dtensor.relayout(grad, layout)

@@ -98,6 +98,12 @@ class Trainer:
         dtensor.call_with_layout(tf.function(lambda: tf.zeros([], tf.int64)),
                                  dtensor.Layout.replicated(mesh, rank=0)),
         trainable=False, name='step')
+    # The next batch to read; equal to `step` today, kept separately so a data
+    # pipeline that skips or repeats batches stays resumable.
+    self.data_position = dtensor.DVariable(
+        dtensor.call_with_layout(tf.function(lambda: tf.zeros([], tf.int64)),
+                                 dtensor.Layout.replicated(mesh, rank=0)),
+        trainable=False, name='data_position')
     self.optimizer = Adam(optimizer, variables=self._trainable,
                           paths=list(trainable), total_steps=config.num_steps)
     self._train_step = tf.function(self._train_step_fn)
@@ -115,6 +121,7 @@ class Trainer:
     grads = tape.gradient(loss, self._trainable)
     lr, grad_norm = self.optimizer.apply(grads, self.step.read_value())
     self.step.assign_add(1)
+    self.data_position.assign_add(1)
     return loss, lr, grad_norm
 
   def pack(self, tokens: np.ndarray) -> tf.Tensor:
@@ -133,6 +140,15 @@ class Trainer:
     losses = [float(to_numpy(self._eval_step(b))) for b in self._eval_data]
     return float(np.mean(losses))
 
+  def state(self) -> dict[str, tf.Module]:
+    """Everything a checkpoint must hold to continue exactly.
+
+    Random state needs no entry: initial weights and data are pure functions
+    of (seed, path) and (seed, step)."""
+    counters = tf.Module(name='counters')
+    counters.step, counters.data_position = self.step, self.data_position
+    return {'model': self.model, 'optimizer': self.optimizer, 'counters': counters}
+
   @property
   def current_step(self) -> int:
     return int(to_numpy(self.step))
@@ -149,14 +165,18 @@ class Trainer:
         'layouts/bytes_per_device_max': bytes_per_device(self.layout_records)})
     return table
 
-  def train(self, *, after_step: Callable[[int], None] | None = None) -> TrainResult:
-    """Runs from the current step to `config.num_steps`."""
+  def train(self, *, after_step: Callable[[int], bool] | None = None) -> TrainResult:
+    """Runs from the current step to `config.num_steps`.
+
+    `after_step(step)` runs after every step (checkpointing); returning True
+    stops training early (preemption)."""
     config = self.config
     start = self.current_step
     eval_losses = []
     if start == 0:
       eval_losses.append((0, self._run_eval(0)))
-    batches = self.task.iterate(start_step=start, batch_size=config.batch_size)
+    batches = self.task.iterate(start_step=int(to_numpy(self.data_position)),
+                                batch_size=config.batch_size)
     tokens_per_step = config.batch_size * self.task.seq_len
     loss_value, window_start, window_steps = None, time.perf_counter(), 0
     run_start, steps_per_sec = time.perf_counter(), 0.0
@@ -188,12 +208,14 @@ class Trainer:
         window_start, window_steps = time.perf_counter(), 0
       if last or (config.eval_every and done % config.eval_every == 0):
         eval_losses.append((done, self._run_eval(done)))
-      if after_step is not None:
-        after_step(done)
+      if after_step is not None and after_step(done):
+        break
+    else:
+      done = max(start, config.num_steps)
     self.writer.flush()
     total = time.perf_counter() - run_start
-    overall = (config.num_steps - start) / total if total > 0 else 0.0
-    return TrainResult(final_step=config.num_steps, train_loss=loss_value,
+    overall = (done - start) / total if total > 0 else 0.0
+    return TrainResult(final_step=done, train_loss=loss_value,
                        eval_losses=eval_losses, steps_per_sec=overall or steps_per_sec)
 
   def _run_eval(self, step: int) -> float:

@@ -18,6 +18,7 @@ in the `meshgin` module, so `mesh.shape` and `meshgin.mesh.shape` both work:
 | `data`           | `layout_core.data.make_task`              | text_file, vocab_size, seq_len, ... |
 | `optimizer`      | `layout_core.optimizer.OptimizerConfig`   | learning_rate, warmup_steps, ... |
 | `train`          | `layout_core.trainer.TrainConfig`         | num_steps, batch_size, ... |
+| `checkpoint`     | `layout_core.checkpoint.CheckpointConfig` | every_steps, keep, async_save, init_from, ... |
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, Mapping
 
 import gin
 
+from layout_core import checkpoint as checkpoint_lib
 from layout_core import data as data_lib
 from layout_core import layers
 from layout_core import mesh as mesh_lib
@@ -46,6 +48,8 @@ data = gin.external_configurable(data_lib.make_task, name='data', module=MODULE)
 optimizer = gin.external_configurable(optimizer_lib.OptimizerConfig,
                                       name='optimizer', module=MODULE)
 train = gin.external_configurable(trainer_lib.TrainConfig, name='train', module=MODULE)
+checkpoint = gin.external_configurable(checkpoint_lib.CheckpointConfig, name='checkpoint',
+                                       module=MODULE)
 
 
 @gin.configurable('model', module=MODULE)

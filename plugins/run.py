@@ -15,12 +15,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import Callable
 
 import gin
 import numpy as np
 from absl import logging
 
 from layout_core import layout_scope
+from layout_core.checkpoint import CheckpointEvent, Checkpointer
+from layout_core.preemption import PreemptionWatcher
 from layout_core import mesh as mesh_lib
 from layout_core.data import LMTask
 from layout_core.errors import ConfigError
@@ -145,13 +148,53 @@ def record_run(trainer: Trainer, model_dir: str) -> None:
   logging.info('Operative config:\n%s', operative)
 
 
+def checkpoint_event_recorder(writer) -> Callable[[CheckpointEvent], None]:
+  def record(event: CheckpointEvent) -> None:
+    if event.reason in ('resume', 'init_from'):
+      values = {'checkpoint/restore_seconds': event.seconds}
+    else:
+      values = {'checkpoint/save_seconds': event.seconds,
+                'checkpoint/size_bytes': event.size_bytes}
+    writer.scalars(step=event.step, values=values)
+    writer.text(step=event.step, tag='checkpoint/events', markdown=event.line())
+    writer.flush()
+  return record
+
+
 def run_training(*, model_dir: str) -> TrainResult:
+  """Trains from the gin config in `model_dir`, resuming from its checkpoints."""
   os.makedirs(model_dir, exist_ok=True)
+  checkpoint_config = configurables.checkpoint()
   trainer = build_trainer(model_dir=model_dir)
-  result = trainer.train()
-  first, last = result.eval_losses[0][1], result.eval_losses[-1][1]
-  logging.info('Done at step %d: eval loss %.4f (first %.4f, %.0f%%), %.2f steps/s',
-               result.final_step, last, first, 100 * last / first if first else np.nan,
-               result.steps_per_sec)
+  checkpointer = Checkpointer(
+      directory=os.path.join(model_dir, 'checkpoints'), state=trainer.state(),
+      config=checkpoint_config, extra_files={'config.gin': gin.operative_config_str()},
+      on_event=checkpoint_event_recorder(trainer.writer))
+  if checkpointer.restore_latest() is None and checkpoint_config.init_from:
+    checkpointer.init_from(checkpoint_config.init_from, trainer.variables)
+
+  with PreemptionWatcher() as watcher:
+    def after_step(step: int) -> bool:
+      if watcher.requested:
+        path = checkpointer.save(step, reason='preemption')
+        checkpointer.wait()
+        message = (f'Preempted by {watcher.signal_name} at step {step}: saved '
+                   f'{path or "(already saved)"}. Run the same command to resume.')
+        logging.warning(message)
+        print(message, flush=True)
+        return True
+      checkpointer.maybe_save(step)
+      return False
+
+    try:
+      result = trainer.train(after_step=after_step)
+      if checkpoint_config.save_at_end and not watcher.requested:
+        checkpointer.save(result.final_step, reason='final')
+    finally:
+      checkpointer.wait()
+  if result.eval_losses:
+    first, last = result.eval_losses[0][1], result.eval_losses[-1][1]
+    logging.info('Done at step %d: eval loss %.4f (first %.4f, %.0f%%), %.2f steps/s',
+                 result.final_step, last, first, 100 * last / first, result.steps_per_sec)
   trainer.writer.close()
   return result

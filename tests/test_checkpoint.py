@@ -1,0 +1,182 @@
+"""Checkpoints on real files: exact restore across meshes and layouts, async
+saves, init_from (also from a TF1 name-based checkpoint), bad input."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from layout_core import checkpoint as checkpoint_lib
+from layout_core.checkpoint import CheckpointConfig, Checkpointer
+from layout_core.data import MarkovTask
+from layout_core.errors import ConfigError
+from layout_core.layers import transformer_lm_params
+from layout_core.mesh import MeshSpec, build_mesh
+from layout_core.optimizer import OptimizerConfig
+from layout_core.rules import LayoutRules
+from layout_core.trainer import TrainConfig, Trainer
+from layout_core.variables import to_numpy
+from tests.test_layout_scope import MEGATRON
+
+
+def make_trainer(mesh, rules=None, num_layers=2, model_dim=32):
+  lm = transformer_lm_params(vocab_size=32, model_dim=model_dim, num_heads=4, ffn_dim=64,
+                             num_layers=num_layers, max_len=16)
+  return Trainer(model_params=lm, mesh=mesh, rules=LayoutRules(rules or []),
+                 task=MarkovTask(vocab_size=32, seq_len=16, seed=3),
+                 optimizer=OptimizerConfig(learning_rate=1e-2, warmup_steps=0),
+                 config=TrainConfig(num_steps=3, batch_size=8, log_every=1,
+                                    eval_every=0, eval_batches=1))
+
+
+def values(trainer):
+  return {k: to_numpy(v) for k, v in checkpoint_lib.checkpoint_keys(trainer.state()).items()}
+
+
+def saved(tmp_path, trainer, **config):
+  events = []
+  checkpointer = Checkpointer(directory=str(tmp_path / 'checkpoints'), state=trainer.state(),
+                              config=CheckpointConfig(**config), on_event=events.append)
+  return checkpointer, events
+
+
+@pytest.fixture(scope='module')
+def trained(mesh_2x4):
+  trainer = make_trainer(mesh_2x4, MEGATRON)
+  trainer.train()
+  return trainer
+
+
+def test_save_is_standard_and_restores_exactly_into_other_meshes_and_layouts(
+    tmp_path, trained, mesh_data8):
+  checkpointer, events = saved(tmp_path, trained)
+  path = checkpointer.save(3, reason='final')
+  reader = tf.train.load_checkpoint(path)  # the standard format
+  expected = values(trained)
+  assert set(reader.get_variable_to_shape_map()) >= set(expected)
+  assert expected['counters/step/.ATTRIBUTES/VARIABLE_VALUE'] == 3
+  assert any(k.startswith('optimizer/m/lm.Sstack') for k in expected)  # slots saved
+  assert events[-1].reason == 'final' and events[-1].size_bytes > 0
+
+  four = build_mesh(MeshSpec(shape={'data': 4}))
+  for mesh, rules in ((mesh_data8, None), (four, None), (mesh_data8, [(r'.*/ffn/w_in', ('data', 'unsharded'))])):
+    fresh = make_trainer(mesh, rules)
+    restorer, restore_events = saved(tmp_path, fresh)
+    assert restorer.restore_latest() == 3
+    for key, value in values(fresh).items():
+      np.testing.assert_array_equal(value, expected[key], err_msg=key)
+    assert restore_events[-1].reason == 'resume'
+    assert fresh.current_step == 3
+
+
+def test_async_save_writes_the_same_checkpoint(tmp_path, trained):
+  sync, _ = saved(tmp_path / 'sync', trained)
+  asynchronous, _ = saved(tmp_path / 'async', trained, async_save=True)
+  a = sync.save(3, reason='periodic')
+  b = asynchronous.save(3, reason='periodic')
+  asynchronous.wait()
+  ra, rb = tf.train.load_checkpoint(a), tf.train.load_checkpoint(b)
+  assert ra.get_variable_to_shape_map() == rb.get_variable_to_shape_map()
+  for key in ra.get_variable_to_shape_map():
+    np.testing.assert_array_equal(ra.get_tensor(key), rb.get_tensor(key), err_msg=key)
+
+
+def test_keep_prunes_old_checkpoints_and_state_file_names_latest(tmp_path, trained):
+  checkpointer, _ = saved(tmp_path, trained, keep=2)
+  for step in (1, 2, 3):
+    checkpointer.save(step, reason='periodic')
+  directory = str(tmp_path / 'checkpoints')
+  assert sorted(os.listdir(directory)) == ['checkpoint', 'ckpt-2', 'ckpt-3']
+  assert tf.train.latest_checkpoint(directory).endswith('ckpt-3/ckpt')
+
+
+def test_truncated_shard_falls_back_to_previous_checkpoint(tmp_path, trained, mesh_data8):
+  checkpointer, _ = saved(tmp_path, trained)
+  checkpointer.save(2, reason='periodic')
+  checkpointer.save(3, reason='periodic')
+  newest = tmp_path / 'checkpoints' / 'ckpt-3'
+  data = [n for n in os.listdir(newest) if '.data-' in n][0]
+  with open(newest / data, 'r+b') as f:
+    f.truncate(10)
+  assert 'truncated' in checkpoint_lib.validate(str(newest))
+  fresh = make_trainer(mesh_data8)
+  restorer, _ = saved(tmp_path, fresh)
+  assert restorer.restore_latest() == 2
+  assert not newest.exists() and any('ckpt-3.corrupt' in n for n in os.listdir(newest.parent))
+
+
+def test_corrupt_bytes_are_caught_on_read_and_fall_back(tmp_path, trained, mesh_data8):
+  checkpointer, _ = saved(tmp_path, trained)
+  checkpointer.save(2, reason='periodic')
+  checkpointer.save(3, reason='periodic')
+  newest = tmp_path / 'checkpoints' / 'ckpt-3'
+  data = [n for n in os.listdir(newest) if '.data-' in n][0]
+  raw = bytearray((newest / data).read_bytes())
+  raw[len(raw) // 2:len(raw) // 2 + 64] = b'\xff' * 64  # same size: the manifest can't tell
+  (newest / data).write_bytes(bytes(raw))
+  restorer, _ = saved(tmp_path, make_trainer(mesh_data8))
+  assert restorer.restore_latest() == 2
+
+
+def test_incompatible_model_is_rejected_and_checkpoint_untouched(tmp_path, trained, mesh_data8):
+  checkpointer, _ = saved(tmp_path, trained)
+  checkpointer.save(3, reason='final')
+  directory = tmp_path / 'checkpoints' / 'ckpt-3'
+  before = {n: (directory / n).read_bytes() for n in os.listdir(directory)}
+  other = make_trainer(mesh_data8, num_layers=3, model_dim=64)
+  restorer, _ = saved(tmp_path, other)
+  with pytest.raises(ConfigError) as e:
+    restorer.restore_latest()
+  message = str(e.value)
+  assert 'does not match this model' in message
+  assert 'model/emb/table/.ATTRIBUTES/VARIABLE_VALUE: checkpoint shape [32, 32], model shape [32, 64]' in message
+  assert 'missing from the checkpoint' in message  # block_002
+  assert {n: (directory / n).read_bytes() for n in os.listdir(directory)} == before
+
+
+def test_init_from_with_path_mapping(tmp_path, trained, mesh_data8):
+  checkpointer, _ = saved(tmp_path / 'old', trained)
+  checkpointer.save(3, reason='final')
+  renamed = make_trainer(mesh_data8)
+  mapping = [(r'lm/stack/block_(\d+)/(.*)', r'lm/stack/block_\1/\2')]
+  target, events = saved(tmp_path / 'new', renamed, init_from=str(tmp_path / 'old'),
+                         init_from_map=mapping)
+  assert target.init_from(str(tmp_path / 'old'), renamed.variables) == len(renamed.variables)
+  for path, variable in renamed.variables.items():
+    np.testing.assert_array_equal(to_numpy(variable), to_numpy(trained.variables[path]))
+  assert renamed.current_step == 0 and events[-1].reason == 'init_from'
+
+
+def test_init_from_tf1_name_based_checkpoint(tmp_path, mesh_2x4):
+  """A tf.compat.v1.train.Saver checkpoint (no object graph), read by name."""
+  model = make_trainer(mesh_2x4, MEGATRON)
+  expected = {}
+  with tf.Graph().as_default():
+    for path, variable in model.variables.items():
+      value = np.random.RandomState(len(path)).randn(*variable.shape).astype(np.float32)
+      expected[path] = value
+      tf.compat.v1.get_variable(f'old_{path}', initializer=value)
+    saver = tf.compat.v1.train.Saver()
+    with tf.compat.v1.Session() as session:
+      session.run(tf.compat.v1.global_variables_initializer())
+      prefix = saver.save(session, str(tmp_path / 'tf1' / 'model.ckpt'))
+  target, _ = saved(tmp_path, model, init_from_map=[(r'(.*)', r'old_\1')])
+  target.init_from(prefix, model.variables)
+  for path, variable in model.variables.items():
+    np.testing.assert_array_equal(to_numpy(variable), expected[path], err_msg=path)
+  bad, _ = saved(tmp_path, model)
+  with pytest.raises(ConfigError, match=r"not found \[lm/emb/table \(looked for 'lm/emb/table'\)"):
+    bad.init_from(prefix, model.variables)
+
+
+def test_interrupted_save_leaves_no_valid_checkpoint(tmp_path, trained):
+  checkpointer, _ = saved(tmp_path, trained)
+  checkpointer.save(2, reason='periodic')
+  partial = tmp_path / 'checkpoints' / 'ckpt-5'
+  partial.mkdir()
+  (partial / 'ckpt.index').write_bytes(b'half')  # no manifest: never committed
+  assert checkpoint_lib.latest_valid(str(tmp_path / 'checkpoints'))[0] == 2
+  manifest = json.loads((tmp_path / 'checkpoints' / 'ckpt-2' / 'manifest.json').read_text())
+  assert manifest['step'] == 2 and 'ckpt.index' in manifest['files']
