@@ -1,0 +1,141 @@
+"""Resume, preemption and crash safety with real processes and real signals."""
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from tests.conftest import REPO_ROOT, read_events, run_module
+
+BASE = ['--gin_file=configs/experiments/quickstart.gin',
+        '--gin_bindings=train.eval_batches = 1', '--gin_bindings=train.log_every = 1',
+        "--gin_bindings=optimizer.decay = 'constant'"]
+
+
+def final_values(model_dir):
+  prefix = tf.train.latest_checkpoint(os.path.join(model_dir, 'checkpoints'))
+  reader = tf.train.load_checkpoint(prefix)
+  return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
+          if k.endswith('VARIABLE_VALUE')}
+
+
+def test_n_plus_n_steps_equals_2n_steps_bit_exactly(tmp_path):
+  straight, resumed = str(tmp_path / 'straight'), str(tmp_path / 'resumed')
+  steps = ['--gin_bindings=train.eval_every = 0', '--gin_bindings=checkpoint.every_steps = 0']
+  a = run_module('launch.train', *BASE, *steps, '--gin_bindings=train.num_steps = 8',
+                 f'--model_dir={straight}')
+  b1 = run_module('launch.train', *BASE, *steps, '--gin_bindings=train.num_steps = 4',
+                  f'--model_dir={resumed}')
+  b2 = run_module('launch.train', *BASE, *steps, '--gin_bindings=train.num_steps = 8',
+                  f'--model_dir={resumed}')
+  for result in (a, b1, b2):
+    assert result.returncode == 0, result.stderr[-2000:]
+  assert re.search(r'Resumed from .*ckpt-4/ckpt at step 4', b2.stderr)
+  expected, actual = final_values(straight), final_values(resumed)
+  assert expected.keys() == actual.keys()
+  for key in expected:
+    np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
+  assert expected['counters/step/.ATTRIBUTES/VARIABLE_VALUE'] == 8
+
+  events = read_events(resumed)
+  assert [s for s, _ in events['scalars']['checkpoint/restore_seconds']] == [4]
+  assert [s for s, _ in events['scalars']['checkpoint/save_seconds']] == [4, 8]
+  assert all(v > 0 for _, v in events['scalars']['checkpoint/size_bytes'])
+  lines = events['text']['checkpoint/events']
+  assert any('(final' in line for line in lines) and any('(resume' in line for line in lines)
+
+
+class Training:
+  """A launch.train process whose merged output is collected line by line."""
+
+  def __init__(self, model_dir, *extra):
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
+    self.process = subprocess.Popen(
+        [sys.executable, '-m', 'launch.train', *BASE, f'--model_dir={model_dir}', *extra],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    self.lines = []
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+
+  def _read(self):
+    for line in self.process.stdout:
+      self.lines.append(line)
+
+  def wait_for(self, pattern, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+      for line in list(self.lines):
+        match = re.search(pattern, line)
+        if match:
+          return match
+      if self.process.poll() is not None and not self._reader.is_alive():
+        break
+      time.sleep(0.05)
+    raise AssertionError(f'{pattern!r} not seen:\n' + ''.join(self.lines[-30:]))
+
+  def finish(self, timeout=120):
+    self.process.wait(timeout)
+    self._reader.join(10)
+    return ''.join(self.lines)
+
+  def saved_steps(self):
+    return [int(m.group(1)) for m in re.finditer(r'Saved checkpoint \S+ at step (\d+)',
+                                                 ''.join(self.lines))]
+
+
+def test_sigterm_saves_and_exits_0_then_resumes(tmp_path):
+  model_dir = str(tmp_path / 'run')
+  run = Training(model_dir, '--gin_bindings=train.num_steps = 100000',
+                 '--gin_bindings=checkpoint.every_steps = 0')
+  run.wait_for(r'step 3/100000')
+  run.process.send_signal(signal.SIGTERM)
+  output = run.finish()
+  assert run.process.returncode == 0, output[-2000:]
+  match = re.search(r'Preempted by SIGTERM at step (\d+): saved (\S+)\. Run the same', output)
+  assert match, output[-2000:]
+  step = int(match.group(1))
+  assert os.path.isfile(match.group(2) + '.index')
+  again = run_module('launch.train', *BASE, f'--gin_bindings=train.num_steps = {step + 2}',
+                     f'--model_dir={model_dir}')
+  assert again.returncode == 0 and f'at step {step}' in again.stderr
+  # The same model_dir with another model: exit 2, checkpoint untouched.
+  before = sorted(os.listdir(os.path.join(model_dir, 'checkpoints')))
+  other = run_module('launch.train', *BASE, '--gin_bindings=transformer_lm.num_layers = 3',
+                     f'--model_dir={model_dir}')
+  assert other.returncode == 2 and 'does not match this model' in other.stderr
+  assert 'block_002' in other.stderr and 'Traceback' not in other.stderr
+  assert sorted(os.listdir(os.path.join(model_dir, 'checkpoints'))) == before
+
+
+def test_sigkill_at_random_moments_never_loses_a_completed_save(tmp_path):
+  model_dir = str(tmp_path / 'run')
+  rng = random.Random(1234)
+  last_saved, last_resumed = 0, 0
+  for trial in range(11):
+    run = Training(model_dir, '--gin_bindings=train.num_steps = 100000',
+                   '--gin_bindings=checkpoint.every_steps = 1',
+                   '--gin_bindings=train.eval_every = 0')
+    started = run.wait_for(r'Training steps (\d+)\.\.')
+    resumed = int(started.group(1))
+    if trial:
+      # Every completed save survives; a save killed before its commit is ignored.
+      assert resumed >= last_saved, (trial, resumed, last_saved)
+      assert resumed >= last_resumed
+    run.wait_for(rf'step {resumed + 1}/100000')  # compiled and training
+    time.sleep(rng.uniform(0.0, 1.0))  # saves run every step: kills land in them too
+    run.process.kill()
+    output = run.finish()
+    assert 'is unusable' not in output, output[-3000:]
+    last_saved = max([last_saved] + run.saved_steps())
+    last_resumed = resumed
+  assert last_saved > 0
+  leftovers = [n for n in os.listdir(os.path.join(model_dir, 'checkpoints'))
+               if n.startswith('tmp-')]
+  assert len(leftovers) <= 1  # only the last killed save's, cleaned at next start
