@@ -23,8 +23,8 @@ one, moving the broken one aside (`*.corrupt`) instead of deleting it. The
 TF `checkpoint` state file (`tf.train.latest_checkpoint`) is updated after
 the rename, so it never names a partial checkpoint either.
 
-Saving first copies every variable's shards into host memory (a memcpy per
-shard: no relayout, nothing compiled), into host variables that mirror the
+Saving first copies every variable's shards into host memory (one concat of
+the distinct shards on /CPU:0: no relayout, nothing compiled), into host variables that mirror the
 state's object graph, then writes those with a plain `Checkpoint.write`: the
 same keys a DTensor checkpoint would have, at plain-checkpoint speed (DTensor's
 own SaveV2 spends ~1.5 s re-expanding its save function on every call).
@@ -127,37 +127,36 @@ def checkpoint_keys(state: Mapping[str, tf.Module]) -> dict[str, tf.Variable]:
   return keys
 
 
-def host_value(variable: tf.Variable) -> np.ndarray:
-  """The global value of a (D)Variable assembled on the host from its shards.
+def gather_to_host(variable: tf.Variable) -> tf.Tensor:
+  """The global value of a (D)Variable as one tensor on the host CPU.
 
-  Each shard is copied once (no relayout, no collective, nothing compiled).
-  Needs every shard to be local: true for single-client meshes.
+  Built by concatenating one copy of each distinct shard on /CPU:0: no
+  relayout, no collective, nothing for DTensor to compile. (Going through
+  numpy is ~20x slower: each shard's .numpy() leaves its virtual device
+  slowly.) Needs every shard to be local: true for single-client meshes.
   """
   layout = getattr(variable, 'layout', None)
   if layout is None:
-    return variable.numpy()
-  shards = dtensor.unpack(variable.read_value())
-  if layout.is_fully_replicated():
-    return shards[0].numpy()
-  shape = variable.shape.as_list()
-  axes = dict(zip(layout.mesh.dim_names, layout.mesh.shape()))
+    return variable.read_value()
   if layout.mesh.num_local_devices() != layout.mesh.size:
     raise NotImplementedError('saving a mesh that spans several clients')
-  value = np.empty(shape, variable.dtype.as_numpy_dtype)
-  filled = set()
-  for shard, location in zip(shards, layout.mesh.local_device_locations()):
-    index = []
-    for dim, axis in enumerate(layout.sharding_specs):
-      if axis == dtensor.UNSHARDED:
-        index.append(slice(None))
-      else:
-        size = shape[dim] // axes[axis]
-        index.append(slice(size * location[axis], size * (location[axis] + 1)))
-    key = tuple((i.start, i.stop) for i in index)
-    if key not in filled:
-      filled.add(key)
-      value[tuple(index)] = shard.numpy()
-  return value
+  axes = dict(zip(layout.mesh.dim_names, layout.mesh.shape()))
+  specs = layout.sharding_specs
+  counts = [1 if a == dtensor.UNSHARDED else axes[a] for a in specs]
+  pieces = {}
+  for shard, location in zip(dtensor.unpack(variable.read_value()),
+                             layout.mesh.local_device_locations()):
+    key = tuple(0 if a == dtensor.UNSHARDED else location[a] for a in specs)
+    pieces.setdefault(key, shard)
+
+  def build(prefix: tuple[int, ...], dim: int) -> tf.Tensor:
+    if dim == len(counts):
+      return pieces[prefix]
+    parts = [build(prefix + (i,), dim + 1) for i in range(counts[dim])]
+    return parts[0] if len(parts) == 1 else tf.concat(parts, axis=dim)
+
+  with tf.device('/CPU:0'):
+    return tf.identity(build((), 0))
 
 
 def _mirror(obj, pairs: dict[int, tuple[tf.Variable, tf.Variable]]):
@@ -414,7 +413,7 @@ class Checkpointer:
       self._host = (tf.train.Checkpoint(**mirrored), list(pairs.values()))
     checkpoint, pairs = self._host
     for variable, host in pairs:
-      host.assign(host_value(variable))
+      host.assign(gather_to_host(variable))
     return checkpoint
 
   def _write_guarded(self, *args) -> None:
@@ -436,10 +435,10 @@ class Checkpointer:
     _fsync_tree(temporary)
     os.rename(temporary, final)  # the commit point
     _fsync_dir(self.directory)
-    self._prune()
-    self._update_state_file()
     event = CheckpointEvent(step, os.path.join(final, 'ckpt'), reason,
                             time.perf_counter() - start, _directory_size(final))
+    self._prune()
+    self._update_state_file()
     logging.info('Saved checkpoint %s at step %d (%s, %.2f s)', event.path, step,
                  reason, event.seconds)
     self.on_event(event)
@@ -447,9 +446,15 @@ class Checkpointer:
   def _update_state_file(self) -> None:
     valid = [os.path.join(os.path.basename(p), 'ckpt')
              for _, p in reversed(checkpoint_dirs(self.directory)) if validate(p) is None]
-    if valid:
-      tf.compat.v1.train.update_checkpoint_state(self.directory, valid[-1],
-                                                 all_model_checkpoint_paths=valid)
+    if valid:  # the text format tf.train.latest_checkpoint reads; replaced atomically
+      text = f'model_checkpoint_path: "{valid[-1]}"\n' + ''.join(
+          f'all_model_checkpoint_paths: "{path}"\n' for path in valid)
+      temporary = os.path.join(self.directory, 'checkpoint.tmp')
+      with open(temporary, 'w') as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+      os.replace(temporary, os.path.join(self.directory, 'checkpoint'))
 
   def _prune(self) -> None:
     valid = [(s, p) for s, p in checkpoint_dirs(self.directory) if validate(p) is None]
