@@ -92,12 +92,17 @@ def test_keep_prunes_old_checkpoints_and_state_file_names_latest(tmp_path, train
   assert tf.train.latest_checkpoint(directory).endswith('ckpt-3/ckpt')
 
 
-def test_truncated_shard_falls_back_to_previous_checkpoint(tmp_path, trained, mesh_data8):
+def newest_data_file(tmp_path, trained):
+  """Saves steps 2 and 3; returns (ckpt-3 dir, its data file) to damage."""
   checkpointer, _ = saved(tmp_path, trained)
   checkpointer.save(2, reason='periodic')
   checkpointer.save(3, reason='periodic')
   newest = tmp_path / 'checkpoints' / 'ckpt-3'
-  data = [n for n in os.listdir(newest) if '.data-' in n][0]
+  return newest, [n for n in os.listdir(newest) if '.data-' in n][0]
+
+
+def test_truncated_shard_falls_back_to_previous_checkpoint(tmp_path, trained, mesh_data8):
+  newest, data = newest_data_file(tmp_path, trained)
   with open(newest / data, 'r+b') as f:
     f.truncate(10)
   assert 'truncated' in checkpoint_lib.validate(str(newest))
@@ -108,11 +113,7 @@ def test_truncated_shard_falls_back_to_previous_checkpoint(tmp_path, trained, me
 
 
 def test_corrupt_bytes_are_caught_on_read_and_fall_back(tmp_path, trained, mesh_data8):
-  checkpointer, _ = saved(tmp_path, trained)
-  checkpointer.save(2, reason='periodic')
-  checkpointer.save(3, reason='periodic')
-  newest = tmp_path / 'checkpoints' / 'ckpt-3'
-  data = [n for n in os.listdir(newest) if '.data-' in n][0]
+  newest, data = newest_data_file(tmp_path, trained)
   raw = bytearray((newest / data).read_bytes())
   raw[len(raw) // 2:len(raw) // 2 + 64] = b'\xff' * 64  # same size: the manifest can't tell
   (newest / data).write_bytes(bytes(raw))

@@ -43,8 +43,7 @@ def graph_flops(fn, *inputs):
 def textbook_attention_matmul_flops(batch, length, dim, heads, head_dim):
   """Kaplan et al. (2020), Table 1: 2 * (4 d_model d_attn + 2 n_ctx d_attn) per token."""
   d_attn = heads * head_dim
-  return batch * length * 2 * (4 * dim * d_attn // 1 + 2 * length * d_attn) \
-      if dim == d_attn else None
+  return batch * length * 2 * (4 * dim * d_attn + 2 * length * d_attn)
 
 
 @pytest.mark.parametrize('batch,length,dim,heads', [(2, 16, 32, 4), (3, 8, 48, 6)])
