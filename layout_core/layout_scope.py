@@ -28,7 +28,8 @@ from tensorflow.experimental import dtensor
 from layout_core import mesh as mesh_lib
 from layout_core.errors import ConfigError
 from layout_core.rules import UNSHARDED, LayoutRules
-from layout_core.variables import VariableSpec, initial_value, variable_creator
+from layout_core.variables import (VariableSpec, creator_initial_value, initial_value,
+                                   variable_creator)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,15 +51,17 @@ def plan_layouts(specs: Iterable[VariableSpec], rules: LayoutRules,
                  mesh_axes: Mapping[str, int]) -> list[LayoutRecord]:
   """Resolves and validates every spec's layout without creating anything."""
   rules.check_mesh(mesh_axes)
-  records = []
-  for spec in specs:
-    resolution = rules.resolve(spec.path, spec.shape, mesh_axes)
-    records.append(LayoutRecord(
-        path=spec.path, shape=tuple(spec.shape), dtype=spec.dtype,
-        spec=resolution.spec, source=resolution.source(rules),
-        bytes_total=spec.num_bytes,
-        bytes_per_device=spec.num_bytes // shards_of(resolution.spec, mesh_axes)))
-  return records
+  return [_record(spec, rules, mesh_axes) for spec in specs]
+
+
+def _record(spec: VariableSpec, rules: LayoutRules,
+            mesh_axes: Mapping[str, int]) -> LayoutRecord:
+  resolution = rules.resolve(spec.path, spec.shape, mesh_axes)
+  return LayoutRecord(
+      path=spec.path, shape=tuple(spec.shape), dtype=spec.dtype,
+      spec=resolution.spec, source=resolution.source(rules),
+      bytes_total=spec.num_bytes,
+      bytes_per_device=spec.num_bytes // shards_of(resolution.spec, mesh_axes))
 
 
 def report_unused_rules(rules: LayoutRules) -> None:
@@ -110,7 +113,7 @@ class LayoutScope:
     return dtensor.Layout(list(spec), self.mesh)
 
   def create(self, spec: VariableSpec) -> dtensor.DVariable:
-    record, = plan_layouts([spec], self.rules, self.mesh_axes)
+    record = _record(spec, self.rules, self.mesh_axes)  # mesh checked in __init__
     layout = self.layout(record.spec)
     init = tf.function(lambda: initial_value(spec, self.seed), autograph=False)
     value = dtensor.call_with_layout(init, layout)
@@ -128,9 +131,7 @@ class LayoutScope:
   def _replicate_plain_variable(self, next_creator, **kwargs):
     """Any other tf.Variable made in the scope (RNG state, counters): replicated."""
     del next_creator
-    initial = kwargs['initial_value']
-    value = tf.convert_to_tensor(initial() if callable(initial) else initial,
-                                 dtype=kwargs.get('dtype'))
+    value = creator_initial_value(kwargs)
     layout = dtensor.Layout.replicated(self.mesh, rank=value.shape.rank)
     return dtensor.DVariable(dtensor.copy_to_mesh(value, layout),
                              trainable=kwargs.get('trainable', True) is not False,

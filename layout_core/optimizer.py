@@ -9,7 +9,8 @@ be mapped by name:
     lr, grad_norm = adam.apply(grads, step)   # inside a tf.function
 
 Written here rather than taken from Keras because Keras 3 optimizers do not
-build DTensor slot variables.
+build DTensor slot variables. All parameters must live on one mesh (variables
+on several pipeline sub-meshes would need the scalars copied between meshes).
 """
 
 from __future__ import annotations
@@ -74,28 +75,9 @@ def _zeros_like(variable: tf.Variable, name: str) -> tf.Variable:
                            trainable=False, name=name)
 
 
-def _scalar_on(value: tf.Tensor, like: tf.Variable) -> tf.Tensor:
-  """Moves a replicated scalar onto `like`'s mesh (no-op for plain variables)."""
-  layout = getattr(like, 'layout', None)
-  if layout is None:
-    return value
-  target = dtensor.Layout.replicated(layout.mesh, rank=0)
-  try:
-    current = dtensor.fetch_layout(value)
-  except Exception:  # pylint: disable=broad-except
-    current = None
-  if current is not None and current.mesh == layout.mesh:
-    return value
-  return dtensor.copy_to_mesh(value, target)
-
-
-def global_norm(grads: Sequence[tf.Tensor], anchor: tf.Variable) -> tf.Tensor:
-  """sqrt(sum of squares) over all grads, even when they live on several meshes."""
-  total = None
-  for g in grads:
-    square = _scalar_on(tf.reduce_sum(tf.square(g)), anchor)
-    total = square if total is None else total + square
-  return tf.sqrt(total)
+def global_norm(grads: Sequence[tf.Tensor]) -> tf.Tensor:
+  """sqrt(sum of squares) over all grads (all on one mesh)."""
+  return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads]))
 
 
 @dataclasses.dataclass
@@ -122,10 +104,9 @@ class Adam(tf.Module):
   def apply(self, grads: Sequence[tf.Tensor], step: tf.Tensor):
     """One update at 0-based `step`; returns (learning_rate, pre-clip grad norm)."""
     config = self.config
-    anchor = self._targets.variables[0]
     grads = [tf.convert_to_tensor(g) for g in grads]
-    norm = global_norm(grads, anchor)
-    lr = _scalar_on(learning_rate(config, step, self.total_steps), anchor)
+    norm = global_norm(grads)
+    lr = learning_rate(config, step, self.total_steps)
     t = tf.cast(step, tf.float32) + 1.0
     correction = tf.sqrt(1.0 - config.beta2 ** t) / (1.0 - config.beta1 ** t)
     for path, variable, grad in zip(self._targets.paths, self._targets.variables, grads):
@@ -133,12 +114,12 @@ class Adam(tf.Module):
       if layout is not None:
         grad = dtensor.relayout(grad, layout)
       if config.clip_norm:
-        scale = tf.minimum(1.0, config.clip_norm / (_scalar_on(norm, variable) + 1e-12))
+        scale = tf.minimum(1.0, config.clip_norm / (norm + 1e-12))
         grad = grad * scale
       m, v = self.m[path], self.v[path]
       m.assign(config.beta1 * m + (1.0 - config.beta1) * grad)
       v.assign(config.beta2 * v + (1.0 - config.beta2) * tf.square(grad))
-      var_lr = _scalar_on(lr, variable) * _scalar_on(correction, variable)
+      var_lr = lr * correction
       update = m / (tf.sqrt(v) + config.epsilon)
       if config.weight_decay:
         update += config.weight_decay * variable

@@ -24,6 +24,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from layout_core.errors import ConfigError
+from layout_core.variables import creator_initial_value
 
 
 def replica_mesh(num_replicas: int, device_type: str = 'CPU') -> dtensor.Mesh:
@@ -133,11 +134,9 @@ def replicated_scope(num_replicas: int, device_type: str = 'CPU'):
 
   def creator(next_creator, **kwargs):
     del next_creator
-    initial = kwargs['initial_value']
-    return ReplicatedVariable(initial() if callable(initial) else initial, mesh=mesh,
+    return ReplicatedVariable(creator_initial_value(kwargs), mesh=mesh,
                               name=kwargs.get('name') or 'replicated',
-                              trainable=kwargs.get('trainable', True) is not False,
-                              dtype=kwargs.get('dtype'))
+                              trainable=kwargs.get('trainable', True) is not False)
 
   with tf.variable_creator_scope(creator):
     yield mesh

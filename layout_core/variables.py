@@ -174,6 +174,13 @@ def create_variable(spec: VariableSpec) -> tf.Variable:
   return (stack[-1] if stack else _plain_creator)(spec)
 
 
+def creator_initial_value(kwargs: dict) -> tf.Tensor:
+  """The initial value a tf.variable_creator_scope creator was given, as a tensor."""
+  initial = kwargs['initial_value']
+  return tf.convert_to_tensor(initial() if callable(initial) else initial,
+                              dtype=kwargs.get('dtype'))
+
+
 # -- reading values back ------------------------------------------------------
 def to_numpy(value) -> np.ndarray:
   """Global value of a tensor, variable or DTensor as a numpy array."""

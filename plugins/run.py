@@ -122,11 +122,12 @@ def build_trainer(*, model_dir: str | None) -> Trainer:
   rules = configurables.layout_rules()
   task = configurables.data()
   logging.info('Data: %s', task.describe())
-  check_model_fits_data(params, task, configurables.train().batch_size)
+  train_config = configurables.train()
+  check_model_fits_data(params, task, train_config.batch_size)
   writer = SummaryWriter(model_dir) if model_dir else None
   trainer = Trainer(model_params=params, mesh=mesh, rules=rules, task=task,
                     optimizer=configurables.optimizer(),
-                    config=configurables.train(), writer=writer)
+                    config=train_config, writer=writer)
   layout_scope.report_unused_rules(rules)
   logging.info('Model: %s parameters in %d variables', f'{trainer.num_parameters():,}',
                len(trainer.variables))
