@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Sequence
+
 import tensorflow as tf
 
 from layout_core.errors import ConfigError
@@ -396,19 +398,41 @@ class Sequential(BaseLayer):
     return outputs[0] if len(outputs) == 1 else outputs
 
 
+def transformer_block_params(*, num_heads: int = 4, ffn_dim: int = 256,
+                             activation: str = 'relu') -> Params:
+  """One Transformer cell (its width comes from the LM it is put in)."""
+  return TransformerBlock.Params().Set(num_heads=num_heads, ffn_dim=ffn_dim,
+                                       activation=activation)
+
+
 def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
                           num_heads: int = 4, ffn_dim: int = 256,
                           num_layers: int = 2, max_len: int = 128,
-                          activation: str = 'relu', name: str = 'lm') -> Params:
+                          activation: str = 'relu', name: str = 'lm',
+                          cells: Sequence[Params] | None = None) -> Params:
   """A decoder-only Transformer LM as a flat Sequential of heterogeneous layers:
 
   lm/emb -> lm/stack/block_000..N-1 -> lm/final_ln -> lm/softmax (logits).
+
+  The stack is `num_layers` copies of one block (num_heads, ffn_dim,
+  activation), or the explicit list `cells` (e.g. blocks of different widths),
+  each set to `model_dim`; `num_layers` must then equal len(cells).
   """
-  block = TransformerBlock.Params().Set(model_dim=model_dim, num_heads=num_heads,
-                                        ffn_dim=ffn_dim, activation=activation)
+  if cells:
+    if num_layers != len(cells):
+      raise ConfigError(f'transformer_lm.num_layers={num_layers} but {len(cells)} cells '
+                        'are given', where='transformer_lm.cells',
+                        fix=f'set transformer_lm.num_layers = {len(cells)}')
+    stack = Sequential.Params().Set(name='stack', sub=[
+        cell.Copy().Set(name=f'block_{i:03d}', model_dim=model_dim)
+        for i, cell in enumerate(cells)])
+  else:
+    block = transformer_block_params(num_heads=num_heads, ffn_dim=ffn_dim,
+                                     activation=activation).Set(model_dim=model_dim)
+    stack = Sequential.Params().Set(name='stack', sub=[block], repeat=num_layers)
   return Sequential.Params().Set(name=name, sub=[
       Embedding.Params().Set(vocab_size=vocab_size, dim=model_dim, max_len=max_len),
-      Sequential.Params().Set(name='stack', sub=[block], repeat=num_layers),
+      stack,
       LayerNorm.Params().Set(name='final_ln', dim=model_dim),
       Softmax.Params().Set(input_dim=model_dim, num_classes=vocab_size),
   ])
@@ -424,9 +448,23 @@ def flatten_layers(p: Params) -> list[Params]:
   Leaves keep the names they would have as children (block_000, ...), so a
   stage built from them creates variables at recognisable paths.
   """
+  return [leaf for _, leaf in leaf_layers(p)]
+
+
+def leaf_layers(p: Params, parent_path: str = '') -> list[tuple[str, Params]]:
+  """(path, params) of every leaf layer, in execution order: the paths the
+  leaves get when `p` is instantiated (`lm/emb`, `lm/stack/block_000`, ...)."""
+  path = f'{parent_path}/{p.name}' if parent_path else p.name
   if p.cls is not Sequential:
-    return [p.Copy()]
+    return [(path, p.Copy())]
   leaves = []
   for child in Sequential.child_params(p).values():
-    leaves += flatten_layers(child)
+    leaves += leaf_layers(child, path)
   return leaves
+
+
+def leaf_modules(layer: BaseLayer) -> list[BaseLayer]:
+  """The built leaf layers of `layer`, in execution order (cf. `leaf_layers`)."""
+  if type(layer) is not Sequential:  # pylint: disable=unidiomatic-typecheck
+    return [layer]
+  return [leaf for child in layer.children() for leaf in leaf_modules(child)]

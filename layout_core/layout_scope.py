@@ -41,6 +41,7 @@ class LayoutRecord:
   source: str  # 'rule N: pattern' or 'default: replicated'
   bytes_total: int
   bytes_per_device: int
+  mesh: str = ''  # set when variables live on several meshes (pipeline stages)
 
 
 def shards_of(spec: Sequence[str], mesh_axes: Mapping[str, int]) -> int:
@@ -128,7 +129,7 @@ class LayoutScope:
       logging.info('layout %-48s %-22s %s', spec.path, record.spec, record.source)
     return variable
 
-  def _replicate_plain_variable(self, next_creator, **kwargs):
+  def replicate_plain_variable(self, next_creator, **kwargs):
     """Any other tf.Variable made in the scope (RNG state, counters): replicated."""
     del next_creator
     value = creator_initial_value(kwargs)
@@ -140,7 +141,7 @@ class LayoutScope:
   def __enter__(self) -> 'LayoutScope':
     self._context = contextlib.ExitStack()
     self._context.enter_context(variable_creator(self.create))
-    self._context.enter_context(tf.variable_creator_scope(self._replicate_plain_variable))
+    self._context.enter_context(tf.variable_creator_scope(self.replicate_plain_variable))
     return self
 
   def __exit__(self, *exc) -> None:
@@ -149,11 +150,15 @@ class LayoutScope:
 
 
 def table_markdown(records: Sequence[LayoutRecord]) -> str:
-  """The per-variable layout table (TensorBoard text / layouts.txt)."""
-  lines = ['| path | shape | dtype | sharding | rule | bytes/device |',
-           '|---|---|---|---|---|---|']
+  """The per-variable layout table (TensorBoard text / layouts.txt); with a
+  mesh column when the variables live on several meshes (pipeline stages)."""
+  with_mesh = any(r.mesh for r in records)
+  mesh_head, mesh_rule = (' mesh |', '---|') if with_mesh else ('', '')
+  lines = [f'| path | shape | dtype | sharding | rule | bytes/device |{mesh_head}',
+           f'|---|---|---|---|---|---|{mesh_rule}']
   for r in records:
     shape = 'x'.join(str(d) for d in r.shape) or 'scalar'
+    mesh = f' {r.mesh} |' if with_mesh else ''
     lines.append(f'| {r.path} | {shape} | {r.dtype} | {", ".join(r.spec) or "-"} '
-                 f'| {r.source} | {r.bytes_per_device:,} |')
+                 f'| {r.source} | {r.bytes_per_device:,} |{mesh}')
   return '\n'.join(lines) + '\n'

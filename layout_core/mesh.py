@@ -143,6 +143,11 @@ def pack_global_array(array, layout: dtensor.Layout) -> tf.Tensor:
   client packs just the shards its devices own.
   """
   axes = mesh_axes(layout.mesh)
+  for dim, axis in enumerate(layout.sharding_specs):
+    if axis != UNSHARDED and array.shape[dim] % axes[axis]:
+      raise ConfigError(f'dimension {dim} of a {list(array.shape)} array does not split '
+                        f"evenly over mesh axis '{axis}' of size {axes[axis]}",
+                        fix=f'make that dimension a multiple of {axes[axis]}')
   shards = []
   for location in layout.mesh.local_device_locations():
     index = []

@@ -9,8 +9,11 @@ be mapped by name:
     lr, grad_norm = adam.apply(grads, step)   # inside a tf.function
 
 Written here rather than taken from Keras because Keras 3 optimizers do not
-build DTensor slot variables. All parameters must live on one mesh (variables
-on several pipeline sub-meshes would need the scalars copied between meshes).
+build DTensor slot variables. With parameters on several meshes (pipeline
+stages), call `update` once per mesh with that mesh's parameters, and the
+global gradient norm and step as scalars on that mesh:
+
+    lr = adam.update(stage_paths, stage_grads, step=step_on_mesh, norm=norm_on_mesh)
 """
 
 from __future__ import annotations
@@ -75,15 +78,18 @@ def _zeros_like(variable: tf.Variable, name: str) -> tf.Variable:
                            trainable=False, name=name)
 
 
+def squared_norm(grads: Sequence[tf.Tensor]) -> tf.Tensor:
+  """Sum of squares over all grads (all on one mesh)."""
+  return tf.add_n([tf.reduce_sum(tf.square(tf.convert_to_tensor(g))) for g in grads])
+
+
 def global_norm(grads: Sequence[tf.Tensor]) -> tf.Tensor:
-  """sqrt(sum of squares) over all grads (all on one mesh)."""
-  return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads]))
+  return tf.sqrt(squared_norm(grads))
 
 
 @dataclasses.dataclass
 class _Targets:
-  variables: list
-  paths: list
+  variables: dict  # path -> parameter
 
 
 class Adam(tf.Module):
@@ -97,31 +103,44 @@ class Adam(tf.Module):
     self.config = config
     self.total_steps = total_steps
     # A plain holder, so the parameters are not tracked (and checkpointed) twice.
-    self._targets = _Targets(list(variables), list(paths))
+    self._targets = _Targets(dict(zip(paths, variables)))
     self.m = {p: _zeros_like(v, f'{p}/m') for p, v in zip(paths, variables)}
     self.v = {p: _zeros_like(v, f'{p}/v') for p, v in zip(paths, variables)}
 
   def apply(self, grads: Sequence[tf.Tensor], step: tf.Tensor):
-    """One update at 0-based `step`; returns (learning_rate, pre-clip grad norm)."""
-    config = self.config
+    """One update of every parameter (all on one mesh) at 0-based `step`;
+    returns (learning_rate, pre-clip global grad norm)."""
     grads = [tf.convert_to_tensor(g) for g in grads]
     norm = global_norm(grads)
+    return self.update(list(self._targets.variables), grads, step=step, norm=norm), norm
+
+  def update(self, paths: Sequence[str], grads: Sequence[tf.Tensor], *, step: tf.Tensor,
+             norm: tf.Tensor) -> tf.Tensor:
+    """Updates the parameters at `paths`; `norm` is the global (all-parameter)
+    gradient norm used for clipping. Returns the learning rate."""
+    config = self.config
     lr = learning_rate(config, step, self.total_steps)
     t = tf.cast(step, tf.float32) + 1.0
     correction = tf.sqrt(1.0 - config.beta2 ** t) / (1.0 - config.beta1 ** t)
-    for path, variable, grad in zip(self._targets.paths, self._targets.variables, grads):
+    scale = tf.minimum(1.0, config.clip_norm / (norm + 1e-12)) if config.clip_norm else None
+    for path, grad in zip(paths, grads):
+      variable = self._targets.variables[path]
+      grad = tf.convert_to_tensor(grad)
       layout = getattr(variable, 'layout', None)
       if layout is not None:
         grad = dtensor.relayout(grad, layout)
-      if config.clip_norm:
-        scale = tf.minimum(1.0, config.clip_norm / (norm + 1e-12))
+      if scale is not None:
         grad = grad * scale
-      m, v = self.m[path], self.v[path]
-      m.assign(config.beta1 * m + (1.0 - config.beta1) * grad)
-      v.assign(config.beta2 * v + (1.0 - config.beta2) * tf.square(grad))
-      var_lr = lr * correction
+      # Use the new moments as computed, not re-read from the slots: in the
+      # training step's DTensor function, re-reading after the assign gave the
+      # old values (TF 2.21: the first step moved no parameter; a small
+      # stand-alone function did not show it). tests/test_optimizer.py.
+      m = config.beta1 * self.m[path] + (1.0 - config.beta1) * grad
+      v = config.beta2 * self.v[path] + (1.0 - config.beta2) * tf.square(grad)
+      self.m[path].assign(m)
+      self.v[path].assign(v)
       update = m / (tf.sqrt(v) + config.epsilon)
       if config.weight_decay:
         update += config.weight_decay * variable
-      variable.assign_sub(var_lr * update)
-    return lr, norm
+      variable.assign_sub(lr * correction * update)
+    return lr

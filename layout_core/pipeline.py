@@ -31,9 +31,12 @@ counts per stage.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Callable, Sequence
+import functools
+from typing import Callable, Mapping, Sequence
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 from tensorflow.experimental import dtensor
@@ -41,9 +44,10 @@ from tensorflow.experimental import dtensor
 from layout_core import mesh as mesh_lib
 from layout_core.errors import ConfigError
 from layout_core.layers import BaseLayer, LayerMeta, Sequential
-from layout_core.layout_scope import LayoutScope
+from layout_core.layout_scope import LayoutRecord, LayoutScope
 from layout_core.params import Params
 from layout_core.rules import UNSHARDED, LayoutRules
+from layout_core.variables import VariableSpec, variable_creator
 
 Shape = tuple[int, ...]
 
@@ -192,15 +196,34 @@ class Stage(Sequential):
     if unknown:
       raise ConfigError(f'{self.path}: fetch names {sorted(unknown)} are not layers '
                         f'of this stage ({list(self.child_names)})')
-    outputs, fetched = inputs, []
-    for child in self.children():
-      outputs = child(*outputs)
-      if not isinstance(outputs, tuple):
-        outputs = (outputs,)
-      if child.params.name in self.params.fetch:
-        fetched.append(outputs[0])
-    outputs = tuple(outputs) + tuple(fetched)
-    return outputs[0] if len(outputs) == 1 else outputs
+    return run_layers(self.children(), inputs, fetch=self.params.fetch)
+
+
+def run_layers(layers: Sequence[BaseLayer], inputs: Sequence[tf.Tensor],
+               fetch: Sequence[str] = ()):
+  """Runs `layers` in order; returns the last outputs, then the first output of
+  each layer named in `fetch` (a single tensor when that is all there is)."""
+  outputs, fetched = tuple(inputs), []
+  for layer in layers:
+    outputs = layer(*outputs)
+    if not isinstance(outputs, tuple):
+      outputs = (outputs,)
+    if layer.params.name in fetch:
+      fetched.append(outputs[0])
+  outputs = tuple(outputs) + tuple(fetched)
+  return outputs[0] if len(outputs) == 1 else outputs
+
+
+class StageRunner(tf.Module):
+  """A stage over layers that already exist (leaves of a built model), so the
+  model keeps its own variable paths and checkpoint keys whatever the staging."""
+
+  def __init__(self, layers: Sequence[BaseLayer], *, name: str):
+    super().__init__(name=name)
+    self.layers = list(layers)
+
+  def __call__(self, *inputs):
+    return run_layers(self.layers, inputs)
 
 
 def stage_params(plan: PartitionPlan, *, name_prefix: str = 'stage') -> list[Params]:
@@ -227,6 +250,12 @@ class DevicePlacement:
     with tf.device(self.devices[target]):
       return tf.identity(value)
 
+  def put(self, k: int, value, batch_dim: int | None = None) -> tf.Tensor:
+    """A host value (array or scalar) on stage k's device."""
+    del batch_dim
+    with tf.device(self.devices[k]):
+      return tf.identity(tf.convert_to_tensor(value))
+
 
 class SubMeshPlacement:
   """Stage k on sub-mesh k of a mesh cut along `stage_axis`; inside a stage the
@@ -241,7 +270,9 @@ class SubMeshPlacement:
   def __init__(self, *, mesh: dtensor.Mesh, stage_axis: str = 'stage',
                rules: LayoutRules | None = None, batch_axis: str = 'data',
                seed: int = 0):
-    self.meshes = mesh_lib.sub_meshes(mesh, stage_axis)
+    # Without a stage axis there is one stage (micro-batching only).
+    self.meshes = (mesh_lib.sub_meshes(mesh, stage_axis)
+                   if stage_axis in mesh_lib.mesh_axes(mesh) else [mesh])
     self.rules = rules or LayoutRules()
     self.batch_axis = batch_axis
     self.seed = seed
@@ -264,6 +295,14 @@ class SubMeshPlacement:
       spec[batch_dim] = self.batch_axis
     return dtensor.Layout(spec, self.meshes[k])
 
+  def put(self, k: int, value, batch_dim: int | None = None) -> tf.Tensor:
+    """A host value on sub-mesh k: split over `batch_axis` along `batch_dim`,
+    or replicated when batch_dim is None (scalars). Each device gets its slice."""
+    value = np.asarray(value)
+    layout = (dtensor.Layout.replicated(self.meshes[k], value.ndim) if batch_dim is None
+              else self.batch_layout(k, value.ndim, batch_dim))
+    return mesh_lib.pack_global_array(value, layout)
+
   def cross(self, value: tf.Tensor, source: int, target: int) -> tf.Tensor:
     rank = value.shape.rank
     replicated = dtensor.relayout(value, dtensor.Layout.replicated(self.meshes[source], rank))
@@ -277,7 +316,8 @@ class Pipeline(tf.Module):
   """Runs partitioned stages over micro-batches on the GPipe schedule."""
 
   def __init__(self, plan: PartitionPlan, *, placement, num_micro_batches: int = 1,
-               batch_dim: int = 0, name: str = 'lm', bubble_fill: float | None = None):
+               batch_dim: int = 0, name: str = 'lm', bubble_fill: float | None = None,
+               stages: Sequence[Callable] | None = None):
     super().__init__(name=name)
     if num_micro_batches < 1:
       raise ConfigError(f'pipeline.num_micro_batches is {num_micro_batches}',
@@ -289,8 +329,10 @@ class Pipeline(tf.Module):
     self.bubble_fill = bubble_fill  # NaN in tests: a schedule bug then shows
     if hasattr(placement, 'batch_dim'):
       placement.batch_dim = batch_dim
-    self.stages = [placement.build(k, p, parent_path=name)
-                   for k, p in enumerate(stage_params(plan))]
+    if stages is None:
+      stages = [placement.build(k, p, parent_path=name)
+                for k, p in enumerate(stage_params(plan))]
+    self.stages = list(stages)
     logging.info('Pipeline: %s', plan.describe())
 
   @property
@@ -359,3 +401,242 @@ class Pipeline(tf.Module):
       return dtensor.relayout(value, self.placement.batch_layout(k, len(shapes[0]),
                                                                  self.batch_dim))
     return self.placement.run(k, tf.identity, value)
+
+
+# -- training: configuration, staged variables, the GPipe gradient engine ----------
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  """What `pipeline.*` in gin sets. num_stages=1 and one micro-batch: no pipeline."""
+  num_stages: int = 1               # K, the size of mesh axis `stage_axis`
+  num_micro_batches: int = 0        # M; 0: from micro_batch_size, else 1
+  micro_batch_size: int = 0         # alternative to num_micro_batches
+  batch_dim: int = 0                # batch dimension of the stage inputs
+  partition: str | Sequence[int] = 'balanced'  # 'balanced' | 'lingvo' | layer counts
+  stage_axis: str = 'stage'
+
+  def __post_init__(self):
+    if self.num_stages < 1:
+      raise ConfigError(f'pipeline.num_stages is {self.num_stages}', fix='use at least 1')
+    if self.num_micro_batches < 0 or self.micro_batch_size < 0:
+      raise ConfigError('pipeline.num_micro_batches and pipeline.micro_batch_size '
+                        'must not be negative', fix='use 0 (unset) or a positive count')
+    if self.batch_dim < 0:
+      raise ConfigError(f'pipeline.batch_dim is {self.batch_dim}', fix='use 0 or 1')
+    if not isinstance(self.partition, str):
+      object.__setattr__(self, 'partition', tuple(self.partition))
+
+  def micro_batches(self, batch_size: int) -> int:
+    """M for a global batch of `batch_size`; a ConfigError when it does not divide."""
+    if self.micro_batch_size:
+      if batch_size % self.micro_batch_size:
+        raise ConfigError(
+            f'pipeline.micro_batch_size={self.micro_batch_size} does not divide the '
+            f'batch of {batch_size}', where='pipeline.micro_batch_size',
+            fix='use a divisor of train.batch_size')
+      m = batch_size // self.micro_batch_size
+      if self.num_micro_batches and self.num_micro_batches != m:
+        raise ConfigError(
+            f'pipeline.num_micro_batches={self.num_micro_batches} and '
+            f'pipeline.micro_batch_size={self.micro_batch_size} disagree for a batch '
+            f'of {batch_size}', fix='set only one of them')
+      return m
+    m = self.num_micro_batches or 1
+    if batch_size % m:
+      raise ConfigError(
+          f'pipeline.num_micro_batches={m} does not divide the batch of {batch_size}',
+          where='pipeline.num_micro_batches',
+          fix='use a divisor of train.batch_size, or change train.batch_size')
+    return m
+
+  @property
+  def enabled(self) -> bool:
+    return self.num_stages > 1 or self.num_micro_batches > 1 or self.micro_batch_size > 0
+
+
+class StagedLayoutScope:
+  """Creates each variable on the sub-mesh of the stage that runs its layer,
+  laid out there by the rules, so the model keeps its usual tree, variable
+  paths and checkpoint keys however it is staged."""
+
+  def __init__(self, *, meshes: Sequence[dtensor.Mesh], layer_stages: Mapping[str, int],
+               rules: LayoutRules | None = None, seed: int = 0):
+    self.scopes = [LayoutScope(mesh=m, rules=rules, seed=seed) for m in meshes]
+    self.layer_stages = dict(layer_stages)  # leaf layer path -> stage index
+    self.records: list[LayoutRecord] = []
+    self.variables: dict[str, tf.Variable] = {}
+    self.variable_stages: dict[str, int] = {}
+    self._context = None
+
+  def stage_of(self, path: str) -> int:
+    for layer_path, k in self.layer_stages.items():
+      if path.startswith(layer_path + '/'):
+        return k
+    raise ConfigError(f"variable '{path}' belongs to no pipeline stage's layer",
+                      fix='create variables only inside the layers of the stack')
+
+  def create(self, spec: VariableSpec) -> tf.Variable:
+    k = self.stage_of(spec.path)
+    scope = self.scopes[k]
+    variable = scope.create(spec)
+    self.records.append(dataclasses.replace(scope.records[-1], mesh=scope.mesh.name))
+    self.variables[spec.path] = variable
+    self.variable_stages[spec.path] = k
+    return variable
+
+  def __enter__(self) -> 'StagedLayoutScope':
+    self._context = contextlib.ExitStack()
+    self._context.enter_context(variable_creator(self.create))
+    self._context.enter_context(
+        tf.variable_creator_scope(self.scopes[0].replicate_plain_variable))
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self._context.close()
+    self._context = None
+
+
+def _as_tuple(value) -> tuple:
+  return value if isinstance(value, tuple) else (value,)
+
+
+class GPipe:
+  """Loss and gradients of a staged model over micro-batches (GPipe).
+
+      gpipe = GPipe(stages=runners, placement=placement, loss_fn=cross_entropy,
+                    num_micro_batches=4)
+      loss, grads, squared_norms = gpipe.loss_and_gradients(micro_inputs, micro_labels)
+      # grads[k][i] belongs to gpipe.variables[k][i]
+
+  Two tf.functions per step, each crossing meshes in one direction only:
+
+  * forward: micro-batches flow through stages 0..K-2 in clock order (stage k
+    on micro-batch m while stage k+1 is on m-1); every stage input is kept.
+  * backward, in reverse clock order: the last stage runs forward + loss +
+    backward per micro-batch; every other stage re-computes its forward from
+    its kept input and back-propagates the gradient that crossed back from the
+    next stage (GPipe's re-materialisation: only stage inputs are held, never
+    inner activations). Gradients accumulate over micro-batches; the loss is
+    the mean over micro-batches, so with equal micro-batches it is the
+    full-batch loss.
+
+  Why not one function with one tape: in TF 2.21 a tf.function whose backward
+  crosses back to a DTensor mesh hangs whenever that gradient depends on
+  activations that came from the same mesh (measured: any non-linear layer).
+  """
+
+  def __init__(self, *, stages: Sequence[Callable], placement,
+               loss_fn: Callable[[tf.Tensor, tf.Tensor], tf.Tensor],
+               num_micro_batches: int):
+    self.stages = list(stages)
+    self.placement = placement
+    self.loss_fn = loss_fn
+    self.num_micro_batches = num_micro_batches
+    self.variables = [list(stage.trainable_variables) for stage in self.stages]
+    self._forward = tf.function(self._forward_fn)
+    self._backward = tf.function(self._backward_fn)
+    self._eval = tf.function(self._eval_fn)
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.stages)
+
+  def bubble_fraction(self) -> float:
+    k, m = self.num_stages, self.num_micro_batches
+    return (k - 1) / (m + k - 1)
+
+  # -- one stage, one micro-batch (traced inside the step functions) -------------
+  def _run(self, k: int, inputs) -> tuple:
+    outputs = _as_tuple(self.placement.run(k, self.stages[k], *inputs))
+    if k < self.num_stages - 1:
+      for y in outputs:
+        if not y.dtype.is_floating:
+          raise ConfigError(f'pipeline stage {k} outputs a {y.dtype.name} tensor; '
+                            'activations between stages must be floating point',
+                            fix='move the cut (pipeline.partition) past that layer')
+    return outputs
+
+  def _cross(self, values, source: int, target: int) -> tuple:
+    return tuple(self.placement.cross(v, source, target) for v in values)
+
+  def _stage_gradients(self, k: int, inputs, labels=None, output_grads=None):
+    """Re-runs stage k on `inputs` under a tape; returns (loss share or None,
+    gradients of the floating inputs, gradients of stage k's variables)."""
+    floats = [x for x in inputs if x.dtype.is_floating]
+    with tf.GradientTape() as tape:
+      tape.watch(floats)
+      outputs = self._run(k, inputs)
+      share = None
+      if labels is not None:
+        share = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs,
+                             labels) / self.num_micro_batches
+    target = share if labels is not None else list(outputs)
+    grads = tape.gradient(target, floats + self.variables[k],
+                          output_gradients=None if labels is not None else list(output_grads),
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    variable_grads = [tf.convert_to_tensor(g) for g in grads[len(floats):]]
+    return share, tuple(grads[:len(floats)]), variable_grads
+
+  # -- step functions --------------------------------------------------------------
+  def _forward_fn(self, micro_inputs):
+    """Stage inputs [k][m] for stages 1..K-1, in clock order."""
+    num_stages, num_micro = self.num_stages, self.num_micro_batches
+    kept = [[None] * num_micro for _ in range(num_stages)]
+    kept[0] = [_as_tuple(x) for x in micro_inputs]
+    for clock in range(num_micro + num_stages - 2):
+      for k in range(num_stages - 1):
+        m = clock - k
+        if 0 <= m < num_micro:
+          kept[k + 1][m] = self._cross(self._run(k, kept[k][m]), k, k + 1)
+    return kept[1:]
+
+  def _backward_fn(self, micro_inputs, kept, micro_labels):
+    num_stages, num_micro, last = self.num_stages, self.num_micro_batches, self.num_stages - 1
+    inputs = [[_as_tuple(x) for x in micro_inputs]] + [list(row) for row in kept]
+    output_grads = [[None] * num_micro for _ in range(num_stages)]
+    accumulated: list = [None] * num_stages
+    shares = []
+    for clock in range(num_micro + num_stages - 1):
+      for k in range(last, -1, -1):
+        m = clock - (last - k)
+        if not 0 <= m < num_micro:
+          continue
+        share, input_grads, grads = self._stage_gradients(
+            k, inputs[k][m], labels=micro_labels[m] if k == last else None,
+            output_grads=output_grads[k][m])
+        if share is not None:
+          shares.append(share)
+        accumulated[k] = (grads if accumulated[k] is None else
+                          [a + g for a, g in zip(accumulated[k], grads)])
+        if k > 0:
+          output_grads[k - 1][m] = self._cross(input_grads, k, k - 1)
+    squared_norms = [tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads]) if grads else None
+                     for grads in accumulated]
+    return tf.add_n(shares), accumulated, squared_norms
+
+  def _eval_fn(self, micro_inputs, micro_labels):
+    kept = self._forward_fn(micro_inputs) if self.num_stages > 1 else [micro_inputs]
+    last = [_as_tuple(x) for x in kept[-1]]
+    shares = []
+    for m in range(self.num_micro_batches):
+      outputs = self._run(self.num_stages - 1, last[m])
+      shares.append(self.loss_fn(outputs[0] if len(outputs) == 1 else outputs,
+                                 micro_labels[m]) / self.num_micro_batches)
+    return tf.add_n(shares)
+
+  # -- public --------------------------------------------------------------------------
+  def loss(self, micro_inputs, micro_labels) -> tf.Tensor:
+    """Forward only (evaluation): the mean loss over micro-batches."""
+    self._check(micro_inputs)
+    return self._eval(list(micro_inputs), list(micro_labels))
+
+  def loss_and_gradients(self, micro_inputs, micro_labels):
+    """(mean loss, [per-stage gradient lists], [per-stage squared gradient norm]),
+    each on its stage's mesh (the loss on the last stage's)."""
+    self._check(micro_inputs)
+    kept = self._forward(list(micro_inputs)) if self.num_stages > 1 else []
+    return self._backward(list(micro_inputs), kept, list(micro_labels))
+
+  def _check(self, micro_inputs) -> None:
+    if len(micro_inputs) != self.num_micro_batches:
+      raise ValueError(f'{len(micro_inputs)} micro-batches given, '
+                       f'{self.num_micro_batches} expected')

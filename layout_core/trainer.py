@@ -88,8 +88,7 @@ class Trainer:
 
     model_params = model_params.Copy().Freeze()
     self.model_params = model_params
-    with LayoutScope(mesh=mesh, rules=rules, seed=config.seed) as scope:
-      self.model = model_params.Instantiate()
+    self.model, scope = self.build_model(model_params, rules)
     self.layout_records = scope.records
     self.variables = scope.variables
     trainable = {p: v for p, v in self.variables.items() if v.trainable}
@@ -110,6 +109,13 @@ class Trainer:
     self._eval_step = tf.function(self.loss)
     self._eval_data = None
 
+  def build_model(self, params: Params, rules: LayoutRules | None):
+    """Instantiates `params` with every variable laid out on the mesh;
+    returns (model, scope with the layout records and variables)."""
+    with LayoutScope(mesh=self.mesh, rules=rules, seed=self.config.seed) as scope:
+      model = params.Instantiate()
+    return model, scope
+
   # -- steps --------------------------------------------------------------------
   def loss(self, tokens: tf.Tensor) -> tf.Tensor:
     logits = self.model(tokens[:, :-1])
@@ -124,12 +130,16 @@ class Trainer:
     self.data_position.assign_add(1)
     return loss, lr, grad_norm
 
-  def pack(self, tokens: np.ndarray) -> tf.Tensor:
+  def pack(self, tokens: np.ndarray):
+    """A host batch [B, T+1] placed on the devices (each gets only its slice)."""
     return mesh_lib.pack_global_array(tokens, self.batch_layout)
 
   def train_step(self, tokens: np.ndarray):
     """One optimizer step on a host batch; returns (loss, lr, grad_norm) tensors."""
     return self._train_step(self.pack(tokens))
+
+  def eval_loss(self, packed) -> tf.Tensor:
+    return self._eval_step(packed)
 
   def evaluate(self) -> float:
     if self._eval_data is None:
@@ -137,7 +147,7 @@ class Trainer:
           self.pack(self.task.batch(step=i, batch_size=self.config.batch_size,
                                     split='eval'))
           for i in range(self.config.eval_batches)]
-    losses = [float(to_numpy(self._eval_step(b))) for b in self._eval_data]
+    losses = [float(to_numpy(self.eval_loss(b))) for b in self._eval_data]
     return float(np.mean(losses))
 
   def state(self) -> dict[str, tf.Module]:
@@ -226,8 +236,12 @@ class Trainer:
 
 
 def bytes_per_device(records) -> int:
-  """Parameter bytes each device holds (DTensor shards evenly, so all equal)."""
-  return sum(r.bytes_per_device for r in records)
+  """Parameter bytes on the fullest device. DTensor shards evenly, so within a
+  mesh all devices hold the same; with pipeline stages, the largest stage."""
+  per_mesh: dict[str, int] = {}
+  for r in records:
+    per_mesh[r.mesh] = per_mesh.get(r.mesh, 0) + r.bytes_per_device
+  return max(per_mesh.values(), default=0)
 
 
 def _format_seconds(seconds: float) -> str:

@@ -14,7 +14,9 @@ in the `meshgin` module, so `mesh.shape` and `meshgin.mesh.shape` both work:
 | `mesh`           | `layout_core.mesh.MeshSpec`               | shape, device_type |
 | `layout_rules`   | `layout_core.rules.LayoutRules`           | rules, strict |
 | `transformer_lm` | the LM Params tree                        | sizes |
+| `transformer_block` | one Transformer cell's Params (for `transformer_lm.cells`) | num_heads, ffn_dim, activation |
 | `model`          | the Params tree to train (+ dotted overrides) | params, overrides |
+| `pipeline`       | `layout_core.pipeline.PipelineConfig`     | num_stages, num_micro_batches, partition, ... |
 | `data`           | `layout_core.data.make_task`              | text_file, vocab_size, seq_len, ... |
 | `optimizer`      | `layout_core.optimizer.OptimizerConfig`   | learning_rate, warmup_steps, ... |
 | `train`          | `layout_core.trainer.TrainConfig`         | num_steps, batch_size, ... |
@@ -32,6 +34,7 @@ from layout_core import data as data_lib
 from layout_core import layers
 from layout_core import mesh as mesh_lib
 from layout_core import optimizer as optimizer_lib
+from layout_core import pipeline as pipeline_lib
 from layout_core import rules as rules_lib
 from layout_core import trainer as trainer_lib
 from layout_core.errors import ConfigError
@@ -44,6 +47,10 @@ layout_rules = gin.external_configurable(rules_lib.LayoutRules, name='layout_rul
                                          module=MODULE)
 transformer_lm = gin.external_configurable(layers.transformer_lm_params,
                                            name='transformer_lm', module=MODULE)
+transformer_block = gin.external_configurable(layers.transformer_block_params,
+                                              name='transformer_block', module=MODULE)
+pipeline = gin.external_configurable(pipeline_lib.PipelineConfig, name='pipeline',
+                                     module=MODULE)
 data = gin.external_configurable(data_lib.make_task, name='data', module=MODULE)
 optimizer = gin.external_configurable(optimizer_lib.OptimizerConfig,
                                       name='optimizer', module=MODULE)

@@ -29,6 +29,7 @@ from layout_core.data import LMTask
 from layout_core.errors import ConfigError
 from layout_core.layers import Embedding, LayerMeta, flatten_layers
 from layout_core.params import Params
+from layout_core.pipeline_trainer import PipelinePlan, PipelineTrainer, plan_pipeline
 from layout_core.rules import LayoutRules
 from layout_core import trainer as trainer_lib
 from layout_core.summaries import SummaryWriter, code_block
@@ -56,6 +57,7 @@ class RunPlan:
   train_config: TrainConfig
   records: list[layout_scope.LayoutRecord]
   meta: LayerMeta  # forward cost of one global batch
+  pipeline: PipelinePlan | None = None
 
 
 def check_model_fits_data(params: Params, task: LMTask, batch_size: int) -> LayerMeta:
@@ -78,10 +80,30 @@ def plan_run() -> RunPlan:
   train_config = configurables.train()
   configurables.optimizer()
   meta = check_model_fits_data(params, task, train_config.batch_size)
-  records = layout_scope.plan_layouts(params.cls.variable_specs(params), rules,
-                                      spec.shape)
+  pipeline = None
+  pipeline_config = configurables.pipeline()
+  if pipeline_config.enabled:
+    pipeline = plan_pipeline(pipeline_config, params=params, mesh_axes=spec.shape,
+                             batch_size=train_config.batch_size, seq_len=task.seq_len,
+                             batch_axis=train_config.batch_axis)
+    stage_axis = pipeline_config.stage_axis
+    mesh_axes = {a: n for a, n in spec.shape.items() if a != stage_axis}
+  else:
+    mesh_axes = spec.shape
+  records = layout_scope.plan_layouts(params.cls.variable_specs(params), rules, mesh_axes)
+  if pipeline is not None:
+    records = [dataclasses.replace(r, mesh=f'{stage_axis}{stage_of(pipeline, r.path)}')
+               for r in records]
   return RunPlan(mesh_spec=spec, params=params, rules=rules, task=task,
-                 train_config=train_config, records=records, meta=meta)
+                 train_config=train_config, records=records, meta=meta,
+                 pipeline=pipeline)
+
+
+def stage_of(pipeline: PipelinePlan, variable_path: str) -> int:
+  for layer_path, k in pipeline.layer_stages.items():
+    if variable_path.startswith(layer_path + '/'):
+      return k
+  raise KeyError(variable_path)
 
 
 def _gib(num_bytes: int) -> str:
@@ -104,6 +126,10 @@ def describe_plan(plan: RunPlan, *, max_rows: int = 0) -> str:
   lines.append(f'  {unmatched:6d}  default: replicated')
   num_params = sum(math.prod(r.shape) for r in records)
   param_bytes = trainer_lib.bytes_per_device(records)
+  if plan.pipeline is not None:
+    lines += ['', f'Pipeline: {plan.pipeline.num_micro_batches} micro-batches of '
+                  f'{plan.pipeline.micro_batch_size}',
+              plan.pipeline.partition.describe()]
   lines += ['', f'Parameters: {num_params:,} ({_gib(sum(r.bytes_total for r in records))} total)',
             f'Forward cost of one global batch: {plan.meta.flops:.3e} FLOPs',
             'Per device:',
@@ -125,9 +151,13 @@ def build_trainer(*, model_dir: str | None) -> Trainer:
   train_config = configurables.train()
   check_model_fits_data(params, task, train_config.batch_size)
   writer = SummaryWriter(model_dir) if model_dir else None
-  trainer = Trainer(model_params=params, mesh=mesh, rules=rules, task=task,
-                    optimizer=configurables.optimizer(),
-                    config=train_config, writer=writer)
+  kwargs = dict(model_params=params, mesh=mesh, rules=rules, task=task,
+                optimizer=configurables.optimizer(), config=train_config, writer=writer)
+  pipeline_config = configurables.pipeline()
+  if pipeline_config.enabled:
+    trainer = PipelineTrainer(pipeline=pipeline_config, **kwargs)
+  else:
+    trainer = Trainer(**kwargs)
   layout_scope.report_unused_rules(rules)
   logging.info('Model: %s parameters in %d variables', f'{trainer.num_parameters():,}',
                len(trainer.variables))
