@@ -23,6 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 K = 2
@@ -30,9 +31,10 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(K)
 
 from layout_core import pipeline  # noqa: E402
-from layout_core.layers import (Embedding, FeedForward, Softmax,  # noqa: E402
-                                TransformerBlock)
-from layout_core.mesh import configure_virtual_cpus  # noqa: E402
+from layout_core.layers import (Embedding, FeedForward, Sequential,  # noqa: E402
+                                Softmax, TransformerBlock, leaf_layers, leaf_modules)
+from layout_core.mesh import MeshSpec, build_mesh, configure_virtual_cpus  # noqa: E402
+from layout_core.variables import to_numpy  # noqa: E402
 
 configure_virtual_cpus(K)
 
@@ -106,6 +108,77 @@ def efficiency(width=1024, batch=128, layers_per_stage=4) -> dict:
           'train_step_m1_ratio': round(t_train_pipe / t_train_direct, 3)}
 
 
+def fc_stack(width: int, count: int):
+  return Sequential.Params().Set(name='net', sub=[
+      FeedForward.Params().Set(name=f'fc_{i}', input_dim=width, hidden_dim=width)
+      for i in range(count)])
+
+
+def staged(params, placement_kind: str, batch: int, width: int):
+  """(runners, placement) for K stages of `params` on plain devices or sub-meshes."""
+  leaves = leaf_layers(params)
+  plan = pipeline.partition([p for _, p in leaves], num_stages=K,
+                            input_shapes=[(batch, width)])
+  counts = [len(s.layers) for s in plan.stages]
+  if placement_kind == 'devices':
+    placement = pipeline.DevicePlacement([f'/CPU:{k}' for k in range(K)])
+    model = params.Instantiate()
+  else:
+    placement = pipeline.SubMeshPlacement(mesh=build_mesh(MeshSpec(shape={'stage': K})))
+    owners = [k for k, n in enumerate(counts) for _ in range(n)]
+    with pipeline.StagedLayoutScope(meshes=placement.meshes, layer_stages={
+        path: k for (path, _), k in zip(leaves, owners)}):
+      model = params.Instantiate()
+  modules, runners, first = leaf_modules(model), [], 0
+  for k, n in enumerate(counts):
+    runners.append(pipeline.StageRunner(modules[first:first + n], name=f'stage_{k}'))
+    first += n
+  return runners, placement
+
+
+def training(width=1024, batch=128, layers_per_stage=4) -> dict:
+  """GPipe training steps (the engine launch.train uses): 'gpipe' vs 'serial'
+  schedule, side by side, on plain devices and on DTensor sub-meshes."""
+  params = fc_stack(width, K * layers_per_stage)
+  x = np.random.RandomState(0).randn(batch, width).astype(np.float32)
+  loss_fn = lambda out, target: tf.reduce_mean((out - target) ** 2)
+  result = {'stages': K, 'width': width, 'batch': batch,
+            'layers_per_stage': layers_per_stage}
+  for kind in ('devices', 'sub_meshes'):
+    runners, placement = staged(params, kind, batch, width)
+    rows = []
+    for m in (1, 2, 4, 8):
+      micro_x = [placement.put(0, a, batch_dim=0) for a in np.split(x, m)]
+      micro_t = [placement.put(K - 1, a, batch_dim=0) for a in np.split(x, m)]
+      times = {}
+      for schedule in ('gpipe', 'serial'):
+        gpipe = pipeline.GPipe(stages=runners, placement=placement, loss_fn=loss_fn,
+                               num_micro_batches=m, schedule=schedule)
+
+        def step(gpipe=gpipe):
+          loss, _, norms = gpipe.loss_and_gradients(micro_x, micro_t)
+          return to_numpy(loss) + sum(to_numpy(n) for n in norms)
+        times[schedule] = timed_call(step)
+      ideal = K * m / (m + K - 1)
+      speedup = times['serial'] / times['gpipe']
+      rows.append({'num_micro_batches': m, 'gpipe_s': round(times['gpipe'], 4),
+                   'serial_s': round(times['serial'], 4), 'speedup': round(speedup, 3),
+                   'ideal_speedup': round(ideal, 3), 'efficiency': round(speedup / ideal, 3),
+                   'bubble_fraction_theory': round((K - 1) / (m + K - 1), 3)})
+    result[kind] = rows
+  return result
+
+
+def timed_call(fn, repeats=7) -> float:
+  fn()  # trace
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    samples.append(time.perf_counter() - start)
+  return statistics.median(samples)
+
+
 def stacks():
   def block(name, ffn):
     return TransformerBlock.Params().Set(name=name, model_dim=256, num_heads=4, ffn_dim=ffn)
@@ -141,7 +214,7 @@ def main() -> None:
   parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
                                                     'pipeline.json'))
   args = parser.parse_args()
-  results = {'efficiency': efficiency(), 'balance': balance()}
+  results = {'efficiency': efficiency(), 'training': training(), 'balance': balance()}
   e = results['efficiency']
   print(f'GPipe forward, K={K}, {e["layers_per_stage"]} x FC-{e["width"]} per stage, '
         f'batch {e["batch"]}, intra-op 1 / inter-op {K} threads')
@@ -151,6 +224,15 @@ def main() -> None:
           f'   {r["speedup"]:6.2f}x  {r["ideal_speedup"]:5.2f}x   {r["efficiency"]:6.3f}')
   print(f'train step (fwd+bwd) at M=1: pipelined {e["train_step_m1_pipelined_s"]*1000:.1f} ms vs '
         f'direct {e["train_step_direct_s"]*1000:.1f} ms ({e["train_step_m1_ratio"]:.3f}x)')
+  t = results['training']
+  for kind in ('devices', 'sub_meshes'):
+    print(f'GPipe training step (engine of launch.train), K={K}, {t["layers_per_stage"]} x '
+          f'FC-{t["width"]} per stage, batch {t["batch"]}, on {kind}: gpipe vs serial schedule')
+    print('   M     gpipe   serial   speedup   ideal   efficiency   bubble (theory)')
+    for r in t[kind]:
+      print(f'  {r["num_micro_batches"]:2d}  {r["gpipe_s"]*1000:7.1f}ms {r["serial_s"]*1000:7.1f}ms'
+            f'   {r["speedup"]:6.2f}x  {r["ideal_speedup"]:5.2f}x   {r["efficiency"]:6.3f}'
+            f'       {r["bubble_fraction_theory"]:.3f}')
   print('Partition balance (max stage / mean; 1.0 is perfect):')
   for r in results['balance']:
     print(f'  {r["stack"]:18s} K={r["stages"]}: balanced {r["balanced"]:.3f}  lingvo '

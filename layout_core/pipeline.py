@@ -511,13 +511,17 @@ class GPipe:
 
   * forward: micro-batches flow through stages 0..K-2 in clock order (stage k
     on micro-batch m while stage k+1 is on m-1); every stage input is kept.
-  * backward, in reverse clock order: the last stage runs forward + loss +
+  * backward, the clock order reversed: the last stage runs forward + loss +
     backward per micro-batch; every other stage re-computes its forward from
-    its kept input and back-propagates the gradient that crossed back from the
-    next stage (GPipe's re-materialisation: only stage inputs are held, never
-    inner activations). Gradients accumulate over micro-batches; the loss is
-    the mean over micro-batches, so with equal micro-batches it is the
-    full-batch loss.
+    its kept input and back-propagates the gradient that crossed back from
+    the next stage (GPipe's re-materialisation: only stage inputs are held,
+    never inner activations). Gradients accumulate over micro-batches (one
+    AddN per variable); the loss is the mean over micro-batches, so with
+    equal micro-batches it is the full-batch loss.
+
+  `schedule='serial'` chains every unit of work on the previous one with
+  control dependencies: the same numbers without any overlap (a benchmark
+  reference).
 
   Why not one function with one tape: in TF 2.21 a tf.function whose backward
   crosses back to a DTensor mesh hangs whenever that gradient depends on
@@ -526,7 +530,11 @@ class GPipe:
 
   def __init__(self, *, stages: Sequence[Callable], placement,
                loss_fn: Callable[[tf.Tensor, tf.Tensor], tf.Tensor],
-               num_micro_batches: int):
+               num_micro_batches: int, schedule: str = 'gpipe'):
+    if schedule not in ('gpipe', 'serial'):
+      raise ConfigError(f'pipeline schedule {schedule!r}', fix="use 'gpipe' or 'serial'")
+    self.schedule = schedule
+    self._previous = None  # last unit's outputs while tracing ('serial')
     self.stages = list(stages)
     self.placement = placement
     self.loss_fn = loss_fn
@@ -558,9 +566,18 @@ class GPipe:
   def _cross(self, values, source: int, target: int) -> tuple:
     return tuple(self.placement.cross(v, source, target) for v in values)
 
-  def _stage_gradients(self, k: int, inputs, labels=None, output_grads=None):
-    """Re-runs stage k on `inputs` under a tape; returns (loss share or None,
-    gradients of the floating inputs, gradients of stage k's variables)."""
+  def _chain(self, inputs) -> tuple:
+    """In the 'serial' schedule, makes this unit of work wait for the previous
+    one (a reference for benchmarks: same work, no overlap)."""
+    if self.schedule != 'serial' or self._previous is None:
+      return tuple(inputs)
+    with tf.control_dependencies(self._previous):
+      return tuple(tf.identity(x) for x in inputs)
+
+  def _unit_gradients(self, k: int, inputs, labels=None, output_grads=None):
+    """Re-runs stage k on one micro-batch's kept input under a tape; returns
+    (loss share or None, gradients of the floating inputs, of the variables)."""
+    inputs = self._chain(inputs)
     floats = [x for x in inputs if x.dtype.is_floating]
     with tf.GradientTape() as tape:
       tape.watch(floats)
@@ -569,12 +586,12 @@ class GPipe:
       if labels is not None:
         share = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs,
                              labels) / self.num_micro_batches
-    target = share if labels is not None else list(outputs)
-    grads = tape.gradient(target, floats + self.variables[k],
+    grads = tape.gradient(share if labels is not None else list(outputs),
+                          floats + self.variables[k],
                           output_gradients=None if labels is not None else list(output_grads),
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    variable_grads = [tf.convert_to_tensor(g) for g in grads[len(floats):]]
-    return share, tuple(grads[:len(floats)]), variable_grads
+    self._previous = [g for g in grads if g is not None]
+    return share, tuple(grads[:len(floats)]), grads[len(floats):]
 
   # -- step functions --------------------------------------------------------------
   def _forward_fn(self, micro_inputs):
@@ -582,36 +599,44 @@ class GPipe:
     num_stages, num_micro = self.num_stages, self.num_micro_batches
     kept = [[None] * num_micro for _ in range(num_stages)]
     kept[0] = [_as_tuple(x) for x in micro_inputs]
+    self._previous = None
     for clock in range(num_micro + num_stages - 2):
       for k in range(num_stages - 1):
         m = clock - k
         if 0 <= m < num_micro:
-          kept[k + 1][m] = self._cross(self._run(k, kept[k][m]), k, k + 1)
+          outputs = self._run(k, self._chain(kept[k][m]))
+          self._previous = list(outputs)
+          kept[k + 1][m] = self._cross(outputs, k, k + 1)
     return kept[1:]
 
   def _backward_fn(self, micro_inputs, kept, micro_labels):
+    """The forward's clock order reversed: stage k back-propagates micro-batch
+    m while stage k-1 works on m-1, each re-computing its forward first."""
     num_stages, num_micro, last = self.num_stages, self.num_micro_batches, self.num_stages - 1
     inputs = [[_as_tuple(x) for x in micro_inputs]] + [list(row) for row in kept]
     output_grads = [[None] * num_micro for _ in range(num_stages)]
-    accumulated: list = [None] * num_stages
+    per_micro: list[list] = [[] for _ in range(num_stages)]
     shares = []
+    self._previous = None
     for clock in range(num_micro + num_stages - 1):
       for k in range(last, -1, -1):
         m = clock - (last - k)
         if not 0 <= m < num_micro:
           continue
-        share, input_grads, grads = self._stage_gradients(
+        share, input_grads, grads = self._unit_gradients(
             k, inputs[k][m], labels=micro_labels[m] if k == last else None,
             output_grads=output_grads[k][m])
         if share is not None:
           shares.append(share)
-        accumulated[k] = (grads if accumulated[k] is None else
-                          [a + g for a, g in zip(accumulated[k], grads)])
+        per_micro[k].append(grads)
         if k > 0:
           output_grads[k - 1][m] = self._cross(input_grads, k, k - 1)
-    squared_norms = [tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads]) if grads else None
-                     for grads in accumulated]
-    return tf.add_n(shares), accumulated, squared_norms
+    # Accumulate over micro-batches: one AddN per variable.
+    grads = [[tf.add_n([tf.convert_to_tensor(g) for g in column]) for column in zip(*rows)]
+             for rows in per_micro]
+    squared_norms = [tf.add_n([tf.reduce_sum(tf.square(g)) for g in stage]) if stage else None
+                     for stage in grads]
+    return tf.add_n(shares), grads, squared_norms
 
   def _eval_fn(self, micro_inputs, micro_labels):
     kept = self._forward_fn(micro_inputs) if self.num_stages > 1 else [micro_inputs]

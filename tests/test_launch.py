@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 from tests.conftest import read_events, run_module
 
 QUICK = ['--gin_file=configs/experiments/quickstart.gin',
@@ -60,3 +62,42 @@ def test_help_explains_the_flags():
   assert 'Train a model from gin config files' in result.stdout
   for flag in ('--gin_file', '--gin_bindings', '--gin_search_paths', '--model_dir'):
     assert flag in result.stdout
+
+
+PIPELINE = ['--gin_file=configs/experiments/lm_pipeline.gin',
+            '--gin_bindings=train.num_steps = 4', '--gin_bindings=train.log_every = 2',
+            '--gin_bindings=train.eval_every = 0', '--gin_bindings=train.eval_batches = 1']
+
+
+def test_pipelined_run_records_stages_bubble_fraction_and_checkpoints(tmp_path):
+  model_dir = str(tmp_path / 'pipe')
+  result = run_module('launch.train', *PIPELINE, f'--model_dir={model_dir}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  events = read_events(model_dir)
+  scalars, texts = events['scalars'], events['text']
+  stages = texts['pipeline/stages'][0]
+  for expected in ('| 0 |', '| 1 |', 'emb', 'block_000', 'softmax', 'data=2 x model=2', '%'):
+    assert expected in stages, expected
+  num_stages, num_micro = 2, 4  # lm_pipeline.gin
+  [(_, bubble)] = scalars['pipeline/bubble_fraction']
+  assert bubble == pytest.approx((num_stages - 1) / (num_micro + num_stages - 1))
+  assert [s for s, _ in scalars['train/loss']] == [2, 4]
+  assert '| stage1 |' in texts['layouts/variables'][0]
+  assert os.path.isdir(os.path.join(model_dir, 'checkpoints', 'ckpt-4'))
+
+
+def test_pipeline_errors_exit_2_with_the_knob(tmp_path):
+  cases = {
+      'pipeline.num_micro_batches = 3': 'num_micro_batches=3 does not divide the batch of 32',
+      'pipeline.num_stages = 4': "mesh axis 'stage' has size 2",
+  }
+  for binding, message in cases.items():
+    result = run_module('launch.train', *PIPELINE, f'--gin_bindings={binding}',
+                        f'--model_dir={tmp_path}')
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    assert 'Traceback' not in result.stderr
+  too_many = run_module('launch.inspect', *PIPELINE, "--gin_bindings=mesh.shape = {'stage': 8}",
+                        '--gin_bindings=pipeline.num_stages = 8',
+                        '--gin_bindings=layout_rules.rules = []')
+  assert too_many.returncode == 2
+  assert 'num_stages=8 is more than the 7 layers' in too_many.stderr

@@ -11,7 +11,8 @@ from tensorflow.experimental import dtensor
 
 from layout_core import pipeline
 from layout_core.errors import ConfigError
-from layout_core.layers import FeedForward, LayerNorm, flatten_layers, transformer_lm_params
+from layout_core.layers import (FeedForward, LayerNorm, Sequential, flatten_layers, leaf_layers,
+                                leaf_modules, transformer_lm_params)
 from layout_core.mesh import MeshSpec, build_mesh
 from layout_core.rules import LayoutRules
 from layout_core.variables import to_numpy
@@ -163,8 +164,6 @@ def test_crossing_sub_meshes_with_sharded_activations_gives_plain_tf_values(devi
   moved = placement.cross(h, 0, 1)
   np.testing.assert_allclose(to_numpy(moved), to_numpy(h), rtol=0, atol=0)
 
-  # Forward only: in TF 2.21 the backward pass of a tf.function that crosses
-  # sub-meshes hangs here (even M=1, no model sharding); see README "Limits".
   @tf.function
   def run(x):
     return tf.reduce_sum(pipe(x) ** 2), pipe(x)
@@ -174,3 +173,69 @@ def test_crossing_sub_meshes_with_sharded_activations_gives_plain_tf_values(devi
     ref = stage(ref)
   np.testing.assert_allclose(to_numpy(out), ref.numpy(), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(to_numpy(loss), tf.reduce_sum(ref ** 2).numpy(), rtol=1e-5)
+
+
+def staged_model(params, *, mesh, rules, num_stages, input_shape):
+  """`params` built with each leaf layer's variables on its stage's sub-mesh."""
+  leaves = leaf_layers(params)
+  plan = pipeline.partition([p for _, p in leaves], num_stages=num_stages,
+                            input_shapes=[input_shape])
+  placement = pipeline.SubMeshPlacement(mesh=mesh, rules=rules)
+  counts = [len(s.layers) for s in plan.stages]
+  owners = np.repeat(np.arange(num_stages), counts)
+  scope = pipeline.StagedLayoutScope(
+      meshes=placement.meshes, rules=rules,
+      layer_stages={path: int(k) for (path, _), k in zip(leaves, owners)})
+  with scope:
+    model = params.Instantiate()
+  modules = leaf_modules(model)
+  bounds = np.cumsum([0] + counts)
+  runners = [pipeline.StageRunner(modules[a:b], name=f'stage_{k}')
+             for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+  return model, runners, placement, scope
+
+
+@pytest.mark.parametrize('shape,num_micro', [
+    ({'stage': 2, 'data': 2, 'model': 2}, 1),
+    ({'stage': 2, 'data': 2, 'model': 2}, 4),
+    ({'stage': 4, 'data': 2}, 2),
+])
+def test_gpipe_training_on_sub_meshes_equals_plain_tf(shape, num_micro, devices8):
+  """Loss and every gradient of the GPipe schedule on sub-meshes (sharded
+  weights and activations, crossings both ways) against plain TF, no DTensor."""
+  num_stages = shape['stage']
+  params = Sequential.Params().Set(name='net', sub=heterogeneous_stack())
+  rules = LayoutRules([(r'.*/w_in', ('unsharded', 'model')),
+                       (r'.*/w_out', ('model', 'unsharded')), (r'.*/b_in', ('model',))]
+                      if 'model' in shape else [])
+  model, runners, placement, scope = staged_model(
+      params, mesh=build_mesh(MeshSpec(shape=shape)), rules=rules,
+      num_stages=num_stages, input_shape=(8, 8))
+  assert {r.mesh for r in scope.records} == {f'stage{k}' for k in range(num_stages)}
+  loss_fn = lambda out, target: tf.reduce_mean((out - target) ** 2)
+  gpipe = pipeline.GPipe(stages=runners, placement=placement, loss_fn=loss_fn,
+                         num_micro_batches=num_micro)
+  x = np.random.RandomState(0).randn(8, 8).astype(np.float32)
+  target = np.random.RandomState(1).randn(8, 8).astype(np.float32)
+  micro_x = [placement.put(0, a, batch_dim=0) for a in np.split(x, num_micro)]
+  micro_t = [placement.put(num_stages - 1, a, batch_dim=0) for a in np.split(target, num_micro)]
+  loss, grads, squared_norms = gpipe.loss_and_gradients(micro_x, micro_t)
+
+  plain = params.Instantiate()  # plain tf.Variables; initial values are layout-free
+  with tf.GradientTape() as tape:
+    ref_loss = loss_fn(plain(tf.constant(x)), tf.constant(target))
+  ref_grads = dict(zip((v.name for v in plain.trainable_variables),
+                       tape.gradient(ref_loss, plain.trainable_variables)))
+  np.testing.assert_allclose(to_numpy(loss), ref_loss.numpy(), rtol=1e-5)
+  np.testing.assert_allclose(to_numpy(gpipe.loss(micro_x, micro_t)), ref_loss.numpy(),
+                             rtol=1e-5)
+  checked = 0
+  for variables, stage_grads, squared in zip(gpipe.variables, grads, squared_norms):
+    for variable, grad in zip(variables, stage_grads):
+      np.testing.assert_allclose(to_numpy(grad), ref_grads[variable.name].numpy(),
+                                 rtol=1e-5, atol=1e-7, err_msg=variable.name)
+      checked += 1
+    np.testing.assert_allclose(
+        to_numpy(squared), sum(np.sum(ref_grads[v.name].numpy() ** 2) for v in variables),
+        rtol=1e-5)
+  assert checked == len(plain.trainable_variables)

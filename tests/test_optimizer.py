@@ -1,0 +1,23 @@
+"""Adam against its defining property on the first step."""
+
+import numpy as np
+import pytest
+
+from layout_core.rules import LayoutRules
+from layout_core.variables import to_numpy
+from tests.test_layout_scope import MEGATRON, make_trainer
+
+
+def test_first_adam_step_moves_each_parameter_by_the_learning_rate(mesh_2x4):
+  """Step 1 of Adam: m = (1-b1) g, v = (1-b2) g^2, bias-corrected m/sqrt(v) =
+  g / (|g| + eps / sqrt(1 - b2)), so every weight moves by at most lr and by
+  ~lr where |g| >> 1e-7 (the small attention-logit weights reach 0.999 lr).
+  A version that re-read the slots after assigning them moved nothing."""
+  trainer = make_trainer(mesh_2x4, LayoutRules(MEGATRON), steps=1)
+  lr = trainer.optimizer.config.learning_rate
+  before = {p: to_numpy(v).copy() for p, v in trainer.variables.items()}
+  trainer.train_step(trainer.task.batch(step=0, batch_size=8))
+  for path, variable in trainer.variables.items():
+    moved = np.abs(to_numpy(variable) - before[path])
+    assert moved.max() == pytest.approx(lr, rel=1e-2), path
+    assert np.all(moved <= lr * (1 + 1e-3)), path

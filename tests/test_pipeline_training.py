@@ -1,0 +1,75 @@
+"""Pipelined training (GPipe on sub-meshes) against the plain trainer."""
+
+import numpy as np
+import pytest
+
+from layout_core import checkpoint as checkpoint_lib
+from layout_core.checkpoint import CheckpointConfig, Checkpointer
+from layout_core.data import MarkovTask
+from layout_core.errors import ConfigError
+from layout_core.mesh import MeshSpec, build_mesh
+from layout_core.optimizer import OptimizerConfig
+from layout_core.pipeline import PipelineConfig
+from layout_core.pipeline_trainer import PipelineTrainer
+from layout_core.rules import LayoutRules
+from layout_core.trainer import TrainConfig, Trainer
+from layout_core.variables import to_numpy
+from tests.test_layout_scope import MEGATRON, small_lm
+
+
+def make(mesh, rules, pipeline=None, batch_size=8):
+  kwargs = dict(model_params=small_lm(), mesh=mesh, rules=LayoutRules(rules),
+                task=MarkovTask(vocab_size=32, seq_len=16, seed=3),
+                optimizer=OptimizerConfig(learning_rate=1e-2, warmup_steps=0),
+                config=TrainConfig(num_steps=3, batch_size=batch_size, log_every=1,
+                                   eval_every=0, eval_batches=1))
+  return PipelineTrainer(pipeline=pipeline, **kwargs) if pipeline else Trainer(**kwargs)
+
+
+@pytest.fixture(scope='module')
+def stage_mesh(devices8):
+  return build_mesh(MeshSpec(shape={'stage': 2, 'data': 2, 'model': 2}))
+
+
+def test_pipelined_training_matches_plain_training(stage_mesh, mesh_data8, tmp_path):
+  """K=2 stages x (data 2 x model 2, Megatron rules), 2 micro-batches, vs pure
+  data parallelism on 8 devices: same losses, gradient norms, weights, and
+  the same checkpoint keys (a checkpoint moves between the two)."""
+  piped = make(stage_mesh, MEGATRON, PipelineConfig(num_stages=2, num_micro_batches=2))
+  plain = make(mesh_data8, [])
+  assert {r.mesh for r in piped.layout_records} == {'stage0', 'stage1'}
+  piped_keys = checkpoint_lib.checkpoint_keys(piped.state())
+  assert piped_keys.keys() == checkpoint_lib.checkpoint_keys(plain.state()).keys()
+  for step in range(3):
+    batch = piped.task.batch(step=step, batch_size=8)
+    loss_a, _, norm_a = piped.train_step(batch)
+    loss_b, _, norm_b = plain.train_step(batch)
+    assert float(to_numpy(loss_a)) == pytest.approx(float(to_numpy(loss_b)), rel=1e-5)
+    assert float(to_numpy(norm_a)) == pytest.approx(float(to_numpy(norm_b)), rel=1e-4)
+  assert piped.current_step == plain.current_step == 3
+  assert piped.evaluate() == pytest.approx(plain.evaluate(), rel=1e-5)
+  for path, variable in piped.variables.items():  # tolerance: see test_layout_scope
+    np.testing.assert_allclose(to_numpy(variable), to_numpy(plain.variables[path]),
+                               rtol=1e-4, atol=0.01 * 1e-2 * 3, err_msg=path)
+
+  checkpointer = Checkpointer(directory=str(tmp_path), state=piped.state(),
+                              config=CheckpointConfig())
+  checkpointer.save(3, reason='final')
+  fresh = make(mesh_data8, [])
+  assert Checkpointer(directory=str(tmp_path), state=fresh.state(),
+                      config=CheckpointConfig()).restore_latest() == 3
+  for key, variable in checkpoint_lib.checkpoint_keys(fresh.state()).items():
+    np.testing.assert_array_equal(to_numpy(variable), to_numpy(piped_keys[key]), err_msg=key)
+
+
+def test_pipeline_config_errors_name_the_knob(stage_mesh):
+  with pytest.raises(ConfigError, match='num_micro_batches=3 does not divide the batch of 8'):
+    make(stage_mesh, [], PipelineConfig(num_stages=2, num_micro_batches=3))
+  with pytest.raises(ConfigError, match="num_stages=4 but mesh axis 'stage' has size 2"):
+    make(stage_mesh, [], PipelineConfig(num_stages=4, num_micro_batches=2))
+  with pytest.raises(ConfigError, match="micro-batch of 1 .* does not split over mesh axis 'data'"):
+    make(stage_mesh, [], PipelineConfig(num_stages=2, num_micro_batches=8))
+  with pytest.raises(ConfigError, match='micro_batch_size=3 does not divide the batch of 8'):
+    make(stage_mesh, [], PipelineConfig(num_stages=2, micro_batch_size=3))
+  with pytest.raises(ConfigError, match='batch_dim'):
+    make(stage_mesh, [], PipelineConfig(num_stages=2, batch_dim=1))
