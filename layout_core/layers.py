@@ -22,16 +22,18 @@ each elementwise op (`flops` includes both).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Sequence
+import threading
+from typing import Iterator, Sequence
 
 import tensorflow as tf
 
 from layout_core.errors import ConfigError
 from layout_core.params import Params
-from layout_core.variables import (Initializer, Normal, Ones, VariableSpec,
-                                   Zeros, create_variable)
+from layout_core.variables import (Initializer, Normal, Ones, VariableSpec, Zeros,
+                                   create_variable, flat_index, mix32, path_seed)
 
 Shape = tuple[int, ...]
 
@@ -286,6 +288,65 @@ class MultiHeadAttention(BaseLayer):
     return tf.einsum('bthk,hkd->btd', context, self.wo)
 
 
+# -- randomness -----------------------------------------------------------------
+_random = threading.local()
+
+
+@contextlib.contextmanager
+def random_context(*, seed: tf.Tensor, batch_offset: int = 0) -> Iterator[None]:
+  """Turns on random layers (Dropout) for the code inside, e.g. a training step.
+
+  `seed` is an int scalar tensor (the trainer gives run seed x step);
+  `batch_offset` is the index of this micro-batch's first row in the global
+  batch. Masks are a counter-based hash of (seed, layer path, global element
+  index), so they do not depend on the layout, and a pipelined micro-batch
+  draws exactly the mask the same rows get in an unpipelined step: distinct
+  per micro-batch, deterministic, and identical when the backward pass
+  re-computes a stage. Outside a context (evaluation) random layers are the
+  identity.
+  """
+  previous = getattr(_random, 'state', None)
+  _random.state = (seed, batch_offset)
+  try:
+    yield
+  finally:
+    _random.state = previous
+
+
+def step_seed(run_seed: int, step):
+  """The seed of one training step (int64 tensor or Python int step)."""
+  return step * 0x9E3779B1 + (run_seed & 0xFFFFFFFF)
+
+
+class Dropout(BaseLayer):
+  """Zeroes each element with probability `rate` (scaling the rest by
+  1/(1-rate)) inside a `random_context`; the identity outside one."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.name = 'dropout'
+    p.Define('rate', 0.0, 'Probability of dropping an element.')
+    return p
+
+  @classmethod
+  def fprop_meta(cls, p, x_shape):
+    return LayerMeta(out_shapes=(tuple(x_shape),), flops=2 * _size(x_shape), matmul_flops=0)
+
+  def fprop(self, x):
+    state = getattr(_random, 'state', None)
+    if not self.params.rate or state is None:
+      return x
+    seed, batch_offset = state
+    shape = tuple(x.shape.as_list())
+    index = flat_index(shape) + batch_offset * _size(shape[1:])
+    key = mix32(tf.bitwise.bitwise_and(
+        tf.cast(seed, tf.int64) * 0x85EBCA77 + path_seed(self.path, 0), 0xFFFFFFFF))
+    bits = mix32(tf.bitwise.bitwise_and(index * 2 + key, 0xFFFFFFFF))
+    keep = tf.cast(bits, tf.float32) >= self.params.rate * 4294967296.0
+    return tf.where(keep, x / (1.0 - self.params.rate), tf.zeros_like(x))
+
+
 class TransformerBlock(BaseLayer):
   """Pre-norm block: x + attn(ln(x)), then x + ffn(ln(x))."""
 
@@ -297,11 +358,12 @@ class TransformerBlock(BaseLayer):
     p.Define('num_heads', 4, 'Attention heads.')
     p.Define('ffn_dim', 256, 'Feed-forward inner width.')
     p.Define('activation', 'relu', "Feed-forward activation: 'relu' or 'gelu'.")
+    p.Define('dropout_rate', 0.0, 'Dropout on the attention and feed-forward outputs.')
     return p
 
   @classmethod
   def child_params(cls, p):
-    return {
+    children = {
         'ln_attn': LayerNorm.Params().Set(name='ln_attn', dim=p.model_dim),
         'attn': MultiHeadAttention.Params().Set(model_dim=p.model_dim,
                                                 num_heads=p.num_heads),
@@ -309,6 +371,10 @@ class TransformerBlock(BaseLayer):
         'ffn': FeedForward.Params().Set(input_dim=p.model_dim, hidden_dim=p.ffn_dim,
                                         activation=p.activation),
     }
+    if p.dropout_rate:
+      for name in ('attn_dropout', 'ffn_dropout'):
+        children[name] = Dropout.Params().Set(name=name, rate=p.dropout_rate)
+    return children
 
   @classmethod
   def fprop_meta(cls, p, x_shape):
@@ -320,8 +386,14 @@ class TransformerBlock(BaseLayer):
                      matmul_flops=sum(m.matmul_flops for m in parts))
 
   def fprop(self, x):
-    x = x + self.attn(self.ln_attn(x))
-    return x + self.ffn(self.ln_ffn(x))
+    attn, ffn = self.attn(self.ln_attn(x)), None
+    if self.params.dropout_rate:
+      attn = self.attn_dropout(attn)
+    x = x + attn
+    ffn = self.ffn(self.ln_ffn(x))
+    if self.params.dropout_rate:
+      ffn = self.ffn_dropout(ffn)
+    return x + ffn
 
 
 class Softmax(BaseLayer):
@@ -402,23 +474,24 @@ class Sequential(BaseLayer):
 
 
 def transformer_block_params(*, num_heads: int = 4, ffn_dim: int = 256,
-                             activation: str = 'relu') -> Params:
+                             activation: str = 'relu', dropout_rate: float = 0.0) -> Params:
   """One Transformer cell (its width comes from the LM it is put in)."""
   return TransformerBlock.Params().Set(num_heads=num_heads, ffn_dim=ffn_dim,
-                                       activation=activation)
+                                       activation=activation, dropout_rate=dropout_rate)
 
 
 def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
                           num_heads: int = 4, ffn_dim: int = 256,
                           num_layers: int = 2, max_len: int = 128,
                           activation: str = 'relu', name: str = 'lm',
-                          cells: Sequence[Params] | None = None) -> Params:
+                          cells: Sequence[Params] | None = None,
+                          dropout_rate: float = 0.0) -> Params:
   """A decoder-only Transformer LM as a flat Sequential of heterogeneous layers:
 
   lm/emb -> lm/stack/block_000..N-1 -> lm/final_ln -> lm/softmax (logits).
 
   The stack is `num_layers` copies of one block (num_heads, ffn_dim,
-  activation), or the explicit list `cells` (e.g. blocks of different widths),
+  activation, dropout_rate), or the explicit list `cells` (e.g. blocks of different widths),
   each set to `model_dim`; `num_layers` must then equal len(cells).
   """
   if cells:
@@ -431,7 +504,8 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
         for i, cell in enumerate(cells)])
   else:
     block = transformer_block_params(num_heads=num_heads, ffn_dim=ffn_dim,
-                                     activation=activation).Set(model_dim=model_dim)
+                                     activation=activation,
+                                     dropout_rate=dropout_rate).Set(model_dim=model_dim)
     stack = Sequential.Params().Set(name='stack', sub=[block], repeat=num_layers)
   return Sequential.Params().Set(name=name, sub=[
       Embedding.Params().Set(vocab_size=vocab_size, dim=model_dim, max_len=max_len),

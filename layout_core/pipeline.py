@@ -43,7 +43,7 @@ from tensorflow.experimental import dtensor
 
 from layout_core import mesh as mesh_lib
 from layout_core.errors import ConfigError
-from layout_core.layers import BaseLayer, LayerMeta, Sequential
+from layout_core.layers import BaseLayer, LayerMeta, Sequential, random_context
 from layout_core.layout_scope import LayoutRecord, LayoutScope
 from layout_core.params import Params
 from layout_core.rules import UNSHARDED, LayoutRules
@@ -535,6 +535,7 @@ class GPipe:
       raise ConfigError(f'pipeline schedule {schedule!r}', fix="use 'gpipe' or 'serial'")
     self.schedule = schedule
     self._previous = None  # last unit's outputs while tracing ('serial')
+    self._seeds = None     # per-stage step seeds while tracing
     self.stages = list(stages)
     self.placement = placement
     self.loss_fn = loss_fn
@@ -553,8 +554,15 @@ class GPipe:
     return (k - 1) / (m + k - 1)
 
   # -- one stage, one micro-batch (traced inside the step functions) -------------
-  def _run(self, k: int, inputs) -> tuple:
-    outputs = _as_tuple(self.placement.run(k, self.stages[k], *inputs))
+  def _run(self, k: int, inputs, m: int | None = None) -> tuple:
+    """Stage k on micro-batch m; random layers (dropout) draw from this step's
+    seed and the micro-batch's rows, in the forward and in its re-computation alike."""
+    if self._seeds is not None and m is not None:
+      rows = int(inputs[0].shape[0])
+      with random_context(seed=self._seeds[k], batch_offset=m * rows):
+        outputs = _as_tuple(self.placement.run(k, self.stages[k], *inputs))
+    else:
+      outputs = _as_tuple(self.placement.run(k, self.stages[k], *inputs))
     if k < self.num_stages - 1:
       for y in outputs:
         if not y.dtype.is_floating:
@@ -574,14 +582,14 @@ class GPipe:
     with tf.control_dependencies(self._previous):
       return tuple(tf.identity(x) for x in inputs)
 
-  def _unit_gradients(self, k: int, inputs, labels=None, output_grads=None):
+  def _unit_gradients(self, k: int, m: int, inputs, labels=None, output_grads=None):
     """Re-runs stage k on one micro-batch's kept input under a tape; returns
     (loss share or None, gradients of the floating inputs, of the variables)."""
     inputs = self._chain(inputs)
     floats = [x for x in inputs if x.dtype.is_floating]
     with tf.GradientTape() as tape:
       tape.watch(floats)
-      outputs = self._run(k, inputs)
+      outputs = self._run(k, inputs, m)
       share = None
       if labels is not None:
         share = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs,
@@ -594,8 +602,9 @@ class GPipe:
     return share, tuple(grads[:len(floats)]), grads[len(floats):]
 
   # -- step functions --------------------------------------------------------------
-  def _forward_fn(self, micro_inputs):
+  def _forward_fn(self, micro_inputs, seeds=None):
     """Stage inputs [k][m] for stages 1..K-1, in clock order."""
+    self._seeds = seeds
     num_stages, num_micro = self.num_stages, self.num_micro_batches
     kept = [[None] * num_micro for _ in range(num_stages)]
     kept[0] = [_as_tuple(x) for x in micro_inputs]
@@ -604,14 +613,15 @@ class GPipe:
       for k in range(num_stages - 1):
         m = clock - k
         if 0 <= m < num_micro:
-          outputs = self._run(k, self._chain(kept[k][m]))
+          outputs = self._run(k, self._chain(kept[k][m]), m)
           self._previous = list(outputs)
           kept[k + 1][m] = self._cross(outputs, k, k + 1)
     return kept[1:]
 
-  def _backward_fn(self, micro_inputs, kept, micro_labels):
+  def _backward_fn(self, micro_inputs, kept, micro_labels, seeds=None):
     """The forward's clock order reversed: stage k back-propagates micro-batch
     m while stage k-1 works on m-1, each re-computing its forward first."""
+    self._seeds = seeds
     num_stages, num_micro, last = self.num_stages, self.num_micro_batches, self.num_stages - 1
     inputs = [[_as_tuple(x) for x in micro_inputs]] + [list(row) for row in kept]
     output_grads = [[None] * num_micro for _ in range(num_stages)]
@@ -624,7 +634,7 @@ class GPipe:
         if not 0 <= m < num_micro:
           continue
         share, input_grads, grads = self._unit_gradients(
-            k, inputs[k][m], labels=micro_labels[m] if k == last else None,
+            k, m, inputs[k][m], labels=micro_labels[m] if k == last else None,
             output_grads=output_grads[k][m])
         if share is not None:
           shares.append(share)
@@ -640,6 +650,7 @@ class GPipe:
 
   def _eval_fn(self, micro_inputs, micro_labels):
     kept = self._forward_fn(micro_inputs) if self.num_stages > 1 else [micro_inputs]
+    self._seeds = None
     last = [_as_tuple(x) for x in kept[-1]]
     shares = []
     for m in range(self.num_micro_batches):
@@ -654,12 +665,14 @@ class GPipe:
     self._check(micro_inputs)
     return self._eval(list(micro_inputs), list(micro_labels))
 
-  def loss_and_gradients(self, micro_inputs, micro_labels):
+  def loss_and_gradients(self, micro_inputs, micro_labels, seeds=None):
     """(mean loss, [per-stage gradient lists], [per-stage squared gradient norm]),
-    each on its stage's mesh (the loss on the last stage's)."""
+    each on its stage's mesh (the loss on the last stage's). `seeds`: this
+    step's random seed as a scalar on each stage's mesh, for dropout."""
     self._check(micro_inputs)
-    kept = self._forward(list(micro_inputs)) if self.num_stages > 1 else []
-    return self._backward(list(micro_inputs), kept, list(micro_labels))
+    seeds = list(seeds) if seeds is not None else None
+    kept = self._forward(list(micro_inputs), seeds) if self.num_stages > 1 else []
+    return self._backward(list(micro_inputs), kept, list(micro_labels), seeds)
 
   def _check(self, micro_inputs) -> None:
     if len(micro_inputs) != self.num_micro_batches:

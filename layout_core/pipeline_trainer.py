@@ -28,7 +28,7 @@ from absl import logging
 from layout_core import mesh as mesh_lib
 from layout_core import pipeline as pipeline_lib
 from layout_core.errors import ConfigError
-from layout_core.layers import leaf_layers, leaf_modules
+from layout_core.layers import leaf_layers, leaf_modules, step_seed
 from layout_core.params import Params
 from layout_core.rules import LayoutRules
 from layout_core.trainer import Trainer, cross_entropy
@@ -142,11 +142,13 @@ class PipelineTrainer(Trainer):
     return rates[0]
 
   def train_step(self, tokens: np.ndarray):
-    loss, grads, squared_norms = self.gpipe.loss_and_gradients(*self.pack(tokens))
+    step = self.current_step
+    seed = np.int64(step_seed(self.config.seed, step))
+    seeds = [self.placement.put(k, seed) for k in range(self.gpipe.num_stages)]
+    loss, grads, squared_norms = self.gpipe.loss_and_gradients(*self.pack(tokens), seeds=seeds)
     # The clipping norm spans all stages: summed on the host, then given to
     # each stage's mesh (a single function doing this would cross meshes both ways).
     norm = math.sqrt(sum(float(to_numpy(s)) for s in squared_norms if s is not None))
-    step = self.current_step
     put = self.placement.put
     rate = self._apply(grads, [put(k, np.int64(step)) for k in range(len(grads))],
                        [put(k, np.float32(norm)) for k in range(len(grads))])

@@ -25,6 +25,7 @@ from tensorflow.experimental import dtensor
 from layout_core import mesh as mesh_lib
 from layout_core.data import LMTask
 from layout_core.errors import ConfigError
+from layout_core.layers import random_context, step_seed
 from layout_core.layout_scope import LayoutScope, table_markdown
 from layout_core.optimizer import Adam, OptimizerConfig
 from layout_core.params import Params
@@ -122,7 +123,8 @@ class Trainer:
     return cross_entropy(logits, tokens[:, 1:])
 
   def _train_step_fn(self, tokens):
-    with tf.GradientTape() as tape:
+    seed = step_seed(self.config.seed, self.step.read_value())
+    with tf.GradientTape() as tape, random_context(seed=seed):
       loss = self.loss(tokens)
     grads = tape.gradient(loss, self._trainable)
     lr, grad_norm = self.optimizer.apply(grads, self.step.read_value())

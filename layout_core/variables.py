@@ -33,7 +33,7 @@ _MASK32 = 0xFFFFFFFF
 
 
 # -- counter-based initializers ------------------------------------------------
-def _mix32(h: tf.Tensor) -> tf.Tensor:
+def mix32(h: tf.Tensor) -> tf.Tensor:
   """MurmurHash3's 32-bit finaliser on int64 lanes holding 32-bit values."""
   h = tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, 16))
   h = tf.bitwise.bitwise_and(h * 0x85EBCA6B, _MASK32)
@@ -43,7 +43,7 @@ def _mix32(h: tf.Tensor) -> tf.Tensor:
 
 
 def _mix32_int(h: int) -> int:
-  """`_mix32` on a Python int, so seeds are plain constants inside tf.function."""
+  """`mix32` on a Python int, so seeds are plain constants inside tf.function."""
   h ^= h >> 16
   h = (h * 0x85EBCA6B) & _MASK32
   h ^= h >> 13
@@ -51,7 +51,7 @@ def _mix32_int(h: int) -> int:
   return h ^ (h >> 16)
 
 
-def _flat_index(shape: tuple[int, ...]) -> tf.Tensor:
+def flat_index(shape: tuple[int, ...]) -> tf.Tensor:
   """Row-major element index, built by broadcasting one range per dim."""
   index = tf.zeros([1] * len(shape), tf.int64)
   stride = 1
@@ -65,8 +65,8 @@ def _flat_index(shape: tuple[int, ...]) -> tf.Tensor:
 
 def _uniform_pair(shape: tuple[int, ...], seed: int) -> tuple[tf.Tensor, tf.Tensor]:
   key = _mix32_int(seed & _MASK32)
-  h1 = _mix32(tf.bitwise.bitwise_and(_flat_index(shape) * 2 + key, _MASK32))
-  h2 = _mix32(tf.bitwise.bitwise_and(h1 + 0x9E3779B9, _MASK32))
+  h1 = mix32(tf.bitwise.bitwise_and(flat_index(shape) * 2 + key, _MASK32))
+  h2 = mix32(tf.bitwise.bitwise_and(h1 + 0x9E3779B9, _MASK32))
   u1 = (tf.cast(h1, tf.float32) + 1.0) / 4294967297.0  # in (0, 1]
   u2 = tf.cast(h2, tf.float32) / 4294967296.0            # in [0, 1)
   return u1, u2

@@ -122,3 +122,23 @@ def test_initial_values_do_not_depend_on_layout(mesh_2x4):
                                      dtensor.Layout(sharding, mesh_2x4))
     np.testing.assert_array_equal(to_numpy(value), reference)
   assert not np.array_equal(initial_value(spec, seed=4).numpy(), reference)
+
+
+def test_dropout_masks_follow_rows_and_seeds_and_are_off_outside_training():
+  layer = layers.Dropout.Params().Set(name='drop', rate=0.25).Instantiate(parent_path='lm')
+  x = tf.ones([8, 16, 32])
+  np.testing.assert_array_equal(layer(x).numpy(), x.numpy())  # evaluation: identity
+  with layers.random_context(seed=tf.constant(7, tf.int64)):
+    full = layer(x).numpy()
+  kept = full != 0
+  assert abs(kept.mean() - 0.75) < 0.02
+  np.testing.assert_allclose(full[kept], 1 / 0.75)
+  # A micro-batch of rows 4..7 draws exactly those rows' masks (pipelining),
+  # distinct from rows 0..3; the same seed repeats, another seed does not.
+  with layers.random_context(seed=tf.constant(7, tf.int64), batch_offset=4):
+    np.testing.assert_array_equal(layer(x[4:]).numpy(), full[4:])
+  assert (full[:4] != full[4:]).any()
+  with layers.random_context(seed=tf.constant(7, tf.int64)):
+    np.testing.assert_array_equal(layer(x).numpy(), full)
+  with layers.random_context(seed=tf.constant(8, tf.int64)):
+    assert (layer(x).numpy() != full).mean() > 0.2

@@ -7,6 +7,7 @@ from layout_core import checkpoint as checkpoint_lib
 from layout_core.checkpoint import CheckpointConfig, Checkpointer
 from layout_core.data import MarkovTask
 from layout_core.errors import ConfigError
+from layout_core.layers import transformer_lm_params
 from layout_core.mesh import MeshSpec, build_mesh
 from layout_core.optimizer import OptimizerConfig
 from layout_core.pipeline import PipelineConfig
@@ -17,8 +18,13 @@ from layout_core.variables import to_numpy
 from tests.test_layout_scope import MEGATRON, small_lm
 
 
-def make(mesh, rules, pipeline=None, batch_size=8):
-  kwargs = dict(model_params=small_lm(), mesh=mesh, rules=LayoutRules(rules),
+def lm_with_dropout():
+  return transformer_lm_params(vocab_size=32, model_dim=32, num_heads=4, ffn_dim=64,
+                               num_layers=2, max_len=16, dropout_rate=0.2)
+
+
+def make(mesh, rules, pipeline=None, batch_size=8, params=None):
+  kwargs = dict(model_params=params or small_lm(), mesh=mesh, rules=LayoutRules(rules),
                 task=MarkovTask(vocab_size=32, seq_len=16, seed=3),
                 optimizer=OptimizerConfig(learning_rate=1e-2, warmup_steps=0),
                 config=TrainConfig(num_steps=3, batch_size=batch_size, log_every=1,
@@ -33,10 +39,13 @@ def stage_mesh(devices8):
 
 def test_pipelined_training_matches_plain_training(stage_mesh, mesh_data8, tmp_path):
   """K=2 stages x (data 2 x model 2, Megatron rules), 2 micro-batches, vs pure
-  data parallelism on 8 devices: same losses, gradient norms, weights, and
-  the same checkpoint keys (a checkpoint moves between the two)."""
-  piped = make(stage_mesh, MEGATRON, PipelineConfig(num_stages=2, num_micro_batches=2))
-  plain = make(mesh_data8, [])
+  data parallelism on 8 devices, both with dropout: same losses, gradient
+  norms, weights (so each micro-batch drew its own rows' masks, in the forward
+  and in the backward's re-computation), and the same checkpoint keys (a
+  checkpoint moves between the two)."""
+  piped = make(stage_mesh, MEGATRON, PipelineConfig(num_stages=2, num_micro_batches=2),
+               params=lm_with_dropout())
+  plain = make(mesh_data8, [], params=lm_with_dropout())
   assert {r.mesh for r in piped.layout_records} == {'stage0', 'stage1'}
   piped_keys = checkpoint_lib.checkpoint_keys(piped.state())
   assert piped_keys.keys() == checkpoint_lib.checkpoint_keys(plain.state()).keys()
@@ -55,7 +64,7 @@ def test_pipelined_training_matches_plain_training(stage_mesh, mesh_data8, tmp_p
   checkpointer = Checkpointer(directory=str(tmp_path), state=piped.state(),
                               config=CheckpointConfig())
   checkpointer.save(3, reason='final')
-  fresh = make(mesh_data8, [])
+  fresh = make(mesh_data8, [], params=lm_with_dropout())
   assert Checkpointer(directory=str(tmp_path), state=fresh.state(),
                       config=CheckpointConfig()).restore_latest() == 3
   for key, variable in checkpoint_lib.checkpoint_keys(fresh.state()).items():
