@@ -18,7 +18,6 @@ import os
 from typing import Callable
 
 import gin
-import numpy as np
 from absl import logging
 
 from layout_core import layout_scope
