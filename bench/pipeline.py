@@ -39,16 +39,6 @@ from layout_core.variables import to_numpy  # noqa: E402
 configure_virtual_cpus(K)
 
 
-def timed(fn, x, repeats=7) -> float:
-  fn(x)  # trace
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn(x).numpy()
-    samples.append(time.perf_counter() - start)
-  return statistics.median(samples)
-
-
 def efficiency(width=1024, batch=128, layers_per_stage=4) -> dict:
   layers = [FeedForward.Params().Set(name=f'fc_{i}', input_dim=width, hidden_dim=width)
             for i in range(K * layers_per_stage)]
@@ -75,7 +65,9 @@ def efficiency(width=1024, batch=128, layers_per_stage=4) -> dict:
         outputs.append(h)
       return tf.reduce_sum(tf.concat(outputs, axis=0))
 
-    t_pipe, t_serial = timed(pipelined, x), timed(serial, x)
+    t = timed_alternately({'pipe': lambda f=pipelined: f(x).numpy(),
+                           'serial': lambda f=serial: f(x).numpy()})
+    t_pipe, t_serial = t['pipe'], t['serial']
     ideal = K * m / (m + K - 1)
     rows.append({'num_micro_batches': m, 'pipelined_s': round(t_pipe, 4),
                  'serial_s': round(t_serial, 4), 'speedup': round(t_serial / t_pipe, 3),
@@ -100,7 +92,9 @@ def efficiency(width=1024, batch=128, layers_per_stage=4) -> dict:
       loss = tf.reduce_sum(h ** 2)
     return tf.add_n([tf.reduce_sum(g) for g in tape.gradient(loss, pipe1.trainable_variables)])
 
-  t_train_pipe, t_train_direct = timed(train_pipelined, x), timed(train_direct, x)
+  t = timed_alternately({'pipe': lambda: train_pipelined(x).numpy(),
+                         'direct': lambda: train_direct(x).numpy()})
+  t_train_pipe, t_train_direct = t['pipe'], t['direct']
   return {'stages': K, 'width': width, 'batch': batch, 'layers_per_stage': layers_per_stage,
           'forward': rows,
           'train_step_m1_pipelined_s': round(t_train_pipe, 4),
@@ -150,33 +144,40 @@ def training(width=1024, batch=128, layers_per_stage=4) -> dict:
     for m in (1, 2, 4, 8):
       micro_x = [placement.put(0, a, batch_dim=0) for a in np.split(x, m)]
       micro_t = [placement.put(K - 1, a, batch_dim=0) for a in np.split(x, m)]
-      times = {}
+      steps = {}
       for schedule in ('gpipe', 'serial'):
-        gpipe = pipeline.GPipe(stages=runners, placement=placement, loss_fn=loss_fn,
-                               num_micro_batches=m, schedule=schedule)
+        engine = pipeline.GPipe(stages=runners, placement=placement, loss_fn=loss_fn,
+                                num_micro_batches=m, schedule=schedule)
 
-        def step(gpipe=gpipe):
-          loss, _, norms = gpipe.loss_and_gradients(micro_x, micro_t)
+        def step(engine=engine):
+          loss, _, norms = engine.loss_and_gradients(micro_x, micro_t)
           return to_numpy(loss) + sum(to_numpy(n) for n in norms)
-        times[schedule] = timed_call(step)
+        steps[schedule] = step
+      times = timed_alternately(steps)
       ideal = K * m / (m + K - 1)
       speedup = times['serial'] / times['gpipe']
-      rows.append({'num_micro_batches': m, 'gpipe_s': round(times['gpipe'], 4),
-                   'serial_s': round(times['serial'], 4), 'speedup': round(speedup, 3),
-                   'ideal_speedup': round(ideal, 3), 'efficiency': round(speedup / ideal, 3),
-                   'bubble_fraction_theory': round((K - 1) / (m + K - 1), 3)})
+      row = {'num_micro_batches': m, 'gpipe_s': round(times['gpipe'], 4),
+             'serial_s': round(times['serial'], 4), 'speedup': round(speedup, 3),
+             'ideal_speedup': round(ideal, 3), 'efficiency': round(speedup / ideal, 3),
+             'bubble_fraction_theory': round((K - 1) / (m + K - 1), 3),
+             # idle share of the K stages over a step: 1 - serial work / (K x step time)
+             'bubble_fraction_measured': round(1 - times['serial'] / (K * times['gpipe']), 3)}
+      rows.append(row)
     result[kind] = rows
   return result
 
 
-def timed_call(fn, repeats=7) -> float:
-  fn()  # trace
-  samples = []
+def timed_alternately(fns: dict, repeats: int = 9) -> dict:
+  """Median seconds of each function, timed in turns so drift hits all alike."""
+  for fn in fns.values():
+    fn()  # trace
+  samples = {name: [] for name in fns}
   for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    samples.append(time.perf_counter() - start)
-  return statistics.median(samples)
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      fn()
+      samples[name].append(time.perf_counter() - start)
+  return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def stacks():
@@ -227,12 +228,15 @@ def main() -> None:
   t = results['training']
   for kind in ('devices', 'sub_meshes'):
     print(f'GPipe training step (engine of launch.train), K={K}, {t["layers_per_stage"]} x '
-          f'FC-{t["width"]} per stage, batch {t["batch"]}, on {kind}: gpipe vs serial schedule')
-    print('   M     gpipe   serial   speedup   ideal   efficiency   bubble (theory)')
+          f'FC-{t["width"]} per stage, batch {t["batch"]}, on {kind}; efficiency = '
+          'speedup over the serial schedule / ideal; bubble measured = 1 - serial / (K x time)')
     for r in t[kind]:
-      print(f'  {r["num_micro_batches"]:2d}  {r["gpipe_s"]*1000:7.1f}ms {r["serial_s"]*1000:7.1f}ms'
-            f'   {r["speedup"]:6.2f}x  {r["ideal_speedup"]:5.2f}x   {r["efficiency"]:6.3f}'
-            f'       {r["bubble_fraction_theory"]:.3f}')
+      parts = [f'M={r["num_micro_batches"]}: serial {r["serial_s"]*1000:6.1f}ms',
+               f'gpipe {r["gpipe_s"]*1000:6.1f}ms', f'speedup {r["speedup"]:.2f}x',
+               f'(ideal {r["ideal_speedup"]:.2f}x)', f'efficiency {r["efficiency"]:.3f}',
+               f'bubble {r["bubble_fraction_measured"]:.3f}',
+               f'(theory {r["bubble_fraction_theory"]:.3f})']
+      print('  ' + '  '.join(parts))
   print('Partition balance (max stage / mean; 1.0 is perfect):')
   for r in results['balance']:
     print(f'  {r["stack"]:18s} K={r["stages"]}: balanced {r["balanced"]:.3f}  lingvo '

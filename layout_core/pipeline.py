@@ -553,12 +553,18 @@ class GPipe:
     return (k - 1) / (m + k - 1)
 
   # -- one stage, one micro-batch (traced inside the step functions) -------------
-  def _run(self, k: int, inputs, m: int | None = None) -> tuple:
-    """Stage k on micro-batch m; random layers (dropout) draw from this step's
-    seed and the micro-batch's rows, in the forward and in its re-computation alike."""
-    if self._seeds is not None and m is not None:
-      rows = int(inputs[0].shape[0])
-      with random_context(seed=self._seeds[k], batch_offset=m * rows):
+  def _random(self, k: int, m: int, inputs) -> tuple | None:
+    """(seed, first global row) for stage k on micro-batch m, or None (no dropout)."""
+    if self._seeds is None:
+      return None
+    return self._seeds[k], m * int(inputs[0].shape[0])
+
+  def _run(self, k: int, inputs, random: tuple | None = None) -> tuple:
+    """Stage k on one micro-batch. With `random` = (step seed, first row), random
+    layers (dropout) draw that micro-batch's masks, in the forward and in its
+    re-computation alike."""
+    if random is not None:
+      with random_context(seed=random[0], batch_offset=random[1]):
         outputs = _as_tuple(self.placement.run(k, self.stages[k], *inputs))
     else:
       outputs = _as_tuple(self.placement.run(k, self.stages[k], *inputs))
@@ -581,14 +587,14 @@ class GPipe:
     with tf.control_dependencies(self._previous):
       return tuple(tf.identity(x) for x in inputs)
 
-  def _unit_gradients(self, k: int, m: int, inputs, labels=None, output_grads=None):
+  def _unit_gradients(self, k: int, inputs, labels=None, output_grads=None, random=None):
     """Re-runs stage k on one micro-batch's kept input under a tape; returns
     (loss share or None, gradients of the floating inputs, of the variables)."""
     inputs = self._chain(inputs)
     floats = [x for x in inputs if x.dtype.is_floating]
     with tf.GradientTape() as tape:
       tape.watch(floats)
-      outputs = self._run(k, inputs, m)
+      outputs = self._run(k, inputs, random)
       share = None
       if labels is not None:
         share = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs,
@@ -612,7 +618,7 @@ class GPipe:
       for k in range(num_stages - 1):
         m = clock - k
         if 0 <= m < num_micro:
-          outputs = self._run(k, self._chain(kept[k][m]), m)
+          outputs = self._run(k, self._chain(kept[k][m]), self._random(k, m, kept[k][m]))
           self._previous = list(outputs)
           kept[k + 1][m] = self._cross(outputs, k, k + 1)
     return kept[1:]
@@ -633,8 +639,8 @@ class GPipe:
         if not 0 <= m < num_micro:
           continue
         share, input_grads, grads = self._unit_gradients(
-            k, m, inputs[k][m], labels=micro_labels[m] if k == last else None,
-            output_grads=output_grads[k][m])
+            k, inputs[k][m], labels=micro_labels[m] if k == last else None,
+            output_grads=output_grads[k][m], random=self._random(k, m, inputs[k][m]))
         if share is not None:
           shares.append(share)
         per_micro[k].append(grads)
@@ -677,3 +683,4 @@ class GPipe:
     if len(micro_inputs) != self.num_micro_batches:
       raise ValueError(f'{len(micro_inputs)} micro-batches given, '
                        f'{self.num_micro_batches} expected')
+

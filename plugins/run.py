@@ -13,6 +13,7 @@ TensorBoard before the first step.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from typing import Callable
@@ -174,8 +175,34 @@ def record_run(trainer: Trainer, model_dir: str) -> None:
   write_text(model_dir, 'layouts.txt', table)
   trainer.writer.text(step=0, tag='config/gin', markdown=code_block(operative))
   trainer.writer.text(step=0, tag='config/params', markdown=code_block(params_text))
+  if isinstance(trainer, PipelineTrainer):
+    measured = benchmark_bubble_fraction(BENCH_RESULTS, num_stages=trainer.gpipe.num_stages,
+                                         num_micro_batches=trainer.gpipe.num_micro_batches)
+    if measured is not None:
+      trainer.writer.scalars(step=0, values={'pipeline/bubble_fraction_measured': measured})
   trainer.writer.flush()
   logging.info('Operative config:\n%s', operative)
+
+
+BENCH_RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             'bench', 'results', 'pipeline.json')
+
+
+def benchmark_bubble_fraction(path: str, *, num_stages: int,
+                              num_micro_batches: int) -> float | None:
+  """The idle share bench/pipeline.py measured for K stages and M micro-batches
+  on sub-meshes (its own FC stack, so indicative only); None when not measured."""
+  try:
+    with open(path) as f:
+      training = json.load(f)['training']
+  except (OSError, ValueError, KeyError):
+    return None
+  if training.get('stages') != num_stages:
+    return None
+  for row in training.get('sub_meshes', []):
+    if row.get('num_micro_batches') == num_micro_batches:
+      return row.get('bubble_fraction_measured')
+  return None
 
 
 def checkpoint_event_recorder(writer) -> Callable[[CheckpointEvent], None]:
