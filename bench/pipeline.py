@@ -32,7 +32,7 @@ tf.config.threading.set_inter_op_parallelism_threads(K)
 
 from layout_core import pipeline  # noqa: E402
 from layout_core.layers import (Embedding, FeedForward, Sequential,  # noqa: E402
-                                Softmax, TransformerBlock, leaf_layers, leaf_modules)
+                                Softmax, TransformerBlock, leaf_layers)
 from layout_core.mesh import MeshSpec, build_mesh, configure_virtual_cpus  # noqa: E402
 from layout_core.variables import to_numpy  # noqa: E402
 
@@ -113,21 +113,15 @@ def staged(params, placement_kind: str, batch: int, width: int):
   leaves = leaf_layers(params)
   plan = pipeline.partition([p for _, p in leaves], num_stages=K,
                             input_shapes=[(batch, width)])
-  counts = [len(s.layers) for s in plan.stages]
   if placement_kind == 'devices':
     placement = pipeline.DevicePlacement([f'/CPU:{k}' for k in range(K)])
     model = params.Instantiate()
   else:
     placement = pipeline.SubMeshPlacement(mesh=build_mesh(MeshSpec(shape={'stage': K})))
-    owners = [k for k, n in enumerate(counts) for _ in range(n)]
-    with pipeline.StagedLayoutScope(meshes=placement.meshes, layer_stages={
-        path: k for (path, _), k in zip(leaves, owners)}):
+    with pipeline.StagedLayoutScope(meshes=placement.meshes, layer_stages=pipeline.layer_stages(
+        [path for path, _ in leaves], plan)):
       model = params.Instantiate()
-  modules, runners, first = leaf_modules(model), [], 0
-  for k, n in enumerate(counts):
-    runners.append(pipeline.StageRunner(modules[first:first + n], name=f'stage_{k}'))
-    first += n
-  return runners, placement
+  return pipeline.stage_runners(model, plan), placement
 
 
 def training(width=1024, batch=128, layers_per_stage=4) -> dict:

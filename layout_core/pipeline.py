@@ -42,8 +42,9 @@ from tensorflow.experimental import dtensor
 
 from layout_core import mesh as mesh_lib
 from layout_core.errors import ConfigError
-from layout_core.layers import BaseLayer, LayerMeta, Sequential, random_context
+from layout_core.layers import BaseLayer, LayerMeta, Sequential, leaf_modules, random_context
 from layout_core.layout_scope import LayoutRecord, LayoutScope
+from layout_core.optimizer import squared_norm
 from layout_core.params import Params
 from layout_core.rules import UNSHARDED, LayoutRules
 from layout_core.variables import VariableSpec, variable_creator
@@ -230,6 +231,35 @@ def stage_params(plan: PartitionPlan, *, name_prefix: str = 'stage') -> list[Par
           for k, s in enumerate(plan.stages)]
 
 
+def bubble_fraction(num_stages: int, num_micro_batches: int) -> float:
+  """Idle share of the GPipe schedule in theory: (K - 1) / (M + K - 1)."""
+  return (num_stages - 1) / (num_micro_batches + num_stages - 1)
+
+
+def layer_stages(leaf_paths: Sequence[str], plan: PartitionPlan) -> dict[str, int]:
+  """Leaf layer path -> the stage `plan` gives it (leaves in execution order)."""
+  owners = [k for k, stage in enumerate(plan.stages) for _ in stage.layers]
+  return dict(zip(leaf_paths, owners))
+
+
+def stage_of(stages_by_layer: Mapping[str, int], variable_path: str) -> int:
+  """The stage of the layer that owns `variable_path`."""
+  for layer_path, k in stages_by_layer.items():
+    if variable_path.startswith(layer_path + '/'):
+      return k
+  raise ConfigError(f"variable '{variable_path}' belongs to no pipeline stage's layer",
+                    fix='create variables only inside the layers of the stack')
+
+
+def stage_runners(model: BaseLayer, plan: PartitionPlan) -> list['StageRunner']:
+  """The built model's leaf layers grouped into `plan`'s stages."""
+  modules, runners, first = leaf_modules(model), [], 0
+  for k, stage in enumerate(plan.stages):
+    runners.append(StageRunner(modules[first:first + len(stage.layers)], name=f'stage_{k}'))
+    first += len(stage.layers)
+  return runners
+
+
 # -- placement: where each stage lives and how activations move --------------------
 class DevicePlacement:
   """Stage k on plain TF device `devices[k]` (no DTensor)."""
@@ -339,8 +369,7 @@ class Pipeline(tf.Module):
     return len(self.stages)
 
   def bubble_fraction(self) -> float:
-    k, m = self.num_stages, self.num_micro_batches
-    return (k - 1) / (m + k - 1)
+    return bubble_fraction(self.num_stages, self.num_micro_batches)
 
   def split(self, x: tf.Tensor) -> list[tf.Tensor]:
     size = x.shape[self.batch_dim]
@@ -466,15 +495,8 @@ class StagedLayoutScope:
     self.variable_stages: dict[str, int] = {}
     self._context = None
 
-  def stage_of(self, path: str) -> int:
-    for layer_path, k in self.layer_stages.items():
-      if path.startswith(layer_path + '/'):
-        return k
-    raise ConfigError(f"variable '{path}' belongs to no pipeline stage's layer",
-                      fix='create variables only inside the layers of the stack')
-
   def create(self, spec: VariableSpec) -> tf.Variable:
-    k = self.stage_of(spec.path)
+    k = stage_of(self.layer_stages, spec.path)
     scope = self.scopes[k]
     variable = scope.create(spec)
     self.records.append(dataclasses.replace(scope.records[-1], mesh=scope.mesh.name))
@@ -549,8 +571,7 @@ class GPipe:
     return len(self.stages)
 
   def bubble_fraction(self) -> float:
-    k, m = self.num_stages, self.num_micro_batches
-    return (k - 1) / (m + k - 1)
+    return bubble_fraction(self.num_stages, self.num_micro_batches)
 
   # -- one stage, one micro-batch (traced inside the step functions) -------------
   def _random(self, k: int, m: int, inputs) -> tuple | None:
@@ -579,6 +600,11 @@ class GPipe:
   def _cross(self, values, source: int, target: int) -> tuple:
     return tuple(self.placement.cross(v, source, target) for v in values)
 
+  def _loss_share(self, outputs: tuple, labels) -> tf.Tensor:
+    """One micro-batch's loss / M: the shares sum to the mean loss."""
+    return self.loss_fn(outputs[0] if len(outputs) == 1 else outputs,
+                        labels) / self.num_micro_batches
+
   def _chain(self, inputs) -> tuple:
     """In the 'serial' schedule, makes this unit of work wait for the previous
     one (a reference for benchmarks: same work, no overlap)."""
@@ -595,10 +621,7 @@ class GPipe:
     with tf.GradientTape() as tape:
       tape.watch(floats)
       outputs = self._run(k, inputs, random)
-      share = None
-      if labels is not None:
-        share = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs,
-                             labels) / self.num_micro_batches
+      share = self._loss_share(outputs, labels) if labels is not None else None
     grads = tape.gradient(share if labels is not None else list(outputs),
                           floats + self.variables[k],
                           output_gradients=None if labels is not None else list(output_grads),
@@ -649,8 +672,7 @@ class GPipe:
     # Accumulate over micro-batches: one AddN per variable.
     grads = [[tf.add_n([tf.convert_to_tensor(g) for g in column]) for column in zip(*rows)]
              for rows in per_micro]
-    squared_norms = [tf.add_n([tf.reduce_sum(tf.square(g)) for g in stage]) if stage else None
-                     for stage in grads]
+    squared_norms = [squared_norm(stage) if stage else None for stage in grads]
     return tf.add_n(shares), grads, squared_norms
 
   def _eval_fn(self, micro_inputs, micro_labels):
@@ -660,8 +682,7 @@ class GPipe:
     shares = []
     for m in range(self.num_micro_batches):
       outputs = self._run(self.num_stages - 1, last[m])
-      shares.append(self.loss_fn(outputs[0] if len(outputs) == 1 else outputs,
-                                 micro_labels[m]) / self.num_micro_batches)
+      shares.append(self._loss_share(outputs, micro_labels[m]))
     return tf.add_n(shares)
 
   # -- public --------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from absl import logging
 from layout_core import mesh as mesh_lib
 from layout_core import pipeline as pipeline_lib
 from layout_core.errors import ConfigError
-from layout_core.layers import leaf_layers, leaf_modules, step_seed
+from layout_core.layers import leaf_layers, step_seed
 from layout_core.params import Params
 from layout_core.rules import LayoutRules
 from layout_core.trainer import Trainer, cross_entropy
@@ -74,12 +74,8 @@ def plan_pipeline(config: pipeline_lib.PipelineConfig, *, params: Params,
   partition = pipeline_lib.partition(
       [p for _, p in leaves], num_stages=config.num_stages,
       input_shapes=[(micro_size, seq_len)], method=config.partition)
-  layer_stages, first = {}, 0
-  for k, stage in enumerate(partition.stages):
-    for path, _ in leaves[first:first + len(stage.layers)]:
-      layer_stages[path] = k
-    first += len(stage.layers)
-  return PipelinePlan(partition=partition, layer_stages=layer_stages,
+  return PipelinePlan(partition=partition,
+                      layer_stages=pipeline_lib.layer_stages([p for p, _ in leaves], partition),
                       num_micro_batches=num_micro, micro_batch_size=micro_size)
 
 
@@ -106,12 +102,8 @@ class PipelineTrainer(Trainer):
     with scope:
       model = params.Instantiate()
 
-    modules, runners, first = leaf_modules(model), [], 0
-    for k, stage in enumerate(self.plan.stages):
-      runners.append(pipeline_lib.StageRunner(modules[first:first + len(stage.layers)],
-                                              name=f'stage_{k}'))
-      first += len(stage.layers)
-    self.gpipe = pipeline_lib.GPipe(stages=runners, placement=self.placement,
+    self.gpipe = pipeline_lib.GPipe(stages=pipeline_lib.stage_runners(model, self.plan),
+                                    placement=self.placement,
                                     loss_fn=cross_entropy,
                                     num_micro_batches=plan.num_micro_batches)
     path_of = {id(v): p for p, v in scope.variables.items()}

@@ -28,6 +28,7 @@ from layout_core import mesh as mesh_lib
 from layout_core.data import LMTask
 from layout_core.errors import ConfigError
 from layout_core.layers import Embedding, LayerMeta, flatten_layers
+from layout_core import pipeline as pipeline_lib
 from layout_core.params import Params
 from layout_core.pipeline_trainer import PipelinePlan, PipelineTrainer, plan_pipeline
 from layout_core.rules import LayoutRules
@@ -92,18 +93,13 @@ def plan_run() -> RunPlan:
     mesh_axes = spec.shape
   records = layout_scope.plan_layouts(params.cls.variable_specs(params), rules, mesh_axes)
   if pipeline is not None:
-    records = [dataclasses.replace(r, mesh=f'{stage_axis}{stage_of(pipeline, r.path)}')
-               for r in records]
+    records = [dataclasses.replace(
+        r, mesh=f'{stage_axis}{pipeline_lib.stage_of(pipeline.layer_stages, r.path)}')
+        for r in records]
   return RunPlan(mesh_spec=spec, params=params, rules=rules, task=task,
                  train_config=train_config, records=records, meta=meta,
                  pipeline=pipeline)
 
-
-def stage_of(pipeline: PipelinePlan, variable_path: str) -> int:
-  for layer_path, k in pipeline.layer_stages.items():
-    if variable_path.startswith(layer_path + '/'):
-      return k
-  raise KeyError(variable_path)
 
 
 def _gib(num_bytes: int) -> str:

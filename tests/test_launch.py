@@ -6,9 +6,15 @@ import pytest
 
 from tests.conftest import read_events, run_module
 
-QUICK = ['--gin_file=configs/experiments/quickstart.gin',
-         '--gin_bindings=train.num_steps = 6', '--gin_bindings=train.log_every = 2',
-         '--gin_bindings=train.eval_every = 3', '--gin_bindings=train.eval_batches = 1']
+def short_run(gin_file: str, *, num_steps: int, eval_every: int) -> list[str]:
+  """launch flags for a few steps of `gin_file`, logging every 2 steps."""
+  return [f'--gin_file={gin_file}', f'--gin_bindings=train.num_steps = {num_steps}',
+          '--gin_bindings=train.log_every = 2',
+          f'--gin_bindings=train.eval_every = {eval_every}',
+          '--gin_bindings=train.eval_batches = 1']
+
+
+QUICK = short_run('configs/experiments/quickstart.gin', num_steps=6, eval_every=3)
 
 
 def test_train_writes_run_record_and_tensorboard_events(tmp_path):
@@ -64,9 +70,7 @@ def test_help_explains_the_flags():
     assert flag in result.stdout
 
 
-PIPELINE = ['--gin_file=configs/experiments/lm_pipeline.gin',
-            '--gin_bindings=train.num_steps = 4', '--gin_bindings=train.log_every = 2',
-            '--gin_bindings=train.eval_every = 0', '--gin_bindings=train.eval_batches = 1']
+PIPELINE = short_run('configs/experiments/lm_pipeline.gin', num_steps=4, eval_every=0)
 
 
 def test_pipelined_run_records_stages_bubble_fraction_and_checkpoints(tmp_path):

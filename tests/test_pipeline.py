@@ -12,7 +12,7 @@ from tensorflow.experimental import dtensor
 from layout_core import pipeline
 from layout_core.errors import ConfigError
 from layout_core.layers import (FeedForward, LayerNorm, Sequential, flatten_layers, leaf_layers,
-                                leaf_modules, transformer_lm_params)
+                                transformer_lm_params)
 from layout_core.mesh import MeshSpec, build_mesh
 from layout_core.rules import LayoutRules
 from layout_core.variables import to_numpy
@@ -181,18 +181,12 @@ def staged_model(params, *, mesh, rules, num_stages, input_shape):
   plan = pipeline.partition([p for _, p in leaves], num_stages=num_stages,
                             input_shapes=[input_shape])
   placement = pipeline.SubMeshPlacement(mesh=mesh, rules=rules)
-  counts = [len(s.layers) for s in plan.stages]
-  owners = np.repeat(np.arange(num_stages), counts)
   scope = pipeline.StagedLayoutScope(
       meshes=placement.meshes, rules=rules,
-      layer_stages={path: int(k) for (path, _), k in zip(leaves, owners)})
+      layer_stages=pipeline.layer_stages([path for path, _ in leaves], plan))
   with scope:
     model = params.Instantiate()
-  modules = leaf_modules(model)
-  bounds = np.cumsum([0] + counts)
-  runners = [pipeline.StageRunner(modules[a:b], name=f'stage_{k}')
-             for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-  return model, runners, placement, scope
+  return model, pipeline.stage_runners(model, plan), placement, scope
 
 
 @pytest.mark.parametrize('shape,num_micro', [
