@@ -45,10 +45,9 @@ import time
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
-import tensorflow as tf
 from absl import logging
-from tensorflow.experimental import dtensor
 
+from layout_core.lazy import tf, dtensor
 from layout_core.errors import ConfigError
 from layout_core.mesh import pack_global_array
 

@@ -21,8 +21,8 @@ import os
 from typing import Iterator
 
 import numpy as np
-import tensorflow as tf
 
+from layout_core.lazy import tf
 from layout_core.errors import ConfigError
 
 _SPLITS = {'train': 0, 'eval': 1}

@@ -28,8 +28,8 @@ import math
 import threading
 from typing import Iterator, Sequence
 
-import tensorflow as tf
 
+from layout_core.lazy import Module, tf
 from layout_core.errors import ConfigError
 from layout_core.params import Params
 from layout_core.variables import (Initializer, Normal, Ones, VariableSpec, Zeros,
@@ -67,8 +67,9 @@ def dense(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
   return tf.einsum(f'{batch}d,df->{batch}f', x, w)
 
 
-class BaseLayer(tf.Module):
-  """Params-built module; subclasses declare variables, children and costs."""
+class BaseLayer(Module):
+  """Params-built module (a tf.Module once built, see `layout_core.lazy`);
+  subclasses declare variables, children and costs."""
 
   @classmethod
   def Params(cls) -> Params:
@@ -542,6 +543,6 @@ def leaf_layers(p: Params, parent_path: str = '') -> list[tuple[str, Params]]:
 
 def leaf_modules(layer: BaseLayer) -> list[BaseLayer]:
   """The built leaf layers of `layer`, in execution order (cf. `leaf_layers`)."""
-  if type(layer) is not Sequential:  # pylint: disable=unidiomatic-typecheck
+  if layer.params.cls is not Sequential:  # as in leaf_layers: subclasses are leaves
     return [layer]
   return [leaf for child in layer.children() for leaf in leaf_modules(child)]

@@ -21,10 +21,9 @@ import logging as logging_std
 import math
 from typing import Iterable, Mapping, Sequence
 
-import tensorflow as tf
 from absl import logging
-from tensorflow.experimental import dtensor
 
+from layout_core.lazy import tf, dtensor
 from layout_core import mesh as mesh_lib
 from layout_core.errors import ConfigError
 from layout_core.rules import UNSHARDED, LayoutRules
@@ -92,7 +91,7 @@ class _OneShotTraceFilter(logging_std.Filter):
                 ('LayoutScope' in message or '_zeros_like' in message))
 
 
-tf.get_logger().addFilter(_OneShotTraceFilter())
+_TRACE_FILTER = _OneShotTraceFilter()
 
 
 class LayoutScope:
@@ -100,6 +99,7 @@ class LayoutScope:
 
   def __init__(self, *, mesh: dtensor.Mesh, rules: LayoutRules | None = None,
                seed: int = 0, log_assignments: bool = False):
+    tf.get_logger().addFilter(_TRACE_FILTER)  # a set: adding it again is a no-op
     self.mesh = mesh
     self.rules = rules if rules is not None else LayoutRules()
     self.mesh_axes = mesh_lib.mesh_axes(mesh)

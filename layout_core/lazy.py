@@ -13,12 +13,29 @@ attribute access, after the config has been validated.
     from layout_core.lazy import tf
     'tensorflow' in sys.modules   # False
     tf.constant(1)                # imports TensorFlow now
+
+Classes that are `tf.Module`s at run time (layers, the optimizer) but must be
+defined at config time derive from `Module` instead: the class is plain
+Python until its first instance is made, which is then an instance of a
+subclass that also derives from `tf.Module`:
+
+    class Dense(Module):
+      def __init__(self):
+        super().__init__(name='dense')   # tf.Module.__init__
+    isinstance(Dense(), tf.Module)       # True
 """
 
 from __future__ import annotations
 
 import importlib
 import types
+
+
+# What import machinery, pickle, inspect and test collectors probe on modules.
+_PROBED_NAMES = frozenset({'__path__', '__file__', '__all__', '__wrapped__', '__func__',
+                           '__self__', '__getstate__', '__reduce__', '__reduce_ex__',
+                           '__bases__', '__mro__', '__code__', '__signature__',
+                           '__text_signature__', '__origin__', '__test__'})
 
 
 class LazyModule(types.ModuleType):
@@ -35,7 +52,7 @@ class LazyModule(types.ModuleType):
     return self._module
 
   def __getattr__(self, attribute: str):
-    if attribute.startswith('__') and attribute.endswith('__'):
+    if attribute in _PROBED_NAMES:  # introspection must not import TensorFlow
       raise AttributeError(attribute)
     return getattr(self._load(), attribute)
 
@@ -49,6 +66,31 @@ class LazyModule(types.ModuleType):
 
 tf = LazyModule('tensorflow')
 dtensor = LazyModule('tensorflow.experimental.dtensor')
+
+
+class Module:
+  """A base that becomes `tf.Module` when the first instance is made.
+
+  `SomeLayer(...)` builds an instance of `SomeLayer+tf.Module` (same name,
+  made once per class), so `isinstance(x, SomeLayer)` and
+  `isinstance(x, tf.Module)` both hold, attribute tracking and checkpoint keys
+  are tf.Module's, and defining `SomeLayer` imports nothing.
+  """
+
+  _runtime_classes: dict[type, type] = {}
+
+  def __new__(cls, *args, **kwargs):
+    del args, kwargs
+    runtime = Module._runtime_classes.get(cls)
+    if runtime is None:
+      if issubclass(cls, tf.Module):  # already a runtime class
+        runtime = cls
+      else:
+        runtime = type(cls.__name__, (cls, tf.Module),
+                       {'__module__': cls.__module__, '__qualname__': cls.__qualname__,
+                        '__doc__': cls.__doc__})
+      Module._runtime_classes[cls] = runtime
+    return super().__new__(runtime)
 
 
 def tensorflow_loaded() -> bool:

@@ -19,12 +19,11 @@ import dataclasses
 import math
 from typing import Mapping
 
-import tensorflow as tf
-from tensorflow.experimental import dtensor
 
+from layout_core.lazy import tf, dtensor
 from layout_core.errors import ConfigError
 
-UNSHARDED = dtensor.UNSHARDED  # 'unsharded'
+UNSHARDED = 'unsharded'  # dtensor.UNSHARDED
 DEVICE_TYPES = ('CPU', 'GPU', 'TPU')
 
 

@@ -22,9 +22,8 @@ import dataclasses
 import math
 from typing import Sequence
 
-import tensorflow as tf
-from tensorflow.experimental import dtensor
 
+from layout_core.lazy import Module, tf, dtensor
 from layout_core.errors import ConfigError
 
 DECAYS = ('cosine', 'linear', 'constant')
@@ -92,7 +91,7 @@ class _Targets:
   variables: dict  # path -> parameter
 
 
-class Adam(tf.Module):
+class Adam(Module):
   """Adam(W) whose slots mirror each parameter's layout (see module docstring)."""
 
   def __init__(self, config: OptimizerConfig, *, variables: Sequence[tf.Variable],

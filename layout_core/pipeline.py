@@ -36,10 +36,9 @@ import dataclasses
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
-import tensorflow as tf
 from absl import logging
-from tensorflow.experimental import dtensor
 
+from layout_core.lazy import Module, tf, dtensor
 from layout_core import mesh as mesh_lib
 from layout_core.errors import ConfigError
 from layout_core.layers import BaseLayer, LayerMeta, Sequential, leaf_modules, random_context
@@ -214,7 +213,7 @@ def run_layers(layers: Sequence[BaseLayer], inputs: Sequence[tf.Tensor],
   return outputs[0] if len(outputs) == 1 else outputs
 
 
-class StageRunner(tf.Module):
+class StageRunner(Module):
   """A stage over layers that already exist (leaves of a built model), so the
   model keeps its own variable paths and checkpoint keys whatever the staging."""
 
@@ -341,7 +340,7 @@ class SubMeshPlacement:
 
 
 # -- the pipeline ---------------------------------------------------------------------
-class Pipeline(tf.Module):
+class Pipeline(Module):
   """Runs partitioned stages over micro-batches on the GPipe schedule."""
 
   def __init__(self, plan: PartitionPlan, *, placement, num_micro_batches: int = 1,

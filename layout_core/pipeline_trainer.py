@@ -22,9 +22,9 @@ import math
 from typing import Mapping
 
 import numpy as np
-import tensorflow as tf
 from absl import logging
 
+from layout_core.lazy import tf
 from layout_core import mesh as mesh_lib
 from layout_core import pipeline as pipeline_lib
 from layout_core.errors import ConfigError

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import os
 from typing import Mapping
+from layout_core.lazy import tf
 
-import tensorflow as tf
 
 
 class SummaryWriter:

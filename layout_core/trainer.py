@@ -18,10 +18,9 @@ import time
 from typing import Callable
 
 import numpy as np
-import tensorflow as tf
 from absl import logging
-from tensorflow.experimental import dtensor
 
+from layout_core.lazy import tf, dtensor
 from layout_core import mesh as mesh_lib
 from layout_core.data import LMTask
 from layout_core.errors import ConfigError

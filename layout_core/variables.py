@@ -27,7 +27,7 @@ import zlib
 from typing import Callable, Iterator
 
 import numpy as np
-import tensorflow as tf
+from layout_core.lazy import tf, dtensor
 
 _MASK32 = 0xFFFFFFFF
 
@@ -129,7 +129,19 @@ class VariableSpec:
 
   @property
   def num_bytes(self) -> int:
-    return self.num_elements * tf.as_dtype(self.dtype).size
+    return self.num_elements * dtype_size(self.dtype)
+
+
+_DTYPE_SIZES = {'float16': 2, 'bfloat16': 2, 'float32': 4, 'float64': 8, 'int8': 1,
+                'uint8': 1, 'int16': 2, 'int32': 4, 'int64': 8, 'bool': 1}
+
+
+def dtype_size(dtype: str) -> int:
+  """Bytes per element of a dtype name, without importing TensorFlow."""
+  try:
+    return _DTYPE_SIZES[str(dtype)]
+  except KeyError:
+    raise ValueError(f'unknown dtype {dtype!r}; known: {", ".join(_DTYPE_SIZES)}') from None
 
 
 def path_seed(path: str, seed: int) -> int:
@@ -142,7 +154,7 @@ def initial_value(spec: VariableSpec, seed: int) -> tf.Tensor:
                           path_seed(spec.path, seed))
 
 
-Creator = Callable[[VariableSpec], tf.Variable]
+Creator = Callable[[VariableSpec], 'tf.Variable']
 
 _state = threading.local()
 
