@@ -1,7 +1,9 @@
-"""Flags shared by the launchers, and the exit-code-2 handling of bad config.
+"""Flags shared by the launchers, and how a run ends on bad config or a signal.
 
 Flags are defined here and in the launchers' own modules only; library code
-receives plain values.
+receives plain values. `run_guarded` gives every launcher the same endings:
+exit 2 with one paragraph for a configuration error, exit 0 with a message
+for a stop signal during start-up.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ import sys
 import traceback
 from typing import Callable
 
-from absl import flags, logging
+from absl import flags
 
 from layout_core.errors import ConfigError
+from layout_core.preemption import Interrupted, PreemptionWatcher
 
 GIN_FILES = flags.DEFINE_multi_string(
     'gin_file', [], 'A .gin config file; repeat to combine several (later files '
@@ -30,19 +33,29 @@ VERBOSE = flags.DEFINE_bool(
 EXIT_CONFIG_ERROR = 2
 
 
-def run_guarded(body: Callable[[], object]) -> None:
-  """Runs `body`; a ConfigError (or gin's required-binding error) exits 2."""
-  from plugins.gin_setup import explain_gin_error  # pylint: disable=g-import-not-at-top
+def parsed_config():
+  """The flags' gin config, parsed (see plugins.gin_setup.parsed_config)."""
+  from plugins import gin_setup  # pylint: disable=g-import-not-at-top
+  return gin_setup.parsed_config(files=GIN_FILES.value, bindings=GIN_BINDINGS.value,
+                                 search_paths=GIN_SEARCH_PATHS.value)
+
+
+def run_guarded(body: Callable[[PreemptionWatcher], object]) -> None:
+  """Runs `body(watcher)` with SIGTERM/SIGINT watched from the first moment.
+
+  A ConfigError exits 2 with one paragraph (no traceback unless --verbose);
+  a stop signal before the run starts writing exits 0 with a message."""
   try:
-    body()
-  except (ConfigError, RuntimeError) as e:
-    if isinstance(e, RuntimeError) and 'Required bindings' not in str(e):
-      raise
-    error = e if isinstance(e, ConfigError) else explain_gin_error(e)
+    with PreemptionWatcher(immediate=True) as watcher:
+      body(watcher)
+  except ConfigError as error:
     if VERBOSE.value:
       traceback.print_exc()
     message = ' '.join(str(error).split())
-    logging.error('Configuration error: %s', message)
     print(f'\nConfiguration error: {message}\n(run with --verbose for the '
           'traceback)', file=sys.stderr)
     sys.exit(EXIT_CONFIG_ERROR)
+  except Interrupted as stop:
+    print(f'Stopped by {stop.signal_name} during start-up, before anything was '
+          'written. Run the same command to start again.', file=sys.stderr, flush=True)
+    sys.exit(0)

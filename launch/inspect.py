@@ -5,9 +5,11 @@ r"""Dry-run a config: every variable's layout and the memory per device.
 Resolves the model's variables from the Params tree (nothing is allocated and
 no device is touched, so a 100B-parameter model inspects in seconds), applies
 the layout rules, and prints the layout table, how many variables each rule
-matched, and per-device bytes for parameters and Adam's two slots. Exit 2 with
-a one-paragraph message on a configuration error (e.g. a rule that does not
-fit a variable).
+matched, and per-device bytes for parameters and Adam's two slots. It checks
+the config exactly as `launch.train` does before training (the same typed
+plan), so it rejects the same configs, with the same exit 2 and message; only
+what needs the machine itself (enough devices, an existing checkpoint) is
+left to `launch.train`.
 """
 
 from __future__ import annotations
@@ -26,12 +28,11 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
 
-  def body():
-    from plugins import gin_setup, run  # pylint: disable=g-import-not-at-top
-    gin_setup.parse_gin(files=gin_flags.GIN_FILES.value,
-                        bindings=gin_flags.GIN_BINDINGS.value,
-                        search_paths=gin_flags.GIN_SEARCH_PATHS.value)
-    print(run.describe_plan(run.plan_run(), max_rows=MAX_ROWS.value))
+  def body(watcher):
+    del watcher
+    from plugins import plan, report  # pylint: disable=g-import-not-at-top
+    with gin_flags.parsed_config():
+      print(report.describe_plan(plan.make_plan(), max_rows=MAX_ROWS.value))
 
   gin_flags.run_guarded(body)
 

@@ -5,9 +5,14 @@ r"""Train a model from gin config files.
 
 Builds the mesh, the Params tree and the layout scope from the config, trains,
 and writes to --model_dir: config.gin (operative config), params.txt,
-layouts.txt and TensorBoard events (`tensorboard --logdir <model_dir>`).
-Exit status: 0 on success, 2 on a configuration error (with a one-paragraph
-message saying what, where and how to fix it).
+layouts.txt, checkpoints and TensorBoard events (`tensorboard --logdir <model_dir>`).
+Running the same command again resumes from the newest checkpoint.
+
+Exit status: 0 on success (also when stopped by SIGTERM/SIGINT: the current
+step finishes and a checkpoint is saved); 2 on a configuration error, with a
+one-paragraph message saying what, where (gin file and line) and how to fix
+it. Nothing in --model_dir is created or changed before the config, the
+machine and any existing checkpoint have been checked.
 """
 
 from __future__ import annotations
@@ -28,12 +33,12 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   logging.set_verbosity(logging.INFO)
 
-  def body():
-    from plugins import gin_setup, run  # pylint: disable=g-import-not-at-top
-    gin_setup.parse_gin(files=gin_flags.GIN_FILES.value,
-                        bindings=gin_flags.GIN_BINDINGS.value,
-                        search_paths=gin_flags.GIN_SEARCH_PATHS.value)
-    run.run_training(model_dir=MODEL_DIR.value)
+  def body(watcher):
+    from plugins import plan, training  # pylint: disable=g-import-not-at-top
+    with gin_flags.parsed_config():
+      run_plan = plan.make_plan()
+      plan.check_model_dir(MODEL_DIR.value)
+      training.run_training(run_plan, model_dir=MODEL_DIR.value, watcher=watcher)
 
   gin_flags.run_guarded(body)
 

@@ -36,6 +36,7 @@ write runs in a background thread while training continues.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -49,10 +50,13 @@ from absl import logging
 
 from layout_core.lazy import tf, dtensor
 from layout_core.errors import ConfigError
+from layout_core.fields import at_least, check_types
 from layout_core.mesh import pack_global_array
 
 _NAME = re.compile(r'^ckpt-(\d+)$')
 _VALUE_SUFFIX = '/.ATTRIBUTES/VARIABLE_VALUE'
+_STATE_FILE = re.compile(rb'model_checkpoint_path: "ckpt-\d+/ckpt"\n'
+                         rb'(all_model_checkpoint_paths: "ckpt-\d+/ckpt"\n)+')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +69,17 @@ class CheckpointConfig:
   init_from: str | None = None  # a checkpoint (or directory) to start a fresh run from
   # (regex on the new variable path, replacement) pairs: the name to read from
   # `init_from`; first fullmatch wins; unmatched paths are read under their own name.
-  init_from_map: Sequence[tuple[str, str]] = ()
+  init_from_map: Sequence[Sequence[str]] = ()
 
   def __post_init__(self):
-    if self.keep < 1:
-      raise ConfigError(f'checkpoint.keep is {self.keep}', fix='keep at least 1')
+    check_types(self, name='checkpoint')
+    at_least(self, 'checkpoint', every_steps=0, every_seconds=0, keep=1)
+    for pair in self.init_from_map:
+      if len(pair) != 2 or not all(isinstance(p, str) for p in pair):
+        raise ConfigError(f'checkpoint.init_from_map entry {pair!r} is not a '
+                          '(regex, replacement) pair of strings',
+                          where='checkpoint.init_from_map',
+                          fix="write entries as (r'new/path/(.*)', r'old/path/\\1')")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,11 +182,29 @@ def _mirror(obj, pairs: dict[int, tuple[tf.Variable, tf.Variable]]):
   return node
 
 
+class CheckpointDamage(Exception):
+  """A checkpoint's files cannot be read (truncated, corrupt, checksum
+  mismatch): real damage, as opposed to a runtime error (out of memory, a
+  device failure) while placing the values, which must not condemn it."""
+
+
+def _reading(prefix: str, what: Callable[[], object]):
+  """Runs a read of the checkpoint's files; TF's reader errors are damage."""
+  try:
+    return what()
+  except tf.errors.OpError as e:
+    raise CheckpointDamage(f'reading {prefix} failed: {str(e).splitlines()[0]}') from None
+
+
 def restore_values(prefix: str, keys: Mapping[str, tf.Variable]) -> None:
-  """Assigns every variable from the checkpoint by key, into its own layout."""
-  reader = tf.train.load_checkpoint(prefix)
+  """Assigns every variable from the checkpoint by key, into its own layout.
+
+  Raises CheckpointDamage when the files cannot be read; errors while placing
+  the values on the devices (e.g. out of memory) propagate unchanged."""
+  reader = _reading(prefix, lambda: tf.train.load_checkpoint(prefix))
   for key, variable in keys.items():
-    assign_global(variable, reader.get_tensor(key))
+    value = _reading(prefix, lambda key=key: reader.get_tensor(key))
+    assign_global(variable, value)
 
 
 def assign_global(variable: tf.Variable, value: np.ndarray) -> None:
@@ -214,10 +242,17 @@ def validate(directory: str) -> str | None:
   if not os.path.isfile(manifest_path):
     return f'{manifest_path} is missing (an interrupted save?)'
   try:
-    manifest = json.load(open(manifest_path))
-  except ValueError as e:
-    return f'{manifest_path} is unreadable: {e}'
-  for name, size in manifest['files'].items():
+    with open(manifest_path) as f:
+      manifest = json.load(f)
+    files = manifest['files']
+    digest = manifest.get('digest')
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    return f'{manifest_path} is unreadable: {type(e).__name__}: {e}'
+  if digest is not None and digest != manifest_digest(manifest):
+    return f'{manifest_path} does not match its own digest (corrupt)'
+  if not isinstance(files, dict):
+    return f'{manifest_path} is unreadable: no file list'
+  for name, size in files.items():
     path = os.path.join(directory, name)
     if not os.path.isfile(path):
       return f'{path} is missing'
@@ -225,6 +260,13 @@ def validate(directory: str) -> str | None:
     if actual != size:
       return f'{path} is {actual} bytes but the manifest says {size} (truncated or corrupt)'
   return None
+
+
+def manifest_digest(manifest: Mapping) -> str:
+  """sha256 of a manifest's content (all but the digest itself), so a
+  flipped byte anywhere in it is noticed."""
+  body = {k: v for k, v in manifest.items() if k != 'digest'}
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def checkpoint_dirs(directory: str) -> list[tuple[int, str]]:
@@ -263,15 +305,18 @@ class Checkpointer:
     self._last_saved_step: int | None = None
     self._thread: threading.Thread | None = None
     self._thread_error: BaseException | None = None
-    os.makedirs(directory, exist_ok=True)
-    for name in os.listdir(directory):
-      if name.startswith('tmp-'):  # left by a save that was killed: never valid
-        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+  def _clean_temporary(self) -> None:
+    """Removes what saves killed before their commit left (never valid)."""
+    for name in os.listdir(self.directory):
+      if name.startswith('tmp-'):
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   # -- restore -----------------------------------------------------------------------
   def check_compatible(self, prefix: str) -> None:
-    """ConfigError listing every variable whose name or shape does not match."""
-    saved = dict(tf.train.list_variables(prefix))
+    """ConfigError listing every variable whose name or shape does not match;
+    CheckpointDamage if the checkpoint's index cannot be read."""
+    saved = dict(_reading(prefix, lambda: tf.train.list_variables(prefix)))
     expected = checkpoint_keys(self.state)
     missing, reshaped, extra = [], [], []
     for key, variable in expected.items():
@@ -294,18 +339,40 @@ class Checkpointer:
           fix='use a new --model_dir for a different model (the existing '
               'checkpoint was left untouched)')
 
+  def check_latest_fits(self) -> int | None:
+    """Read-only: the step of the checkpoint `restore_latest` would use (the
+    newest undamaged one), after checking that it fits the model (ConfigError
+    otherwise); None when there is none. Nothing on disk changes."""
+    for step, path in checkpoint_dirs(self.directory):
+      if validate(path) is None:
+        try:
+          self.check_compatible(os.path.join(path, 'ckpt'))
+        except CheckpointDamage:
+          continue
+        return step
+    return None
+
   def restore_latest(self) -> int | None:
-    """Restores the newest readable checkpoint; returns its step or None."""
+    """Restores the newest undamaged checkpoint; returns its step or None.
+
+    A damaged one (files missing, truncated or corrupt, a manifest that does
+    not match) is reported by file and moved aside, and the previous one is
+    tried. A checkpoint that does not fit the model is a ConfigError, and a
+    runtime error while placing the values propagates: neither moves anything."""
+    if not os.path.isdir(self.directory):
+      return None
+    self._clean_temporary()
+    self._check_state_file()
     for step, path in checkpoint_dirs(self.directory):
       problem = validate(path)
       prefix = os.path.join(path, 'ckpt')
       if problem is None:
-        self.check_compatible(prefix)
         start = time.perf_counter()
         try:
+          self.check_compatible(prefix)
           restore_values(prefix, checkpoint_keys(self.state))
-        except (tf.errors.OpError, ValueError) as e:
-          problem = f'reading {prefix} failed: {type(e).__name__}: {str(e).splitlines()[0]}'
+        except CheckpointDamage as e:
+          problem = str(e)
         else:
           self._last_saved_step = step
           self.on_event(CheckpointEvent(step, prefix, 'resume',
@@ -316,7 +383,26 @@ class Checkpointer:
       logging.error('Checkpoint %s is unusable: %s. Moved it to %s and trying the '
                     'previous one.', path, problem, aside)
       os.rename(path, aside)
+      self._update_state_file()
     return None
+
+  def _check_state_file(self) -> None:
+    """The `checkpoint` state file (tf.train.latest_checkpoint's) is derived
+    from the valid checkpoints: a damaged one is reported, moved aside, and
+    written anew."""
+    path = os.path.join(self.directory, 'checkpoint')
+    if not os.path.exists(path):
+      return
+    with open(path, 'rb') as f:
+      content = f.read()
+    if content == self._state_file_text().encode():
+      return
+    if not _STATE_FILE.fullmatch(content):
+      aside = f'{path}.corrupt-{int(time.time())}'
+      logging.error('Checkpoint state file %s is damaged; moved it to %s and wrote it '
+                    'anew from the valid checkpoints.', path, aside)
+      os.rename(path, aside)
+    self._update_state_file()
 
   def init_from(self, source: str, variables: Mapping[str, tf.Variable]) -> int:
     """Reads `variables` (path -> variable) by name from another checkpoint.
@@ -380,6 +466,7 @@ class Checkpointer:
       return None
     self._last_saved_step = step
     self._last_save_time = time.monotonic()
+    os.makedirs(self.directory, exist_ok=True)
     final = os.path.join(self.directory, f'ckpt-{step}')
     if os.path.exists(final):  # a broken one that was never moved aside
       os.rename(final, f'{final}.corrupt-{int(time.time())}')
@@ -429,8 +516,10 @@ class Checkpointer:
       with open(os.path.join(temporary, name), 'w') as f:
         f.write(text)
     files = {n: os.path.getsize(os.path.join(temporary, n)) for n in os.listdir(temporary)}
+    manifest = {'step': step, 'reason': reason, 'files': files}
+    manifest['digest'] = manifest_digest(manifest)
     with open(os.path.join(temporary, 'manifest.json'), 'w') as f:
-      json.dump({'step': step, 'reason': reason, 'files': files}, f, indent=1)
+      json.dump(manifest, f, indent=1)
     _fsync_tree(temporary)
     os.rename(temporary, final)  # the commit point
     _fsync_dir(self.directory)
@@ -442,12 +531,18 @@ class Checkpointer:
                  reason, event.seconds)
     self.on_event(event)
 
-  def _update_state_file(self) -> None:
+  def _state_file_text(self) -> str:
+    """The text format tf.train.latest_checkpoint reads, for the valid checkpoints."""
     valid = [os.path.join(os.path.basename(p), 'ckpt')
              for _, p in reversed(checkpoint_dirs(self.directory)) if validate(p) is None]
-    if valid:  # the text format tf.train.latest_checkpoint reads; replaced atomically
-      text = f'model_checkpoint_path: "{valid[-1]}"\n' + ''.join(
-          f'all_model_checkpoint_paths: "{path}"\n' for path in valid)
+    if not valid:
+      return ''
+    return f'model_checkpoint_path: "{valid[-1]}"\n' + ''.join(
+        f'all_model_checkpoint_paths: "{path}"\n' for path in valid)
+
+  def _update_state_file(self) -> None:
+    text = self._state_file_text()
+    if text:  # replaced atomically
       temporary = os.path.join(self.directory, 'checkpoint.tmp')
       with open(temporary, 'w') as f:
         f.write(text)

@@ -24,6 +24,7 @@ import numpy as np
 
 from layout_core.lazy import tf
 from layout_core.errors import ConfigError
+from layout_core.fields import at_least, check_arguments
 
 _SPLITS = {'train': 0, 'eval': 1}
 
@@ -62,7 +63,8 @@ class MarkovTask(LMTask):
   def __init__(self, *, vocab_size: int = 64, seq_len: int = 64,
                branching: int = 4, seed: int = 1234):
     if not 1 <= branching <= vocab_size:
-      raise ConfigError(f'data.branching={branching} must be in [1, vocab_size={vocab_size}]')
+      raise ConfigError(f'data.branching={branching} must be in [1, vocab_size={vocab_size}]',
+                        where='data.branching', fix=f'use 1..{vocab_size}')
     self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
     chain = np.random.default_rng([seed, 7])
     self.successors = np.stack([chain.choice(vocab_size, branching, replace=False)
@@ -105,7 +107,7 @@ class TextFileTask(LMTask):
 
   def __init__(self, *, path: str, seq_len: int = 64, seed: int = 1234):
     if not os.path.isfile(path):
-      raise ConfigError(f'data.text_file {path!r} does not exist',
+      raise ConfigError(f'data.text_file {path!r} does not exist', where='data.text_file',
                         fix='give the path of a readable text file')
     data = np.frombuffer(open(path, 'rb').read(), dtype=np.uint8)
     cut = int(len(data) * 0.9)
@@ -130,6 +132,8 @@ class TextFileTask(LMTask):
 
 def make_task(*, text_file: str | None = None, vocab_size: int = 64,
               seq_len: int = 64, branching: int = 4, seed: int = 1234) -> LMTask:
+  check_arguments(make_task, name='data', values=locals())
+  at_least(locals(), 'data', vocab_size=2, seq_len=1, branching=1, seed=0)
   if text_file:
     return TextFileTask(path=text_file, seq_len=seq_len, seed=seed)
   return MarkovTask(vocab_size=vocab_size, seq_len=seq_len, branching=branching,

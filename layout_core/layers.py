@@ -26,11 +26,12 @@ import contextlib
 import dataclasses
 import math
 import threading
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 
 from layout_core.lazy import Module, tf
 from layout_core.errors import ConfigError
+from layout_core.fields import at_least, check_arguments, in_range
 from layout_core.params import Params
 from layout_core.variables import (Initializer, Normal, Ones, VariableSpec, Zeros,
                                    create_variable, flat_index, mix32, path_seed)
@@ -47,10 +48,12 @@ class LayerMeta:
 
 @dataclasses.dataclass(frozen=True)
 class Declared:
-  """A variable a layer owns: its attribute name, shape and initializer."""
+  """A variable a layer owns: its attribute name, shape and initializer, and
+  the dimensions DTensor cannot run it sharded on (with why, and what works)."""
   name: str
   shape: Shape
   initializer: Initializer
+  unshardable: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
 
 def _size(shape: Shape) -> int:
@@ -104,7 +107,8 @@ class BaseLayer(Module):
   @classmethod
   def own_variable_specs(cls, p: Params, path: str) -> list[VariableSpec]:
     return [VariableSpec(path=f'{path}/{d.name}', shape=tuple(d.shape),
-                         initializer=d.initializer, dtype=p.dtype)
+                         initializer=d.initializer, dtype=p.dtype,
+                         unshardable=dict(d.unshardable))
             for d in cls.declare_variables(p)]
 
   @classmethod
@@ -146,7 +150,11 @@ class Embedding(BaseLayer):
 
   @classmethod
   def declare_variables(cls, p):
-    declared = [Declared('table', (p.vocab_size, p.dim), Normal(p.init_stddev))]
+    looked_up = {0: 'its rows are looked up with a gather, and DTensor cannot gather '
+                    'from a table sharded along dimension 0 (the vocabulary); shard '
+                    "dimension 1 (the features) instead, e.g. ('unsharded', 'model')"}
+    declared = [Declared('table', (p.vocab_size, p.dim), Normal(p.init_stddev),
+                         unshardable=looked_up)]
     if p.max_len:
       declared.append(Declared('pos_table', (p.max_len, p.dim), Normal(p.init_stddev)))
     return declared
@@ -474,9 +482,24 @@ class Sequential(BaseLayer):
     return outputs[0] if len(outputs) == 1 else outputs
 
 
+ACTIVATIONS = ('relu', 'gelu')
+
+
+def _check_cell(name: str, *, num_heads: int, ffn_dim: int, activation: str,
+                dropout_rate: float) -> None:
+  at_least(dict(num_heads=num_heads, ffn_dim=ffn_dim), name, num_heads=1, ffn_dim=1)
+  if activation not in ACTIVATIONS:
+    raise ConfigError(f'{name}.activation is {activation!r}', where=f'{name}.activation',
+                      fix=f"use one of {', '.join(map(repr, ACTIVATIONS))}")
+  in_range(dropout_rate, parameter=f'{name}.dropout_rate', low=0, high=1, high_open=True)
+
+
 def transformer_block_params(*, num_heads: int = 4, ffn_dim: int = 256,
                              activation: str = 'relu', dropout_rate: float = 0.0) -> Params:
   """One Transformer cell (its width comes from the LM it is put in)."""
+  check_arguments(transformer_block_params, name='transformer_block', values=locals())
+  _check_cell('transformer_block', num_heads=num_heads, ffn_dim=ffn_dim,
+              activation=activation, dropout_rate=dropout_rate)
   return TransformerBlock.Params().Set(num_heads=num_heads, ffn_dim=ffn_dim,
                                        activation=activation, dropout_rate=dropout_rate)
 
@@ -495,6 +518,34 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
   activation, dropout_rate), or the explicit list `cells` (e.g. blocks of different widths),
   each set to `model_dim`; `num_layers` must then equal len(cells).
   """
+  check_arguments(transformer_lm_params, name='transformer_lm', values=locals())
+  at_least(locals(), 'transformer_lm', vocab_size=1, model_dim=1, num_layers=1, max_len=0)
+  if not name.isidentifier():
+    raise ConfigError(f'transformer_lm.name {name!r} is not an identifier',
+                      where='transformer_lm.name', fix="use a name like 'lm'")
+  if cells:
+    for i, cell in enumerate(cells):
+      if not isinstance(cell, Params) or cell.cls is not TransformerBlock:
+        raise ConfigError(f'transformer_lm.cells[{i}] is {cell!r}, not a Transformer cell',
+                          where='transformer_lm.cells',
+                          fix='list cells made by @transformer_block()')
+      if model_dim % cell.num_heads:
+        raise ConfigError(
+            f'transformer_lm.cells[{i}] has num_heads={cell.num_heads}, which does not '
+            f'divide transformer_lm.model_dim={model_dim}',
+            where='transformer_block.num_heads / transformer_lm.model_dim',
+            fix=f'use a num_heads dividing {model_dim} ({_divisors(model_dim)})')
+  else:
+    _check_cell('transformer_lm', num_heads=num_heads, ffn_dim=ffn_dim,
+                activation=activation, dropout_rate=dropout_rate)
+    if model_dim % num_heads:
+      raise ConfigError(
+          f'transformer_lm.num_heads={num_heads} does not divide '
+          f'transformer_lm.model_dim={model_dim}',
+          where='transformer_lm.num_heads / transformer_lm.model_dim',
+          fix=f'set transformer_lm.num_heads to a divisor of {model_dim} '
+              f'({_divisors(model_dim)}), or transformer_lm.model_dim to a multiple '
+              f'of {num_heads}')
   if cells:
     if num_layers != len(cells):
       raise ConfigError(f'transformer_lm.num_layers={num_layers} but {len(cells)} cells '
@@ -514,6 +565,11 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
       LayerNorm.Params().Set(name='final_ln', dim=model_dim),
       Softmax.Params().Set(input_dim=model_dim, num_classes=vocab_size),
   ])
+
+
+def _divisors(n: int, limit: int = 6) -> str:
+  found = [d for d in range(1, n + 1) if n % d == 0]
+  return ', '.join(map(str, found[:limit])) + (', ...' if len(found) > limit else '')
 
 
 def num_parameters(p: Params) -> int:

@@ -41,6 +41,7 @@ class LayoutRecord:
   bytes_total: int
   bytes_per_device: int
   mesh: str = ''  # set when variables live on several meshes (pipeline stages)
+  rule_index: int | None = None  # the rule that decided the spec; None: no rule matched
 
 
 def shards_of(spec: Sequence[str], mesh_axes: Mapping[str, int]) -> int:
@@ -57,16 +58,27 @@ def plan_layouts(specs: Iterable[VariableSpec], rules: LayoutRules,
 def _record(spec: VariableSpec, rules: LayoutRules,
             mesh_axes: Mapping[str, int]) -> LayoutRecord:
   resolution = rules.resolve(spec.path, spec.shape, mesh_axes)
+  for dim, why in spec.unshardable.items():
+    if resolution.spec[dim] != UNSHARDED:
+      rule = rules.rules[resolution.rule_index]
+      raise ConfigError(
+          f"{rule.describe()} shards variable '{spec.path}' (shape {tuple(spec.shape)}) "
+          f"along dimension {dim} over mesh axis '{resolution.spec[dim]}', which DTensor "
+          f'cannot run: {why}', where='layout_rules.rules',
+          fix=f"leave dimension {dim} of '{spec.path}' 'unsharded' (narrow the regex or "
+              'change the spec)')
   return LayoutRecord(
       path=spec.path, shape=tuple(spec.shape), dtype=spec.dtype,
       spec=resolution.spec, source=resolution.source(rules),
       bytes_total=spec.num_bytes,
-      bytes_per_device=spec.num_bytes // shards_of(resolution.spec, mesh_axes))
+      bytes_per_device=spec.num_bytes // shards_of(resolution.spec, mesh_axes),
+      rule_index=resolution.rule_index)
 
 
-def report_unused_rules(rules: LayoutRules) -> None:
-  """Warns about (or, with strict rules, rejects) rules that matched nothing."""
-  unused = rules.unused_rules()
+def report_unused_rules(rules: LayoutRules, records: Sequence[LayoutRecord]) -> None:
+  """Warns about (or, with strict rules, rejects) rules that decided none of
+  the variables in `records`."""
+  unused = rules.unused_rules(r.rule_index for r in records)
   if not unused:
     return
   listing = '; '.join(r.describe() for r in unused)

@@ -22,6 +22,7 @@ from typing import Mapping
 
 from layout_core.lazy import tf, dtensor
 from layout_core.errors import ConfigError
+from layout_core.fields import check_types
 
 UNSHARDED = 'unsharded'  # dtensor.UNSHARDED
 DEVICE_TYPES = ('CPU', 'GPU', 'TPU')
@@ -35,20 +36,24 @@ class MeshSpec:
   device_type: str = 'CPU'
 
   def __post_init__(self):
+    check_types(self, name='mesh')
     shape = dict(self.shape)
     if not shape:
-      raise ConfigError('mesh.shape is empty',
+      raise ConfigError('mesh.shape is empty', where='mesh.shape',
                         fix="give at least one axis, e.g. {'data': 8}")
     for name, size in shape.items():
-      if not isinstance(name, str) or not name.isidentifier():
-        raise ConfigError(f'mesh axis name {name!r} is not an identifier')
+      if not name.isidentifier():
+        raise ConfigError(f'mesh axis name {name!r} is not an identifier',
+                          where='mesh.shape', fix="use names like 'data' or 'model'")
       if name == UNSHARDED:
-        raise ConfigError(f"'{UNSHARDED}' is reserved and cannot name a mesh axis")
-      if not isinstance(size, int) or size < 1:
-        raise ConfigError(f"mesh axis '{name}' has size {size!r}",
+        raise ConfigError(f"'{UNSHARDED}' is reserved and cannot name a mesh axis",
+                          where='mesh.shape', fix="use names like 'data' or 'model'")
+      if size < 1:
+        raise ConfigError(f"mesh axis '{name}' has size {size}", where='mesh.shape',
                           fix='use a positive integer')
     if self.device_type.upper() not in DEVICE_TYPES:
       raise ConfigError(f'mesh.device_type {self.device_type!r} is unknown',
+                        where='mesh.device_type',
                         fix=f'use one of {", ".join(DEVICE_TYPES)}')
     object.__setattr__(self, 'shape', shape)
     object.__setattr__(self, 'device_type', self.device_type.upper())
@@ -91,6 +96,10 @@ def build_mesh(spec: MeshSpec) -> dtensor.Mesh:
     available = configure_virtual_cpus(spec.num_devices)
   else:
     available = len(tf.config.list_logical_devices(spec.device_type))
+  if available == 0 and spec.device_type != 'CPU':
+    raise ConfigError(f'mesh.device_type is {spec.device_type!r}, but this machine has no '
+                      f'{spec.device_type} devices', where='mesh.device_type',
+                      fix="set mesh.device_type = 'CPU' (virtual CPU devices work anywhere)")
   if available < spec.num_devices:
     raise ConfigError(
         f'{spec.describe()} needs {spec.num_devices} devices but only '

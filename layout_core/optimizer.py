@@ -25,6 +25,7 @@ from typing import Sequence
 
 from layout_core.lazy import Module, tf, dtensor
 from layout_core.errors import ConfigError
+from layout_core.fields import at_least, check_types, in_range
 
 DECAYS = ('cosine', 'linear', 'constant')
 
@@ -42,11 +43,19 @@ class OptimizerConfig:
   clip_norm: float = 1.0            # global-norm clipping; 0 disables
 
   def __post_init__(self):
+    check_types(self, name='optimizer')
     if self.decay not in DECAYS:
-      raise ConfigError(f'optimizer.decay is {self.decay!r}', fix=f'use one of {DECAYS}')
-    if self.learning_rate <= 0:
-      raise ConfigError(f'optimizer.learning_rate is {self.learning_rate}',
-                        fix='use a positive learning rate')
+      raise ConfigError(f'optimizer.decay is {self.decay!r}', where='optimizer.decay',
+                        fix=f"use one of {', '.join(map(repr, DECAYS))}")
+    in_range(self.learning_rate, parameter='optimizer.learning_rate', low=0, high=10,
+             low_open=True)
+    at_least(self, 'optimizer', warmup_steps=0, weight_decay=0, clip_norm=0)
+    in_range(self.final_learning_rate_ratio, parameter='optimizer.final_learning_rate_ratio',
+             low=0, high=1)
+    for beta in ('beta1', 'beta2'):
+      in_range(getattr(self, beta), parameter=f'optimizer.{beta}', low=0, high=1,
+               high_open=True)
+    in_range(self.epsilon, parameter='optimizer.epsilon', low=0, high=1, low_open=True)
 
 
 def learning_rate(config: OptimizerConfig, step, total_steps: int) -> tf.Tensor:

@@ -106,12 +106,21 @@ class Params:
     name, index = key, None
     if key.endswith(']') and '[' in key:
       name, index_text = key[:-1].split('[', 1)
+      if not index_text.isdigit():
+        raise ConfigError(f"in '{dotted}': index [{index_text}] is not a number",
+                          fix=f"write e.g. '{name}[0]'")
       index = int(index_text)
     try:
       value = self._lookup(name).value
     except AttributeError as e:
       raise ConfigError(f"in '{dotted}': {e}") from None
     if index is not None:
+      if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"in '{dotted}': '{name}' is a {type(value).__name__}, not a "
+                          'list', fix=f"drop the index: '{name}'")
+      if not index < len(value):
+        raise ConfigError(f"in '{dotted}': '{name}' has {len(value)} entries, so "
+                          f'[{index}] does not exist', fix=f'use an index below {len(value)}')
       value = value[index]
     if not isinstance(value, Params):
       raise ConfigError(f"in '{dotted}': '{key}' is a {type(value).__name__}, "

@@ -41,6 +41,7 @@ from absl import logging
 from layout_core.lazy import Module, tf, dtensor
 from layout_core import mesh as mesh_lib
 from layout_core.errors import ConfigError
+from layout_core.fields import check_types
 from layout_core.layers import BaseLayer, LayerMeta, Sequential, leaf_modules, random_context
 from layout_core.layout_scope import LayoutRecord, LayoutScope
 from layout_core.optimizer import squared_norm
@@ -442,6 +443,7 @@ class PipelineConfig:
   stage_axis: str = 'stage'
 
   def __post_init__(self):
+    check_types(self, name='pipeline')
     if self.num_stages < 1:
       raise ConfigError(f'pipeline.num_stages is {self.num_stages}', fix='use at least 1')
     if self.num_micro_batches < 0 or self.micro_batch_size < 0:

@@ -133,6 +133,13 @@ class PipelineTrainer(Trainer):
     self.data_position.assign_add(1)
     return rates[0]
 
+  def loss_and_gradients(self, packed):
+    """The GPipe forward and backward on one packed batch (no update); the
+    same compiled functions the training steps use."""
+    seed = np.int64(step_seed(self.config.seed, self.current_step))
+    seeds = [self.placement.put(k, seed) for k in range(self.gpipe.num_stages)]
+    return self.gpipe.loss_and_gradients(*packed, seeds=seeds)
+
   def train_step(self, tokens: np.ndarray):
     step = self.current_step
     seed = np.int64(step_seed(self.config.seed, step))

@@ -1,6 +1,14 @@
-"""Turning SIGTERM / SIGINT into "finish this step, save, exit cleanly".
+"""Turning SIGTERM / SIGINT into a clean stop at any moment of a run.
 
-    with PreemptionWatcher() as watcher:
+During start-up (parsing, importing TensorFlow, building, restoring) nothing
+has been written yet, so a signal stops the process at once: the handler
+raises `Interrupted`, which the launcher turns into a message and exit 0.
+Once the run starts writing, `defer()` switches to "finish the current step,
+save, exit cleanly":
+
+    with PreemptionWatcher(immediate=True) as watcher:   # signals raise Interrupted
+      plan, trainer = ...
+      watcher.defer()                                    # from here: a flag
       for step in ...:
         train_step()
         if watcher.requested:
@@ -18,22 +26,38 @@ import threading
 from absl import logging
 
 
+class Interrupted(BaseException):
+  """A stop signal during start-up (a BaseException, so `except Exception`
+  in library code does not swallow it)."""
+
+  def __init__(self, signal_name: str):
+    super().__init__(signal_name)
+    self.signal_name = signal_name
+
+
 class PreemptionWatcher:
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-  def __init__(self):
+  def __init__(self, *, immediate: bool = False):
     self.requested = False
     self.signal_name: str | None = None
+    self._immediate = immediate
     self._previous = {}
 
   def _handle(self, signum, frame) -> None:
     del frame
     self.signal_name = signal.Signals(signum).name
+    if self._immediate:
+      raise Interrupted(self.signal_name)
     if not self.requested:
       logging.warning('%s received: finishing the current step, then saving and '
                       'exiting', self.signal_name)
     self.requested = True
+
+  def defer(self) -> None:
+    """From now on a signal only sets `requested` (see module docstring)."""
+    self._immediate = False
 
   def __enter__(self) -> 'PreemptionWatcher':
     if threading.current_thread() is threading.main_thread():

@@ -161,6 +161,13 @@ class LayoutRules:
 
   def __init__(self, rules: Iterable[tuple[str, Sequence[str]]] | Mapping[str, Sequence[str]] = (),
                *, strict: bool = False):
+    if isinstance(rules, str) or not isinstance(rules, (Mapping, list, tuple)):
+      raise ConfigError(f'layout_rules.rules = {rules!r} is not a list of rules',
+                        where='layout_rules.rules',
+                        fix="write [(r'regex', ('axis_or_unsharded', ...)), ...]")
+    if not isinstance(strict, bool):
+      raise ConfigError(f'layout_rules.strict = {strict!r} is not True or False',
+                        where='layout_rules.strict', fix='use True or False')
     items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     self.strict = strict
     self.rules: list[Rule] = []
@@ -173,6 +180,15 @@ class LayoutRules:
       pattern, spec = item
       if isinstance(spec, str):
         spec = (spec,)
+      if not isinstance(pattern, str):
+        raise ConfigError(f'layout rule {index} has pattern {pattern!r}, not a string',
+                          where='layout_rules.rules',
+                          fix="write the pattern as a string, e.g. r'.*/ffn/w_in'")
+      if not isinstance(spec, (tuple, list)) or not all(isinstance(s, str) for s in spec):
+        raise ConfigError(
+            f'layout rule {index} ({pattern!r}) has spec {spec!r}, not a tuple of mesh '
+            "axis names or 'unsharded'", where='layout_rules.rules',
+            fix="write one entry per tensor dimension, e.g. ('unsharded', 'model')")
       spec = tuple(spec)
       rule = Rule(pattern=pattern, spec=spec, index=index)
       try:
@@ -181,9 +197,6 @@ class LayoutRules:
         raise ConfigError(f'{rule.describe()} is not a valid regex: {e}',
                           where='layout_rules.rules',
                           fix='escape special characters or fix the pattern') from None
-      if not all(isinstance(s, str) for s in spec):
-        raise ConfigError(f'{rule.describe()} has a non-string spec entry',
-                          fix="use mesh axis names or 'unsharded'")
       self.rules.append(rule)
     self._exact = {}
     for rule in self.rules:
@@ -192,7 +205,6 @@ class LayoutRules:
     sensitive = [c for c in compiled if not _digit_blind(c[1].pattern)]
     self._sensitive = _FirstMatch(sensitive) if sensitive else None
     self._blind_cache: dict[str, int | None] = {}
-    self.match_counts = [0] * len(self.rules)
 
   def __len__(self) -> int:
     return len(self.rules)
@@ -235,11 +247,10 @@ class LayoutRules:
 
   def resolve(self, path: str, shape: Sequence[int],
               mesh_axes: Mapping[str, int]) -> Resolution:
-    """The validated sharding spec for one variable, counting the match."""
+    """The validated sharding spec for one variable."""
     index = self.match(path)
     if index is None:
       return Resolution(spec=(UNSHARDED,) * len(shape), rule_index=None)
-    self.match_counts[index] += 1
     rule = self.rules[index]
     spec = rule.spec
     if len(spec) != len(shape):
@@ -264,11 +275,17 @@ class LayoutRules:
             fix=f"shard dim {dim} over an axis dividing {size}, or leave it '{UNSHARDED}'")
     return Resolution(spec=spec, rule_index=index)
 
-  def unused_rules(self) -> list[Rule]:
-    return [r for r, n in zip(self.rules, self.match_counts) if n == 0]
+  def match_counts(self, rule_indices: Iterable[int | None]) -> list[int]:
+    """How many of the given resolutions (rule index or None) each rule decided."""
+    counts = [0] * len(self.rules)
+    for index in rule_indices:
+      if index is not None:
+        counts[index] += 1
+    return counts
 
-  def reset_counts(self) -> None:
-    self.match_counts = [0] * len(self.rules)
+  def unused_rules(self, rule_indices: Iterable[int | None]) -> list[Rule]:
+    """The rules that decided none of the given resolutions."""
+    return [r for r, n in zip(self.rules, self.match_counts(rule_indices)) if n == 0]
 
 
 def naive_first_match(compiled: Sequence[re.Pattern], path: str) -> int | None:

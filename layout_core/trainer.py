@@ -24,6 +24,7 @@ from layout_core.lazy import tf, dtensor
 from layout_core import mesh as mesh_lib
 from layout_core.data import LMTask
 from layout_core.errors import ConfigError
+from layout_core.fields import at_least, check_types
 from layout_core.layers import random_context, step_seed
 from layout_core.layout_scope import LayoutScope, table_markdown
 from layout_core.optimizer import Adam, OptimizerConfig
@@ -44,10 +45,9 @@ class TrainConfig:
   batch_axis: str = 'data'   # mesh axis the batch is split over ('' for none)
 
   def __post_init__(self):
-    for name in ('num_steps', 'batch_size', 'log_every', 'eval_batches'):
-      if getattr(self, name) < 1:
-        raise ConfigError(f'train.{name} is {getattr(self, name)}',
-                          fix='use a positive integer')
+    check_types(self, name='train')
+    at_least(self, 'train', num_steps=1, batch_size=1, log_every=1, eval_batches=1,
+             eval_every=0, seed=0)
 
 
 @dataclasses.dataclass
@@ -107,6 +107,7 @@ class Trainer:
                           paths=list(trainable), total_steps=config.num_steps)
     self._train_step = tf.function(self._train_step_fn)
     self._eval_step = tf.function(self.loss)
+    self._gradients = tf.function(self._gradients_fn)
     self._eval_data = None
 
   def build_model(self, params: Params, rules: LayoutRules | None):
@@ -130,6 +131,30 @@ class Trainer:
     self.step.assign_add(1)
     self.data_position.assign_add(1)
     return loss, lr, grad_norm
+
+  def _gradients_fn(self, tokens):
+    with tf.GradientTape() as tape:
+      loss = self.loss(tokens)
+    return loss, tape.gradient(loss, self._trainable)
+
+  def loss_and_gradients(self, packed):
+    """Loss and gradients of one packed batch, updating nothing."""
+    return self._gradients(packed)
+
+  def check_runs(self) -> None:
+    """Runs forward and backward once on a real batch, updating nothing.
+
+    Some layouts pass every rank/axis/divisibility check and still cannot be
+    compiled by DTensor (it fails at the first step, deep inside TF). This
+    makes that happen before training starts, as a ConfigError naming the
+    sharded variables and their rules."""
+    packed = self.pack(self.task.batch(step=0, batch_size=self.config.batch_size,
+                                       split='eval'))
+    try:
+      loss = self.loss_and_gradients(packed)[0]
+      to_numpy(loss)  # DTensor errors are asynchronous: wait for the values
+    except (tf.errors.OpError, ValueError) as e:
+      raise unrunnable_layout_error(e, self.layout_records) from None
 
   def pack(self, tokens: np.ndarray):
     """A host batch [B, T+1] placed on the devices (each gets only its slice)."""
@@ -234,6 +259,21 @@ class Trainer:
     logging.info('eval at step %d: loss %.4f', step, value)
     self.writer.scalars(step=step, values={'eval/loss': value})
     return value
+
+
+def unrunnable_layout_error(error: Exception, records) -> ConfigError:
+  """A ConfigError for a model DTensor could not run with its layouts."""
+  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+  reason = next((line.split('error:', 1)[1].strip() for line in lines if 'error:' in line),
+                lines[0] if lines else type(error).__name__)
+  sharded = [r for r in records if any(a != UNSHARDED for a in r.spec)]
+  listing = '; '.join(f"'{r.path}' {r.spec} by rule {r.source}" for r in sharded[:8])
+  more = f'; ... {len(sharded) - 8} more' if len(sharded) > 8 else ''
+  return ConfigError(
+      f'DTensor cannot run this model with these layouts: {reason}',
+      where=f'layout_rules.rules (sharded variables: {listing or "none"}{more})',
+      fix='leave the dimension DTensor names unsharded (change that rule\'s spec or '
+          'narrow its regex); launch.inspect shows every variable\'s layout')
 
 
 def bytes_per_device(records) -> int:

@@ -24,7 +24,7 @@ import dataclasses
 import math
 import threading
 import zlib
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 from layout_core.lazy import tf, dtensor
@@ -122,6 +122,8 @@ class VariableSpec:
   initializer: Initializer = dataclasses.field(default_factory=Zeros)
   dtype: str = 'float32'
   trainable: bool = True
+  # dim -> why DTensor cannot run this variable sharded on it (and what works)
+  unshardable: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
   @property
   def num_elements(self) -> int:

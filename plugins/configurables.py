@@ -70,7 +70,17 @@ def model(params: Params | None = None,
                       where='model.params = %gin.REQUIRED (configs/runs/*.gin)',
                       fix="include a model file such as 'configs/models/lm_tiny.gin' "
                           'or bind model.params = @transformer_lm()')
+  if params is not None and not isinstance(params, Params):
+    raise ConfigError(f'model.params is {params!r}, not a Params tree', where='model.params',
+                      fix='bind a model builder such as @transformer_lm()')
+  if overrides is not None and not isinstance(overrides, Mapping):
+    raise ConfigError(f'model.overrides is {overrides!r}, not a dict', where='model.overrides',
+                      fix="write {'dotted.key': value}, e.g. {'sub[1].repeat': 4}")
   tree = (params if params is not None else transformer_lm()).Copy()
-  if overrides:
-    tree.Set(**dict(overrides))
+  for key, value in dict(overrides or {}).items():
+    try:
+      tree.Set(**{key: value})
+    except ConfigError as e:
+      raise ConfigError(f'model.overrides key {key!r}: {e} (the keys are the dotted '
+                        "names in a run's params.txt)", where='model.overrides') from None
   return tree

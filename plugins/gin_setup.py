@@ -1,30 +1,192 @@
 """Parsing gin files and bindings, with errors a user can act on.
 
-    parse_gin(files=['configs/experiments/quickstart.gin'],
-              bindings=['train.num_steps = 10'], search_paths=[])
+    sources = parse_gin(files=['configs/experiments/quickstart.gin'],
+                        bindings=['train.num_steps = 10'], search_paths=[])
+    sources.where('train.num_steps')   # "--gin_bindings 'train.num_steps = 10'"
 
-gin's own errors are turned into `ConfigError`s that keep gin's location
-("In file ..., line N") and add a "did you mean" for misspelt configurables
-and parameters, and the search paths tried for a missing file.
+Before gin sees anything, every file (and everything it includes) is read
+with gin's own statement parser, without binding anything, to report the
+mistakes gin reports badly or not at all, each with its file and line: a
+missing file (and which file includes it, on which line), an include cycle,
+a syntax error or an unclosed bracket, an undefined macro. The walk also
+records where every parameter was set, so any later `ConfigError` that names
+`train.num_steps` can say "set in configs/x.gin, line 12" (`locate`).
+
+gin's own errors are turned into `ConfigError`s with a "did you mean" for
+misspelt configurables and parameters; the "In call to configurable ..."
+noise gin appends to errors raised inside a configurable is dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import difflib
 import importlib.util  # noqa: F401  gin 0.5 uses importlib.util without importing it
 import inspect
 import os
 import re
+import tokenize
 from typing import Sequence
 
 import gin
+from gin import config_parser
 
 from layout_core.errors import ConfigError
 from plugins import configurables  # noqa: F401  registers the configurables
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_GIN_NOISE = re.compile(r"\s*In call to configurable '.*", re.DOTALL)
+_PARAMETER = re.compile(r'\b((?:[A-Za-z_]\w*/)*[A-Za-z_]\w*)\.([A-Za-z_]\w*)\b')
 
 
+# -- reading the sources ---------------------------------------------------------
+class _Recorder(config_parser.ParserDelegate):
+  """Parses values without looking anything up; remembers the macros used."""
+
+  def __init__(self):
+    self.macros: list[str] = []
+
+  def configurable_reference(self, scoped_name, evaluate):
+    return f'@{scoped_name}'
+
+  def macro(self, name):
+    self.macros.append(name)
+    return f'%{name}'
+
+
+@dataclasses.dataclass
+class GinSources:
+  """What the config files and bindings say, before gin binds it."""
+  files: list[str] = dataclasses.field(default_factory=list)  # every file read, in order
+  locations: dict[str, str] = dataclasses.field(default_factory=dict)  # 'x.y' -> where set
+  macros_defined: set[str] = dataclasses.field(default_factory=set)
+  macros_used: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (name, where)
+
+  def where(self, parameter: str) -> str | None:
+    """Where `parameter` ('train.num_steps', 'narrow/transformer_block.ffn_dim') was
+    last set, or None if it keeps its default."""
+    return self.locations.get(parameter)
+
+  def locate(self, error: ConfigError) -> ConfigError:
+    """`error` without gin's noise and with where its parameter was set."""
+    text = _GIN_NOISE.sub('', str(error)).strip()
+    where = re.search(r'Where: (.*?)\.(?= Fix:|$)', text)
+    for match in _PARAMETER.finditer(where.group(1) if where else text):
+      location = self.where(match.group(0))
+      if location and location not in text:
+        note = f'{match.group(0)} is set in {location}'
+        if where:
+          return ConfigError(text[:where.end(1)] + f' ({note})' + text[where.end(1):])
+        return ConfigError(f'{text.rstrip(".")}. Where: {note}')
+    return ConfigError(text)
+
+
+def _search(name: str, paths: Sequence[str]) -> str | None:
+  for base in [''] + list(paths):
+    candidate = os.path.join(base, name)
+    if os.path.isfile(candidate):
+      return os.path.abspath(candidate)
+  return None
+
+
+def _display(path: str) -> str:
+  relative = os.path.relpath(path)
+  return relative if not relative.startswith('..') else path
+
+
+def _statements(text: str, origin: str, recorder: _Recorder):
+  """gin's statements of `text`, each with the macros its value uses."""
+  parser = config_parser.ConfigParser(text, recorder)
+  try:
+    for statement in parser:
+      used, recorder.macros = recorder.macros, []
+      yield statement, used
+  except tokenize.TokenError:
+    raise ConfigError(f'{origin} has an unclosed bracket or string',
+                      where=origin, fix='close every (, [, { and quote') from None
+  except SyntaxError as e:
+    line = f', line {e.lineno}' if e.lineno else ''
+    detail = str(e.msg if hasattr(e, 'msg') else e)
+    raise ConfigError(f'{origin}{line}: {detail}', where=f'{origin}{line}',
+                      fix='gin statements are `configurable.parameter = value`, '
+                          "`include 'file.gin'` or `import module`") from None
+
+
+def _record(sources: GinSources, statement, used: list[str], where: str) -> None:
+  if isinstance(statement, config_parser.BindingStatement):
+    selector = statement.selector.split('.')[-1]
+    if not statement.arg_name:  # a macro definition: NAME = value
+      sources.macros_defined.add(statement.selector)
+    else:
+      key = f'{selector}.{statement.arg_name}'
+      if statement.scope:
+        sources.locations[f'{statement.scope}/{key}'] = where
+        sources.locations.setdefault(key, where)
+      else:
+        sources.locations[key] = where
+  sources.macros_used += [(name, where) for name in used]
+
+
+def _read_file(path: str, sources: GinSources, paths: Sequence[str],
+               stack: list[tuple[str, str]]) -> None:
+  sources.files.append(path)
+  with open(path) as f:
+    text = f.read()
+  recorder = _Recorder()
+  for statement, used in _statements(text, _display(path), recorder):
+    line = statement.location.line_num
+    where = f'{_display(path)}, line {line}'
+    if isinstance(statement, config_parser.IncludeStatement):
+      target = _search(statement.filename, paths)
+      if target is None:
+        raise ConfigError(
+            f"{where} includes '{statement.filename}', which does not exist",
+            where=where, fix='fix the name, or add its directory to --gin_search_paths '
+                             f'(searched: {", ".join(paths)})')
+      chain = [p for p, _ in stack] + [path]
+      if target in chain:
+        cycle = ' -> '.join(f'{_display(p)} (line {l})' for p, l in
+                            stack[chain.index(target):] + [(path, str(line))])
+        raise ConfigError(f'include cycle: {cycle} -> {_display(target)}', where=where,
+                          fix='remove one of these include statements')
+      _read_file(target, sources, paths, stack + [(path, str(line))])
+    else:
+      _record(sources, statement, used, where)
+
+
+def read_sources(*, files: Sequence[str], bindings: Sequence[str],
+                 search_paths: Sequence[str]) -> GinSources:
+  """Walks files, includes and bindings without binding anything (see module doc)."""
+  sources = GinSources()
+  paths = list(dict.fromkeys(list(search_paths) + [os.getcwd(), REPO_ROOT]))
+  for name in files:
+    path = _search(name, paths)
+    if path is None:
+      raise ConfigError(f'gin file {name!r} not found', where='--gin_file',
+                        fix=f'check the path or add --gin_search_paths (searched: '
+                            f'{", ".join(paths)})')
+    _read_file(path, sources, paths, stack=[])
+  for binding in bindings:
+    where = f'--gin_bindings {binding!r}'
+    recorder = _Recorder()
+    for statement, used in _statements(binding, where, recorder):
+      if isinstance(statement, config_parser.IncludeStatement):
+        raise ConfigError(f'{where} is an include', where=where,
+                          fix='pass the file with --gin_file instead')
+      _record(sources, statement, used, where)
+  known_constants = gin.config._CONSTANTS  # pylint: disable=protected-access
+  for name, where in sources.macros_used:
+    if (name not in sources.macros_defined and name != 'gin.REQUIRED'
+        and not known_constants.matching_selectors(name)):
+      raise ConfigError(f"macro %{name} is used in {where} but never defined",
+                        where=where,
+                        fix=f'define it, e.g. `{name} = 100` in a .gin file or '
+                            f"--gin_bindings='{name} = 100'")
+  return sources
+
+
+# -- gin's errors -------------------------------------------------------------------
 def _registered_names() -> list[str]:
   registry = gin.config._REGISTRY  # pylint: disable=protected-access
   return [selector.split('.')[-1] for selector, _ in registry.items()
@@ -48,15 +210,16 @@ def _parameters_of(configurable_name: str) -> list[str]:
     return []
 
 
-def explain_gin_error(error: Exception) -> ConfigError:
+def explain_gin_error(error: BaseException) -> ConfigError:
   """A ConfigError for a gin parse/bind error, with suggestions added."""
-  text = str(error).strip()
+  text = _GIN_NOISE.sub('', str(error)).strip()
   hint = ''
-  unknown_configurable = re.search(r"No configurable matching '([^']+)'", text)
+  unknown_configurable = re.search(r"No configurable matching (?:reference )?'@?([^'(]+)",
+                                   text)
   unknown_parameter = re.search(
       r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", text)
   if unknown_configurable:
-    name = unknown_configurable.group(1).split('.')[-1]
+    name = unknown_configurable.group(1).split('.')[-1].split('/')[-1]
     hint = _suggest(name, _registered_names())
     hint += ' Configurables: ' + ', '.join(sorted(set(_registered_names()))) + '.'
   elif unknown_parameter:
@@ -67,23 +230,41 @@ def explain_gin_error(error: Exception) -> ConfigError:
       hint += f" '{configurable}' takes: {', '.join(known)}."
   elif isinstance(error, RuntimeError) and 'Required bindings' in text:
     hint = ' Set them in a .gin file or with --gin_bindings.'
-  return ConfigError('gin config error: ' + text.replace('\n', ' ').replace('  ', ' ') + hint)
+  return ConfigError('gin config error: ' + ' '.join(text.split()) + hint)
 
 
 def parse_gin(*, files: Sequence[str], bindings: Sequence[str],
-              search_paths: Sequence[str] = ()) -> None:
-  """Clears gin and parses `files` then `bindings`; raises ConfigError."""
+              search_paths: Sequence[str] = ()) -> GinSources:
+  """Clears gin, checks the sources (`read_sources`), then parses `files` and
+  `bindings` into gin; raises ConfigError."""
   gin.clear_config()
-  paths = list(search_paths) + [os.getcwd(), REPO_ROOT]
-  for path in dict.fromkeys(paths):
+  sources = read_sources(files=files, bindings=bindings, search_paths=search_paths)
+  for path in list(search_paths) + [os.getcwd(), REPO_ROOT]:
     gin.add_config_file_search_path(path)
-  for name in files:
-    if not any(os.path.isfile(os.path.join(p, name)) for p in [''] + paths):
-      raise ConfigError(f'gin file {name!r} not found',
-                        where=f'searched {", ".join(dict.fromkeys(paths))}',
-                        fix='check the path or add --gin_search_paths')
   try:
     gin.parse_config_files_and_bindings(list(files), list(bindings),
                                         finalize_config=False)
-  except (ValueError, SyntaxError, IOError, AttributeError, TypeError) as e:
+  except (ValueError, SyntaxError, IOError, AttributeError, TypeError, ImportError,
+          tokenize.TokenError) as e:
     raise explain_gin_error(e) from e
+  return sources
+
+
+@contextlib.contextmanager
+def parsed_config(*, files: Sequence[str], bindings: Sequence[str],
+                  search_paths: Sequence[str] = ()):
+  """`parse_gin`, then a block whose ConfigErrors say where the parameter
+  they name was set (`GinSources.locate`):
+
+      with parsed_config(files=[...], bindings=[...]):
+        plan = make_plan()
+  """
+  sources = parse_gin(files=files, bindings=bindings, search_paths=search_paths)
+  try:
+    yield sources
+  except ConfigError as e:
+    raise sources.locate(e) from None
+  except RuntimeError as e:
+    if 'Required bindings' not in str(e):
+      raise
+    raise sources.locate(explain_gin_error(e)) from None

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from plugins import gin_setup, run
+from plugins import gin_setup, plan as plan_lib
 from tests.conftest import REPO_ROOT
 
 BASE_RUN = 'configs/runs/train.gin'
@@ -46,7 +46,7 @@ def test_config_parses_and_builds(path):
     bindings.append("mesh.shape = {'data': 2, 'model': 4}")  # rules name 'model'
 
   gin_setup.parse_gin(files=stack_for(path), bindings=bindings)
-  plan = run.plan_run()
+  plan = plan_lib.make_plan()
   assert plan.records, 'the model has no variables'
   assert plan.meta.flops > 0
   assert plan.mesh_spec.num_devices >= 1

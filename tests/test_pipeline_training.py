@@ -83,13 +83,3 @@ def test_pipeline_config_errors_name_the_knob(stage_mesh):
   with pytest.raises(ConfigError, match='batch_dim'):
     make(stage_mesh, [], PipelineConfig(num_stages=2, batch_dim=1))
 
-
-def test_measured_bubble_comes_from_the_benchmark_file_when_it_matches(tmp_path):
-  from plugins.run import benchmark_bubble_fraction
-  path = tmp_path / 'pipeline.json'
-  assert benchmark_bubble_fraction(str(path), num_stages=2, num_micro_batches=4) is None
-  path.write_text('{"training": {"stages": 2, "sub_meshes": ['
-                  '{"num_micro_batches": 4, "bubble_fraction_measured": 0.42}]}}')
-  assert benchmark_bubble_fraction(str(path), num_stages=2, num_micro_batches=4) == 0.42
-  assert benchmark_bubble_fraction(str(path), num_stages=2, num_micro_batches=8) is None
-  assert benchmark_bubble_fraction(str(path), num_stages=4, num_micro_batches=4) is None

@@ -90,13 +90,14 @@ def test_unused_rules_warn_or_fail_when_strict():
   lm = transformer_lm_params(num_layers=1)
   specs = lm.cls.variable_specs(lm)
   lenient = LayoutRules([(r'.*/ffn/w_in', ('unsharded', 'model')), (r'.*/nothing', ('model',))])
-  plan_layouts(specs, lenient, AXES)
-  assert [r.index for r in lenient.unused_rules()] == [1]
-  report_unused_rules(lenient)  # a warning only
+  records = plan_layouts(specs, lenient, AXES)
+  assert [r.index for r in lenient.unused_rules(r.rule_index for r in records)] == [1]
+  assert lenient.match_counts(r.rule_index for r in records) == [1, 0]
+  report_unused_rules(lenient, records)  # a warning only
   strict = LayoutRules([(r'.*/nothing', ('model',))], strict=True)
-  plan_layouts(specs, strict, AXES)
+  records = plan_layouts(specs, strict, AXES)
   with pytest.raises(ConfigError, match=r"1 layout rule\(s\) matched no variable: rule 0 \('.\*/nothing'"):
-    report_unused_rules(strict)
+    report_unused_rules(strict, records)
 
 
 def test_plan_bytes_per_device_is_total_over_shards():

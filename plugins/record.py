@@ -1,0 +1,58 @@
+"""The run record: what a run writes about itself, before its first step.
+
+    record_run(trainer, plan, model_dir='/tmp/run')
+
+`model_dir` gets `config.gin` (the operative gin config: every value the run
+used), `params.txt` (the Params tree) and `layouts.txt` (every variable's
+layout), each written atomically; TensorBoard gets the same as text
+(`config/gin`, `config/params`, `layouts/variables`) plus the layout scalars.
+Checkpoint saves and restores become `checkpoint/*` events
+(`checkpoint_event_recorder`). Only called once the plan is valid and an
+existing checkpoint is known to fit, so a rejected config changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from absl import logging
+
+from layout_core.checkpoint import CheckpointEvent
+from layout_core.summaries import code_block
+from layout_core.trainer import Trainer
+from plugins.plan import RunPlan
+
+
+def write_text(model_dir: str, name: str, text: str) -> str:
+  """Writes model_dir/name atomically (temp file + rename)."""
+  path = os.path.join(model_dir, name)
+  temporary = path + '.tmp'
+  with open(temporary, 'w') as f:
+    f.write(text)
+  os.replace(temporary, path)
+  return path
+
+
+def record_run(trainer: Trainer, plan: RunPlan, *, model_dir: str) -> None:
+  params_text = trainer.model_params.ToText()
+  write_text(model_dir, 'config.gin', plan.operative_config)
+  write_text(model_dir, 'params.txt', params_text)
+  write_text(model_dir, 'layouts.txt', trainer.write_layouts())
+  trainer.writer.text(step=0, tag='config/gin', markdown=code_block(plan.operative_config))
+  trainer.writer.text(step=0, tag='config/params', markdown=code_block(params_text))
+  trainer.writer.flush()
+  logging.info('Operative config:\n%s', plan.operative_config)
+
+
+def checkpoint_event_recorder(writer) -> Callable[[CheckpointEvent], None]:
+  def record(event: CheckpointEvent) -> None:
+    if event.reason in ('resume', 'init_from'):
+      values = {'checkpoint/restore_seconds': event.seconds}
+    else:
+      values = {'checkpoint/save_seconds': event.seconds,
+                'checkpoint/size_bytes': event.size_bytes}
+    writer.scalars(step=event.step, values=values)
+    writer.text(step=event.step, tag='checkpoint/events', markdown=event.line())
+    writer.flush()
+  return record

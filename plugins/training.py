@@ -1,0 +1,95 @@
+"""One training run from a typed plan: the path `launch.train` takes.
+
+    plan = make_plan()
+    with PreemptionWatcher(immediate=True) as watcher:
+      result = run_training(plan, model_dir='/tmp/run', watcher=watcher)
+
+In order, and nothing is written to `model_dir` before step 4:
+
+  1. the mesh is built (are there enough devices?) and the model is created
+     in the layout scope, every variable directly sharded;
+  2. the newest undamaged checkpoint in `model_dir`, if any, is checked to
+     fit the model (read-only);
+  3. one forward and backward pass runs on a real batch, updating nothing,
+     so a layout DTensor cannot run is a ConfigError here, not at step 1;
+  4. from here a stop signal finishes the current step and saves: the run
+     record is written (`plugins.record`), the checkpoint restored, and the
+     model trained, with checkpoints and TensorBoard summaries.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import logging
+
+from layout_core import layout_scope
+from layout_core import mesh as mesh_lib
+from layout_core.checkpoint import Checkpointer
+from layout_core.pipeline_trainer import PipelineTrainer
+from layout_core.preemption import PreemptionWatcher
+from layout_core.summaries import SummaryWriter
+from layout_core.trainer import Trainer, TrainResult
+from plugins.plan import RunPlan
+from plugins.record import checkpoint_event_recorder, record_run
+
+
+def build_trainer(plan: RunPlan) -> Trainer:
+  """Builds the mesh, the model (in the layout scope) and the optimizer."""
+  mesh = mesh_lib.build_mesh(plan.mesh_spec)
+  logging.info('Mesh: %s', plan.mesh_spec.describe())
+  logging.info('Data: %s', plan.task.describe())
+  kwargs = dict(model_params=plan.params, mesh=mesh, rules=plan.rules, task=plan.task,
+                optimizer=plan.optimizer, config=plan.train)
+  if plan.pipeline is not None:
+    trainer = PipelineTrainer(pipeline=plan.pipeline_config, **kwargs)
+  else:
+    trainer = Trainer(**kwargs)
+  layout_scope.report_unused_rules(plan.rules, trainer.layout_records)
+  logging.info('Model: %s parameters in %d variables', f'{trainer.num_parameters():,}',
+               len(trainer.variables))
+  return trainer
+
+
+def run_training(plan: RunPlan, *, model_dir: str,
+                 watcher: PreemptionWatcher) -> TrainResult:
+  """Trains as planned, resuming from `model_dir`'s checkpoints (see module doc)."""
+  trainer = build_trainer(plan)
+  checkpointer = Checkpointer(
+      directory=os.path.join(model_dir, 'checkpoints'), state=trainer.state(),
+      config=plan.checkpoint, extra_files={'config.gin': plan.operative_config})
+  checkpointer.check_latest_fits()
+  trainer.check_runs()
+
+  watcher.defer()  # writing starts: a signal now finishes the step and saves
+  os.makedirs(model_dir, exist_ok=True)
+  trainer.writer = SummaryWriter(model_dir)
+  checkpointer.on_event = checkpoint_event_recorder(trainer.writer)
+  record_run(trainer, plan, model_dir=model_dir)
+  if checkpointer.restore_latest() is None and plan.checkpoint.init_from:
+    checkpointer.init_from(plan.checkpoint.init_from, trainer.variables)
+
+  def after_step(step: int) -> bool:
+    if watcher.requested:
+      path = checkpointer.save(step, reason='preemption')
+      checkpointer.wait()
+      message = (f'Preempted by {watcher.signal_name} at step {step}: saved '
+                 f'{path or "(already saved)"}. Run the same command to resume.')
+      logging.warning(message)
+      print(message, flush=True)
+      return True
+    checkpointer.maybe_save(step)
+    return False
+
+  try:
+    result = trainer.train(after_step=after_step)
+    if plan.checkpoint.save_at_end and not watcher.requested:
+      checkpointer.save(result.final_step, reason='final')
+  finally:
+    checkpointer.wait()
+  if result.eval_losses:
+    first, last = result.eval_losses[0][1], result.eval_losses[-1][1]
+    logging.info('Done at step %d: eval loss %.4f (first %.4f, %.0f%%), %.2f steps/s',
+                 result.final_step, last, first, 100 * last / first, result.steps_per_sec)
+  trainer.writer.close()
+  return result
