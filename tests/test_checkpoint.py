@@ -92,33 +92,84 @@ def test_keep_prunes_old_checkpoints_and_state_file_names_latest(tmp_path, train
   assert tf.train.latest_checkpoint(directory).endswith('ckpt-3/ckpt')
 
 
-def newest_data_file(tmp_path, trained):
-  """Saves steps 2 and 3; returns (ckpt-3 dir, its data file) to damage."""
+def two_checkpoints(tmp_path, trained):
+  """Saves steps 2 and 3 of the same state; returns ckpt-3's directory."""
   checkpointer, _ = saved(tmp_path, trained)
   checkpointer.save(2, reason='periodic')
   checkpointer.save(3, reason='periodic')
-  newest = tmp_path / 'checkpoints' / 'ckpt-3'
-  return newest, [n for n in os.listdir(newest) if '.data-' in n][0]
+  return tmp_path / 'checkpoints' / 'ckpt-3'
 
 
-def test_truncated_shard_falls_back_to_previous_checkpoint(tmp_path, trained, mesh_data8):
-  newest, data = newest_data_file(tmp_path, trained)
-  with open(newest / data, 'r+b') as f:
-    f.truncate(10)
-  assert 'truncated' in checkpoint_lib.validate(str(newest))
+def truncate(path):
+  with open(path, 'r+b') as f:
+    f.truncate(os.path.getsize(path) // 3)
+
+
+def garbage(path):
+  """Same size, random bytes: only a content check can tell."""
+  path.write_bytes(np.random.default_rng(0).bytes(os.path.getsize(path)))
+
+
+def flip(path):
+  """One byte in the middle inverted: same size, almost the same content."""
+  raw = bytearray(path.read_bytes())
+  raw[len(raw) // 2] ^= 0xFF
+  path.write_bytes(bytes(raw))
+
+
+FILES = {'data': lambda d: next(d.glob('ckpt.data-*')), 'index': lambda d: d / 'ckpt.index',
+         'manifest': lambda d: d / 'manifest.json'}
+DAMAGE = {'truncated': truncate, 'garbage': garbage, 'flipped byte': flip}
+
+
+@pytest.mark.parametrize('damage', DAMAGE)
+@pytest.mark.parametrize('file', FILES)
+def test_damaged_checkpoint_is_reported_moved_aside_and_the_previous_used(
+    tmp_path, trained, mesh_data8, file, damage, caplog):
+  newest = two_checkpoints(tmp_path, trained)
+  damaged = FILES[file](newest)
+  DAMAGE[damage](damaged)
   fresh = make_trainer(mesh_data8)
   restorer, _ = saved(tmp_path, fresh)
   assert restorer.restore_latest() == 2
-  assert not newest.exists() and any('ckpt-3.corrupt' in n for n in os.listdir(newest.parent))
+  expected = values(trained)
+  for key, value in values(fresh).items():
+    np.testing.assert_array_equal(value, expected[key], err_msg=key)
+  assert not newest.exists()
+  assert any(n.startswith('ckpt-3.corrupt-') for n in os.listdir(newest.parent))
+  report = caplog.text
+  assert 'ckpt-3 is unusable' in report
+  assert damaged.name in report or 'manifest' in report or 'reading' in report
+  assert tf.train.latest_checkpoint(str(newest.parent)).endswith('ckpt-2/ckpt')
 
 
-def test_corrupt_bytes_are_caught_on_read_and_fall_back(tmp_path, trained, mesh_data8):
-  newest, data = newest_data_file(tmp_path, trained)
-  raw = bytearray((newest / data).read_bytes())
-  raw[len(raw) // 2:len(raw) // 2 + 64] = b'\xff' * 64  # same size: the manifest can't tell
-  (newest / data).write_bytes(bytes(raw))
+@pytest.mark.parametrize('damage', DAMAGE)
+def test_damaged_state_file_is_moved_aside_and_written_anew(tmp_path, trained, mesh_data8,
+                                                            damage, caplog):
+  newest = two_checkpoints(tmp_path, trained)
+  state_file = newest.parent / 'checkpoint'
+  DAMAGE[damage](state_file)
   restorer, _ = saved(tmp_path, make_trainer(mesh_data8))
-  assert restorer.restore_latest() == 2
+  assert restorer.restore_latest() == 3  # the checkpoints themselves are fine
+  assert 'state file' in caplog.text and 'damaged' in caplog.text
+  assert any(n.startswith('checkpoint.corrupt-') for n in os.listdir(newest.parent))
+  assert tf.train.latest_checkpoint(str(newest.parent)).endswith('ckpt-3/ckpt')
+
+
+def test_a_runtime_error_while_restoring_moves_nothing(tmp_path, trained, mesh_data8,
+                                                       monkeypatch):
+  """Out of memory while placing values is not damage: the good checkpoint stays."""
+  newest = two_checkpoints(tmp_path, trained)
+  before = sorted(os.listdir(newest.parent))
+
+  def out_of_memory(variable, value):
+    raise tf.errors.ResourceExhaustedError(None, None, 'OOM when allocating tensor')
+
+  monkeypatch.setattr(checkpoint_lib, 'assign_global', out_of_memory)
+  restorer, _ = saved(tmp_path, make_trainer(mesh_data8))
+  with pytest.raises(tf.errors.ResourceExhaustedError):
+    restorer.restore_latest()
+  assert sorted(os.listdir(newest.parent)) == before
 
 
 def test_incompatible_model_is_rejected_and_checkpoint_untouched(tmp_path, trained, mesh_data8):
