@@ -14,6 +14,8 @@ from typing import Callable
 
 from absl import flags
 
+import launch
+
 from layout_core.errors import ConfigError
 from layout_core.preemption import Interrupted, PreemptionWatcher
 
@@ -56,6 +58,5 @@ def run_guarded(body: Callable[[PreemptionWatcher], object]) -> None:
           'traceback)', file=sys.stderr)
     sys.exit(EXIT_CONFIG_ERROR)
   except Interrupted as stop:
-    print(f'Stopped by {stop.signal_name} during start-up, before anything was '
-          'written. Run the same command to start again.', file=sys.stderr, flush=True)
+    print(launch.stop_message(stop.signal_name), file=sys.stderr, flush=True)
     sys.exit(0)

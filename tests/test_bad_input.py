@@ -16,6 +16,7 @@ import hashlib
 import os
 import time
 
+import numpy as np
 import pytest
 
 from tests.conftest import run_module
@@ -203,3 +204,38 @@ def test_errors_that_need_no_tensorflow_come_before_it_is_imported(existing_run)
   imported = [line.split('|')[-1].strip() for line in result.stderr.splitlines()
               if line.startswith('import time:')]
   assert 'gin' in imported and not any(m.startswith('tensorflow') for m in imported)
+
+
+def test_a_layout_dtensor_cannot_run_fails_before_training_and_updates_nothing(mesh_2x4):
+  """The dry step catches what no static check knows: an embedding layer that
+  does not declare its table unshardable along the vocabulary."""
+  from layout_core.data import MarkovTask  # pylint: disable=import-outside-toplevel
+  from layout_core.errors import ConfigError
+  from layout_core.layers import Declared, Embedding, transformer_lm_params
+  from layout_core.optimizer import OptimizerConfig
+  from layout_core.rules import LayoutRules
+  from layout_core.trainer import TrainConfig, Trainer
+  from layout_core.variables import Normal, to_numpy
+
+  class UndeclaredEmbedding(Embedding):
+    @classmethod
+    def declare_variables(cls, p):
+      return [Declared('table', (p.vocab_size, p.dim), Normal(p.init_stddev))]
+
+  lm = transformer_lm_params(vocab_size=32, model_dim=16, num_heads=2, ffn_dim=32,
+                             num_layers=1, max_len=0)
+  lm.Set(**{'sub[0].cls': UndeclaredEmbedding})
+  trainer = Trainer(model_params=lm, mesh=mesh_2x4,
+                    rules=LayoutRules([(r'.*/emb/table', ('model', 'unsharded'))]),
+                    task=MarkovTask(vocab_size=32, seq_len=8), optimizer=OptimizerConfig(),
+                    config=TrainConfig(batch_size=8, num_steps=2))
+  before = {p: to_numpy(v) for p, v in trainer.variables.items()}
+  with pytest.raises(ConfigError) as raised:
+    trainer.check_runs()
+  message = str(raised.value)
+  assert 'DTensor cannot run this model with these layouts' in message
+  assert 'ResourceGather' in message or 'sharded 0th dimension' in message, message
+  assert "'lm/emb/table' ('model', 'unsharded') by rule 0: .*/emb/table" in message
+  for path, value in before.items():
+    np.testing.assert_array_equal(to_numpy(trainer.variables[path]), value, err_msg=path)
+  assert trainer.current_step == 0

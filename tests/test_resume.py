@@ -139,3 +139,40 @@ def test_sigkill_at_random_moments_never_loses_a_completed_save(tmp_path):
   leftovers = [n for n in os.listdir(os.path.join(model_dir, 'checkpoints'))
                if n.startswith('tmp-')]
   assert len(leftovers) <= 1  # only the last killed save's, cleaned at next start
+
+
+def wait_until_catching(pid, signum, timeout=30):
+  """Waits until process `pid` has a handler for `signum` (/proc's SigCgt mask)."""
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    with open(f'/proc/{pid}/status') as f:
+      caught = next(int(line.split()[1], 16) for line in f if line.startswith('SigCgt:'))
+    if caught & (1 << (signum - 1)):
+      return
+    time.sleep(0.005)
+  raise AssertionError(f'process {pid} never caught signal {signum}')
+
+
+def test_sigterm_during_start_up_exits_0_and_changes_nothing(tmp_path):
+  """A stop signal at any moment before training starts: exit 0, a message,
+  and the existing run byte-identical (nothing had been written yet)."""
+  from tests.test_bad_input import tree_digest  # pylint: disable=import-outside-toplevel
+  model_dir = str(tmp_path / 'run')
+  first = run_module('launch.train', *BASE, '--gin_bindings=train.num_steps = 2',
+                     '--gin_bindings=train.eval_every = 0', f'--model_dir={model_dir}')
+  assert first.returncode == 0, first.stderr[-2000:]
+  before = tree_digest(model_dir)
+  moments = [('as soon as it catches SIGTERM', None), ('once the mesh is built', r'Mesh: CPU mesh'),
+             ('once the model is built', r'Model: [\d,]+ parameters')]
+  for name, moment in moments:
+    run = Training(model_dir, '--gin_bindings=train.num_steps = 4')
+    if moment is None:
+      wait_until_catching(run.process.pid, signal.SIGTERM)
+    else:
+      run.wait_for(moment)
+    run.process.send_signal(signal.SIGTERM)
+    output = run.finish(timeout=60)
+    assert run.process.returncode == 0, (name, output[-2000:])
+    assert 'Stopped by SIGTERM during start-up' in output, (name, output[-2000:])
+    assert 'Traceback' not in output, name
+    assert tree_digest(model_dir) == before, name
