@@ -7,10 +7,13 @@ Builds the mesh, the Params tree and the layout scope from the config, trains,
 and writes to --model_dir: config.gin (operative config), params.txt,
 layouts.txt and TensorBoard events (`tensorboard --logdir <model_dir>`).
 Exit status: 0 on success, 2 on a configuration error (with a one-paragraph
-message saying what, where and how to fix it).
+message saying what, where and how to fix it), 3 when the loss became NaN or
+infinite (one line: 'Training diverged: ...').
 """
 
 from __future__ import annotations
+
+import sys
 
 from absl import app, flags, logging
 
@@ -21,6 +24,8 @@ flags.adopt_module_key_flags(gin_flags)  # show the gin flags in --help
 MODEL_DIR = flags.DEFINE_string(
     'model_dir', '/tmp/meshgin/run', 'Directory for checkpoints, TensorBoard '
     'events and the run record (config.gin, params.txt, layouts.txt).')
+
+EXIT_DIVERGED = 3  # the loss became NaN or infinite (launch.sweep records it as such)
 
 
 def main(argv):
@@ -33,7 +38,12 @@ def main(argv):
     gin_setup.parse_gin(files=gin_flags.GIN_FILES.value,
                         bindings=gin_flags.GIN_BINDINGS.value,
                         search_paths=gin_flags.GIN_SEARCH_PATHS.value)
-    run.run_training(model_dir=MODEL_DIR.value)
+    try:
+      run.run_training(model_dir=MODEL_DIR.value)
+    except FloatingPointError as e:  # raised by the trainer on a non-finite loss
+      logging.error('Training diverged: %s', e)
+      print(f'\nTraining diverged: {e}', file=sys.stderr)
+      sys.exit(EXIT_DIVERGED)
 
   gin_flags.run_guarded(body)
 
