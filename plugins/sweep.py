@@ -234,6 +234,7 @@ class SweepRunner:
     log_start = log.tell()
     self.records[trial.name] = {
         'status': 'RUNNING', 'attempts': attempt, 'base': self.sweep.base(),
+        'started_at': time.time(),
         # an interrupted trial continues, so its time adds up; a failed one restarts
         'wall_seconds': previous.get('wall_seconds', 0.0) if previous.get(
             'status') in (INTERRUPTED, 'RUNNING') else 0.0}
@@ -271,7 +272,8 @@ class SweepRunner:
       status, error = INTERRUPTED, f'stopped by {self.stop_signal or "a signal"}'
     else:
       status, error = FAILURE, first_error_line(output, exit_code)
-    record.update(status=status, exit_code=exit_code, error=error, wall_seconds=wall)
+    record.update(status=status, exit_code=exit_code, error=error, wall_seconds=wall,
+                  ended_at=time.time())
     if status != INTERRUPTED:  # an interrupted session goes on in the next attempt
       sweep_board.write_session_end(directory, status=status, wall_seconds=wall)
     record['metrics'] = sweep_board.final_metrics(directory)
