@@ -245,9 +245,7 @@ def test_parallel_trials_complete_in_their_own_directories(zip_sweep):
     directory = os.path.join(root, trial['name'])
     log = open(os.path.join(directory, sweep_lib.LOG_FILE)).read()
     assert log.count('===== sweep attempt') == 1  # one process wrote this log
-    for other in trials:
-      mentioned = f'--model_dir={os.path.join(root, other["name"])} '
-      assert (mentioned in log + ' ') == (other is trial), other['name']
+    assert set(re.findall(r'--model_dir=(\S+)', log)) == {directory}
     if trial['name'] == INVALID:
       continue
     operative = open(os.path.join(directory, 'config.gin')).read()
@@ -330,3 +328,26 @@ def test_sigterm_stops_the_trial_cleanly_and_a_rerun_continues_it(tmp_path):
   assert max(s for s, _ in read_events(trial_dir)['scalars']['train/loss']) == step + 2
   status = sweep_lib.read_status(trial_dir)
   assert (status['status'], status['attempts']) == ('SUCCESS', 2)
+
+
+def test_a_diverged_trial_and_a_timed_out_trial_are_recorded_failures(tmp_path):
+  root = str(tmp_path / 'nan')
+  diverged = run_module('launch.sweep', *TINY, '--gin_bindings=train.log_every = 1',
+                        '--gin_bindings=optimizer.clip_norm = 0',
+                        '--sweep=optimizer.learning_rate=[1e30]', f'--model_dir={root}',
+                        timeout=300)
+  assert diverged.returncode == 1, diverged.stdout[-2000:] + diverged.stderr[-3000:]
+  [row] = read_tsv(root)
+  assert (row['status'], row['exit']) == ('FAILURE', '3')
+  assert re.fullmatch(r'Training diverged: train loss is (nan|inf) at step \d+; .*',
+                      row['error']), row['error']
+  log = open(os.path.join(root, row['trial'], sweep_lib.LOG_FILE)).read()
+  assert 'Traceback' not in log
+
+  root = str(tmp_path / 'slow')
+  slow = run_module('launch.sweep', *TINY, '--sweep=train.seed=[0]', '--trial_timeout=1',
+                    f'--model_dir={root}', timeout=300)
+  assert slow.returncode == 1, slow.stdout[-2000:] + slow.stderr[-3000:]
+  [row] = read_tsv(root)
+  assert row['status'] == 'FAILURE' and row['error'].startswith('timed out after 1 s')
+  assert float(row['wall_seconds']) < 60  # stopped, not left to finish
