@@ -244,14 +244,18 @@ class SweepRunner:
     return _Running(trial=trial, process=process, log=log, log_start=log_start,
                     started=time.monotonic())
 
+  @staticmethod
+  def _signal_trial(running: _Running, signum: int) -> None:
+    try:
+      os.killpg(running.process.pid, signum)  # the trial's own session: it and its children
+    except ProcessLookupError:
+      pass  # already gone
+
   def _stop(self, running: _Running) -> None:
-    """SIGTERM the trial's process group (it saves, then exits); once only."""
+    """SIGTERM the trial (it finishes its step, saves, then exits); once only."""
     if not running.stop_sent:
       running.stop_sent = time.monotonic()
-      try:
-        os.killpg(running.process.pid, signal.SIGTERM)
-      except ProcessLookupError:
-        pass
+      self._signal_trial(running, signal.SIGTERM)
 
   def _finish(self, running: _Running) -> dict[str, Any]:
     trial, exit_code = running.trial, running.process.returncode
@@ -305,6 +309,22 @@ class SweepRunner:
     os.makedirs(self.sweep.root, exist_ok=True)
     check_config(self.sweep, self.trials)
     sweep_board.write_experiment(self.sweep.root, self.sweep.axes)
+    waiting = self._unfinished_trials()
+    self.write_sweep_json()
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+      for signum in (signal.SIGTERM, signal.SIGINT):
+        handlers[signum] = signal.signal(signum, self._handle_signal)
+    try:
+      self._run_trials(waiting)
+    finally:
+      for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+    self.write_sweep_json()
+    return self._write_results()
+
+  def _unfinished_trials(self) -> list[Trial]:
+    """Trials to run now: all but those that succeeded before (their records kept)."""
     waiting, other_base = [], []
     for trial in self.trials:
       status = read_status(self.trial_dir(trial))
@@ -320,12 +340,10 @@ class SweepRunner:
     if other_base:
       self._say(f'[sweep] note: {len(other_base)} finished trials ran with another base '
                 f'config ({", ".join(other_base)}); delete their directories to redo them')
-    self.write_sweep_json()
+    return waiting
 
-    handlers = {}
-    if threading.current_thread() is threading.main_thread():
-      for signum in (signal.SIGTERM, signal.SIGINT):
-        handlers[signum] = signal.signal(signum, self._handle_signal)
+  def _run_trials(self, waiting: list[Trial]) -> None:
+    """Keeps `parallel` trials running, polls them, enforces timeouts and stops."""
     running: list[_Running] = []
     started = last_progress = time.monotonic()
     try:
@@ -346,9 +364,9 @@ class SweepRunner:
               and now - item.started > self.trial_timeout):
             item.timed_out = True
             self._stop(item)
-          if item.stop_sent and now - item.stop_sent > self.stop_grace:
-            os.killpg(item.process.pid, signal.SIGKILL)  # did not save in time
           if item.process.poll() is None:
+            if item.stop_sent and now - item.stop_sent > self.stop_grace:
+              self._signal_trial(item, signal.SIGKILL)  # it did not save in time
             continue
           running.remove(item)
           record = self._finish(item)
@@ -361,11 +379,11 @@ class SweepRunner:
           last_progress = now
           self._say(self.progress_line(len(running), len(waiting), started))
     finally:
-      for item in running:  # only on an unexpected error in the loop itself
+      for item in running:  # only after an unexpected error in this loop
         self._stop(item)
-      for signum, handler in handlers.items():
-        signal.signal(signum, handler)
-    self.write_sweep_json()
+
+  def _write_results(self) -> list[dict[str, Any]]:
+    """sweep.tsv and the printed table; returns the records in sweep order."""
     records = []
     for trial in self.trials:
       record = dict(self.records.get(trial.name) or {'status': 'PENDING'})

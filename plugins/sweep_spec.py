@@ -5,7 +5,7 @@ An axis is one gin binding with several values; a trial is one value per axis.
     axes = [parse_axis('optimizer.learning_rate=[3e-3, 1e-3]'),
             parse_axis('pipeline.num_micro_batches=[1, 2]')]
     trials = expand(axes, mode='product')
-    trials[0].name       # 'learning_rate=3e-3,num_micro_batches=1'
+    trials[0].name       # 'learning_rate=0.003,num_micro_batches=1'
     trials[0].bindings   # ['optimizer.learning_rate = 3e-3', 'pipeline.num_micro_batches = 1']
 
 Values are gin expressions kept as written (`[1e-3, 'relu', {'data': 4}]`, even

@@ -351,3 +351,22 @@ def test_a_diverged_trial_and_a_timed_out_trial_are_recorded_failures(tmp_path):
   [row] = read_tsv(root)
   assert row['status'] == 'FAILURE' and row['error'].startswith('timed out after 1 s')
   assert float(row['wall_seconds']) < 60  # stopped, not left to finish
+
+
+def test_a_misconfigured_sweep_exits_2_before_any_trial_runs(tmp_path):
+  root = tmp_path / 'root'
+  typo = run_module('launch.sweep', *TINY, '--sweep=train.num_stepz=[1, 2]',
+                    f'--model_dir={root}')
+  assert typo.returncode == 2, typo.stderr[-3000:]
+  assert "every trial fails to parse" in typo.stderr and "'num_steps'" in typo.stderr
+  # Settings come from the sweep file (zip), lists from the file and the command line.
+  sweep_file = tmp_path / 'bad.sweep'
+  sweep_file.write_text('sweep_mode = zip\nsweep = optimizer.learning_rate = [1e-3, 3e-4]\n')
+  mismatched = run_module('launch.sweep', *TINY, f'--sweep_file={sweep_file}',
+                          '--sweep=train.seed=[0, 1, 2]', f'--model_dir={root}')
+  assert mismatched.returncode == 2, mismatched.stderr[-3000:]
+  assert ('zip needs lists of one length, got optimizer.learning_rate: 2, train.seed: 3'
+          in mismatched.stderr)
+  for result in (typo, mismatched):
+    assert 'Traceback' not in result.stderr
+  assert not any(p.is_dir() for p in root.glob('*'))  # no trial started
