@@ -53,6 +53,8 @@ LOG_FILE = 'trial.log'            # in each trial directory: stdout+stderr of ev
 SUCCESS, FAILURE, INTERRUPTED = 'SUCCESS', 'FAILURE', 'INTERRUPTED'
 EXIT_DIVERGED = 3  # launch.train: the loss became NaN or infinite
 PREEMPTED_MARK = 'Preempted by '  # launch.train's line after a signal-triggered save
+# TensorFlow sizes its thread pools from these (checked: 1, 4, 8 give 5, 11, 19 threads).
+THREAD_VARIABLES = ('TF_NUM_INTRAOP_THREADS', 'TF_NUM_INTEROP_THREADS')
 
 
 @dataclasses.dataclass
@@ -198,7 +200,7 @@ class SweepRunner:
         [REPO_ROOT] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p])
     env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
     if self.parallel > 1:
-      for name in ('TF_NUM_INTRAOP_THREADS', 'TF_NUM_INTEROP_THREADS'):
+      for name in THREAD_VARIABLES:
         env.setdefault(name, str(self.threads_per_trial()))
     return env
 
@@ -228,8 +230,10 @@ class SweepRunner:
     command = self.sweep.train_command(trial, self.python)
     log = open(os.path.join(directory, LOG_FILE), 'a')
     attempt = previous.get('attempts', 0) + 1
-    log.write(f'\n===== sweep attempt {attempt}, {time.strftime("%Y-%m-%d %H:%M:%S")}: '
-              f'{subprocess.list2cmdline(command)}\n')
+    env = self.trial_env()
+    threads = ' '.join(f'{name}={env[name]}' for name in THREAD_VARIABLES if name in env)
+    log.write(f'\n===== sweep attempt {attempt}, {time.strftime("%Y-%m-%d %H:%M:%S")}'
+              f'{", " + threads if threads else ""}: {subprocess.list2cmdline(command)}\n')
     log.flush()
     log_start = log.tell()
     self.records[trial.name] = {
@@ -239,8 +243,8 @@ class SweepRunner:
         'wall_seconds': previous.get('wall_seconds', 0.0) if previous.get(
             'status') in (INTERRUPTED, 'RUNNING') else 0.0}
     _write_json(os.path.join(directory, STATUS_FILE), self.records[trial.name])
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                               env=self.trial_env(), start_new_session=True)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                               start_new_session=True)
     return _Running(trial=trial, process=process, log=log, log_start=log_start,
                     started=time.monotonic())
 

@@ -245,6 +245,8 @@ def test_parallel_trials_complete_in_their_own_directories(zip_sweep):
     directory = os.path.join(root, trial['name'])
     log = open(os.path.join(directory, sweep_lib.LOG_FILE)).read()
     assert log.count('===== sweep attempt') == 1  # one process wrote this log
+    threads = max(1, os.cpu_count() // 2)  # the machine's threads, shared by two trials
+    assert f'TF_NUM_INTRAOP_THREADS={threads} TF_NUM_INTEROP_THREADS={threads}' in log
     assert set(re.findall(r'--model_dir=(\S+)', log)) == {directory}
     if trial['name'] == INVALID:
       continue
