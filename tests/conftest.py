@@ -63,6 +63,8 @@ def read_events(logdir: str) -> dict:
   for tag in acc.Tags()['tensors']:
     for event in acc.Tensors(tag):
       value = tf.make_ndarray(event.tensor_proto)
+      if value.size != 1:
+        continue  # not a scalar or text: e.g. the empty tensor of an HParams record
       if value.dtype.kind in 'SUO':
         texts.setdefault(tag, []).append(
             value.item().decode() if isinstance(value.item(), bytes) else str(value.item()))

@@ -1,4 +1,5 @@
-"""Every .gin file under configs/ parses and builds (planned without allocation).
+"""Every .gin file under configs/ parses and builds (planned without allocation),
+and every sweep file under configs/sweeps/ plans each of its trials.
 
 Partial files are parsed on top of what they need: runs/ with the tiny model,
 models/ and layouts/ on top of the run defaults; experiments stand alone.
@@ -7,9 +8,10 @@ models/ and layouts/ on top of the run defaults; experiments stand alone.
 import glob
 import os
 
+import gin
 import pytest
 
-from plugins import gin_setup, plan as plan_lib
+from plugins import gin_setup, plan as plan_lib, sweep_spec
 from tests.conftest import REPO_ROOT
 
 BASE_RUN = 'configs/runs/train.gin'
@@ -52,3 +54,27 @@ def test_config_parses_and_builds(path):
   assert plan.mesh_spec.num_devices >= 1
   assert {r.path for r in plan.records} == {
       s.path for s in plan.params.cls.variable_specs(plan.params)}
+
+
+def all_sweeps():
+  files = glob.glob(os.path.join(REPO_ROOT, 'configs', '**', '*.sweep'), recursive=True)
+  return sorted(os.path.relpath(f, REPO_ROOT) for f in files)
+
+
+@pytest.mark.parametrize('path', all_sweeps())
+def test_sweep_file_plans_every_trial(path):
+  """A sweep file (configs/sweeps/*.sweep) reads, expands, and each trial's config
+  parses and plans with its swept values in effect."""
+  spec = sweep_spec.read_sweep_file(os.path.join(REPO_ROOT, path))
+  settings = spec.settings
+  trials = sweep_spec.expand([sweep_spec.parse_axis(a) for a in spec.sweep],
+                             mode=settings.get('sweep_mode', 'product'),
+                             num_trials=int(settings.get('num_trials', 0)),
+                             seed=int(settings.get('seed', 0)))
+  assert trials
+  for trial in trials:
+    gin_setup.parse_gin(files=spec.gin_file, bindings=spec.gin_bindings + trial.bindings)
+    plan = plan_lib.make_plan()
+    assert plan.records and plan.meta.flops > 0
+    for key, text in trial.values.items():
+      assert gin.query_parameter(key) == sweep_spec.literal(text), (trial.name, key)

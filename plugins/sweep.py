@@ -1,0 +1,443 @@
+"""Runs a sweep: each trial a `launch.train` subprocess in its own directory.
+
+    sweep = Sweep(root='/tmp/lr', gin_files=['configs/experiments/quickstart.gin'],
+                  gin_bindings=['train.num_steps = 50'],
+                  axes=[parse_axis('optimizer.learning_rate=[3e-3, 1e-3]')])
+    records = SweepRunner(sweep, parallel=2).run()
+
+What the runner guarantees:
+
+* **Isolation.** A trial is a separate process (its own session, so a signal
+  meant for one trial reaches no other). Whatever it does (exit 2 on a bad
+  config, 3 on a NaN loss, a crash, a hang past `trial_timeout`) is recorded with
+  its exit status and the first line of its error, and the other trials go on.
+* **Resume.** Each trial's outcome is kept in `ROOT/<trial>/sweep_trial.json`.
+  Running the same sweep again skips trials that succeeded and runs the others:
+  failed ones from the start of their config, interrupted or timed-out ones
+  from their last checkpoint (`launch.train` resumes from its model_dir). The
+  base config may change between runs (e.g. to fix the binding a trial failed
+  on): finished trials are kept, and the table says which ones ran on another
+  base config.
+* **Clean stop.** SIGTERM or SIGINT to the sweep is passed to every running
+  trial, which saves a checkpoint and exits; the sweep records them as
+  INTERRUPTED and exits; a re-run picks them up.
+* **Threads.** With `parallel` > 1 the machine's threads are divided between the
+  trials (TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS, unless already set).
+
+The sweep root gets `sweep.json` (the resolved trial list and each outcome),
+`sweep.tsv` (the results table, best eval loss first) and the HParams
+experiment config (see `plugins/sweep_board.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Sequence, TextIO
+
+from layout_core.errors import ConfigError
+from plugins import sweep_board
+from plugins.sweep_spec import Axis, Trial, expand
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STATUS_FILE = 'sweep_trial.json'  # in each trial directory: the trial's outcome
+LOG_FILE = 'trial.log'            # in each trial directory: stdout+stderr of every attempt
+SUCCESS, FAILURE, INTERRUPTED = 'SUCCESS', 'FAILURE', 'INTERRUPTED'
+EXIT_DIVERGED = 3  # launch.train: the loss became NaN or infinite
+PREEMPTED_MARK = 'Preempted by '  # launch.train's line after a signal-triggered save
+# TensorFlow sizes its thread pools from these (checked: 1, 4, 8 give 5, 11, 19 threads).
+THREAD_VARIABLES = ('TF_NUM_INTRAOP_THREADS', 'TF_NUM_INTEROP_THREADS')
+
+
+@dataclasses.dataclass
+class Sweep:
+  """The resolved sweep: base config, axes and how trials are drawn from them."""
+  root: str                                   # sweep directory; trials below it
+  gin_files: list[str]                        # base config files, as for launch.train
+  axes: list[Axis]                            # swept bindings
+  gin_bindings: list[str] = dataclasses.field(default_factory=list)  # base bindings
+  gin_search_paths: list[str] = dataclasses.field(default_factory=list)
+  mode: str = 'product'                       # product | zip | random
+  num_trials: int = 0                         # random: draws; else 0 = all combinations
+  seed: int = 0                               # random search seed
+
+  def trials(self) -> list[Trial]:
+    return expand(self.axes, mode=self.mode, num_trials=self.num_trials, seed=self.seed)
+
+  def base(self) -> dict[str, list[str]]:
+    """The part of the config every trial shares (recorded with each outcome)."""
+    return {'gin_files': list(self.gin_files), 'gin_bindings': list(self.gin_bindings),
+            'gin_search_paths': list(self.gin_search_paths)}
+
+  def train_command(self, trial: Trial, python: str = sys.executable) -> list[str]:
+    return ([python, '-m', 'launch.train']
+            + [f'--gin_file={f}' for f in self.gin_files]
+            + [f'--gin_bindings={b}' for b in self.gin_bindings + trial.bindings]
+            + ([f'--gin_search_paths={",".join(self.gin_search_paths)}']
+               if self.gin_search_paths else [])
+            + [f'--model_dir={os.path.join(self.root, trial.name)}'])
+
+
+def check_config(sweep: Sweep, trials: Sequence[Trial]) -> None:
+  """Resolves the base config and every trial's into the typed plan (gin and
+  plain Python, no TensorFlow: well under a second each), as launch.train
+  does first. A broken base, or a swept key every trial fails on, is the
+  sweep's own error (ConfigError); a value only some trials fail on is left to
+  those trials, which record it."""
+  from plugins import gin_setup, plan  # pylint: disable=g-import-not-at-top
+  import gin  # pylint: disable=g-import-not-at-top
+
+  def parse(extra: Sequence[str]) -> None:
+    with gin_setup.parsed_config(files=sweep.gin_files,
+                                 bindings=sweep.gin_bindings + list(extra),
+                                 search_paths=sweep.gin_search_paths):
+      plan.make_plan()
+
+  try:
+    parse([])
+    errors = []
+    for trial in trials:
+      try:
+        parse(trial.bindings)
+      except ConfigError as e:
+        errors.append((trial, e))
+    if errors and len(errors) == len(trials):
+      trial, error = errors[0]
+      raise ConfigError(f'every trial fails to parse; the first, {trial.name}: {error}',
+                        where='--sweep', fix='check the swept keys and values')
+  finally:
+    gin.clear_config()
+
+
+def first_error_line(output: str, exit_code: int) -> str:
+  """The line that says why a trial failed, from its stdout+stderr."""
+  lines = [line.strip() for line in output.splitlines() if line.strip()]
+  for prefix in ('Configuration error:', 'Training diverged:'):
+    for line in lines:
+      if line.startswith(prefix):
+        return line
+  for line in reversed(lines):  # a traceback's last line names the exception
+    if re.match(r'^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b', line):
+      return line
+  if exit_code < 0:
+    return f'killed by {signal.Signals(-exit_code).name}'
+  return lines[-1] if lines else f'exit status {exit_code} with no output'
+
+
+def _write_json(path: str, value: Any) -> None:
+  temporary = path + '.tmp'
+  with open(temporary, 'w') as f:
+    json.dump(value, f, indent=1)
+  os.replace(temporary, path)
+
+
+def read_status(trial_dir: str) -> dict[str, Any] | None:
+  try:
+    with open(os.path.join(trial_dir, STATUS_FILE)) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def _format_duration(seconds: float | None) -> str:
+  if seconds is None:
+    return '?'
+  seconds = int(round(seconds))
+  return f'{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
+
+
+@dataclasses.dataclass
+class _Running:
+  trial: Trial
+  process: subprocess.Popen
+  log: TextIO
+  log_start: int          # offset of this attempt's output in the log
+  started: float          # time.monotonic()
+  stop_sent: float = 0.0  # when SIGTERM was sent (0: not sent)
+  timed_out: bool = False
+
+
+class SweepRunner:
+  """Runs the trials of `sweep`, `parallel` at a time; see the module docstring."""
+
+  def __init__(self, sweep: Sweep, *, parallel: int = 1, trial_timeout: float = 0,
+               stop_grace: float = 120, python: str = sys.executable,
+               out: TextIO = sys.stdout, progress_every: float = 30,
+               command_line: Sequence[str] = ()):
+    if parallel < 1:
+      raise ConfigError(f'--parallel is {parallel}', where='--parallel',
+                        fix='run at least 1 trial at a time')
+    if trial_timeout < 0:
+      raise ConfigError(f'--trial_timeout is {trial_timeout}', where='--trial_timeout',
+                        fix='use 0 (none) or a number of seconds')
+    self.sweep = sweep
+    self.trials = sweep.trials()
+    self.parallel = parallel
+    self.trial_timeout = trial_timeout  # seconds; 0: no limit
+    self.stop_grace = stop_grace        # seconds a stopped trial gets to save
+    self.python = python
+    self.out = out
+    self.progress_every = progress_every
+    self.command_line = list(command_line)
+    self.stop_signal: str | None = None
+    self.records: dict[str, dict[str, Any]] = {}
+    self._finished_walls: list[float] = []
+
+  # -- set-up ------------------------------------------------------------------
+  def trial_dir(self, trial: Trial) -> str:
+    return os.path.join(self.sweep.root, trial.name)
+
+  def threads_per_trial(self) -> int:
+    return max(1, (os.cpu_count() or 1) // self.parallel)
+
+  def trial_env(self) -> dict[str, str]:
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(
+        [REPO_ROOT] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p])
+    env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+    if self.parallel > 1:
+      for name in THREAD_VARIABLES:
+        env.setdefault(name, str(self.threads_per_trial()))
+    return env
+
+  def _say(self, line: str) -> None:
+    print(line, file=self.out, flush=True)
+
+  def write_sweep_json(self) -> None:
+    trials = []
+    for trial in self.trials:
+      entry = trial.to_json()
+      entry.update(self.records.get(trial.name) or {'status': 'PENDING'})
+      entry['name'] = trial.name
+      trials.append(entry)
+    _write_json(os.path.join(self.sweep.root, 'sweep.json'), {
+        'command': self.command_line, **self.sweep.base(), 'mode': self.sweep.mode,
+        'num_trials': self.sweep.num_trials, 'seed': self.sweep.seed,
+        'parallel': self.parallel, 'trial_timeout': self.trial_timeout,
+        'axes': [a.to_json() for a in self.sweep.axes], 'trials': trials})
+
+  # -- one trial ------------------------------------------------------------------
+  def _start(self, trial: Trial) -> _Running:
+    directory = self.trial_dir(trial)
+    os.makedirs(directory, exist_ok=True)
+    previous = read_status(directory) or {}
+    sweep_board.clear_sessions(directory)
+    sweep_board.write_session_start(directory, trial, self.sweep.axes)
+    command = self.sweep.train_command(trial, self.python)
+    log = open(os.path.join(directory, LOG_FILE), 'a')
+    attempt = previous.get('attempts', 0) + 1
+    env = self.trial_env()
+    threads = ' '.join(f'{name}={env[name]}' for name in THREAD_VARIABLES if name in env)
+    log.write(f'\n===== sweep attempt {attempt}, {time.strftime("%Y-%m-%d %H:%M:%S")}'
+              f'{", " + threads if threads else ""}: {subprocess.list2cmdline(command)}\n')
+    log.flush()
+    log_start = log.tell()
+    self.records[trial.name] = {
+        'status': 'RUNNING', 'attempts': attempt, 'base': self.sweep.base(),
+        'started_at': time.time(),
+        # an interrupted trial continues, so its time adds up; a failed one restarts
+        'wall_seconds': previous.get('wall_seconds', 0.0) if previous.get(
+            'status') in (INTERRUPTED, 'RUNNING') else 0.0}
+    _write_json(os.path.join(directory, STATUS_FILE), self.records[trial.name])
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                               start_new_session=True)
+    return _Running(trial=trial, process=process, log=log, log_start=log_start,
+                    started=time.monotonic())
+
+  @staticmethod
+  def _signal_trial(running: _Running, signum: int) -> None:
+    try:
+      os.killpg(running.process.pid, signum)  # the trial's own session: it and its children
+    except ProcessLookupError:
+      pass  # already gone
+
+  def _stop(self, running: _Running) -> None:
+    """SIGTERM the trial (it finishes its step, saves, then exits); once only."""
+    if not running.stop_sent:
+      running.stop_sent = time.monotonic()
+      self._signal_trial(running, signal.SIGTERM)
+
+  def _finish(self, running: _Running) -> dict[str, Any]:
+    trial, exit_code = running.trial, running.process.returncode
+    running.log.close()
+    directory = self.trial_dir(trial)
+    with open(os.path.join(directory, LOG_FILE), errors='replace') as f:
+      f.seek(running.log_start)
+      output = f.read()
+    record = self.records[trial.name]
+    wall = record['wall_seconds'] + time.monotonic() - running.started
+    preempted = PREEMPTED_MARK in output
+    if running.timed_out:
+      status, error = FAILURE, (f'timed out after {self.trial_timeout:g} s '
+                                f'(stopped; a re-run continues from its checkpoint)')
+    elif exit_code == 0 and not preempted:
+      status, error = SUCCESS, ''
+    elif self.stop_signal or (exit_code == 0 and preempted):
+      status, error = INTERRUPTED, f'stopped by {self.stop_signal or "a signal"}'
+    else:
+      status, error = FAILURE, first_error_line(output, exit_code)
+    record.update(status=status, exit_code=exit_code, error=error, wall_seconds=wall,
+                  ended_at=time.time())
+    if status != INTERRUPTED:  # an interrupted session goes on in the next attempt
+      sweep_board.write_session_end(directory, status=status, wall_seconds=wall)
+    record['metrics'] = sweep_board.final_metrics(directory)
+    _write_json(os.path.join(directory, STATUS_FILE), record)
+    if status == SUCCESS:
+      self._finished_walls.append(wall)
+    return record
+
+  # -- the loop -----------------------------------------------------------------
+  def _handle_signal(self, signum, frame) -> None:
+    del frame
+    self.stop_signal = signal.Signals(signum).name
+
+  def progress_line(self, running: int, waiting: int, started: float) -> str:
+    counts = {SUCCESS: 0, FAILURE: 0, INTERRUPTED: 0}
+    for record in self.records.values():
+      if record['status'] in counts:
+        counts[record['status']] += 1
+    eta = None
+    if self._finished_walls:
+      mean = sum(self._finished_walls) / len(self._finished_walls)
+      eta = mean * math.ceil((running + waiting) / self.parallel)
+    return (f'[sweep] {counts[SUCCESS]} done, {counts[FAILURE]} failed, {running} running, '
+            f'{waiting} waiting of {len(self.trials)}; elapsed '
+            f'{_format_duration(time.monotonic() - started)}, ETA {_format_duration(eta)}')
+
+  def run(self) -> list[dict[str, Any]]:
+    """Runs every unfinished trial; returns one record per trial (sweep order)."""
+    os.makedirs(self.sweep.root, exist_ok=True)
+    check_config(self.sweep, self.trials)
+    sweep_board.write_experiment(self.sweep.root, self.sweep.axes)
+    waiting = self._unfinished_trials()
+    self.write_sweep_json()
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+      for signum in (signal.SIGTERM, signal.SIGINT):
+        handlers[signum] = signal.signal(signum, self._handle_signal)
+    try:
+      self._run_trials(waiting)
+    finally:
+      for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+    self.write_sweep_json()
+    return self._write_results()
+
+  def _unfinished_trials(self) -> list[Trial]:
+    """Trials to run now: all but those that succeeded before (their records kept)."""
+    waiting, other_base = [], []
+    for trial in self.trials:
+      status = read_status(self.trial_dir(trial))
+      if status and status.get('status') == SUCCESS:
+        self.records[trial.name] = status
+        if status.get('base') != self.sweep.base():
+          other_base.append(trial.name)
+      else:
+        waiting.append(trial)
+    skipped = len(self.trials) - len(waiting)
+    self._say(f'[sweep] {len(self.trials)} trials in {self.sweep.root}: {skipped} already '
+              f'done (skipped), {len(waiting)} to run, {self.parallel} at a time')
+    if other_base:
+      self._say(f'[sweep] note: {len(other_base)} finished trials ran with another base '
+                f'config ({", ".join(other_base)}); delete their directories to redo them')
+    return waiting
+
+  def _run_trials(self, waiting: list[Trial]) -> None:
+    """Keeps `parallel` trials running, polls them, enforces timeouts and stops."""
+    running: list[_Running] = []
+    started = last_progress = time.monotonic()
+    try:
+      while waiting or running:
+        if self.stop_signal:
+          waiting = []
+          for item in running:
+            self._stop(item)
+        while waiting and len(running) < self.parallel:
+          trial = waiting.pop(0)
+          running.append(self._start(trial))
+          self._say(f'[sweep] start  {trial.name}')
+          self._say(self.progress_line(len(running), len(waiting), started))
+        time.sleep(0.2)
+        now = time.monotonic()
+        for item in list(running):
+          if (self.trial_timeout and not item.stop_sent
+              and now - item.started > self.trial_timeout):
+            item.timed_out = True
+            self._stop(item)
+          if item.process.poll() is None:
+            if item.stop_sent and now - item.stop_sent > self.stop_grace:
+              self._signal_trial(item, signal.SIGKILL)  # it did not save in time
+            continue
+          running.remove(item)
+          record = self._finish(item)
+          detail = f' (exit {record["exit_code"]}): {record["error"]}' if record['error'] else ''
+          self._say(f'[sweep] {record["status"].lower():7s} {item.trial.name} in '
+                    f'{record["wall_seconds"]:.1f} s{detail}')
+          self._say(self.progress_line(len(running), len(waiting), started))
+          self.write_sweep_json()
+        if now - last_progress > self.progress_every:
+          last_progress = now
+          self._say(self.progress_line(len(running), len(waiting), started))
+    finally:
+      for item in running:  # only after an unexpected error in this loop
+        self._stop(item)
+
+  def _write_results(self) -> list[dict[str, Any]]:
+    """sweep.tsv and the printed table; returns the records in sweep order."""
+    records = []
+    for trial in self.trials:
+      record = dict(self.records.get(trial.name) or {'status': 'PENDING'})
+      record.update(name=trial.name, values=trial.values)
+      records.append(record)
+    table = results_table(records, self.sweep.axes)
+    with open(os.path.join(self.sweep.root, 'sweep.tsv'), 'w') as f:
+      f.write(table_tsv(table))
+    self._say('\n' + table_text(table))
+    return records
+
+
+# -- results table -------------------------------------------------------------------
+TABLE_METRICS = (('eval/loss', 'eval_loss', '{:.4f}'),
+                 ('train/tokens_per_sec', 'tokens_per_sec', '{:.0f}'),
+                 ('layouts/bytes_per_device_max', 'bytes_per_device', '{:.0f}'))
+
+
+def results_table(records: Sequence[dict[str, Any]],
+                  axes: Sequence[Axis]) -> list[list[str]]:
+  """Header + one row per trial, lowest final eval loss first (no loss: last)."""
+  def loss(record):
+    value = (record.get('metrics') or {}).get('eval/loss')
+    return (record.get('status') != SUCCESS, value if value is not None else math.inf)
+
+  header = (['trial', 'status'] + [a.key for a in axes]
+            + [name for _, name, _ in TABLE_METRICS] + ['wall_seconds', 'exit', 'error'])
+  rows = [header]
+  for record in sorted(records, key=loss):
+    metrics = record.get('metrics') or {}
+    row = [record['name'], record.get('status', 'PENDING')]
+    row += [record['values'][a.key] for a in axes]
+    row += [fmt.format(metrics[tag]) if tag in metrics else '' for tag, _, fmt in TABLE_METRICS]
+    wall = record.get('wall_seconds')
+    row += [f'{wall:.1f}' if wall else '', str(record.get('exit_code', '')),
+            record.get('error', '')]
+    rows.append(row)
+  return rows
+
+
+def table_tsv(rows: Sequence[Sequence[str]]) -> str:
+  return ''.join('\t'.join(cell.replace('\t', ' ') for cell in row) + '\n' for row in rows)
+
+
+def table_text(rows: Sequence[Sequence[str]], *, max_error: int = 100) -> str:
+  rows = [list(row[:-1]) + [row[-1][:max_error]] for row in rows]
+  widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+  return '\n'.join('  '.join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                   for row in rows)

@@ -1,0 +1,374 @@
+"""launch.sweep: the trial list, and real sweeps read back through TensorBoard itself.
+
+The end-to-end tests share one real 4-trial sweep (zip mode, two trials at a
+time, the last trial deliberately invalid) and check it through a real
+`tensorboard` server's hparams plugin, TensorBoard's event readers, and the
+trials' own records. Trials run on 2 virtual devices to keep them quick.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from layout_core.errors import ConfigError
+from plugins import sweep as sweep_lib
+from plugins.sweep_spec import expand, parse_axis, read_sweep_file
+from tests.conftest import REPO_ROOT, read_events, run_module
+
+TINY = ['--gin_file=configs/experiments/quickstart.gin',
+        '--gin_bindings=train.num_steps = 4', '--gin_bindings=train.log_every = 2',
+        '--gin_bindings=train.eval_every = 0', '--gin_bindings=train.eval_batches = 1',
+        '--gin_bindings=checkpoint.every_steps = 0',
+        "--gin_bindings=mesh.shape = {'data': 2}"]
+# zip: four trials; the last asks for a data vocabulary the model is too small for.
+ZIP_AXES = ['--sweep_mode=zip', '--sweep=optimizer.learning_rate=[3e-3, 1e-3, 3e-4, 1e-2]',
+            '--sweep=data.vocab_size=[64, 48, 64, 128]']
+INVALID = 'learning_rate=0.01,vocab_size=128'
+
+
+# -- the trial list ----------------------------------------------------------------
+def test_axes_keep_gin_values_as_written_and_reject_bad_specs():
+  axis = parse_axis("mesh.shape=[{'data': 8}, {'data': 2, 'model': 4}]")
+  assert axis.values == ("{'data': 8}", "{'data': 2, 'model': 4}")
+  assert parse_axis("transformer_block.activation = ['relu', 'gelu,x']").values == (
+      "'relu'", "'gelu,x'")
+  ranged = parse_axis('optimizer.learning_rate=log_uniform(1e-4, 1e-1)')
+  assert (ranged.kind, ranged.low, ranged.high) == ('log_uniform', 1e-4, 1e-1)
+  for bad in ('learning_rate', 'optimizer.learning_rate=[]', 'x.y=3',
+              'x.y=log_uniform(0, 1)', 'x.y=int_range(1.5, 3)', 'x.y=uniform(2, 1)'):
+    with pytest.raises(ConfigError):
+      parse_axis(bad)
+
+
+def test_product_zip_and_ranges_outside_random_search():
+  a = parse_axis('optimizer.learning_rate=[1e-3, 3e-4, 1e-4]')
+  b = parse_axis('pipeline.num_micro_batches=[1, 2]')
+  product = expand([a, b])
+  expected = {(x, y) for x in a.values for y in b.values}  # nested-loop reference
+  assert len(product) == 6 and {tuple(t.values.values()) for t in product} == expected
+  zipped = expand([a, parse_axis('train.seed=[0, 1, 2]')], mode='zip')
+  assert [t.bindings for t in zipped][1] == ['optimizer.learning_rate = 3e-4',
+                                             'train.seed = 1']
+  with pytest.raises(ConfigError, match='one length'):
+    expand([a, b], mode='zip')
+  with pytest.raises(ConfigError, match='only random search'):
+    expand([parse_axis('x.y=uniform(0, 1)')])
+  with pytest.raises(ConfigError, match='more than once'):
+    expand([a, a])
+
+
+def test_random_search_is_seeded_and_draws_from_the_declared_ranges():
+  axes = [parse_axis('optimizer.learning_rate=log_uniform(1e-4, 1e-0)'),
+          parse_axis('train.seed=int_range(0, 3)'),
+          parse_axis('optimizer.decay=["cosine", "linear"]')]
+  trials = expand(axes, mode='random', num_trials=400, seed=7)
+  assert [t.values for t in trials] == [
+      t.values for t in expand(axes, mode='random', num_trials=400, seed=7)]
+  assert [t.values for t in trials] != [
+      t.values for t in expand(axes, mode='random', num_trials=400, seed=8)]
+  rates = [float(t.values['optimizer.learning_rate']) for t in trials]
+  assert all(1e-4 <= r <= 1 for r in rates)
+  # log-uniform: each decade holds about a quarter (uniform would put ~90% in the top one)
+  below = sum(r < 1e-2 for r in rates) / len(rates)
+  assert 0.4 < below < 0.6
+  assert {t.values['train.seed'] for t in trials} == {'0', '1', '2', '3'}
+  assert {t.values['optimizer.decay'] for t in trials} == {'"cosine"', '"linear"'}
+  assert len({t.name for t in trials}) == len(trials)  # repeated draws get ~2, ~3
+
+
+def test_trial_names_are_readable_unique_and_file_system_safe():
+  axes = [parse_axis("mesh.shape=[{'data': 8}, {'data': 2, 'model': 4}]"),
+          parse_axis("data.text_file=['/tmp/a b.txt', '../x', @ref()]"),
+          parse_axis('train.seed=[1, 2]'), parse_axis('data.seed=[1]')]
+  names = [t.name for t in expand(axes)]
+  assert len(set(names)) == len(names) == 12
+  for name in names:
+    assert re.fullmatch(r'[\w.=+,~-]+', name) and name not in ('.', '..'), name
+  assert names[0].startswith('shape=data8,text_file=')
+  assert 'train.seed=1,data.seed=1' in names[0]  # two 'seed' axes keep their configurable
+
+
+def test_sweep_file_holds_the_flags(tmp_path):
+  path = tmp_path / 'lr.sweep'
+  path.write_text('# a comment\ngin_file = configs/experiments/quickstart.gin\n'
+                  'gin_bindings = train.num_steps = 10\n'
+                  'sweep = optimizer.learning_rate = [1e-3, 3e-4]\n'
+                  'sweep_mode = zip\nnum_trials = 2\n')
+  spec = read_sweep_file(str(path))
+  assert spec.gin_file == ['configs/experiments/quickstart.gin']
+  assert spec.gin_bindings == ['train.num_steps = 10']
+  assert parse_axis(spec.sweep[0]).values == ('1e-3', '3e-4')
+  assert spec.settings == {'sweep_mode': 'zip', 'num_trials': '2'}
+  path.write_text('sweeep = x.y=[1]\n')
+  with pytest.raises(ConfigError, match='line 1'):
+    read_sweep_file(str(path))
+
+
+def test_first_error_line_names_the_cause():
+  traceback_text = ('Traceback (most recent call last):\n  File "x.py", line 1\n'
+                    'tensorflow.python.framework.errors_impl.InvalidArgumentError: bad shape\n')
+  assert sweep_lib.first_error_line(traceback_text, 1).startswith(
+      'tensorflow.python.framework.errors_impl.InvalidArgumentError: bad shape')
+  assert sweep_lib.first_error_line('noise\nConfiguration error: x. Fix: y.\n', 2) == (
+      'Configuration error: x. Fix: y.')
+  assert sweep_lib.first_error_line('', -9) == 'killed by SIGKILL'
+
+
+# -- a real sweep ----------------------------------------------------------------------
+def sweep_command(root, *extra):
+  return [*TINY, *ZIP_AXES, f'--model_dir={root}', *extra]
+
+
+@pytest.fixture(scope='module')
+def zip_sweep(tmp_path_factory):
+  root = str(tmp_path_factory.mktemp('sweep') / 'root')
+  start = time.monotonic()
+  result = run_module('launch.sweep', *sweep_command(root, '--parallel=2'), timeout=600)
+  return root, result, time.monotonic() - start
+
+
+class TensorBoard:
+  """A real `tensorboard --logdir root` on a free localhost port."""
+
+  def __init__(self, root):
+    with socket.socket() as s:
+      s.bind(('127.0.0.1', 0))
+      self.port = s.getsockname()[1]
+    self.process = subprocess.Popen(
+        [sys.executable, '-m', 'tensorboard.main', '--logdir', root, '--host', '127.0.0.1',
+         '--port', str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+  def post(self, route, body):
+    request = urllib.request.Request(
+        f'http://127.0.0.1:{self.port}/data/plugin/hparams/{route}',
+        data=json.dumps(body).encode(), headers={'Content-Type': 'application/json'})
+    with urllib.request.urlopen(request, timeout=20) as response:
+      return json.loads(response.read())
+
+  def hparams(self, num_sessions, deadline=120):
+    """The experiment and its session groups, once TensorBoard has loaded them all."""
+    give_up = time.monotonic() + deadline
+    while True:
+      try:
+        experiment = self.post('experiment', {'experimentName': ''})
+        columns = ([{'hparam': h['name'], 'includeInResult': True}
+                    for h in experiment['hparamInfos']]
+                   + [{'metric': m['name'], 'includeInResult': True}
+                      for m in experiment['metricInfos']])
+        groups = self.post('session_groups', {
+            'experimentName': '', 'colParams': columns, 'startIndex': 0, 'sliceSize': 100,
+            'allowedStatuses': ['STATUS_UNKNOWN', 'STATUS_SUCCESS', 'STATUS_FAILURE',
+                                'STATUS_RUNNING']})['sessionGroups']
+        ended = [g for g in groups if g['sessions'][0].get('endTimeSecs')]
+        if len(ended) >= num_sessions:
+          return experiment, {g['name']: g for g in groups}
+      except (OSError, KeyError, ValueError):
+        pass  # not serving yet, or still loading
+      assert time.monotonic() < give_up, 'TensorBoard did not show the sessions in time'
+      time.sleep(1)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.process.terminate()
+    self.process.wait(timeout=30)
+
+
+def read_tsv(root):
+  with open(os.path.join(root, 'sweep.tsv')) as f:
+    header, *rows = [line.rstrip('\n').split('\t') for line in f]
+  return [dict(zip(header, row)) for row in rows]
+
+
+def test_sweep_isolates_the_invalid_trial_and_fills_the_hparams_dashboard(zip_sweep):
+  root, result, _ = zip_sweep
+  assert result.returncode == 1, result.stderr[-3000:]  # one trial failed
+  with TensorBoard(root) as board:
+    experiment, groups = board.hparams(num_sessions=4)
+
+  hparams = {h['name']: h for h in experiment['hparamInfos']}
+  assert sorted(hparams['optimizer.learning_rate']['domainDiscrete']) == [3e-4, 1e-3, 3e-3, 1e-2]
+  assert sorted(hparams['data.vocab_size']['domainDiscrete']) == [48, 64, 128]
+  metric_names = {m['name']['tag']: m['displayName'] for m in experiment['metricInfos']}
+  assert set(metric_names) == {'eval/loss', 'train/tokens_per_sec',
+                               'layouts/bytes_per_device_max', 'sweep/wall_seconds'}
+  assert all(metric_names.values())
+
+  with open(os.path.join(root, 'sweep.json')) as f:
+    planned = json.load(f)['trials']
+  assert set(groups) == {t['name'] for t in planned} and len(groups) == 4
+  rows = {row['trial']: row for row in read_tsv(root)}
+  for trial in planned:
+    group, name = groups[trial['name']], trial['name']
+    assert group['hparams'] == {key: float(text) for key, text in trial['values'].items()}
+    status = group['sessions'][0]['status']
+    shown = {m['name']['tag']: m['value'] for m in group['metricValues']}
+    if name == INVALID:
+      assert status == 'STATUS_FAILURE' and rows[name]['status'] == 'FAILURE'
+      assert rows[name]['exit'] == '2'
+      assert rows[name]['error'].startswith(
+          'Configuration error: model vocabulary 64 is smaller than the data vocabulary 128')
+      assert 'eval/loss' not in shown
+      continue
+    assert status == 'STATUS_SUCCESS' and rows[name]['status'] == 'SUCCESS'
+    # The dashboard's numbers are the trial's own final scalars, read independently.
+    scalars = read_events(os.path.join(root, name))['scalars']
+    for tag in ('eval/loss', 'train/tokens_per_sec', 'layouts/bytes_per_device_max'):
+      assert shown[tag] == pytest.approx(scalars[tag][-1][1], rel=1e-6), tag
+    assert float(rows[name]['eval_loss']) == pytest.approx(scalars['eval/loss'][-1][1],
+                                                           abs=1e-4)
+    assert shown['sweep/wall_seconds'] == pytest.approx(float(rows[name]['wall_seconds']),
+                                                        abs=0.1)
+    assert 0 < shown['sweep/wall_seconds'] < 600
+  losses = [float(r['eval_loss']) for r in read_tsv(root) if r['status'] == 'SUCCESS']
+  assert losses == sorted(losses) and read_tsv(root)[-1]['trial'] == INVALID
+  assert 'FAILURE' in result.stdout and INVALID in result.stdout  # the printed table
+
+
+def test_parallel_trials_complete_in_their_own_directories(zip_sweep):
+  root, _, _ = zip_sweep
+  with open(os.path.join(root, 'sweep.json')) as f:
+    recorded = json.load(f)
+  assert recorded['parallel'] == 2
+  trials = recorded['trials']
+  for trial in trials:
+    directory = os.path.join(root, trial['name'])
+    log = open(os.path.join(directory, sweep_lib.LOG_FILE)).read()
+    assert log.count('===== sweep attempt') == 1  # one process wrote this log
+    threads = max(1, os.cpu_count() // 2)  # the machine's threads, shared by two trials
+    assert f'TF_NUM_INTRAOP_THREADS={threads} TF_NUM_INTEROP_THREADS={threads}' in log
+    assert set(re.findall(r'--model_dir=(\S+)', log)) == {directory}
+    if trial['name'] == INVALID:
+      continue
+    operative = open(os.path.join(directory, 'config.gin')).read()
+    for key, text in trial['values'].items():  # it trained with its own values
+      assert f'{key} = {literal_value(text)}\n' in operative, (key, trial['name'])
+    scalars = read_events(directory)['scalars']
+    assert [s for s, _ in scalars['train/loss']] == [2, 4]  # one run, no steps mixed in
+    assert os.path.isdir(os.path.join(directory, 'checkpoints', 'ckpt-4'))
+  # Two at a time: the first two trials ran side by side.
+  first, second = (sweep_lib.read_status(os.path.join(root, t['name'])) for t in trials[:2])
+  assert first['started_at'] < second['ended_at'] and second['started_at'] < first['ended_at']
+
+
+def literal_value(text):
+  """How gin's operative config prints a swept value (3e-3 -> 0.003)."""
+  value = float(text)
+  return repr(int(value)) if value.is_integer() and 'e' not in text else repr(value)
+
+
+def test_rerun_skips_finished_trials_and_retries_the_failed_one(zip_sweep, tmp_path):
+  original, _, _ = zip_sweep
+  root = str(tmp_path / 'copy')
+  shutil.copytree(original, root)
+  finished = {name: os.path.getmtime(os.path.join(root, name, 'config.gin'))
+              for name in os.listdir(root) if name != INVALID
+              and os.path.isdir(os.path.join(root, name))}
+  # The failed trial needed a bigger model vocabulary: fix it in the base bindings.
+  result = run_module('launch.sweep', *sweep_command(
+      root, '--gin_bindings=transformer_lm.vocab_size = 128'), timeout=600)
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+  assert '3 already done (skipped), 1 to run' in result.stdout
+  assert 'note: 3 finished trials ran with another base config' in result.stdout
+  for name, mtime in finished.items():
+    assert os.path.getmtime(os.path.join(root, name, 'config.gin')) == mtime, name
+  retried = os.path.join(root, INVALID)
+  assert open(os.path.join(retried, sweep_lib.LOG_FILE)).read().count('sweep attempt') == 2
+  status = sweep_lib.read_status(retried)
+  assert (status['status'], status['attempts'], status['exit_code']) == ('SUCCESS', 2, 0)
+  assert 'transformer_lm.vocab_size = 128' in status['base']['gin_bindings']
+  with TensorBoard(root) as board:
+    _, groups = board.hparams(num_sessions=4)
+  assert groups[INVALID]['sessions'][0]['status'] == 'STATUS_SUCCESS'
+  shown = {m['name']['tag']: m['value'] for m in groups[INVALID]['metricValues']}
+  assert shown['eval/loss'] == pytest.approx(
+      read_events(retried)['scalars']['eval/loss'][-1][1], rel=1e-6)
+  assert all(r['status'] == 'SUCCESS' for r in read_tsv(root))
+
+
+def test_sigterm_stops_the_trial_cleanly_and_a_rerun_continues_it(tmp_path):
+  root = str(tmp_path / 'root')
+
+  def command(num_steps):
+    return [*TINY, f'--gin_bindings=train.num_steps = {num_steps}',
+            '--sweep=optimizer.learning_rate=[1e-3]', f'--model_dir={root}']
+
+  env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
+  sweep = subprocess.Popen([sys.executable, '-m', 'launch.sweep', *command(400)],
+                           cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+  trial_dir = os.path.join(root, 'learning_rate=0.001')
+  log = os.path.join(trial_dir, sweep_lib.LOG_FILE)
+  give_up = time.monotonic() + 300
+  while not (os.path.exists(log) and re.search(r'step \d+/400', open(log).read())):
+    assert sweep.poll() is None and time.monotonic() < give_up, sweep.communicate()
+    time.sleep(0.5)
+  sweep.send_signal(signal.SIGTERM)
+  stdout, stderr = sweep.communicate(timeout=300)
+  assert sweep.returncode == 4, stdout[-2000:] + stderr[-2000:]
+  assert sweep_lib.read_status(trial_dir)['status'] == 'INTERRUPTED'
+  saved = re.search(r'Preempted by SIGTERM at step (\d+)', open(log).read())
+  assert saved, open(log).read()[-3000:]
+  step = int(saved.group(1))
+  assert 0 < step < 400 and os.path.isdir(os.path.join(trial_dir, 'checkpoints',
+                                                       f'ckpt-{step}'))
+
+  # The re-run (two more steps, so the test stays short) continues from that checkpoint.
+  rerun = run_module('launch.sweep', *command(step + 2), timeout=300)
+  assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
+  assert f'Resumed from' in open(log).read().split('sweep attempt 2')[1]
+  assert max(s for s, _ in read_events(trial_dir)['scalars']['train/loss']) == step + 2
+  status = sweep_lib.read_status(trial_dir)
+  assert (status['status'], status['attempts']) == ('SUCCESS', 2)
+
+
+def test_a_diverged_trial_and_a_timed_out_trial_are_recorded_failures(tmp_path):
+  root = str(tmp_path / 'nan')
+  diverged = run_module('launch.sweep', *TINY, '--gin_bindings=train.log_every = 1',
+                        '--gin_bindings=optimizer.clip_norm = 0',
+                        '--sweep=optimizer.learning_rate=[1e30]', f'--model_dir={root}',
+                        timeout=300)
+  assert diverged.returncode == 1, diverged.stdout[-2000:] + diverged.stderr[-3000:]
+  [row] = read_tsv(root)
+  assert (row['status'], row['exit']) == ('FAILURE', '3')
+  assert re.fullmatch(r'Training diverged: train loss is (nan|inf) at step \d+; .*',
+                      row['error']), row['error']
+  log = open(os.path.join(root, row['trial'], sweep_lib.LOG_FILE)).read()
+  assert 'Traceback' not in log
+
+  root = str(tmp_path / 'slow')
+  slow = run_module('launch.sweep', *TINY, '--sweep=train.seed=[0]', '--trial_timeout=1',
+                    f'--model_dir={root}', timeout=300)
+  assert slow.returncode == 1, slow.stdout[-2000:] + slow.stderr[-3000:]
+  [row] = read_tsv(root)
+  assert row['status'] == 'FAILURE' and row['error'].startswith('timed out after 1 s')
+  assert float(row['wall_seconds']) < 60  # stopped, not left to finish
+
+
+def test_a_misconfigured_sweep_exits_2_before_any_trial_runs(tmp_path):
+  root = tmp_path / 'root'
+  typo = run_module('launch.sweep', *TINY, '--sweep=train.num_stepz=[1, 2]',
+                    f'--model_dir={root}')
+  assert typo.returncode == 2, typo.stderr[-3000:]
+  assert "every trial fails to parse" in typo.stderr and "'num_steps'" in typo.stderr
+  # Settings come from the sweep file (zip), lists from the file and the command line.
+  sweep_file = tmp_path / 'bad.sweep'
+  sweep_file.write_text('sweep_mode = zip\nsweep = optimizer.learning_rate = [1e-3, 3e-4]\n')
+  mismatched = run_module('launch.sweep', *TINY, f'--sweep_file={sweep_file}',
+                          '--sweep=train.seed=[0, 1, 2]', f'--model_dir={root}')
+  assert mismatched.returncode == 2, mismatched.stderr[-3000:]
+  assert ('zip needs lists of one length, got optimizer.learning_rate: 2, train.seed: 3'
+          in mismatched.stderr)
+  for result in (typo, mismatched):
+    assert 'Traceback' not in result.stderr
+  assert not any(p.is_dir() for p in root.glob('*'))  # no trial started
