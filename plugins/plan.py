@@ -78,12 +78,10 @@ def check_model_fits_data(params: Params, task: LMTask, batch_size: int) -> Laye
 
 
 def check_batch_splits(train: TrainConfig, mesh_spec: MeshSpec) -> None:
+  """The batch splits evenly over `train.batch_axis` (a mesh without that axis
+  replicates the batch, with a warning from the trainer)."""
   axis = train.batch_axis
-  if axis and axis not in mesh_spec.shape:
-    raise ConfigError(f"train.batch_axis '{axis}' is not a mesh axis "
-                      f'(mesh.shape {dict(mesh_spec.shape)})', where='train.batch_axis',
-                      fix=f"use one of {list(mesh_spec.shape)}, or '' to replicate the batch")
-  if axis and train.batch_size % mesh_spec.shape[axis]:
+  if axis in mesh_spec.shape and train.batch_size % mesh_spec.shape[axis]:
     size = mesh_spec.shape[axis]
     raise ConfigError(
         f'train.batch_size={train.batch_size} does not split over mesh axis '
