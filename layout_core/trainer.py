@@ -105,9 +105,11 @@ class Trainer:
         trainable=False, name='data_position')
     self.optimizer = Adam(optimizer, variables=self._trainable,
                           paths=list(trainable), total_steps=config.num_steps)
-    self._train_step = tf.function(self._train_step_fn)
-    self._eval_step = tf.function(self.loss)
+    # A step is two functions: the gradients (also what `check_runs` compiles
+    # and runs before training) and the update.
     self._gradients = tf.function(self._gradients_fn)
+    self._apply = tf.function(self._apply_fn)
+    self._eval_step = tf.function(self.loss)
     self._eval_data = None
 
   def build_model(self, params: Params, rules: LayoutRules | None):
@@ -122,23 +124,21 @@ class Trainer:
     logits = self.model(tokens[:, :-1])
     return cross_entropy(logits, tokens[:, 1:])
 
-  def _train_step_fn(self, tokens):
+  def _gradients_fn(self, tokens):
     seed = step_seed(self.config.seed, self.step.read_value())
     with tf.GradientTape() as tape, random_context(seed=seed):
       loss = self.loss(tokens)
-    grads = tape.gradient(loss, self._trainable)
+    return loss, tape.gradient(loss, self._trainable)
+
+  def _apply_fn(self, grads):
     lr, grad_norm = self.optimizer.apply(grads, self.step.read_value())
     self.step.assign_add(1)
     self.data_position.assign_add(1)
-    return loss, lr, grad_norm
-
-  def _gradients_fn(self, tokens):
-    with tf.GradientTape() as tape:
-      loss = self.loss(tokens)
-    return loss, tape.gradient(loss, self._trainable)
+    return lr, grad_norm
 
   def loss_and_gradients(self, packed):
-    """Loss and gradients of one packed batch, updating nothing."""
+    """Loss and gradients of one packed batch (this step's dropout masks),
+    updating nothing."""
     return self._gradients(packed)
 
   def check_runs(self) -> None:
@@ -147,7 +147,8 @@ class Trainer:
     Some layouts pass every rank/axis/divisibility check and still cannot be
     compiled by DTensor (it fails at the first step, deep inside TF). This
     makes that happen before training starts, as a ConfigError naming the
-    sharded variables and their rules."""
+    sharded variables and their rules. It compiles the same function the
+    training steps then use, so it costs one step, not a compile."""
     packed = self.pack(self.task.batch(step=0, batch_size=self.config.batch_size,
                                        split='eval'))
     try:
@@ -162,7 +163,9 @@ class Trainer:
 
   def train_step(self, tokens: np.ndarray):
     """One optimizer step on a host batch; returns (loss, lr, grad_norm) tensors."""
-    return self._train_step(self.pack(tokens))
+    loss, grads = self._gradients(self.pack(tokens))
+    lr, grad_norm = self._apply(grads)
+    return loss, lr, grad_norm
 
   def eval_loss(self, packed) -> tf.Tensor:
     return self._eval_step(packed)
