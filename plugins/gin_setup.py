@@ -6,6 +6,11 @@
 gin's own errors are turned into `ConfigError`s that keep gin's location
 ("In file ..., line N") and add a "did you mean" for misspelt configurables
 and parameters, and the search paths tried for a missing file.
+
+Search paths are also Python import roots: a .gin file's `import
+my_project.layers` line finds `my_project/` in any --gin_search_paths
+directory (or on PYTHONPATH), which is how users bring their own layers,
+tasks and Keras models (README, "Your own model").
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import importlib.util  # noqa: F401  gin 0.5 uses importlib.util without importi
 import inspect
 import os
 import re
+import sys
 from typing import Sequence
 
 import gin
@@ -82,8 +88,23 @@ def parse_gin(*, files: Sequence[str], bindings: Sequence[str],
       raise ConfigError(f'gin file {name!r} not found',
                         where=f'searched {", ".join(dict.fromkeys(paths))}',
                         fix='check the path or add --gin_search_paths')
+  add_import_roots(search_paths)
   try:
     gin.parse_config_files_and_bindings(list(files), list(bindings),
                                         finalize_config=False)
+  except ImportError as e:
+    raise ConfigError(f'a gin file imports {e.name or str(e)!r}, which Python cannot '
+                      f'import ({e})',
+                      where=f'gin files {", ".join(files)}',
+                      fix='put the directory holding the package on --gin_search_paths '
+                          'or PYTHONPATH') from e
   except (ValueError, SyntaxError, IOError, AttributeError, TypeError) as e:
     raise explain_gin_error(e) from e
+
+
+def add_import_roots(search_paths: Sequence[str]) -> None:
+  """Puts each existing search-path directory on sys.path (once, at the end)."""
+  for path in search_paths:
+    directory = os.path.abspath(path)
+    if os.path.isdir(directory) and directory not in sys.path:
+      sys.path.append(directory)

@@ -27,13 +27,16 @@ from layout_core.preemption import PreemptionWatcher
 from layout_core import mesh as mesh_lib
 from layout_core.data import LMTask
 from layout_core.errors import ConfigError
+from layout_core import keras_models
 from layout_core.layers import Embedding, LayerMeta, flatten_layers
 from layout_core import pipeline as pipeline_lib
 from layout_core.params import Params
-from layout_core.pipeline_trainer import PipelinePlan, PipelineTrainer, plan_pipeline
+from layout_core.pipeline_trainer import (PipelinePlan, PipelineTrainer, check_pipelinable,
+                                          plan_pipeline)
 from layout_core.rules import LayoutRules
 from layout_core import trainer as trainer_lib
 from layout_core.summaries import SummaryWriter, code_block
+from layout_core.tasks import Task
 from layout_core.trainer import TrainConfig, Trainer, TrainResult
 from plugins import configurables
 
@@ -52,24 +55,28 @@ def write_text(model_dir: str, name: str, text: str) -> str:
 class RunPlan:
   """Everything the config decides, resolved without allocating the model."""
   mesh_spec: mesh_lib.MeshSpec
-  params: Params
+  params: Params | keras_models.KerasModel
   rules: LayoutRules
-  task: LMTask
+  task: Task
   train_config: TrainConfig
   records: list[layout_scope.LayoutRecord]
-  meta: LayerMeta  # forward cost of one global batch
+  meta: LayerMeta | None  # forward cost of one global batch (None: not known)
   pipeline: PipelinePlan | None = None
 
 
-def check_model_fits_data(params: Params, task: LMTask, batch_size: int) -> LayerMeta:
-  """Vocabulary and sequence-length agreement, plus the model's cost report."""
+def check_model_fits_data(params, task: Task, batch_size: int) -> LayerMeta | None:
+  """Vocabulary and sequence-length agreement, plus the model's cost report
+  (None for a Keras model: its FLOPs are not declared)."""
+  if isinstance(params, keras_models.KerasModel):
+    return None
   embeddings = [p for p in flatten_layers(params) if p.cls is Embedding]
-  if embeddings and embeddings[0].vocab_size < task.vocab_size:
+  if (isinstance(task, LMTask) and embeddings
+      and embeddings[0].vocab_size < task.vocab_size):
     raise ConfigError(
         f'model vocabulary {embeddings[0].vocab_size} is smaller than the data '
         f'vocabulary {task.vocab_size}', where='transformer_lm.vocab_size',
         fix=f'set transformer_lm.vocab_size = {task.vocab_size}')
-  return params.cls.fprop_meta(params, (batch_size, task.seq_len))
+  return params.cls.fprop_meta(params, *[shape for shape, _ in task.input_specs(batch_size)])
 
 
 def plan_run() -> RunPlan:
@@ -84,6 +91,7 @@ def plan_run() -> RunPlan:
   pipeline = None
   pipeline_config = configurables.pipeline()
   if pipeline_config.enabled:
+    check_pipelinable(params, task)
     pipeline = plan_pipeline(pipeline_config, params=params, mesh_axes=spec.shape,
                              batch_size=train_config.batch_size, seq_len=task.seq_len,
                              batch_axis=train_config.batch_axis)
@@ -91,7 +99,12 @@ def plan_run() -> RunPlan:
     mesh_axes = {a: n for a, n in spec.shape.items() if a != stage_axis}
   else:
     mesh_axes = spec.shape
-  records = layout_scope.plan_layouts(params.cls.variable_specs(params), rules, mesh_axes)
+  if isinstance(params, keras_models.KerasModel):
+    records = keras_models.plan(params, rules=rules, mesh_axes=mesh_axes,
+                                input_specs=task.input_specs(train_config.batch_size),
+                                seed=train_config.seed)
+  else:
+    records = layout_scope.plan_layouts(params.cls.variable_specs(params), rules, mesh_axes)
   if pipeline is not None:
     records = [dataclasses.replace(
         r, mesh=f'{stage_axis}{pipeline_lib.stage_of(pipeline.layer_stages, r.path)}')
@@ -110,8 +123,12 @@ def describe_plan(plan: RunPlan, *, max_rows: int = 0) -> str:
   """The inspect report: layout table, per-rule matches, memory per device."""
   records = plan.records
   rows = records if not max_rows or len(records) <= max_rows else records[:max_rows]
-  lines = [f'Mesh: {plan.mesh_spec.describe()}', '',
-           layout_scope.table_markdown(rows).rstrip()]
+  lines = [f'Mesh: {plan.mesh_spec.describe()}', '']
+  if isinstance(plan.params, keras_models.KerasModel):
+    lines += [f'{plan.params.describe()}: weights listed from a stateless build '
+              "(Keras' StatelessScope defers initialisers, so nothing is allocated); "
+              'FLOPs are not known for Keras models.', '']
+  lines += [layout_scope.table_markdown(rows).rstrip()]
   if len(rows) < len(records):
     lines.append(f'... {len(records) - len(rows)} more rows (--max_rows=0 shows all)')
   lines += ['', 'Rule matches:']
@@ -127,7 +144,8 @@ def describe_plan(plan: RunPlan, *, max_rows: int = 0) -> str:
                   f'{plan.pipeline.micro_batch_size}',
               plan.pipeline.partition.describe()]
   lines += ['', f'Parameters: {num_params:,} ({_gib(sum(r.bytes_total for r in records))} total)',
-            f'Forward cost of one global batch: {plan.meta.flops:.3e} FLOPs',
+            'Forward cost of one global batch: ' + (
+                f'{plan.meta.flops:.3e} FLOPs' if plan.meta else 'not known'),
             'Per device:',
             f'  parameters        {_gib(param_bytes)}',
             f'  Adam slots (m, v) {_gib(2 * param_bytes)}',
@@ -164,7 +182,7 @@ def build_trainer(*, model_dir: str | None) -> Trainer:
 
 def record_run(trainer: Trainer, model_dir: str) -> None:
   operative = gin.operative_config_str()
-  params_text = trainer.model_params.ToText()
+  params_text = model_text(trainer)
   write_text(model_dir, 'config.gin', operative)
   write_text(model_dir, 'params.txt', params_text)
   table = trainer.write_layouts()
@@ -178,6 +196,15 @@ def record_run(trainer: Trainer, model_dir: str) -> None:
       trainer.writer.scalars(step=0, values={'pipeline/bubble_fraction_measured': measured})
   trainer.writer.flush()
   logging.info('Operative config:\n%s', operative)
+
+
+def model_text(trainer: Trainer) -> str:
+  """params.txt: the Params tree, or a Keras model's description and weights."""
+  if isinstance(trainer.model_params, Params):
+    return trainer.model_params.ToText()
+  lines = [trainer.model_params.describe()]
+  lines += [f'{r.path} : {list(r.shape)} {r.dtype}' for r in trainer.layout_records]
+  return '\n'.join(lines) + '\n'
 
 
 BENCH_RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
