@@ -93,9 +93,7 @@ def parse_gin(*, files: Sequence[str], bindings: Sequence[str],
     gin.parse_config_files_and_bindings(list(files), list(bindings),
                                         finalize_config=False)
   except ImportError as e:
-    raise ConfigError(f'a gin file imports {e.name or str(e)!r}, which Python cannot '
-                      f'import ({e})',
-                      where=f'gin files {", ".join(files)}',
+    raise ConfigError(f"a gin file's import failed: {' '.join(str(e).split())}",
                       fix='put the directory holding the package on --gin_search_paths '
                           'or PYTHONPATH') from e
   except (ValueError, SyntaxError, IOError, AttributeError, TypeError) as e:
