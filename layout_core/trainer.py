@@ -182,8 +182,12 @@ class Trainer:
   def eval_loss_and_metrics(self, packed):
     return self._eval_metrics_step(packed)
 
-  def evaluate(self) -> tuple[float, dict[str, float]]:
-    """Mean loss and metrics over `config.eval_batches` held-out batches."""
+  def evaluate(self) -> float:
+    """Mean loss over `config.eval_batches` held-out batches."""
+    return self.evaluate_with_metrics()[0]
+
+  def evaluate_with_metrics(self) -> tuple[float, dict[str, float]]:
+    """Mean loss and mean task metrics over the held-out batches."""
     if self._eval_data is None:
       self._eval_data = [
           self.pack(self.task.features(split='eval', step=i,
@@ -277,7 +281,7 @@ class Trainer:
                        eval_losses=eval_losses, steps_per_sec=overall or steps_per_sec)
 
   def _run_eval(self, step: int) -> float:
-    value, metrics = self.evaluate()
+    value, metrics = self.evaluate_with_metrics()
     logging.info('eval at step %d: loss %.4f%s', step, value,
                  ''.join(f'  {n} {v:.4f}' for n, v in metrics.items()))
     self.writer.scalars(step=step, values={
