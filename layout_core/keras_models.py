@@ -14,7 +14,7 @@ reshard, the layout table and TensorBoard work as for Params models.
 
     model = KerasModel(build_fn=make_classifier)
     built = build(model, mesh=mesh, rules=LayoutRules([(r'hidden/kernel', ('unsharded', 'model'))]),
-                  seed=0, example_inputs=(x,))
+                  seed=0, input_specs=[((32, 16), 'float32')])
     built.variables['hidden/kernel'].layout           # sharded over 'model'
 
 Paths: a weight's path is its Keras `variable.path` (`<layer name>/<weight
@@ -24,13 +24,19 @@ lists them and checkpoints key the weights by them. Keras' automatic layer
 names (`dense`, `dense_1`) count per session, so `build` clears Keras' session
 first; name your layers to keep paths stable when the model changes.
 
+How: `build_fn()` runs in Keras' `StatelessScope`, which gives every weight
+its path, shape and initializer but defers its value (a model that creates
+weights on first call is called once on symbolic inputs). Then each weight
+is initialised in turn inside a variable creator that knows its path, so it
+is born as a DVariable with its rule's layout. `plan` stops before the
+initialisation: it lists the weights without allocating any, which is what
+`launch.inspect` shows for a Keras model.
+
 Initial values: Keras' initializers run once on the host, unsharded, seeded
 with `keras.utils.set_random_seed(seed)` before the model is built (so they do
 not depend on the layout, unlike stateless random ops run per shard), and each
 device receives only its slice. The price: each weight exists once in full on
-the host while it is created. `plan` lists the weights without allocating
-any of them (Keras' stateless scope defers initialisation), which is what
-`launch.inspect` shows for a Keras model.
+the host while it is created.
 """
 
 from __future__ import annotations
@@ -69,11 +75,6 @@ def import_keras():
   return keras
 
 
-def _current_keras_path() -> str:
-  from keras.src.backend.common.name_scope import current_path  # pylint: disable=g-import-not-at-top
-  return current_path()
-
-
 @dataclasses.dataclass
 class KerasBuild:
   """A built Keras model with its DVariables and their layout records."""
@@ -90,76 +91,85 @@ def _fresh_keras(seed: int):
   return keras
 
 
+def _stateless_build(model: KerasModel, keras, input_specs):
+  """`model.build_fn()` in Keras' stateless scope: every weight exists with its
+  path, shape and initializer but no value yet. A model that creates weights
+  on first call is called once on symbolic inputs of `input_specs`."""
+  try:
+    with keras.StatelessScope(initialize_variables=False):
+      built = model.build_fn()
+      if not isinstance(built, keras.layers.Layer):
+        raise ConfigError(f'{model.describe()} returned a {type(built).__name__}',
+                          where='keras_model.build_fn', fix='return a keras.Model')
+      if not built.built:
+        symbolic = [keras.KerasTensor(shape, dtype=dtype) for shape, dtype in input_specs]
+        built(symbolic[0] if len(symbolic) == 1 else symbolic)
+  except ValueError as e:
+    if 'stateless scope' not in str(e):
+      raise
+    raise ConfigError(f'{model.describe()} creates a weight from a value, not an '
+                      f'initializer: {" ".join(str(e).split())[:200]}',
+                      where='keras_model.build_fn',
+                      fix='create weights with add_weight(shape=..., initializer=...)') from e
+  return built
+
+
+def _forget_deferred_weights() -> None:
+  """Keras keeps a global list of weights awaiting initialisation; ours are
+  initialised (or only planned), so later Keras scopes must not touch them."""
+  from keras.src.backend.common import global_state  # pylint: disable=g-import-not-at-top
+  global_state.set_global_attribute('uninitialized_variables', [])
+
+
 def build(model: KerasModel, *, mesh, rules: LayoutRules | None, seed: int,
-          example_inputs: Sequence[Any] = ()) -> KerasBuild:
-  """Calls `model.build_fn()` with every weight born as a DVariable laid out
-  by `rules`; a model that creates weights on first call is called once on
-  `example_inputs` (DTensors on `mesh`) inside the scope."""
+          input_specs: Sequence[tuple[tuple[int, ...], str]] = ()) -> KerasBuild:
+  """Builds `model` with every weight born as a DVariable laid out by `rules`.
+
+  The model is first built statelessly (weights have paths, no values), then
+  each weight is initialised in turn through a variable creator that knows
+  its path: Keras' initializer runs on the host and each device receives its
+  slice of the value."""
   rules = rules if rules is not None else LayoutRules()
   mesh_axes = mesh_lib.mesh_axes(mesh)
   rules.check_mesh(mesh_axes)
+  keras = _fresh_keras(seed)
+  built = _stateless_build(model, keras, input_specs)
   variables: dict[str, Any] = {}
   records: list[LayoutRecord] = []
-
-  def creator(next_creator, **kwargs):
-    del next_creator
-    name = (kwargs.get('name') or 'variable').split(':')[0]
-    parent = _current_keras_path()
-    path = f'{parent}/{name}' if parent else name
-    if path in variables:
-      raise ConfigError(f"two Keras weights share the path '{path}'",
+  for weight in built.variables:
+    if weight.path in variables:
+      raise ConfigError(f"two Keras weights share the path '{weight.path}'",
                         fix='give the layers (and weights) distinct names')
-    value = creator_initial_value(kwargs)
-    trainable = kwargs.get('trainable', True) is not False
-    spec = VariableSpec(path=path, shape=tuple(value.shape.as_list()),
-                        dtype=value.dtype.name, trainable=trainable)
-    [record] = plan_layouts([spec], rules, mesh_axes)
-    layout = dtensor.Layout(list(record.spec), mesh)
-    variable = dtensor.DVariable(mesh_lib.pack_global_array(value.numpy(), layout),
-                                 trainable=trainable, name=name)
-    variables[path] = variable
-    records.append(record)
-    return variable
 
-  keras = _fresh_keras(seed)
-  with tf.variable_creator_scope(creator):
-    built = model.build_fn()
-    if not isinstance(built, keras.layers.Layer):
-      raise ConfigError(f'{model.describe()} returned a {type(built).__name__}',
-                        where='keras_model.build_fn', fix='return a keras.Model')
-    if not built.built:
-      with dtensor.default_mesh(mesh):
-        inputs = list(example_inputs)
-        built(inputs[0] if len(inputs) == 1 else inputs, training=False)
-  _check_paths(built, variables)
+    def creator(next_creator, path=weight.path, **kwargs):
+      del next_creator
+      value = creator_initial_value(kwargs)
+      trainable = kwargs.get('trainable', True) is not False
+      spec = VariableSpec(path=path, shape=tuple(value.shape.as_list()),
+                          dtype=value.dtype.name, trainable=trainable)
+      [record] = plan_layouts([spec], rules, mesh_axes)
+      layout = dtensor.Layout(list(record.spec), mesh)
+      records.append(record)
+      return dtensor.DVariable(mesh_lib.pack_global_array(value.numpy(), layout),
+                               trainable=trainable, name=path.replace('/', '.'))
+
+    with tf.variable_creator_scope(creator):
+      weight._deferred_initialize()  # pylint: disable=protected-access
+    variables[weight.path] = weight.value
+  _forget_deferred_weights()
   root = tf.Module(name=model.name)
   root.by_path = dict(variables)
   return KerasBuild(model=built, variables=variables, records=records, checkpoint_root=root)
 
 
-def _check_paths(built, variables: Mapping[str, Any]) -> None:
-  """Every Keras weight must be one the creator made, under the same path."""
-  for weight in built.variables:
-    mine = variables.get(weight.path)
-    if mine is None or getattr(weight, 'value', None) is not mine:
-      raise ConfigError(
-          f"Keras weight '{weight.path}' was not created through meshgin's layout "
-          'scope (created before build_fn ran, or assigned from elsewhere)',
-          fix='create every weight inside build_fn (add_weight in build())')
-
-
 def plan(model: KerasModel, *, rules: LayoutRules, mesh_axes: Mapping[str, int],
          input_specs: Sequence[tuple[tuple[int, ...], str]], seed: int = 0
          ) -> list[LayoutRecord]:
-  """The layout records of `model`'s weights, without allocating them: the
-  model is built in Keras' stateless scope (initialisers deferred), and a
-  model that builds on first call is traced symbolically on `input_specs`."""
+  """The layout records of `model`'s weights, without allocating them (the
+  stateless build of `build`, with no initialisation afterwards)."""
   keras = _fresh_keras(seed)
-  with keras.StatelessScope():
-    built = model.build_fn()
-    if not built.built:
-      symbolic = [keras.KerasTensor(shape, dtype=dtype) for shape, dtype in input_specs]
-      built(symbolic[0] if len(symbolic) == 1 else symbolic)
+  built = _stateless_build(model, keras, input_specs)
   specs = [VariableSpec(path=w.path, shape=tuple(w.shape), dtype=str(w.dtype),
                         trainable=w.trainable) for w in built.variables]
+  _forget_deferred_weights()
   return plan_layouts(specs, rules, mesh_axes)

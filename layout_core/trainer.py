@@ -125,11 +125,9 @@ class Trainer:
     returns (model, scope with the layout records and variables)."""
     if not isinstance(params, Params):  # a Keras model (layout_core.keras_models)
       from layout_core import keras_models  # pylint: disable=g-import-not-at-top
-      example = self.pack(self.task.features(split='eval', step=0,
-                                             batch_size=self.config.batch_size))
       built = keras_models.build(params, mesh=self.mesh, rules=rules,
                                  seed=self.config.seed,
-                                 example_inputs=self.task.model_inputs(example))
+                                 input_specs=self.task.input_specs(self.config.batch_size))
       return built.model, built
     with LayoutScope(mesh=self.mesh, rules=rules, seed=self.config.seed) as scope:
       model = params.Instantiate()
@@ -243,6 +241,10 @@ class Trainer:
     run_start, steps_per_sec = time.perf_counter(), 0.0
     logging.info('Training steps %d..%d, global batch %d x %d tokens', start,
                  config.num_steps, config.batch_size, self.task.tokens_per_example)
+    if start and not self.task.deterministic:
+      logging.warning('Resuming at step %d on a task whose batches are not a pure '
+                      'function of the step (%s): the data continues from where its '
+                      'iterate() starts, not bit-exactly', start, self.task.describe())
     for step in range(start, config.num_steps):
       loss, lr, grad_norm, metrics = self.train_step_with_metrics(next(batches))
       window_steps += 1

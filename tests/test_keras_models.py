@@ -126,3 +126,24 @@ def test_plan_lists_the_weights_without_allocating(sharded):
   assert created == []
   assert [(r.path, r.shape, r.spec) for r in records] == [
       (r.path, r.shape, r.spec) for r in trainer.layout_records]
+
+
+def test_subclassed_model_built_on_first_call_is_laid_out_and_planned(mesh_data8):
+  model = keras_models.KerasModel(build_fn=models.subclassed_point_classifier)
+  task = tasks.CentroidTask()
+  rules = LayoutRules([(r'.*hidden/kernel', ('unsharded', 'data'))])
+  trainer = Trainer(model_params=model, mesh=mesh_data8, rules=rules, task=task,
+                    optimizer=ADAM, config=TrainConfig(num_steps=1, batch_size=BATCH, seed=SEED))
+  [kernel_path] = [p for p in trainer.variables if p.endswith('hidden/kernel')]
+  assert trainer.variables[kernel_path].layout.sharding_specs == ['unsharded', 'data']
+  planned = keras_models.plan(model, rules=rules, mesh_axes={'data': 8},
+                              input_specs=task.input_specs(BATCH))
+  assert [(r.path, r.shape, r.spec) for r in planned] == [
+      (r.path, r.shape, r.spec) for r in trainer.layout_records]
+
+  keras.backend.clear_session()
+  keras.utils.set_random_seed(SEED)
+  reference = models.subclassed_point_classifier()      # plain Keras, no DTensor
+  batch = task.features(split='eval', step=0, batch_size=BATCH)
+  outputs = trainer.forward(trainer.task.model_inputs(trainer.pack(batch)), training=False)
+  np.testing.assert_allclose(to_numpy(outputs), reference(batch['x']).numpy(), atol=1e-6)

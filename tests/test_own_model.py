@@ -52,3 +52,22 @@ def test_unimportable_user_package_exits_2(tmp_path):
   assert result.returncode == 2, result.stderr[-2000:]
   assert "import failed: No module named 'my_project'" in result.stderr and '--gin_search_paths' in result.stderr
   assert 'Traceback' not in result.stderr
+
+
+def test_registered_layer_takes_exactly_its_params_keys():
+  import pytest  # pylint: disable=g-import-not-at-top
+  from layout_core.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from plugins import configurables, gin_setup  # pylint: disable=g-import-not-at-top
+  from plugins.registry import snake_case  # pylint: disable=g-import-not-at-top
+  from tests.conftest import REPO_ROOT  # pylint: disable=g-import-not-at-top
+  fixtures = os.path.join(REPO_ROOT, 'tests', 'fixtures')
+  gin_setup.parse_gin(files=['my_project/gated.gin'], search_paths=[fixtures],
+                      bindings=['gated_dense.output_dim = 24', 'softmax.input_dim = 24'])
+  tree = configurables.model()
+  assert [p.cls.__name__ for p in tree.sub] == ['GatedDense', 'Softmax']
+  assert tree.sub[0].output_dim == 24 and tree.sub[0].input_dim == 8  # bound / default
+  with pytest.raises(ConfigError, match="Did you mean 'output_dim'.*takes: name, dtype, "
+                                        'input_dim, output_dim, init_stddev'):
+    gin_setup.parse_gin(files=['my_project/gated.gin'], search_paths=[fixtures],
+                        bindings=['gated_dense.output_dimm = 3'])
+  assert snake_case('GatedDense') == 'gated_dense' and snake_case('MLPBlock') == 'mlp_block'
