@@ -56,8 +56,16 @@ from layout_core.variables import VariableSpec, creator_initial_value
 @dataclasses.dataclass(frozen=True)
 class KerasModel:
   """A Keras 3 model to train: `build_fn()` returns a `keras.Model` (or Layer)."""
-  build_fn: Callable[[], Any]
-  name: str = 'keras_model'
+  build_fn: Callable[[], Any] | None = None  # returns the keras.Model; gin: @my_model
+  name: str = 'keras_model'                   # checkpoint/module name of the weights
+
+  def __post_init__(self):
+    if not callable(self.build_fn):
+      raise ConfigError(f'keras_model.build_fn is {self.build_fn!r}',
+                        where='keras_model.build_fn',
+                        fix='bind a function returning a keras.Model, registered with '
+                            'plugins.registry.register_keras_model, without parentheses: '
+                            'keras_model.build_fn = @my_model')
 
   def describe(self) -> str:
     target = getattr(self.build_fn, '__wrapped__', self.build_fn)
