@@ -6,8 +6,9 @@
       lm = transformer_lm_params(num_layers=2).Instantiate()
 
 One concept per module: params, mesh, rules, layout_scope, variables, layers,
-data, optimizer, trainer, checkpoint, preemption, pipeline, pipeline_trainer, replicated,
-keras_compat, summaries. gin is attached in `plugins/`; flags live in `launch/`.
+tasks (the Task interface, TFRecord files), data (the LM tasks), optimizer, trainer,
+checkpoint, preemption, pipeline, pipeline_trainer, replicated, keras_models (Keras 3
+models laid out by rules), keras_compat (LayoutMap), summaries. gin is attached in `plugins/`; flags live in `launch/`.
 """
 
 from layout_core.errors import ConfigError

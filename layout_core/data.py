@@ -1,4 +1,4 @@
-"""Deterministic language-modelling data: a learnable synthetic task and bytes.
+"""Deterministic language-modelling tasks: a learnable synthetic chain and bytes.
 
 Every batch is a pure function of (seed, split, step), so a resumed run sees
 exactly the batches it would have seen, and the data position to checkpoint is
@@ -7,6 +7,10 @@ just the step number.
     task = MarkovTask(vocab_size=64, seq_len=64, branching=4, seed=1)
     task.batch(step=0, batch_size=8).shape    # (8, 65): inputs + next-token labels
     task.entropy_floor()                       # best achievable loss, in nats
+
+Both are `layout_core.tasks.Task`s: a batch is `{'tokens': [B, T + 1]}`, the
+model is called on `tokens[:, :-1]` and the loss is the cross entropy of its
+logits against `tokens[:, 1:]` (plus next-token accuracy as a metric).
 
 `MarkovTask` samples from a fixed random Markov chain in which each token has
 only `branching` possible successors, so a model can drive the loss from
@@ -22,16 +26,34 @@ from typing import Iterator
 
 import numpy as np
 
-from layout_core.lazy import tf
 from layout_core.errors import ConfigError
+from layout_core.lazy import tf
 from layout_core.fields import at_least, check_arguments
+from layout_core.tasks import Task, accuracy, softmax_cross_entropy, split_rng
 
-_SPLITS = {'train': 0, 'eval': 1}
 
+class LMTask(Task):
+  """Next-token prediction on token windows: the Task interface for LMs."""
 
-class LMTask:
   vocab_size: int
   seq_len: int
+
+  @property
+  def tokens_per_example(self) -> int:  # type: ignore[override]
+    return self.seq_len
+
+  def features(self, *, split, step, batch_size):
+    return {'tokens': self.batch(step=step, batch_size=batch_size, split=split)}
+
+  def model_inputs(self, batch):
+    return (batch['tokens'][:, :-1],)
+
+  def loss_and_metrics(self, outputs, batch):
+    labels = batch['tokens'][:, 1:]
+    return softmax_cross_entropy(outputs, labels), {'accuracy': accuracy(outputs, labels)}
+
+  def input_specs(self, batch_size):
+    return (((batch_size, self.seq_len), 'int32'),)
 
   def batch(self, *, step: int, batch_size: int, split: str = 'train') -> np.ndarray:
     """int32 [batch_size, seq_len + 1] token ids."""
@@ -48,13 +70,14 @@ class LMTask:
     return ds.prefetch(2)
 
   def iterate(self, *, start_step: int, batch_size: int,
-              split: str = 'train') -> Iterator[np.ndarray]:
+              split: str = 'train') -> Iterator[dict[str, np.ndarray]]:
+    """`features` for consecutive steps, made ahead on a tf.data thread."""
     for value in self.dataset(start_step=start_step, batch_size=batch_size,
                               split=split).as_numpy_iterator():
-      yield value
+      yield {'tokens': value}
 
   def _rng(self, seed: int, split: str, step: int) -> np.random.Generator:
-    return np.random.default_rng([seed, _SPLITS[split], step])
+    return split_rng(seed, split, step)
 
 
 class MarkovTask(LMTask):
@@ -130,8 +153,20 @@ class TextFileTask(LMTask):
     return f'bytes of {self.path} ({sum(map(len, self.parts.values())):,} bytes)'
 
 
-def make_task(*, text_file: str | None = None, vocab_size: int = 64,
-              seq_len: int = 64, branching: int = 4, seed: int = 1234) -> LMTask:
+def make_task(*, task: Task | None = None, text_file: str | None = None,
+              vocab_size: int = 64, seq_len: int = 64, branching: int = 4,
+              seed: int = 1234) -> Task:
+  """The run's task: `task` when given (any `Task`, e.g. a TFRecordTask or
+  the user's own), else bytes of `text_file`, else the Markov chain."""
+  if task is not None:
+    if text_file:
+      raise ConfigError('both data.task and data.text_file are set',
+                        fix='keep one: data.task replaces the built-in LM tasks')
+    if not isinstance(task, Task):
+      raise ConfigError(f'data.task is a {type(task).__name__}, not a layout_core Task',
+                        where='data.task',
+                        fix='subclass layout_core.tasks.Task (see README, "Your own task")')
+    return task
   check_arguments(make_task, name='data', values=locals())
   at_least(locals(), 'data', vocab_size=2, seq_len=1, branching=1, seed=0)
   if text_file:

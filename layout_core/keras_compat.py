@@ -7,36 +7,47 @@ Keras) in insertion order, returning None when nothing matches.
 
     layout_map = LayoutMap(mesh=mesh)
     layout_map['d1.kernel'] = dtensor.Layout(['unsharded', 'model'], mesh)
-    with layout_map.scope():
-      model = SubclassModel()          # a tf.Module with attributes d1, d2
-      model(tf.zeros([10, 10]))
-    model.d1.kernel.layout             # the layout above
+    with layout_map.scope() as scope:
+      model = scope.track(SubclassModel())   # a tf.Module with attributes d1, d2
+    y = model(x)                             # weights created now, laid out
+    model.d1.kernel.layout                   # the layout above
 
 Paths are the object-attribute paths of the module tree ('d1.kernel',
-'layers.0.bias'). As in Keras, variables created in the scope stay ordinary
-(the model can run on plain tensors) until the model is complete: when the scope closes, every `tf.Module` bound to a local name in
-the `with` block's frame (or passed to `apply`) has its variables re-laid out
-by attribute path and becomes a DVariable. Models kept elsewhere can call `layout_map.apply(model)`.
-meshgin's own layers use `LayoutScope` instead, which creates each variable
-directly sharded.
+'layers.0.bias'). As the Keras seed documents, "weight creation within or
+outside of the scope works":
+
+  * weights created inside the scope (e.g. a first call on plain tensors)
+    stay ordinary until the scope closes; then every tracked module's
+    variables are re-laid out by attribute path and become DVariables;
+  * weights a tracked module creates after the scope has closed (a lazy
+    build on its first call) are born as replicated DVariables on the map's
+    mesh, so the call runs on DTensor inputs, and are re-laid out by path
+    as soon as that call returns.
+
+`scope.track(module)` is the explicit handle that replaces the seed's hidden
+bookkeeping: it gives the module's class a `__call__` that routes later
+variable creation through the map (the object, its attributes and
+`isinstance` checks are unchanged). Models kept elsewhere can call
+`layout_map.apply(model)`. meshgin's own layers use `LayoutScope` instead,
+which creates each variable directly sharded.
 """
 
 from __future__ import annotations
 
 import collections.abc
-import contextlib
 import re
-import sys
 from typing import Iterator
 
-import tensorflow as tf
-from tensorflow.experimental import dtensor
+from absl import logging
+
+from layout_core.lazy import dtensor, tf
+from layout_core.variables import creator_initial_value
 
 
 class LayoutMap(collections.abc.MutableMapping):
   """String key (exact, then regex by insertion order) -> dtensor.Layout."""
 
-  def __init__(self, mesh: dtensor.Mesh | None = None):
+  def __init__(self, mesh: 'dtensor.Mesh | None' = None):
     self._layouts: dict[str, dtensor.Layout] = {}
     self._default_mesh = mesh
 
@@ -95,8 +106,18 @@ class LayoutMap(collections.abc.MutableMapping):
       _set_by_path(module, path, relaid)
     return module
 
-  def scope(self):
-    return layout_map_scope(self)
+  def scope(self) -> 'LayoutMapScope':
+    return LayoutMapScope(self)
+
+  def replicated_variable(self, creator_kwargs: dict) -> tf.Variable:
+    """A variable-creator's request, made as a DVariable replicated on the mesh."""
+    if self._default_mesh is None:
+      raise ValueError('creating variables through a LayoutMap needs a default mesh')
+    value = creator_initial_value(creator_kwargs)
+    layout = dtensor.Layout.replicated(self._default_mesh, rank=value.shape.rank)
+    return dtensor.DVariable(dtensor.copy_to_mesh(value, layout),
+                             trainable=creator_kwargs.get('trainable', True) is not False,
+                             name=creator_kwargs.get('name'))
 
 
 def _set_by_path(root, path, value) -> None:
@@ -108,24 +129,84 @@ def _set_by_path(root, path, value) -> None:
     setattr(root, path[-1], value)
 
 
-@contextlib.contextmanager
-def layout_map_scope(layout_map: LayoutMap):
-  """See the module docstring; `LayoutMap.scope()` returns this."""
-  mesh = layout_map.get_default_mesh()
-  created: list[tf.Variable] = []
+class LayoutMapScope:
+  """What `with layout_map.scope() as scope:` gives: `scope.track(module)`."""
 
-  def creator(next_creator, **kwargs):
-    if mesh is None:
+  def __init__(self, layout_map: LayoutMap):
+    self.layout_map = layout_map
+    self.tracked: list[tf.Module] = []
+    self.active = False
+    self._created: list[tf.Variable] = []
+    self._context = None
+
+  def track(self, module: 'tf.Module') -> 'tf.Module':
+    """Lays `module` out when the scope closes, and any variable it creates
+    later on first use (see the module docstring). Returns `module`."""
+    if self.layout_map.get_default_mesh() is None:
       raise ValueError('LayoutMap.scope() needs a LayoutMap with a default mesh')
+    module.__class__ = _laid_out_class(type(module))
+    module._meshgin_layout_scope = self  # pylint: disable=protected-access
+    self.tracked.append(module)
+    return module
+
+  def _record(self, next_creator, **kwargs):
     variable = next_creator(**kwargs)
-    created.append(variable)
+    self._created.append(variable)
     return variable
 
-  caller = sys._getframe(2)  # pylint: disable=protected-access  # the `with` block
-  with tf.variable_creator_scope(creator):
-    yield
-  created_ids = {id(v) for v in created}
-  for value in list(caller.f_locals.values()):
-    if isinstance(value, tf.Module) and any(
-        id(v) in created_ids for v in value.variables):
-      layout_map.apply(value)
+  def __enter__(self) -> 'LayoutMapScope':
+    self.active = True
+    self._context = tf.variable_creator_scope(self._record)
+    self._context.__enter__()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self._context.__exit__(*exc)
+    self.active = False
+    if exc[0] is not None:
+      return
+    for module in self.tracked:
+      self.layout_map.apply(module)
+    laid_out = {id(v) for m in self.tracked for v in m.variables}
+    stray = [v.name for v in self._created
+             if not isinstance(v, dtensor.DVariable) and id(v) not in laid_out]
+    if stray:
+      logging.warning('%d variable(s) created in LayoutMap.scope() belong to no tracked '
+                      'module and stay unsharded (%s): use scope.track(model)',
+                      len(stray), ', '.join(stray[:5]))
+
+
+_LAID_OUT_CLASSES: dict[type, type] = {}
+
+
+def _laid_out_class(cls: type) -> type:
+  """`cls` with a `__call__` that creates late variables through the map."""
+  if getattr(cls, '_meshgin_laid_out', False):
+    return cls
+  if cls not in _LAID_OUT_CLASSES:
+    def __call__(self, *args, **kwargs):
+      scope = self._meshgin_layout_scope  # pylint: disable=protected-access
+      if scope.active:  # inside the `with`: created plain, laid out on exit
+        return cls.__call__(self, *args, **kwargs)
+      created = []
+
+      def creator(next_creator, **creator_kwargs):
+        del next_creator
+        variable = scope.layout_map.replicated_variable(creator_kwargs)
+        created.append(variable)
+        return variable
+
+      with tf.variable_creator_scope(creator):
+        outputs = cls.__call__(self, *args, **kwargs)
+      if created:
+        scope.layout_map.apply(self)
+      return outputs
+
+    _LAID_OUT_CLASSES[cls] = type(cls.__name__, (cls,), {
+        '__call__': __call__, '__module__': cls.__module__,
+        '__qualname__': cls.__qualname__, '__doc__': cls.__doc__,
+        '_meshgin_laid_out': True,
+        '_TF_MODULE_IGNORED_PROPERTIES': frozenset(
+            getattr(cls, '_TF_MODULE_IGNORED_PROPERTIES', frozenset())
+            | {'_meshgin_layout_scope'})})
+  return _LAID_OUT_CLASSES[cls]

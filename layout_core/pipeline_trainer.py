@@ -27,6 +27,7 @@ from absl import logging
 from layout_core.lazy import tf
 from layout_core import mesh as mesh_lib
 from layout_core import pipeline as pipeline_lib
+from layout_core.data import LMTask
 from layout_core.errors import ConfigError
 from layout_core.layers import leaf_layers, step_seed
 from layout_core.params import Params
@@ -79,6 +80,18 @@ def plan_pipeline(config: pipeline_lib.PipelineConfig, *, params: Params,
                       num_micro_batches=num_micro, micro_batch_size=micro_size)
 
 
+def check_pipelinable(params, task) -> None:
+  """Pipelining is wired for Params models on language-model tasks only."""
+  if not isinstance(params, Params):
+    raise ConfigError('pipelining a Keras model is not supported',
+                      where='pipeline.enabled / model.params',
+                      fix='turn pipelining off, or use a Params model')
+  if not isinstance(task, LMTask):
+    raise ConfigError(f'pipelining is wired for language-model tasks only, not '
+                      f'{type(task).__name__}', where='pipeline.enabled / data.task',
+                      fix='turn pipelining off for this task')
+
+
 class PipelineTrainer(Trainer):
   """A Trainer whose model runs as GPipe stages on sub-meshes (see module doc)."""
 
@@ -87,6 +100,7 @@ class PipelineTrainer(Trainer):
     super().__init__(**kwargs)
 
   def build_model(self, params: Params, rules: LayoutRules | None):
+    check_pipelinable(params, self.task)
     config = self.config
     plan = plan_pipeline(self.pipeline_config, params=params,
                          mesh_axes=mesh_lib.mesh_axes(self.mesh),
@@ -116,8 +130,10 @@ class PipelineTrainer(Trainer):
     return model, scope
 
   # -- steps --------------------------------------------------------------------
-  def pack(self, tokens: np.ndarray):
+  def pack(self, tokens):
     """Micro-batches of inputs on stage 0's mesh and of labels on the last's."""
+    if isinstance(tokens, dict):  # the LM task's features
+      tokens = tokens['tokens']
     num_micro, last = self.gpipe.num_micro_batches, self.gpipe.num_stages - 1
     inputs = np.split(tokens[:, :-1], num_micro)
     labels = np.split(tokens[:, 1:], num_micro)
@@ -153,8 +169,14 @@ class PipelineTrainer(Trainer):
                        [put(k, np.float32(norm)) for k in range(len(grads))])
     return loss, rate, tf.constant(norm)
 
+  def train_step_with_metrics(self, batch):
+    return (*self.train_step(batch), {})  # task metrics are not pipelined yet
+
   def eval_loss(self, packed) -> tf.Tensor:
     return self.gpipe.loss(*packed)
+
+  def eval_loss_and_metrics(self, packed):
+    return self.eval_loss(packed), {}
 
   # -- records -----------------------------------------------------------------------
   def describe_stages(self) -> str:

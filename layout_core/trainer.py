@@ -8,6 +8,11 @@
 The global batch is packed onto the mesh sharded over `config.batch_axis`
 (each device receives only its slice); parameters and optimizer slots carry
 the layouts the rules gave them, and DTensor inserts the collectives.
+
+The model is a Params tree (meshgin layers, built in a `LayoutScope`) or a
+`layout_core.keras_models.KerasModel` (a Keras 3 model built with the same
+rules); the task (`layout_core.tasks.Task`) supplies batches, the model's
+inputs, the loss and extra metrics (`train/<name>`, `eval/<name>`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ from absl import logging
 
 from layout_core.lazy import tf, dtensor
 from layout_core import mesh as mesh_lib
-from layout_core.data import LMTask
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least, check_types
 from layout_core.layers import random_context, step_seed
@@ -31,6 +35,7 @@ from layout_core.optimizer import Adam, OptimizerConfig
 from layout_core.params import Params
 from layout_core.rules import UNSHARDED, LayoutRules
 from layout_core.summaries import NullWriter, SummaryWriter
+from layout_core.tasks import Task, softmax_cross_entropy
 from layout_core.variables import to_numpy
 
 
@@ -59,15 +64,14 @@ class TrainResult:
 
 
 def cross_entropy(logits: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
-  return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-      labels=labels, logits=logits))
+  return softmax_cross_entropy(logits, labels)
 
 
 class Trainer:
   """Builds the model and optimizer on `mesh` and runs the training loop."""
 
-  def __init__(self, *, model_params: Params, mesh: dtensor.Mesh,
-               rules: LayoutRules | None, task: LMTask,
+  def __init__(self, *, model_params, mesh: dtensor.Mesh,
+               rules: LayoutRules | None, task: Task,
                optimizer: OptimizerConfig, config: TrainConfig,
                writer: SummaryWriter | NullWriter | None = None):
     self.config = config
@@ -84,13 +88,18 @@ class Trainer:
           f'train.batch_size={config.batch_size} is not divisible by mesh axis '
           f"'{batch_axis}' of size {axes[batch_axis]}",
           fix=f'use a multiple of {axes[batch_axis]}')
+    self.batch_axis = batch_axis
     self.batch_layout = dtensor.Layout([batch_axis, UNSHARDED], mesh)
 
-    model_params = model_params.Copy().Freeze()
+    if isinstance(model_params, Params):
+      model_params = model_params.Copy().Freeze()
     self.model_params = model_params
     self.model, scope = self.build_model(model_params, rules)
     self.layout_records = scope.records
     self.variables = scope.variables
+    # What the checkpoint holds as 'model': the module tree of a Params model,
+    # the variables by Keras path for a Keras model.
+    self.model_state = getattr(scope, 'checkpoint_root', self.model)
     trainable = {p: v for p, v in self.variables.items() if v.trainable}
     self._trainable = list(trainable.values())
     self.step = dtensor.DVariable(
@@ -110,25 +119,41 @@ class Trainer:
     self._gradients = tf.function(self._gradients_fn)
     self._apply = tf.function(self._apply_fn)
     self._eval_step = tf.function(self.loss)
+    self._eval_metrics_step = tf.function(self.loss_and_metrics)
     self._eval_data = None
 
-  def build_model(self, params: Params, rules: LayoutRules | None):
+  def build_model(self, params, rules: LayoutRules | None):
     """Instantiates `params` with every variable laid out on the mesh;
     returns (model, scope with the layout records and variables)."""
+    if not isinstance(params, Params):  # a Keras model (layout_core.keras_models)
+      from layout_core import keras_models  # pylint: disable=g-import-not-at-top
+      built = keras_models.build(params, mesh=self.mesh, rules=rules,
+                                 seed=self.config.seed,
+                                 input_specs=self.task.input_specs(self.config.batch_size))
+      return built.model, built
     with LayoutScope(mesh=self.mesh, rules=rules, seed=self.config.seed) as scope:
       model = params.Instantiate()
     return model, scope
 
   # -- steps --------------------------------------------------------------------
-  def loss(self, tokens: tf.Tensor) -> tf.Tensor:
-    logits = self.model(tokens[:, :-1])
-    return cross_entropy(logits, tokens[:, 1:])
+  def forward(self, inputs, *, training: bool):
+    """The model's outputs for the task's model inputs."""
+    if isinstance(self.model_params, Params):
+      return self.model(*inputs)
+    return self.model(inputs[0] if len(inputs) == 1 else list(inputs), training=training)
 
-  def _gradients_fn(self, tokens):
+  def loss_and_metrics(self, batch, *, training: bool = False):
+    outputs = self.forward(self.task.model_inputs(batch), training=training)
+    return self.task.loss_and_metrics(outputs, batch)
+
+  def loss(self, batch) -> tf.Tensor:
+    return self.loss_and_metrics(batch)[0]
+
+  def _gradients_fn(self, batch):
     seed = step_seed(self.config.seed, self.step.read_value())
     with tf.GradientTape() as tape, random_context(seed=seed):
-      loss = self.loss(tokens)
-    return loss, tape.gradient(loss, self._trainable)
+      loss, metrics = self.loss_and_metrics(batch, training=True)
+    return loss, metrics, tape.gradient(loss, self._trainable)
 
   def _apply_fn(self, grads):
     lr, grad_norm = self.optimizer.apply(grads, self.step.read_value())
@@ -137,8 +162,8 @@ class Trainer:
     return lr, grad_norm
 
   def loss_and_gradients(self, packed):
-    """Loss and gradients of one packed batch (this step's dropout masks),
-    updating nothing."""
+    """(loss, metrics, gradients) of one packed batch with this step's dropout
+    masks, updating nothing."""
     return self._gradients(packed)
 
   def check_runs(self) -> None:
@@ -149,35 +174,57 @@ class Trainer:
     makes that happen before training starts, as a ConfigError naming the
     sharded variables and their rules. It compiles the same function the
     training steps then use, so it costs one step, not a compile."""
-    packed = self.pack(self.task.batch(step=0, batch_size=self.config.batch_size,
-                                       split='eval'))
+    packed = self.pack(self.task.features(split='eval', step=0,
+                                          batch_size=self.config.batch_size))
     try:
       loss = self.loss_and_gradients(packed)[0]
       to_numpy(loss)  # DTensor errors are asynchronous: wait for the values
     except (tf.errors.OpError, ValueError) as e:
       raise unrunnable_layout_error(e, self.layout_records) from None
 
-  def pack(self, tokens: np.ndarray):
-    """A host batch [B, T+1] placed on the devices (each gets only its slice)."""
-    return mesh_lib.pack_global_array(tokens, self.batch_layout)
+  def pack(self, batch):
+    """A host batch placed on the devices, each feature split over the batch
+    axis (each device gets only its slice). A bare array is an LM's tokens."""
+    if isinstance(batch, np.ndarray):
+      batch = {'tokens': batch}
+    return {name: mesh_lib.pack_global_array(
+        value, dtensor.Layout([self.batch_axis] + [UNSHARDED] * (value.ndim - 1), self.mesh))
+            for name, value in batch.items()}
 
-  def train_step(self, tokens: np.ndarray):
+  def train_step(self, batch):
     """One optimizer step on a host batch; returns (loss, lr, grad_norm) tensors."""
-    loss, grads = self._gradients(self.pack(tokens))
+    return self.train_step_with_metrics(batch)[:3]
+
+  def train_step_with_metrics(self, batch):
+    """As `train_step`, plus the task's metrics {name: tensor}."""
+    loss, metrics, grads = self._gradients(self.pack(batch))
     lr, grad_norm = self._apply(grads)
-    return loss, lr, grad_norm
+    return loss, lr, grad_norm, metrics
 
   def eval_loss(self, packed) -> tf.Tensor:
-    return self._eval_step(packed)
+    return self.eval_loss_and_metrics(packed)[0]
+
+  def eval_loss_and_metrics(self, packed):
+    return self._eval_metrics_step(packed)
 
   def evaluate(self) -> float:
+    """Mean loss over `config.eval_batches` held-out batches."""
+    return self.evaluate_with_metrics()[0]
+
+  def evaluate_with_metrics(self) -> tuple[float, dict[str, float]]:
+    """Mean loss and mean task metrics over the held-out batches."""
     if self._eval_data is None:
       self._eval_data = [
-          self.pack(self.task.batch(step=i, batch_size=self.config.batch_size,
-                                    split='eval'))
+          self.pack(self.task.features(split='eval', step=i,
+                                       batch_size=self.config.batch_size))
           for i in range(self.config.eval_batches)]
-    losses = [float(to_numpy(self.eval_loss(b))) for b in self._eval_data]
-    return float(np.mean(losses))
+    losses, metrics = [], {}
+    for packed in self._eval_data:
+      loss, values = self.eval_loss_and_metrics(packed)
+      losses.append(float(to_numpy(loss)))
+      for name, value in values.items():
+        metrics.setdefault(name, []).append(float(to_numpy(value)))
+    return float(np.mean(losses)), {n: float(np.mean(v)) for n, v in metrics.items()}
 
   def state(self) -> dict[str, tf.Module]:
     """Everything a checkpoint must hold to continue exactly.
@@ -186,7 +233,7 @@ class Trainer:
     of (seed, path) and (seed, step)."""
     counters = tf.Module(name='counters')
     counters.step, counters.data_position = self.step, self.data_position
-    return {'model': self.model, 'optimizer': self.optimizer, 'counters': counters}
+    return {'model': self.model_state, 'optimizer': self.optimizer, 'counters': counters}
 
   @property
   def current_step(self) -> int:
@@ -216,13 +263,17 @@ class Trainer:
       eval_losses.append((0, self._run_eval(0)))
     batches = self.task.iterate(start_step=int(to_numpy(self.data_position)),
                                 batch_size=config.batch_size)
-    tokens_per_step = config.batch_size * self.task.seq_len
+    tokens_per_step = config.batch_size * self.task.tokens_per_example
     loss_value, window_start, window_steps = None, time.perf_counter(), 0
     run_start, steps_per_sec = time.perf_counter(), 0.0
     logging.info('Training steps %d..%d, global batch %d x %d tokens', start,
-                 config.num_steps, config.batch_size, self.task.seq_len)
+                 config.num_steps, config.batch_size, self.task.tokens_per_example)
+    if start and not self.task.deterministic:
+      logging.warning('Resuming at step %d on a task whose batches are not a pure '
+                      'function of the step (%s): the data continues from where its '
+                      'iterate() starts, not bit-exactly', start, self.task.describe())
     for step in range(start, config.num_steps):
-      loss, lr, grad_norm = self.train_step(next(batches))
+      loss, lr, grad_norm, metrics = self.train_step_with_metrics(next(batches))
       window_steps += 1
       done = step + 1
       last = done == config.num_steps
@@ -243,7 +294,8 @@ class Trainer:
             'train/learning_rate': float(to_numpy(lr)),
             'train/grad_norm': float(to_numpy(grad_norm)),
             'train/steps_per_sec': steps_per_sec,
-            'train/tokens_per_sec': steps_per_sec * tokens_per_step})
+            'train/tokens_per_sec': steps_per_sec * tokens_per_step,
+            **{f'train/{name}': float(to_numpy(value)) for name, value in metrics.items()}})
         window_start, window_steps = time.perf_counter(), 0
       if last or (config.eval_every and done % config.eval_every == 0):
         eval_losses.append((done, self._run_eval(done)))
@@ -258,9 +310,11 @@ class Trainer:
                        eval_losses=eval_losses, steps_per_sec=overall or steps_per_sec)
 
   def _run_eval(self, step: int) -> float:
-    value = self.evaluate()
-    logging.info('eval at step %d: loss %.4f', step, value)
-    self.writer.scalars(step=step, values={'eval/loss': value})
+    value, metrics = self.evaluate_with_metrics()
+    logging.info('eval at step %d: loss %.4f%s', step, value,
+                 ''.join(f'  {n} {v:.4f}' for n, v in metrics.items()))
+    self.writer.scalars(step=step, values={
+        'eval/loss': value, **{f'eval/{n}': v for n, v in metrics.items()}})
     return value
 
 

@@ -17,7 +17,11 @@ in the `meshgin` module, so `mesh.shape` and `meshgin.mesh.shape` both work:
 | `transformer_block` | one Transformer cell's Params (for `transformer_lm.cells`) | num_heads, ffn_dim, activation |
 | `model`          | the Params tree to train (+ dotted overrides) | params, overrides |
 | `pipeline`       | `layout_core.pipeline.PipelineConfig`     | num_stages, num_micro_batches, partition, ... |
-| `data`           | `layout_core.data.make_task`              | text_file, vocab_size, seq_len, ... |
+| `data`           | `layout_core.data.make_task`: the run's task | task, text_file, vocab_size, seq_len, ... |
+| `markov_task`, `bytes_task` | the LM tasks (`MarkovTask`, `TextFileTask`), for `data.task` | vocab_size, seq_len, ... / path, seq_len |
+| `tfrecord_task`  | `layout_core.tasks.TFRecordTask`: tf.train.Example files | train_files, eval_files, features, inputs, label, ... |
+| `keras_model`    | `layout_core.keras_models.KerasModel`, for `model.params` | build_fn, name |
+| `sequential`, `feed_forward`, `softmax`, `layer_norm`, `embedding` | library layers' Params (via `plugins.registry.register_layer`) | their Params keys |
 | `optimizer`      | `layout_core.optimizer.OptimizerConfig`   | learning_rate, warmup_steps, ... |
 | `train`          | `layout_core.trainer.TrainConfig`         | num_steps, batch_size, ... |
 | `checkpoint`     | `layout_core.checkpoint.CheckpointConfig` | every_steps, keep, async_save, init_from, ... |
@@ -31,14 +35,17 @@ import gin
 
 from layout_core import checkpoint as checkpoint_lib
 from layout_core import data as data_lib
+from layout_core import keras_models
 from layout_core import layers
 from layout_core import mesh as mesh_lib
 from layout_core import optimizer as optimizer_lib
 from layout_core import pipeline as pipeline_lib
 from layout_core import rules as rules_lib
+from layout_core import tasks as tasks_lib
 from layout_core import trainer as trainer_lib
 from layout_core.errors import ConfigError
 from layout_core.params import Params
+from plugins.registry import register_layer, register_task
 
 MODULE = 'meshgin'
 
@@ -52,6 +59,14 @@ transformer_block = gin.external_configurable(layers.transformer_block_params,
 pipeline = gin.external_configurable(pipeline_lib.PipelineConfig, name='pipeline',
                                      module=MODULE)
 data = gin.external_configurable(data_lib.make_task, name='data', module=MODULE)
+register_task(data_lib.MarkovTask, name='markov_task', module=MODULE)
+register_task(data_lib.TextFileTask, name='bytes_task', module=MODULE)
+register_task(tasks_lib.TFRecordTask, name='tfrecord_task', module=MODULE)
+keras_model = gin.external_configurable(keras_models.KerasModel, name='keras_model',
+                                        module=MODULE)
+for _layer in (layers.Sequential, layers.FeedForward, layers.Softmax, layers.LayerNorm,
+               layers.Embedding):
+  register_layer(_layer, module=MODULE)
 optimizer = gin.external_configurable(optimizer_lib.OptimizerConfig,
                                       name='optimizer', module=MODULE)
 train = gin.external_configurable(trainer_lib.TrainConfig, name='train', module=MODULE)
@@ -60,19 +75,28 @@ checkpoint = gin.external_configurable(checkpoint_lib.CheckpointConfig, name='ch
 
 
 @gin.configurable('model', module=MODULE)
-def model(params: Params | None = None,
-          overrides: Mapping[str, Any] | None = None) -> Params:
-  """The Params tree to train: `params` (default: `transformer_lm()`), then
-  `overrides` applied as dotted Set calls, e.g.
-  `model.overrides = {'stack.block.ffn_dim': 512}`."""
+def model(params: Params | keras_models.KerasModel | None = None,
+          overrides: Mapping[str, Any] | None = None) -> Params | keras_models.KerasModel:
+  """The model to train: a Params tree `params` (default: `transformer_lm()`),
+  then `overrides` applied as dotted Set calls, e.g.
+  `model.overrides = {'stack.block.ffn_dim': 512}`; or a Keras model
+  (`model.params = @keras_model()`)."""
   if params is gin.REQUIRED:
     raise ConfigError('model.params is required but not set',
                       where='model.params = %gin.REQUIRED (configs/runs/*.gin)',
                       fix="include a model file such as 'configs/models/lm_tiny.gin' "
                           'or bind model.params = @transformer_lm()')
+  if isinstance(params, keras_models.KerasModel):
+    if overrides:
+      raise ConfigError('model.overrides applies to Params trees, not Keras models',
+                        where='model.overrides',
+                        fix="bind the Keras model function's own arguments instead")
+    return params
   if params is not None and not isinstance(params, Params):
-    raise ConfigError(f'model.params is {params!r}, not a Params tree', where='model.params',
-                      fix='bind a model builder such as @transformer_lm()')
+    raise ConfigError(f'model.params is {params!r}, not a Params tree',
+                      where='model.params',
+                      fix='bind a Params tree (e.g. @transformer_lm(), @sequential()) '
+                          'or @keras_model()')
   if overrides is not None and not isinstance(overrides, Mapping):
     raise ConfigError(f'model.overrides is {overrides!r}, not a dict', where='model.overrides',
                       fix="write {'dotted.key': value}, e.g. {'sub[1].repeat': 4}")

@@ -15,6 +15,11 @@ records where every parameter was set, so any later `ConfigError` that names
 gin's own errors are turned into `ConfigError`s with a "did you mean" for
 misspelt configurables and parameters; the "In call to configurable ..."
 noise gin appends to errors raised inside a configurable is dropped.
+
+Search paths are also Python import roots: a .gin file's `import
+my_project.layers` line finds `my_project/` in any --gin_search_paths
+directory (or on PYTHONPATH), which is how users bring their own layers,
+tasks and Keras models (README, "Your own model").
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import importlib.util  # noqa: F401  gin 0.5 uses importlib.util without importi
 import inspect
 import os
 import re
+import sys
 import tokenize
 from typing import Sequence
 
@@ -241,13 +247,26 @@ def parse_gin(*, files: Sequence[str], bindings: Sequence[str],
   sources = read_sources(files=files, bindings=bindings, search_paths=search_paths)
   for path in list(search_paths) + [os.getcwd(), REPO_ROOT]:
     gin.add_config_file_search_path(path)
+  add_import_roots(search_paths)
   try:
     gin.parse_config_files_and_bindings(list(files), list(bindings),
                                         finalize_config=False)
-  except (ValueError, SyntaxError, IOError, AttributeError, TypeError, ImportError,
+  except ImportError as e:
+    raise ConfigError(f"a gin file's import failed: {' '.join(str(e).split())}",
+                      fix='put the directory holding the package on --gin_search_paths '
+                          'or PYTHONPATH') from e
+  except (ValueError, SyntaxError, IOError, AttributeError, TypeError,
           tokenize.TokenError) as e:
     raise explain_gin_error(e) from e
   return sources
+
+
+def add_import_roots(search_paths: Sequence[str]) -> None:
+  """Puts each existing search-path directory on sys.path (once, at the end)."""
+  for path in search_paths:
+    directory = os.path.abspath(path)
+    if os.path.isdir(directory) and directory not in sys.path:
+      sys.path.append(directory)
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ import os
 
 import gin
 
+from layout_core import keras_models
 from layout_core import layout_scope
 from layout_core import pipeline as pipeline_lib
 from layout_core.checkpoint import CheckpointConfig
@@ -30,8 +31,9 @@ from layout_core.layers import Embedding, LayerMeta, leaf_layers
 from layout_core.mesh import MeshSpec
 from layout_core.optimizer import OptimizerConfig
 from layout_core.params import Params
-from layout_core.pipeline_trainer import PipelinePlan, plan_pipeline
+from layout_core.pipeline_trainer import PipelinePlan, check_pipelinable, plan_pipeline
 from layout_core.rules import LayoutRules
+from layout_core.tasks import Task
 from layout_core.trainer import TrainConfig
 from plugins import configurables
 
@@ -40,15 +42,15 @@ from plugins import configurables
 class RunPlan:
   """Everything the config decides, checked, before a device is touched."""
   mesh_spec: MeshSpec
-  params: Params                  # frozen
+  params: Params | keras_models.KerasModel  # a Params tree (frozen) or a Keras model
   rules: LayoutRules
-  task: LMTask
+  task: Task
   optimizer: OptimizerConfig
   train: TrainConfig
   checkpoint: CheckpointConfig
   pipeline_config: pipeline_lib.PipelineConfig
   records: list[layout_scope.LayoutRecord]  # every variable's layout
-  meta: LayerMeta                 # forward cost of one global batch
+  meta: LayerMeta | None          # forward cost of one global batch (None: Keras)
   pipeline: PipelinePlan | None   # set when pipelining is on
   operative_config: str           # gin's operative config (what config.gin records)
 
@@ -57,10 +59,13 @@ class RunPlan:
     return sum(math.prod(r.shape) for r in self.records)
 
 
-def check_model_fits_data(params: Params, task: LMTask, batch_size: int) -> LayerMeta:
-  """Vocabulary and sequence-length agreement, plus the model's cost report."""
+def check_model_fits_data(params, task: Task, batch_size: int) -> LayerMeta | None:
+  """Vocabulary and sequence-length agreement, plus the model's cost report
+  (None for a Keras model: its FLOPs are not declared)."""
+  if isinstance(params, keras_models.KerasModel):
+    return None
   embeddings = [p for _, p in leaf_layers(params) if p.cls is Embedding]
-  if embeddings:
+  if embeddings and isinstance(task, LMTask):
     embedding = embeddings[0]
     if embedding.vocab_size < task.vocab_size:
       raise ConfigError(
@@ -74,7 +79,7 @@ def check_model_fits_data(params: Params, task: LMTask, batch_size: int) -> Laye
           where='data.seq_len / transformer_lm.max_len',
           fix=f'set transformer_lm.max_len >= {task.seq_len} or data.seq_len <= '
               f'{embedding.max_len}')
-  return params.cls.fprop_meta(params, (batch_size, task.seq_len))
+  return params.cls.fprop_meta(params, *[shape for shape, _ in task.input_specs(batch_size)])
 
 
 def check_batch_splits(train: TrainConfig, mesh_spec: MeshSpec) -> None:
@@ -92,7 +97,9 @@ def check_batch_splits(train: TrainConfig, mesh_spec: MeshSpec) -> None:
 def make_plan() -> RunPlan:
   """Calls every configurable once and validates the result (see module doc)."""
   mesh_spec = configurables.mesh()
-  params = configurables.model().Freeze()
+  params = configurables.model()
+  if isinstance(params, Params):
+    params = params.Freeze()
   rules = configurables.layout_rules()
   task = configurables.data()
   optimizer = configurables.optimizer()
@@ -104,11 +111,17 @@ def make_plan() -> RunPlan:
   pipeline = None
   mesh_axes = dict(mesh_spec.shape)
   if pipeline_config.enabled:
+    check_pipelinable(params, task)
     pipeline = plan_pipeline(pipeline_config, params=params, mesh_axes=mesh_spec.shape,
                              batch_size=train.batch_size, seq_len=task.seq_len,
                              batch_axis=train.batch_axis)
     mesh_axes.pop(pipeline_config.stage_axis, None)  # rules apply inside a stage
-  records = layout_scope.plan_layouts(params.cls.variable_specs(params), rules, mesh_axes)
+  if isinstance(params, keras_models.KerasModel):
+    records = keras_models.plan(params, rules=rules, mesh_axes=mesh_axes,
+                                input_specs=task.input_specs(train.batch_size),
+                                seed=train.seed)
+  else:
+    records = layout_scope.plan_layouts(params.cls.variable_specs(params), rules, mesh_axes)
   if pipeline is not None:
     stage_axis = pipeline_config.stage_axis
     records = [dataclasses.replace(

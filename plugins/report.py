@@ -8,6 +8,7 @@ Built from the typed plan alone (nothing allocated, no device touched), so a
 
 from __future__ import annotations
 
+from layout_core import keras_models
 from layout_core import layout_scope
 from layout_core import trainer as trainer_lib
 from plugins.plan import RunPlan
@@ -21,8 +22,12 @@ def describe_plan(plan: RunPlan, *, max_rows: int = 0) -> str:
   """The inspect report: layout table, per-rule matches, memory per device."""
   records = plan.records
   rows = records if not max_rows or len(records) <= max_rows else records[:max_rows]
-  lines = [f'Mesh: {plan.mesh_spec.describe()}', '',
-           layout_scope.table_markdown(rows).rstrip()]
+  lines = [f'Mesh: {plan.mesh_spec.describe()}', '']
+  if isinstance(plan.params, keras_models.KerasModel):
+    lines += [f'{plan.params.describe()}: weights listed from a stateless build '
+              "(Keras' StatelessScope defers initialisers, so nothing is allocated); "
+              'FLOPs are not known for Keras models.', '']
+  lines += [layout_scope.table_markdown(rows).rstrip()]
   if len(rows) < len(records):
     lines.append(f'... {len(records) - len(rows)} more rows (--max_rows=0 shows all)')
   lines += ['', 'Rule matches:']
@@ -39,7 +44,8 @@ def describe_plan(plan: RunPlan, *, max_rows: int = 0) -> str:
               plan.pipeline.partition.describe()]
   lines += ['', f'Parameters: {plan.num_parameters:,} '
                 f'({_gib(sum(r.bytes_total for r in records))} total)',
-            f'Forward cost of one global batch: {plan.meta.flops:.3e} FLOPs',
+            'Forward cost of one global batch: ' + (
+                f'{plan.meta.flops:.3e} FLOPs' if plan.meta else 'not known'),
             'Per device:',
             f'  parameters        {_gib(param_bytes)}',
             f'  Adam slots (m, v) {_gib(2 * param_bytes)}',

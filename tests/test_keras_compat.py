@@ -68,8 +68,8 @@ def test_scope_maps_subclassed_model_attribute_paths(mesh_2x4):
   layout_map['d1.kernel'] = layout_1
   layout_map['d1.bias'] = layout_2
   layout_map['d2.kernel'] = layout_3
-  with layout_map.scope():
-    model = SubclassModel()
+  with layout_map.scope() as scope:
+    model = scope.track(SubclassModel())
     inputs = tf.zeros((10, 10))
     reference = model(inputs)  # weights are created (replicated) on first call
   assert model.d1.kernel.layout == layout_1
@@ -81,3 +81,34 @@ def test_scope_maps_subclassed_model_attribute_paths(mesh_2x4):
   expected = expected @ to_numpy(model.d2.kernel) + to_numpy(model.d2.bias)
   np.testing.assert_allclose(to_numpy(model(x)), expected, rtol=1e-5)
   assert to_numpy(reference).shape == (10, 8)
+
+
+def test_lazy_build_after_the_scope_gets_layouts_and_matches_unsharded(mesh_2x4):
+  layout_1, layout_2, layout_3, layout_4 = layouts(mesh_2x4)
+  layout_map = LayoutMap(mesh=mesh_2x4)
+  layout_map['d1.kernel'] = layout_1
+  layout_map['d1.bias'] = layout_2
+  layout_map['d2.kernel'] = layout_3
+  with layout_map.scope() as scope:
+    model = scope.track(SubclassModel())   # no weights yet
+  assert model.d1.kernel is None and isinstance(model, SubclassModel)
+  inputs = np.random.default_rng(0).normal(size=(10, 10)).astype(np.float32)
+  x = dtensor.copy_to_mesh(tf.constant(inputs), dtensor.Layout.replicated(mesh_2x4, 2))
+  first = model(x)                         # weights created here, outside the scope
+  assert model.d1.kernel.layout == layout_1 and model.d1.bias.layout == layout_2
+  assert model.d2.kernel.layout == layout_3 and model.d2.bias.layout == layout_4
+  second = model(x)                        # now on the sharded weights
+  reference = SubclassModel()(tf.constant(inputs))   # plain TF, no DTensor
+  np.testing.assert_allclose(to_numpy(first), reference.numpy(), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(to_numpy(second), reference.numpy(), rtol=1e-5, atol=1e-6)
+  assert len(model.variables) == 4
+
+
+def test_untracked_module_is_reported_not_guessed(mesh_2x4, caplog):
+  layout_map = LayoutMap(mesh=mesh_2x4)
+  layout_map['d1.kernel'] = layouts(mesh_2x4)[0]
+  with layout_map.scope():
+    model = SubclassModel()
+    model(tf.zeros((2, 10)))
+  assert not hasattr(model.d1.kernel, 'layout')
+  assert 'belong to no tracked module' in caplog.text
