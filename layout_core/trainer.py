@@ -153,7 +153,10 @@ class Trainer:
     seed = step_seed(self.config.seed, self.step.read_value())
     with tf.GradientTape() as tape, random_context(seed=seed):
       loss, metrics = self.loss_and_metrics(batch, training=True)
-    return loss, metrics, tape.gradient(loss, self._trainable)
+    # Dense gradients: an embedding's IndexedSlices gradient passed on to the
+    # update function arrives with a wrong shape under DTensor (TF 2.21).
+    grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, self._trainable)]
+    return loss, metrics, grads
 
   def _apply_fn(self, grads):
     lr, grad_norm = self.optimizer.apply(grads, self.step.read_value())
