@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import zlib
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -192,8 +193,9 @@ def snapshot(entries: Sequence[CheckpointEntry], *, client_id: int,
              object_graph_bytes: bytes | None = None) -> list[_DeviceWrite]:
   """This client's share of a save, grouped by the device that holds it.
 
-  Each distinct slice is written by exactly one device in the whole cluster:
-  the first device (in mesh order) that holds it; the others skip it. Values
+  Each distinct slice is written by exactly one device in the whole cluster,
+  chosen among the devices that hold it by a hash of key and slice, so copies
+  of replicated shards spread the writing over devices and clients. Values
   are read, not copied: TF copies a variable's buffer before the next update
   writes into it, so the snapshot stays consistent while training goes on.
   """
@@ -215,11 +217,13 @@ def snapshot(entries: Sequence[CheckpointEntry], *, client_id: int,
       values[id(variable)] = dtensor.unpack(variable.read_value())
     components = values[id(variable)]
     all_ranges = device_ranges(variable.shape.as_list(), layout)
-    owner: dict[Ranges, int] = {}
+    holders: dict[Ranges, list[int]] = {}
     for position, ranges in enumerate(all_ranges):
       part = _entry_part(entry, ranges)
       if part is not None:
-        owner.setdefault(part[0], position)
+        holders.setdefault(part[0], []).append(position)
+    owner = {extent: positions[zlib.crc32(f'{entry.key} {extent}'.encode()) % len(positions)]
+             for extent, positions in holders.items()}
     for local, position in enumerate(_local_positions(layout.mesh)):
       part = _entry_part(entry, all_ranges[position])
       if part is None or owner[part[0]] != position:

@@ -21,6 +21,7 @@ from typing import Callable
 import gin
 from absl import logging
 
+from layout_core import cluster as cluster_lib
 from layout_core import layout_scope
 from layout_core.checkpoint import CheckpointEvent, Checkpointer
 from layout_core.preemption import PreemptionWatcher
@@ -135,11 +136,37 @@ def describe_plan(plan: RunPlan, *, max_rows: int = 0) -> str:
   return '\n'.join(lines)
 
 
-def build_trainer(*, model_dir: str | None) -> Trainer:
-  """Builds mesh, model and optimizer from gin; writes the run's records."""
+def join_cluster(cluster: cluster_lib.ClusterSpec, *,
+                 devices_per_client: int | None = None) -> None:
+  """Makes this process one client of the global mesh (no-op for one client).
+
+  Each client brings mesh.num_devices / num_clients devices of its own."""
+  if not cluster.is_multi_client:
+    return
+  spec = configurables.mesh()
+  per_client = devices_per_client or spec.num_devices // cluster.num_clients
+  if per_client * cluster.num_clients != spec.num_devices:
+    raise ConfigError(
+        f'{spec.describe()} needs {spec.num_devices} devices but {cluster.num_clients} '
+        f'clients x {per_client} devices give {per_client * cluster.num_clients}',
+        where='mesh.shape', fix='make the mesh size num_clients x devices_per_client')
+  if configurables.pipeline().enabled:
+    raise ConfigError('pipeline stages on sub-meshes run in a single client only',
+                      where='pipeline.enabled', fix='run the pipelined config with one client')
+  logging.info('Joining the cluster as %s', cluster.describe())
+  cluster_lib.connect(cluster, device_type=spec.device_type,
+                      num_local_devices=per_client)
+
+
+def build_trainer(*, model_dir: str | None,
+                  cluster: cluster_lib.ClusterSpec | None = None) -> Trainer:
+  """Builds mesh, model and optimizer from gin; writes the run's records
+  (client 0 only in a multi-client run)."""
   spec = configurables.mesh()
   mesh = mesh_lib.build_mesh(spec)
   logging.info('Mesh: %s', spec.describe())
+  if cluster is not None and cluster.client_id != 0:
+    model_dir = None  # client 0 writes the run record and TensorBoard events
   params = configurables.model()
   rules = configurables.layout_rules()
   task = configurables.data()
@@ -214,21 +241,30 @@ def checkpoint_event_recorder(writer) -> Callable[[CheckpointEvent], None]:
   return record
 
 
-def run_training(*, model_dir: str) -> TrainResult:
-  """Trains from the gin config in `model_dir`, resuming from its checkpoints."""
+def run_training(*, model_dir: str,
+                 cluster: cluster_lib.ClusterSpec | None = None) -> TrainResult:
+  """Trains from the gin config in `model_dir`, resuming from its checkpoints.
+
+  With a multi-client `cluster` (joined with `join_cluster`), every client
+  runs this with the same config and model_dir (a shared filesystem)."""
   os.makedirs(model_dir, exist_ok=True)
   checkpoint_config = configurables.checkpoint()
-  trainer = build_trainer(model_dir=model_dir)
+  trainer = build_trainer(model_dir=model_dir, cluster=cluster)
+  coordinator = cluster_lib.coordinator_for(trainer.mesh, cluster)
   checkpointer = Checkpointer(
       directory=os.path.join(model_dir, 'checkpoints'), state=trainer.state(),
       config=checkpoint_config, extra_files={'config.gin': gin.operative_config_str()},
-      on_event=checkpoint_event_recorder(trainer.writer))
+      on_event=checkpoint_event_recorder(trainer.writer), coordinator=coordinator)
   if checkpointer.restore_latest() is None and checkpoint_config.init_from:
     checkpointer.init_from(checkpoint_config.init_from, trainer.variables)
 
   with PreemptionWatcher() as watcher:
     def after_step(step: int) -> bool:
-      if watcher.requested:
+      requested = watcher.requested
+      if coordinator.num_clients > 1:  # all clients stop at the same step
+        requested = any(coordinator.gather(requested))
+        watcher.signal_name = watcher.signal_name or 'a signal to another client'
+      if requested:
         path = checkpointer.save(step, reason='preemption')
         checkpointer.wait()
         message = (f'Preempted by {watcher.signal_name} at step {step}: saved '
@@ -241,10 +277,13 @@ def run_training(*, model_dir: str) -> TrainResult:
 
     try:
       result = trainer.train(after_step=after_step)
-      if checkpoint_config.save_at_end and not watcher.requested:
+      if checkpoint_config.save_at_end and result.final_step == trainer.config.num_steps:
         checkpointer.save(result.final_step, reason='final')
     finally:
       checkpointer.wait()
+  if coordinator.num_clients > 1:
+    logging.info('Training done; waiting for every client to finish')
+    coordinator.barrier()  # no client leaves while another still needs it
   if result.eval_losses:
     first, last = result.eval_losses[0][1], result.eval_losses[-1][1]
     logging.info('Done at step %d: eval loss %.4f (first %.4f, %.0f%%), %.2f steps/s',
