@@ -136,11 +136,32 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def two_clients(tmp_path_factory):
-  """2 clients x 4 devices through launch.local_cluster, 4 steps."""
+  """2 clients x 4 devices through launch.local_cluster, preempted with SIGTERM
+  (to the launcher, which forwards it) once step 4 is saved."""
   model_dir = str(tmp_path_factory.mktemp('two_clients'))
-  result = local_cluster(model_dir, steps(4))
-  assert result.returncode == 0, result.stdout[-4000:]
-  return model_dir, result.stdout
+  env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
+  launcher = subprocess.Popen(
+      [sys.executable, '-u', '-m', 'launch.local_cluster', '--num_clients=2',
+       '--devices_per_client=4', '--', *ARGS, steps(1000), f'--model_dir={model_dir}'],
+      cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  lines = []
+  reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+  reader.start()
+  try:
+    deadline = time.monotonic() + 400
+    while not re.search(r'Saved checkpoint .*ckpt-4/ckpt', ''.join(lines)):
+      assert launcher.poll() is None and time.monotonic() < deadline, ''.join(lines)[-4000:]
+      time.sleep(0.2)
+    launcher.send_signal(signal.SIGTERM)
+    launcher.wait(timeout=120)
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+      launcher.wait()
+    reader.join(timeout=10)
+  output = ''.join(lines)
+  assert launcher.returncode == 0, output[-4000:]
+  return model_dir, output
 
 
 def test_two_clients_equal_one_process_and_only_client_0_records(reference, two_clients):
@@ -152,8 +173,19 @@ def test_two_clients_equal_one_process_and_only_client_0_records(reference, two_
   assert [n for n in os.listdir(model_dir) if n.startswith('events.')]
   assert {'config.gin', 'params.txt', 'layouts.txt'} <= set(os.listdir(model_dir))
   events = read_events(model_dir)  # one writer: each step logged once
-  assert [s for s, _ in events['scalars']['train/loss']] == [1, 2, 3, 4]
+  logged = [s for s, _ in events['scalars']['train/loss']]
+  assert logged == list(range(1, len(logged) + 1)) and len(logged) >= 4
   assert re.search(r'\[client 1\].*This is client 1 of 2', output)
+
+
+def test_sigterm_stops_every_client_at_the_same_step_and_saves(two_clients):
+  model_dir, output = two_clients
+  stopped = {int(m.group(1)): int(m.group(2)) for m in re.finditer(
+      r'\[client (\d)\] Preempted by .* at step (\d+): saved', output)}
+  assert set(stopped) == {0, 1} and stopped[0] == stopped[1], output[-4000:]
+  step = stopped[0]
+  reader = tf.train.load_checkpoint(ckpt(model_dir, step))
+  assert reader.get_tensor('counters/step/.ATTRIBUTES/VARIABLE_VALUE') == step
 
 
 def test_two_client_checkpoint_resumes_in_one_process(tmp_path, reference, two_clients):
