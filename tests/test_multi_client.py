@@ -262,3 +262,20 @@ def test_bad_cluster_flags_exit_2(tmp_path):
   result = run_module('launch.train', *ARGS, f'--model_dir={tmp_path}',
                       '--cluster=localhost:9001,localhost:9002', '--num_clients=3')
   assert result.returncode == 2 and '--num_clients=3' in result.stderr
+
+
+def test_a_client_that_cannot_see_the_checkpoint_directory_is_named(tmp_path):
+  """Client 1 given another --model_dir stands in for a host without the shared
+  filesystem: both clients exit 2 naming client 1."""
+  cluster = free_cluster()
+  clients = [Client(k, cluster, *ARGS, steps(4), f'--model_dir={tmp_path / f"dir{k}"}')
+             for k in (0, 1)]
+  try:
+    for client in clients:
+      client.exit_seconds(timeout=300)
+  finally:
+    cleanup(clients)
+  for client in clients:
+    assert client.process.returncode == 2, client.output[-3000:]
+    assert 'client(s) [1] cannot see the checkpoint directory' in client.output
+    assert 'filesystem that every host mounts' in client.output
