@@ -279,3 +279,23 @@ def test_a_client_that_cannot_see_the_checkpoint_directory_is_named(tmp_path):
     assert client.process.returncode == 2, client.output[-3000:]
     assert 'client(s) [1] cannot see the checkpoint directory' in client.output
     assert 'filesystem that every host mounts' in client.output
+
+
+def test_cluster_spec_from_flags_or_dtensor_environment():
+  from layout_core.cluster import ClusterSpec
+  from layout_core.errors import ConfigError
+  env = {'DTENSOR_JOBS': 'h0:9000,h1:9000', 'DTENSOR_CLIENT_ID': '1'}
+  spec = ClusterSpec.from_options(client_id=None, num_clients=None, cluster=[],
+                                  init_timeout=120, environ=env)
+  assert (spec.client_id, spec.addresses, spec.num_clients) == (1, ('h0:9000', 'h1:9000'), 2)
+  flags_win = ClusterSpec.from_options(client_id=0, num_clients=2, cluster=['a:1', 'b:1'],
+                                       init_timeout=5, environ=env)
+  assert flags_win.addresses == ('a:1', 'b:1') and flags_win.client_id == 0
+  single = ClusterSpec.from_options(client_id=None, num_clients=None, cluster=[],
+                                    init_timeout=120, environ={})
+  assert not single.is_multi_client
+  with pytest.raises(ConfigError, match='client_id 2 is not in 0..1'):
+    ClusterSpec.from_options(client_id=2, num_clients=None, cluster=['a:1', 'b:1'],
+                             init_timeout=1, environ={})
+  with pytest.raises(ConfigError, match='not host:port'):
+    ClusterSpec(client_id=0, addresses=('a:1', 'b'))
