@@ -14,11 +14,23 @@ one-paragraph message saying what, where (gin file and line) and how to fix
 it; 3 when the loss became NaN or infinite (one line: 'Training diverged: ...').
 Nothing in --model_dir is created or changed before the config, the machine
 and any existing checkpoint have been checked.
+
+Several processes or hosts train one model as the clients of one global mesh
+(every client: same flags, its own --client_id; see launch/local_cluster.py):
+
+  python -m launch.train ... --cluster=h0:9000,h1:9000 --client_id=0   # on h0
+  python -m launch.train ... --cluster=h0:9000,h1:9000 --client_id=1   # on h1
+
+A client whose peers fail exits non-zero: 1 after a failure in training
+(naming the client), -9/137 when the cluster did not form within
+--cluster_init_timeout.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 
 from absl import app, flags, logging
 
@@ -32,6 +44,44 @@ MODEL_DIR = flags.DEFINE_string(
 
 EXIT_DIVERGED = 3  # the loss became NaN or infinite (launch.sweep records it as such)
 
+CLIENT_ID = flags.DEFINE_integer(
+    'client_id', None, 'This process\'s index in --cluster (default: $DTENSOR_CLIENT_ID or 0).')
+NUM_CLIENTS = flags.DEFINE_integer(
+    'num_clients', None, 'Number of clients; checked against --cluster when given.')
+CLUSTER = flags.DEFINE_list(
+    'cluster', [], 'host:port of every client, in client order and sorted as strings '
+    '(default: $DTENSOR_JOBS). Empty: a single process. Checkpoints and --model_dir '
+    'must be on a filesystem every client shares.')
+CLUSTER_INIT_TIMEOUT = flags.DEFINE_float(
+    'cluster_init_timeout', 120.0, 'Seconds to wait for every client to join; after '
+    'that this client exits, naming the peers that never started.')
+
+DEVICES_PER_CLIENT = flags.DEFINE_integer(
+    'devices_per_client', None, 'Devices each client brings to the mesh (default: '
+    'the mesh size / the number of clients); checked against mesh.shape.')
+
+
+def cluster_from_flags():
+  from layout_core.cluster import ClusterSpec  # pylint: disable=g-import-not-at-top
+  return ClusterSpec.from_options(client_id=CLIENT_ID.value, num_clients=NUM_CLIENTS.value,
+                                  cluster=CLUSTER.value,
+                                  init_timeout=CLUSTER_INIT_TIMEOUT.value)
+
+
+def exit_client(cluster, error: BaseException | None) -> None:
+  """Ends a multi-client process at once: TF's runtime can hang at interpreter
+  exit once a peer is gone, so the client says why and leaves with os._exit."""
+  if error is not None:
+    traceback.print_exception(error)
+    print(f'\nClient {cluster.client_id} of {cluster.num_clients} failed: '
+          f'{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ""}'
+          '\n(a peer that died or hung makes the others fail like this; relaunch every '
+          'client to resume from the last checkpoint)', file=sys.stderr)
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(1 if error is not None else 0)  # pylint: disable=protected-access
+
 
 def main(argv):
   if len(argv) > 1:
@@ -42,13 +92,24 @@ def main(argv):
     from plugins import plan, training  # pylint: disable=g-import-not-at-top
     with gin_flags.parsed_config():
       run_plan = plan.make_plan()
+      cluster = cluster_from_flags()
       plan.check_model_dir(MODEL_DIR.value)
+      training.join_cluster(run_plan, cluster, devices_per_client=DEVICES_PER_CLIENT.value)
       try:
-        training.run_training(run_plan, model_dir=MODEL_DIR.value, watcher=watcher)
+        training.run_training(run_plan, model_dir=MODEL_DIR.value, watcher=watcher,
+                              cluster=cluster)
       except FloatingPointError as e:  # raised by the trainer on a non-finite loss
+        if cluster.is_multi_client:
+          exit_client(cluster, e)
         logging.error('Training diverged: %s', e)
         print(f'\nTraining diverged: {e}', file=sys.stderr)
         sys.exit(EXIT_DIVERGED)
+      except Exception as e:  # pylint: disable=broad-except
+        if not cluster.is_multi_client or type(e).__name__ == 'ConfigError':
+          raise
+        exit_client(cluster, e)
+      if cluster.is_multi_client:
+        exit_client(cluster, None)
 
   gin_flags.run_guarded(body)
 

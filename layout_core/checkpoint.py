@@ -9,28 +9,33 @@
     checkpointer.save(step, reason='final')
 
 On disk, `checkpoints/ckpt-<step>/` holds a standard `tf.train.Checkpoint`
-(`ckpt.index` + `ckpt.data-*`, readable by `tf.train.load_checkpoint`, keys
-such as `model/stack/block_000/ffn/w_in/.ATTRIBUTES/VARIABLE_VALUE`) plus
+(`ckpt.index` + `ckpt.data-*`, readable by `tf.train.load_checkpoint` and
+`tf.train.Checkpoint.read`, keys such as
+`model/stack/block_000/ffn/w_in/.ATTRIBUTES/VARIABLE_VALUE`) plus
 `manifest.json` (step, reason, every file's size) and the run's `config.gin`,
 so a checkpoint always says how to rebuild its model.
 
+Written where the shards live (`layout_core.shard_io`): every device writes
+the distinct shards it holds, as slices of the global tensors, into a bundle
+of its own; one `MergeV2Checkpoints` joins the bundles (renaming their data
+files, copying no tensor bytes). Nothing is gathered on a host, so a save
+needs no more extra memory than write buffers, and in a multi-client run each
+client writes only its own shards (clients need a shared filesystem; the
+checkpointer checks that every client sees the directory). Restore reads only
+the slice each device needs, so a checkpoint restores into any mesh shape or
+layout, and into any number of clients.
+
 Crash safety: a checkpoint is written into a temporary directory, every file
 is fsynced, and only then is the directory renamed to `ckpt-<step>` (an atomic
-rename). A checkpoint is "valid" when its manifest exists and every file has
-its recorded size; restore takes the newest valid one, and if reading it
-still fails (a corrupt shard) it logs the file and falls back to the next
-one, moving the broken one aside (`*.corrupt`) instead of deleting it. The
-TF `checkpoint` state file (`tf.train.latest_checkpoint`) is updated after
-the rename, so it never names a partial checkpoint either.
-
-Saving first copies every variable's shards into host memory (one concat of
-the distinct shards on /CPU:0: no relayout, nothing compiled), into host variables that mirror the
-state's object graph, then writes those with a plain `Checkpoint.write`: the
-same keys a DTensor checkpoint would have, at plain-checkpoint speed (DTensor's
-own SaveV2 spends ~1.5 s re-expanding its save function on every call).
-Restore reads each tensor by key and gives every device only its slice, so a
-checkpoint restores into any mesh shape or layout. With `async_save` the
-write runs in a background thread while training continues.
+rename, by client 0 after every client has written). A checkpoint is "valid"
+when its manifest exists and every file has its recorded size; restore takes
+the newest valid one, and if reading it still fails (a corrupt shard, on any
+client) it logs the file and falls back to the next one, moving the broken one
+aside (`*.corrupt`) instead of deleting it. The TF `checkpoint` state file
+(`tf.train.latest_checkpoint`) is updated after the rename, so it never names
+a partial checkpoint either. With `async_save` the write runs in a background
+thread while training continues (single-client runs; several clients save in
+step, since the commit needs a barrier between them).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import threading
@@ -48,15 +54,33 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 from absl import logging
 
-from layout_core.lazy import tf, dtensor
+from layout_core import shard_io
+from layout_core.cluster import SingleClient
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least, check_types
+from layout_core.lazy import tf
 from layout_core.mesh import pack_global_array
 
 _NAME = re.compile(r'^ckpt-(\d+)$')
-_VALUE_SUFFIX = '/.ATTRIBUTES/VARIABLE_VALUE'
+_VALUE_SUFFIX = shard_io.VALUE_SUFFIX
+_SHARED_CHECK = '.shared-filesystem-check'
 _STATE_FILE = re.compile(rb'model_checkpoint_path: "ckpt-\d+/ckpt"\n'
                          rb'(all_model_checkpoint_paths: "ckpt-\d+/ckpt"\n)+')
+# Errors of the machine, not of the files: reading a checkpoint that fails
+# with one of these leaves it where it is.
+_RUNTIME_ERRORS = ('ResourceExhaustedError', 'CancelledError', 'UnavailableError',
+                   'DeadlineExceededError', 'AbortedError', 'InternalError')
+
+
+def is_damage(error: Exception) -> bool:
+  """True if reading a checkpoint failed because of its files (truncated,
+  corrupt, a checksum mismatch), False for a runtime error (out of memory, a
+  device or peer failure) that must not condemn a good checkpoint."""
+  if isinstance(error, ConfigError):
+    return False
+  if isinstance(error, tf.errors.OpError):
+    return not any(isinstance(error, getattr(tf.errors, name)) for name in _RUNTIME_ERRORS)
+  return isinstance(error, ValueError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +89,7 @@ class CheckpointConfig:
   every_seconds: float = 0.0    # also save when this long since the last save (0: off)
   keep: int = 3                 # newest checkpoints kept; older ones deleted
   save_at_end: bool = True      # save when training finishes
-  async_save: bool = False      # write in a background thread (2x variable memory)
+  async_save: bool = False      # write in a background thread (single client only)
   init_from: str | None = None  # a checkpoint (or directory) to start a fresh run from
   # (regex on the new variable path, replacement) pairs: the name to read from
   # `init_from`; first fullmatch wins; unmatched paths are read under their own name.
@@ -96,10 +120,14 @@ class CheckpointEvent:
             f'{self.size_bytes / 2**20:.1f} MiB in {self.seconds:.2f} s)')
 
 
-def _fsync_tree(directory: str) -> None:
-  for name in os.listdir(directory):
-    with open(os.path.join(directory, name), 'rb') as f:
+def _fsync_files(paths) -> None:
+  for path in paths:
+    with open(path, 'rb') as f:
       os.fsync(f.fileno())
+
+
+def _fsync_tree(directory: str) -> None:
+  _fsync_files(os.path.join(directory, name) for name in os.listdir(directory))
   _fsync_dir(directory)
 
 
@@ -111,100 +139,17 @@ def _fsync_dir(directory: str) -> None:
     os.close(fd)
 
 
-def _escape(name: str) -> str:
-  """A trackable child name as tf.train.Checkpoint spells it in keys."""
-  return name.replace('.', '..').replace('/', '.S')
+_escape = shard_io.escape
 
 
 def checkpoint_keys(state: Mapping[str, tf.Module]) -> dict[str, tf.Variable]:
   """Checkpoint key -> variable for everything `state` would save."""
-  keys: dict[str, tf.Variable] = {}
-  seen: set[int] = set()
-
-  def visit(prefix: str, obj) -> None:
-    if isinstance(obj, tf.Variable):
-      if id(obj) not in seen:
-        seen.add(id(obj))
-        keys[prefix + _VALUE_SUFFIX] = obj
-      return
-    children = obj._trackable_children(save_type='checkpoint')  # pylint: disable=protected-access
-    for name, child in children.items():
-      visit(f'{prefix}/{_escape(name)}', child)
-
-  for name, obj in state.items():
-    visit(_escape(name), obj)
-  return keys
-
-
-def gather_to_host(variable: tf.Variable) -> tf.Tensor:
-  """The global value of a (D)Variable as one tensor on the host CPU.
-
-  Built by concatenating one copy of each distinct shard on /CPU:0: no
-  relayout, no collective, nothing for DTensor to compile. (Going through
-  numpy is ~20x slower: each shard's .numpy() leaves its virtual device
-  slowly.) Needs every shard to be local: true for single-client meshes.
-  """
-  layout = getattr(variable, 'layout', None)
-  if layout is None:
-    return variable.read_value()
-  if layout.mesh.num_local_devices() != layout.mesh.size:
-    raise NotImplementedError('saving a mesh that spans several clients')
-  axes = dict(zip(layout.mesh.dim_names, layout.mesh.shape()))
-  specs = layout.sharding_specs
-  counts = [1 if a == dtensor.UNSHARDED else axes[a] for a in specs]
-  pieces = {}
-  for shard, location in zip(dtensor.unpack(variable.read_value()),
-                             layout.mesh.local_device_locations()):
-    key = tuple(0 if a == dtensor.UNSHARDED else location[a] for a in specs)
-    pieces.setdefault(key, shard)
-
-  def build(prefix: tuple[int, ...], dim: int) -> tf.Tensor:
-    if dim == len(counts):
-      return pieces[prefix]
-    parts = [build(prefix + (i,), dim + 1) for i in range(counts[dim])]
-    return parts[0] if len(parts) == 1 else tf.concat(parts, axis=dim)
-
-  with tf.device('/CPU:0'):
-    return tf.identity(build((), 0))
-
-
-def _mirror(obj, pairs: dict[int, tuple[tf.Variable, tf.Variable]]):
-  """A trackable tree with the same checkpoint keys, holding host variables."""
-  if isinstance(obj, tf.Variable):
-    if id(obj) not in pairs:
-      with tf.device('/CPU:0'):
-        host = tf.Variable(tf.zeros(obj.shape, obj.dtype), trainable=False)
-      pairs[id(obj)] = (obj, host)
-    return pairs[id(obj)][1]
-  node = tf.__internal__.tracking.AutoTrackable()
-  for name, child in obj._trackable_children(save_type='checkpoint').items():  # pylint: disable=protected-access
-    node._track_trackable(_mirror(child, pairs), name=name)  # pylint: disable=protected-access
-  return node
-
-
-class CheckpointDamage(Exception):
-  """A checkpoint's files cannot be read (truncated, corrupt, checksum
-  mismatch): real damage, as opposed to a runtime error (out of memory, a
-  device failure) while placing the values, which must not condemn it."""
-
-
-def _reading(prefix: str, what: Callable[[], object]):
-  """Runs a read of the checkpoint's files; TF's reader errors are damage."""
-  try:
-    return what()
-  except tf.errors.OpError as e:
-    raise CheckpointDamage(f'reading {prefix} failed: {str(e).splitlines()[0]}') from None
+  return {e.key: e.variable for e in shard_io.checkpoint_entries(state)}
 
 
 def restore_values(prefix: str, keys: Mapping[str, tf.Variable]) -> None:
-  """Assigns every variable from the checkpoint by key, into its own layout.
-
-  Raises CheckpointDamage when the files cannot be read; errors while placing
-  the values on the devices (e.g. out of memory) propagate unchanged."""
-  reader = _reading(prefix, lambda: tf.train.load_checkpoint(prefix))
-  for key, variable in keys.items():
-    value = _reading(prefix, lambda key=key: reader.get_tensor(key))
-    assign_global(variable, value)
+  """Assigns every variable from the checkpoint by key; each device reads its slice."""
+  shard_io.read_entries(prefix, [shard_io.CheckpointEntry(k, v) for k, v in keys.items()])
 
 
 def assign_global(variable: tf.Variable, value: np.ndarray) -> None:
@@ -294,29 +239,76 @@ class Checkpointer:
 
   def __init__(self, *, directory: str, state: Mapping[str, tf.Module],
                config: CheckpointConfig, extra_files: Mapping[str, str] | None = None,
-               on_event: Callable[[CheckpointEvent], None] | None = None):
+               on_event: Callable[[CheckpointEvent], None] | None = None,
+               coordinator=None):
+    """`coordinator` (layout_core.cluster) makes the clients of a multi-client
+    run agree; only its client 0 renames, prunes and writes the manifest."""
     self.directory = directory
     self.config = config
     self.state = dict(state)
     self.extra_files = dict(extra_files or {})
     self.on_event = on_event or (lambda event: None)
-    self._host = None  # (host checkpoint, [(variable, host variable)]), built lazily
+    self.coordinator = coordinator or SingleClient()
+    self.is_chief = self.coordinator.client_id == 0
+    self.entries = shard_io.checkpoint_entries(self.state)
+    self._object_graph = shard_io.object_graph(self.state) if self.is_chief else None
     self._last_save_time = time.monotonic()
     self._last_saved_step: int | None = None
     self._thread: threading.Thread | None = None
     self._thread_error: BaseException | None = None
 
-  def _clean_temporary(self) -> None:
-    """Removes what saves killed before their commit left (never valid)."""
-    for name in os.listdir(self.directory):
-      if name.startswith('tmp-'):
-        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+  def prepare_directory(self) -> None:
+    """Creates the directory, removes what saves killed before their commit
+    left (never valid), repairs a damaged state file and, with several
+    clients, checks that all of them see it. The first write: called by
+    `restore_latest`, after the run has been validated."""
+    os.makedirs(self.directory, exist_ok=True)
+    if self.is_chief:
+      for name in os.listdir(self.directory):
+        if name.startswith('tmp-'):
+          shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+      self._check_state_file()
+    if self.coordinator.num_clients > 1:
+      self._check_shared_directory()
+
+  def _check_shared_directory(self) -> None:
+    """ConfigError naming every client that does not see client 0's directory."""
+    path = os.path.join(self.directory, _SHARED_CHECK)
+    token = random.randrange(1, 2**31) if self.is_chief else 0
+    if self.is_chief:
+      with open(path, 'w') as f:
+        f.write(str(token))
+    token = int(self.coordinator.gather(token)[0])
+    try:
+      with open(path) as f:
+        sees = f.read().strip() == str(token)
+    except OSError:
+      sees = False
+    blind = [c for c, flag in enumerate(self.coordinator.gather(0 if sees else 1)) if flag]
+    if blind:
+      raise ConfigError(
+          f'client(s) {blind} cannot see the checkpoint directory {self.directory} that '
+          'client 0 writes: every client writes its own shards into it',
+          where='--model_dir', fix='put --model_dir on a filesystem that every host '
+          'mounts at the same path (NFS, a cluster filesystem)')
 
   # -- restore -----------------------------------------------------------------------
+  def check_latest_fits(self) -> int | None:
+    """Read-only: the step of the checkpoint `restore_latest` would use (the
+    newest undamaged one), after checking that it fits the model (ConfigError
+    otherwise); None when there is none. Nothing on disk changes."""
+    for step, path in checkpoint_dirs(self.directory):
+      if validate(path) is None:
+        try:
+          self.check_compatible(os.path.join(path, 'ckpt'))
+        except tf.errors.OpError:  # an unreadable index: damage, restore skips it
+          continue
+        return step
+    return None
+
   def check_compatible(self, prefix: str) -> None:
-    """ConfigError listing every variable whose name or shape does not match;
-    CheckpointDamage if the checkpoint's index cannot be read."""
-    saved = dict(_reading(prefix, lambda: tf.train.list_variables(prefix)))
+    """ConfigError listing every variable whose name or shape does not match."""
+    saved = dict(tf.train.list_variables(prefix))
     expected = checkpoint_keys(self.state)
     missing, reshaped, extra = [], [], []
     for key, variable in expected.items():
@@ -339,70 +331,45 @@ class Checkpointer:
           fix='use a new --model_dir for a different model (the existing '
               'checkpoint was left untouched)')
 
-  def check_latest_fits(self) -> int | None:
-    """Read-only: the step of the checkpoint `restore_latest` would use (the
-    newest undamaged one), after checking that it fits the model (ConfigError
-    otherwise); None when there is none. Nothing on disk changes."""
-    for step, path in checkpoint_dirs(self.directory):
-      if validate(path) is None:
-        try:
-          self.check_compatible(os.path.join(path, 'ckpt'))
-        except CheckpointDamage:
-          continue
-        return step
-    return None
-
   def restore_latest(self) -> int | None:
     """Restores the newest undamaged checkpoint; returns its step or None.
 
     A damaged one (files missing, truncated or corrupt, a manifest that does
     not match) is reported by file and moved aside, and the previous one is
     tried. A checkpoint that does not fit the model is a ConfigError, and a
-    runtime error while placing the values propagates: neither moves anything."""
-    if not os.path.isdir(self.directory):
-      return None
-    self._clean_temporary()
-    self._check_state_file()
-    for step, path in checkpoint_dirs(self.directory):
+    runtime error while reading (out of memory, a device failure) propagates:
+    neither moves anything. Every client tries the same candidates in the same
+    order and they agree after each; only client 0 moves things."""
+    self.prepare_directory()
+    candidates = checkpoint_dirs(self.directory)
+    self.coordinator.barrier()  # all have listed before client 0 moves anything
+    for step, path in candidates:
       problem = validate(path)
       prefix = os.path.join(path, 'ckpt')
+      start = time.perf_counter()
       if problem is None:
-        start = time.perf_counter()
         try:
           self.check_compatible(prefix)
-          restore_values(prefix, checkpoint_keys(self.state))
-        except CheckpointDamage as e:
-          problem = str(e)
-        else:
-          self._last_saved_step = step
-          self.on_event(CheckpointEvent(step, prefix, 'resume',
-                                        time.perf_counter() - start, _directory_size(path)))
-          logging.info('Resumed from %s at step %d', prefix, step)
-          return step
+          shard_io.read_entries(prefix, self.entries)
+        except (tf.errors.OpError, ValueError) as e:
+          if not is_damage(e):
+            raise
+          problem = f'reading {prefix} failed: {type(e).__name__}: {str(e).splitlines()[0]}'
+      failed = [c for c, flag in enumerate(self.coordinator.gather(problem is not None)) if flag]
+      if not failed:
+        self._last_saved_step = step
+        self.on_event(CheckpointEvent(step, prefix, 'resume',
+                                      time.perf_counter() - start, _directory_size(path)))
+        logging.info('Resumed from %s at step %d', prefix, step)
+        return step
+      problem = problem or f'client(s) {failed} could not read it'
       aside = f'{path}.corrupt-{int(time.time())}'
       logging.error('Checkpoint %s is unusable: %s. Moved it to %s and trying the '
                     'previous one.', path, problem, aside)
-      os.rename(path, aside)
-      self._update_state_file()
+      if self.is_chief and os.path.exists(path):
+        os.rename(path, aside)
+        self._update_state_file()
     return None
-
-  def _check_state_file(self) -> None:
-    """The `checkpoint` state file (tf.train.latest_checkpoint's) is derived
-    from the valid checkpoints: a damaged one is reported, moved aside, and
-    written anew."""
-    path = os.path.join(self.directory, 'checkpoint')
-    if not os.path.exists(path):
-      return
-    with open(path, 'rb') as f:
-      content = f.read()
-    if content == self._state_file_text().encode():
-      return
-    if not _STATE_FILE.fullmatch(content):
-      aside = f'{path}.corrupt-{int(time.time())}'
-      logging.error('Checkpoint state file %s is damaged; moved it to %s and wrote it '
-                    'anew from the valid checkpoints.', path, aside)
-      os.rename(path, aside)
-    self._update_state_file()
 
   def init_from(self, source: str, variables: Mapping[str, tf.Variable]) -> int:
     """Reads `variables` (path -> variable) by name from another checkpoint.
@@ -419,7 +386,7 @@ class Checkpointer:
                for k in shapes}
     rules = [(re.compile(pattern), replacement)
              for pattern, replacement in self.config.init_from_map]
-    missing, wrong_shape, loaded = [], [], 0
+    missing, wrong_shape, found = [], [], []
     for path, variable in variables.items():
       name = path
       for pattern, replacement in rules:
@@ -435,8 +402,7 @@ class Checkpointer:
       if list(shapes[key]) != variable.shape.as_list():
         wrong_shape.append(f'{path}: {list(shapes[key])} vs {variable.shape.as_list()}')
         continue
-      assign_global(variable, reader.get_tensor(key))
-      loaded += 1
+      found.append(shard_io.CheckpointEntry(key, variable))
     if missing or wrong_shape:
       raise ConfigError(
           f'checkpoint.init_from {prefix}: {len(missing)} variable(s) not found '
@@ -444,6 +410,8 @@ class Checkpointer:
           f'[{"; ".join(wrong_shape[:8])}]', where='checkpoint.init_from_map',
           fix='add (regex, replacement) pairs mapping new paths to the names in '
               'the checkpoint (tf.train.list_variables shows them)')
+    shard_io.read_entries(prefix, found)
+    loaded = len(found)
     self.on_event(CheckpointEvent(0, prefix, 'init_from', time.perf_counter() - start,
                                   sum(int(np.prod(s)) * 4 for s in shapes.values())))
     logging.info('Initialised %d variables from %s', loaded, prefix)
@@ -460,26 +428,29 @@ class Checkpointer:
     return bool(due)
 
   def save(self, step: int, *, reason: str) -> str | None:
-    """Writes checkpoint `step` (async if configured); returns its final path."""
+    """Writes checkpoint `step` (async if configured); returns its final path.
+
+    In a multi-client run every client must call this at the same step."""
     self.wait()
     if step == self._last_saved_step:
       return None
     self._last_saved_step = step
     self._last_save_time = time.monotonic()
-    os.makedirs(self.directory, exist_ok=True)
     final = os.path.join(self.directory, f'ckpt-{step}')
-    if os.path.exists(final):  # a broken one that was never moved aside
+    if self.is_chief and os.path.exists(final):  # a broken one never moved aside
       os.rename(final, f'{final}.corrupt-{int(time.time())}')
-    temporary = os.path.join(self.directory, f'tmp-ckpt-{step}-{os.getpid()}')
+    temporary = os.path.join(self.directory, f'tmp-ckpt-{step}')
+    os.makedirs(temporary, exist_ok=True)
     start = time.perf_counter()
-    checkpoint = self._snapshot()
-    if self.config.async_save:
+    writes = shard_io.snapshot(self.entries, client_id=self.coordinator.client_id,
+                               object_graph_bytes=self._object_graph)
+    if self.config.async_save and self.coordinator.num_clients == 1:
       self._thread = threading.Thread(
-          target=self._write_guarded, args=(checkpoint, temporary, final, step, reason, start),
+          target=self._write_guarded, args=(writes, temporary, final, step, reason, start),
           name=f'checkpoint-{step}', daemon=False)
       self._thread.start()
     else:
-      self._write(checkpoint, temporary, final, step, reason, start)
+      self._write(writes, temporary, final, step, reason, start)
     return os.path.join(final, 'ckpt')
 
   def wait(self) -> None:
@@ -491,27 +462,30 @@ class Checkpointer:
       error, self._thread_error = self._thread_error, None
       raise error
 
-  def _snapshot(self) -> tf.train.Checkpoint:
-    """Copies every variable into host memory; training may then go on."""
-    if self._host is None:
-      pairs: dict[int, tuple[tf.Variable, tf.Variable]] = {}
-      mirrored = {name: _mirror(obj, pairs) for name, obj in self.state.items()}
-      self._host = (tf.train.Checkpoint(**mirrored), list(pairs.values()))
-    checkpoint, pairs = self._host
-    for variable, host in pairs:
-      host.assign(gather_to_host(variable))
-    return checkpoint
-
   def _write_guarded(self, *args) -> None:
     try:
       self._write(*args)
     except BaseException as e:  # pylint: disable=broad-except  # surfaced by wait()
       self._thread_error = e
 
-  def _write(self, checkpoint: tf.train.Checkpoint, temporary: str, final: str,
-             step: int, reason: str, start: float) -> None:
-    os.makedirs(temporary)
-    checkpoint.write(os.path.join(temporary, 'ckpt'))
+  def _write(self, writes, temporary: str, final: str, step: int, reason: str,
+             start: float) -> None:
+    client_id = self.coordinator.client_id
+    parts = shard_io.write_shards(writes, directory=temporary, client_id=client_id)
+    _fsync_files(f'{p}{suffix}' for p in parts for suffix in ('.index', '.data-00000-of-00001'))
+    written = self.coordinator.gather(len(parts))  # every client's parts are on disk
+    if self.is_chief:
+      self._commit(temporary, final, step, reason, start, expected_parts=int(sum(written)))
+    self.coordinator.barrier()  # nobody returns before the checkpoint is committed
+
+  def _commit(self, temporary: str, final: str, step: int, reason: str, start: float,
+              *, expected_parts: int) -> None:
+    parts = shard_io.find_parts(temporary)
+    if len(parts) != expected_parts:
+      raise RuntimeError(
+          f'{temporary} holds {len(parts)} shard bundles but the clients wrote '
+          f'{expected_parts}: the clients do not share this filesystem')
+    shard_io.merge_parts(parts, prefix=os.path.join(temporary, 'ckpt'))
     for name, text in self.extra_files.items():
       with open(os.path.join(temporary, name), 'w') as f:
         f.write(text)
@@ -530,6 +504,24 @@ class Checkpointer:
     logging.info('Saved checkpoint %s at step %d (%s, %.2f s)', event.path, step,
                  reason, event.seconds)
     self.on_event(event)
+
+  def _check_state_file(self) -> None:
+    """The `checkpoint` state file (tf.train.latest_checkpoint's) is derived
+    from the valid checkpoints: a damaged one is reported, moved aside, and
+    written anew."""
+    path = os.path.join(self.directory, 'checkpoint')
+    if not os.path.exists(path):
+      return
+    with open(path, 'rb') as f:
+      content = f.read()
+    if content == self._state_file_text().encode():
+      return
+    if not _STATE_FILE.fullmatch(content):
+      aside = f'{path}.corrupt-{int(time.time())}'
+      logging.error('Checkpoint state file %s is damaged; moved it to %s and wrote it '
+                    'anew from the valid checkpoints.', path, aside)
+      os.rename(path, aside)
+    self._update_state_file()
 
   def _state_file_text(self) -> str:
     """The text format tf.train.latest_checkpoint reads, for the valid checkpoints."""

@@ -19,10 +19,9 @@ import dataclasses
 import math
 from typing import Mapping
 
-
-from layout_core.lazy import tf, dtensor
 from layout_core.errors import ConfigError
 from layout_core.fields import check_types
+from layout_core.lazy import dtensor, tf
 
 UNSHARDED = 'unsharded'  # dtensor.UNSHARDED
 DEVICE_TYPES = ('CPU', 'GPU', 'TPU')
@@ -91,7 +90,12 @@ def configure_virtual_cpus(count: int) -> int:
 
 
 def build_mesh(spec: MeshSpec) -> dtensor.Mesh:
-  """A DTensor mesh for `spec`, or ConfigError if the machine is too small."""
+  """A DTensor mesh for `spec`, or ConfigError if the machine is too small.
+
+  In a multi-client run (after `cluster.connect`) the mesh spans every
+  client's devices, client 0's first."""
+  if dtensor.num_clients() > 1:
+    return _distributed_mesh(spec)
   if spec.device_type == 'CPU':
     available = configure_virtual_cpus(spec.num_devices)
   else:
@@ -111,6 +115,19 @@ def build_mesh(spec: MeshSpec) -> dtensor.Mesh:
   devices = [f'{spec.device_type}:{i}' for i in range(spec.num_devices)]
   return dtensor.create_mesh(list(spec.shape.items()), devices=devices,
                              device_type=spec.device_type)
+
+
+def _distributed_mesh(spec: MeshSpec) -> dtensor.Mesh:
+  clients = dtensor.num_clients()
+  local = dtensor.num_local_devices(spec.device_type)
+  if local * clients != spec.num_devices:
+    raise ConfigError(
+        f'{spec.describe()} needs {spec.num_devices} devices but {clients} clients with '
+        f'{local} {spec.device_type} devices each give {local * clients}',
+        where='mesh.shape', fix='make mesh.shape the product of the client count and '
+        'the devices per client (--devices_per_client for local CPU clusters)')
+  return dtensor.create_distributed_mesh(list(spec.shape.items()),
+                                         device_type=spec.device_type)
 
 
 def mesh_axes(mesh: dtensor.Mesh) -> dict[str, int]:

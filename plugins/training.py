@@ -23,15 +23,38 @@ import os
 
 from absl import logging
 
+from layout_core import cluster as cluster_lib
 from layout_core import layout_scope
 from layout_core import mesh as mesh_lib
 from layout_core.checkpoint import Checkpointer
+from layout_core.errors import ConfigError
 from layout_core.pipeline_trainer import PipelineTrainer
 from layout_core.preemption import PreemptionWatcher
 from layout_core.summaries import SummaryWriter
 from layout_core.trainer import Trainer, TrainResult
 from plugins.plan import RunPlan
 from plugins.record import checkpoint_event_recorder, record_run
+
+
+def join_cluster(plan: RunPlan, cluster: cluster_lib.ClusterSpec, *,
+                 devices_per_client: int | None = None) -> None:
+  """Makes this process one client of the global mesh (no-op for one client).
+
+  Each client brings mesh.num_devices / num_clients devices of its own."""
+  if not cluster.is_multi_client:
+    return
+  spec = plan.mesh_spec
+  per_client = devices_per_client or spec.num_devices // cluster.num_clients
+  if per_client * cluster.num_clients != spec.num_devices:
+    raise ConfigError(
+        f'{spec.describe()} needs {spec.num_devices} devices but {cluster.num_clients} '
+        f'clients x {per_client} devices give {per_client * cluster.num_clients}',
+        where='mesh.shape', fix='make the mesh size num_clients x devices_per_client')
+  if plan.pipeline is not None:
+    raise ConfigError('pipeline stages on sub-meshes run in a single client only',
+                      where='pipeline.num_stages', fix='run the pipelined config with one client')
+  logging.info('Joining the cluster as %s', cluster.describe())
+  cluster_lib.connect(cluster, device_type=spec.device_type, num_local_devices=per_client)
 
 
 def build_trainer(plan: RunPlan) -> Trainer:
@@ -51,26 +74,38 @@ def build_trainer(plan: RunPlan) -> Trainer:
   return trainer
 
 
-def run_training(plan: RunPlan, *, model_dir: str,
-                 watcher: PreemptionWatcher) -> TrainResult:
-  """Trains as planned, resuming from `model_dir`'s checkpoints (see module doc)."""
+def run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
+                 cluster: cluster_lib.ClusterSpec | None = None) -> TrainResult:
+  """Trains as planned, resuming from `model_dir`'s checkpoints (see module doc).
+
+  With a multi-client `cluster` (joined with `join_cluster`), every client
+  runs this with the same plan and model_dir (a shared filesystem); client 0
+  writes the run record and TensorBoard events."""
   trainer = build_trainer(plan)
+  coordinator = cluster_lib.coordinator_for(trainer.mesh, cluster)
+  chief = coordinator.client_id == 0
   checkpointer = Checkpointer(
       directory=os.path.join(model_dir, 'checkpoints'), state=trainer.state(),
-      config=plan.checkpoint, extra_files={'config.gin': plan.operative_config})
+      config=plan.checkpoint, extra_files={'config.gin': plan.operative_config},
+      coordinator=coordinator)
   checkpointer.check_latest_fits()
   trainer.check_runs()
 
   watcher.defer()  # writing starts: a signal now finishes the step and saves
-  os.makedirs(model_dir, exist_ok=True)
-  trainer.writer = SummaryWriter(model_dir)
-  checkpointer.on_event = checkpoint_event_recorder(trainer.writer)
-  record_run(trainer, plan, model_dir=model_dir)
+  if chief:
+    os.makedirs(model_dir, exist_ok=True)
+    trainer.writer = SummaryWriter(model_dir)
+    checkpointer.on_event = checkpoint_event_recorder(trainer.writer)
+    record_run(trainer, plan, model_dir=model_dir)
   if checkpointer.restore_latest() is None and plan.checkpoint.init_from:
     checkpointer.init_from(plan.checkpoint.init_from, trainer.variables)
 
   def after_step(step: int) -> bool:
-    if watcher.requested:
+    requested = watcher.requested
+    if coordinator.num_clients > 1:  # all clients stop at the same step
+      requested = any(coordinator.gather(requested))
+      watcher.signal_name = watcher.signal_name or 'a signal to another client'
+    if requested:
       path = checkpointer.save(step, reason='preemption')
       checkpointer.wait()
       message = (f'Preempted by {watcher.signal_name} at step {step}: saved '
@@ -83,7 +118,7 @@ def run_training(plan: RunPlan, *, model_dir: str,
 
   try:
     result = trainer.train(after_step=after_step)
-    if plan.checkpoint.save_at_end and not watcher.requested:
+    if plan.checkpoint.save_at_end and result.final_step == plan.train.num_steps:
       checkpointer.save(result.final_step, reason='final')
   finally:
     checkpointer.wait()
@@ -92,4 +127,7 @@ def run_training(plan: RunPlan, *, model_dir: str,
     logging.info('Done at step %d: eval loss %.4f (first %.4f, %.0f%%), %.2f steps/s',
                  result.final_step, last, first, 100 * last / first, result.steps_per_sec)
   trainer.writer.close()
+  if coordinator.num_clients > 1:
+    logging.info('Training done; waiting for every client to finish')
+    coordinator.barrier()  # no client leaves while another still needs it
   return result

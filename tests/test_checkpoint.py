@@ -3,17 +3,20 @@ saves, init_from (also from a TF1 name-based checkpoint), bad input."""
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 from layout_core import checkpoint as checkpoint_lib
+from layout_core import shard_io
 from layout_core.checkpoint import CheckpointConfig, Checkpointer
 from layout_core.data import MarkovTask
 from layout_core.errors import ConfigError
 from layout_core.layers import transformer_lm_params
-from layout_core.mesh import MeshSpec, build_mesh
+from layout_core.mesh import MeshSpec, build_mesh, pack_global_array
 from layout_core.optimizer import OptimizerConfig
 from layout_core.rules import LayoutRules
 from layout_core.trainer import TrainConfig, Trainer
@@ -158,14 +161,15 @@ def test_damaged_state_file_is_moved_aside_and_written_anew(tmp_path, trained, m
 
 def test_a_runtime_error_while_restoring_moves_nothing(tmp_path, trained, mesh_data8,
                                                        monkeypatch):
-  """Out of memory while placing values is not damage: the good checkpoint stays."""
+  """Out of memory while reading is not damage: the good checkpoint stays."""
+  from layout_core import shard_io  # pylint: disable=import-outside-toplevel
   newest = two_checkpoints(tmp_path, trained)
   before = sorted(os.listdir(newest.parent))
 
-  def out_of_memory(variable, value):
+  def out_of_memory(*args, **kwargs):
     raise tf.errors.ResourceExhaustedError(None, None, 'OOM when allocating tensor')
 
-  monkeypatch.setattr(checkpoint_lib, 'assign_global', out_of_memory)
+  monkeypatch.setattr(shard_io, '_restore', out_of_memory)
   restorer, _ = saved(tmp_path, make_trainer(mesh_data8))
   with pytest.raises(tf.errors.ResourceExhaustedError):
     restorer.restore_latest()
@@ -232,3 +236,65 @@ def test_interrupted_save_leaves_no_valid_checkpoint(tmp_path, trained):
   assert checkpoint_lib.latest_valid(str(tmp_path / 'checkpoints'))[0] == 2
   manifest = json.loads((tmp_path / 'checkpoints' / 'ckpt-2' / 'manifest.json').read_text())
   assert manifest['step'] == 2 and 'ckpt.index' in manifest['files']
+
+
+def index_entries(prefix):
+  """(key, shape) of every entry in the checkpoint index, as TF's own reader
+  lists them: a sliced tensor shows one entry per stored slice."""
+  listing = tf.train.load_checkpoint(prefix).debug_string().decode('latin-1')
+  entries = []  # a slice's key embeds binary slice bounds (maybe newlines): match across
+  for match in re.finditer(r'((?:model|optimizer|counters)/[\w./]*?/\.ATTRIBUTES/'
+                           r'VARIABLE_VALUE).{0,64}?\((DT_\w+)\) \[([\d,]*)\]', listing, re.S):
+    entries.append((match.group(1), tuple(int(d) for d in match.group(3).split(',') if d)))
+  return entries
+
+
+def test_sharded_variables_are_stored_as_slices_with_exact_values(tmp_path, trained):
+  checkpointer, _ = saved(tmp_path, trained)
+  path = checkpointer.save(3, reason='final')
+  entries = index_entries(path)
+  reader = tf.train.load_checkpoint(path)
+  checked = 0
+  for key, variable in checkpoint_lib.checkpoint_keys(trained.state()).items():
+    stored = [shape for k, shape in entries if k == key]
+    layout = getattr(variable, 'layout', None)
+    shard = tuple(dtensor.unpack(variable.read_value())[0].shape) if layout else None
+    if layout is not None and not layout.is_fully_replicated():
+      # e.g. Megatron's w_in [d, f] on 2x4: 4 slices ('model'), not 8 ('data' replicates)
+      axes = dict(zip(layout.mesh.dim_names, layout.mesh.shape()))
+      distinct = int(np.prod([axes[a] for a in layout.sharding_specs if a in axes]))
+      assert stored == [shard] * distinct, (key, stored)
+      checked += 1
+    else:
+      assert stored == [tuple(variable.shape)], (key, stored)
+    np.testing.assert_array_equal(reader.get_tensor(key), to_numpy(variable), err_msg=key)
+  assert checked >= 6  # parameters and both Adam slots of the sharded weights
+
+  # Still an ordinary object-graph checkpoint: TF's own restore reads it too.
+  fresh = make_trainer(build_mesh(MeshSpec(shape={'data': 4})))
+  tf.train.Checkpoint(model=fresh.model).read(path).assert_existing_objects_matched()
+  for key, variable in checkpoint_lib.checkpoint_keys({'model': fresh.model}).items():
+    np.testing.assert_array_equal(to_numpy(variable), reader.get_tensor(key), err_msg=key)
+
+
+def test_rows_of_a_stacked_variable_save_and_restore_under_their_own_keys(tmp_path, mesh_2x4):
+  """A [4, 8, 16] variable stored as 4 keys (one per dim-0 row), as a
+  stage-stacked pipeline variable is; restored into another layout."""
+  value = np.arange(4 * 8 * 16, dtype=np.float32).reshape(4, 8, 16)
+  stacked = dtensor.DVariable(pack_global_array(
+      value, dtensor.Layout(['data', 'unsharded', 'model'], mesh_2x4)))
+  entries = [shard_io.CheckpointEntry(f'stack/row_{i}', stacked, index=i) for i in range(4)]
+  directory = str(tmp_path)
+  writes = shard_io.snapshot(entries, client_id=0)
+  shard_io.write_shards(writes, directory=directory, client_id=0)
+  shard_io.merge_parts(shard_io.find_parts(directory), prefix=f'{directory}/ckpt')
+  reader = tf.train.load_checkpoint(f'{directory}/ckpt')
+  assert reader.get_variable_to_shape_map() == {f'stack/row_{i}': [8, 16] for i in range(4)}
+  for i in range(4):
+    np.testing.assert_array_equal(reader.get_tensor(f'stack/row_{i}'), value[i])
+
+  target = dtensor.DVariable(pack_global_array(
+      np.zeros_like(value), dtensor.Layout(['model', 'data', 'unsharded'], mesh_2x4)))
+  shard_io.read_entries(f'{directory}/ckpt', [
+      shard_io.CheckpointEntry(f'stack/row_{i}', target, index=i) for i in range(4)])
+  np.testing.assert_array_equal(to_numpy(target), value)

@@ -1,0 +1,319 @@
+"""Checkpoint tensors written and read as slices, from the devices that hold them.
+
+A sharded variable is saved the way TF's own DTensor save does it: every
+distinct shard is written once, by the device that holds it, as a *slice* of
+the global tensor (`SaveV2` with a shape-and-slice spec such as
+`"64 256 0,64:128,128"`), into a bundle of its own; one `MergeV2Checkpoints`
+then joins those bundles into a single standard checkpoint (it only rewrites
+the index and renames the data files: no tensor bytes are copied). Nothing
+is ever concatenated on the host, so no process needs the whole state in
+memory, and in a multi-client run each client writes only the shards its own
+devices hold. Restore asks `RestoreV2` for exactly the slice each device
+needs, so a checkpoint restores into any mesh shape or layout.
+
+    entries = checkpoint_entries({'model': model, 'optimizer': adam})
+    parts = write_shards(entries, directory=tmp, client_id=0,
+                         object_graph=object_graph(state))   # this client's bundles
+    merge_parts(find_parts(tmp), prefix=f'{tmp}/ckpt')       # client 0, after a barrier
+    read_entries(f'{tmp}/ckpt', entries)                     # every client
+
+Each entry maps one checkpoint key to one variable, or to one dim-0 row of a
+variable (`index`): a stacked variable `[S, ...]` can be stored as S keys,
+each holding `variable[i]`, so its checkpoint matches the unstacked model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import zlib
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from layout_core.lazy import dtensor, tf
+
+VALUE_SUFFIX = '/.ATTRIBUTES/VARIABLE_VALUE'
+OBJECT_GRAPH_KEY = '_CHECKPOINTABLE_OBJECT_GRAPH'
+_UNSHARDED = 'unsharded'
+_PART = re.compile(r'^(part-c\d+-\d+)\.index$')
+
+# A shard's extent: (start, length) per dimension of the global tensor.
+Ranges = tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointEntry:
+  """One checkpoint key and where its value lives.
+
+  `index` None: the key holds the whole `variable`. `index` i: the key holds
+  `variable[i]` (one dim-0 row of a stacked variable)."""
+  key: str
+  variable: object  # tf.Variable or DVariable
+  index: int | None = None
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    shape = tuple(self.variable.shape.as_list())
+    return shape if self.index is None else shape[1:]
+
+
+def escape(name: str) -> str:
+  """A trackable child name as tf.train.Checkpoint spells it in keys."""
+  return name.replace('.', '..').replace('/', '.S')
+
+
+def _children(obj) -> Mapping[str, object]:
+  return obj._trackable_children(save_type='checkpoint')  # pylint: disable=protected-access
+
+
+def checkpoint_entries(state: Mapping[str, object]) -> list[CheckpointEntry]:
+  """An entry per variable reachable from `state`, keyed as tf.train.Checkpoint
+  keys it (`model/stack/block_000/ffn/w_in/.ATTRIBUTES/VARIABLE_VALUE`); a
+  variable reachable twice keeps its first key."""
+  entries: list[CheckpointEntry] = []
+  seen: set[int] = set()
+
+  def visit(prefix: str, obj) -> None:
+    if isinstance(obj, tf.Variable):
+      if id(obj) not in seen:
+        seen.add(id(obj))
+        entries.append(CheckpointEntry(prefix + VALUE_SUFFIX, obj))
+      return
+    for name, child in _children(obj).items():
+      visit(f'{prefix}/{escape(name)}', child)
+
+  for name, obj in state.items():
+    visit(escape(name), obj)
+  return entries
+
+
+def object_graph(state: Mapping[str, object]) -> bytes:
+  """The serialized object graph tf.train.Checkpoint stores with its values,
+  so `tf.train.Checkpoint(...).read()` can match objects, not just keys. Built
+  with the same traversal as `checkpoint_entries`, so the keys agree."""
+  from tensorflow.core.protobuf import trackable_object_graph_pb2  # pylint: disable=g-import-not-at-top
+  graph = trackable_object_graph_pb2.TrackableObjectGraph()
+  node_of: dict[int, int] = {}
+
+  def add(obj, prefix: str) -> int:
+    if id(obj) in node_of:
+      return node_of[id(obj)]
+    node_id = len(graph.nodes)
+    node_of[id(obj)] = node_id
+    node = graph.nodes.add()
+    if isinstance(obj, tf.Variable):
+      attribute = node.attributes.add()
+      attribute.name = 'VARIABLE_VALUE'
+      attribute.full_name = obj.name.split(':')[0]
+      attribute.checkpoint_key = prefix + VALUE_SUFFIX
+      return node_id
+    for name, child in _children(obj).items():
+      child_id = add(child, f'{prefix}/{escape(name)}' if prefix else escape(name))
+      reference = graph.nodes[node_id].children.add()
+      reference.node_id, reference.local_name = child_id, name
+    return node_id
+
+  root = graph.nodes.add()
+  node_of[-1] = 0
+  for name, obj in state.items():
+    child_id = add(obj, escape(name))
+    reference = root.children.add()
+    reference.node_id, reference.local_name = child_id, name
+  return graph.SerializeToString()
+
+
+# -- where each shard lives ----------------------------------------------------------
+def _layout(variable):
+  return getattr(variable, 'layout', None)
+
+
+def device_ranges(shape: Sequence[int], layout) -> list[Ranges]:
+  """The extent of every device's shard, in the mesh's global device order."""
+  mesh = layout.mesh
+  axes = dict(zip(mesh.dim_names, mesh.shape()))
+  result = []
+  for position in range(mesh.size):
+    location = dict(zip(mesh.dim_names, np.unravel_index(position, mesh.shape())))
+    ranges = []
+    for size, axis in zip(shape, layout.sharding_specs):
+      if axis == _UNSHARDED:
+        ranges.append((0, size))
+      else:
+        length = size // axes[axis]
+        ranges.append((int(location[axis]) * length, length))
+    result.append(tuple(ranges))
+  return result
+
+
+def _entry_part(entry: CheckpointEntry, ranges: Ranges) -> tuple[Ranges, int | None] | None:
+  """What a device whose shard spans `ranges` of the variable holds of `entry`:
+  (the extent within the entry's tensor, the row of the shard to take), or None."""
+  if entry.index is None:
+    return ranges, None
+  start, length = ranges[0]
+  if not start <= entry.index < start + length:
+    return None
+  return ranges[1:], entry.index - start
+
+
+def slice_spec(shape: Sequence[int], ranges: Ranges) -> str:
+  """The shape-and-slice string SaveV2/RestoreV2 take ('' for the whole tensor)."""
+  if all(start == 0 and length == size for size, (start, length) in zip(shape, ranges)):
+    return ''
+  extents = ':'.join('-' if start == 0 and length == size else f'{start},{length}'
+                     for size, (start, length) in zip(shape, ranges))
+  return ' '.join(str(s) for s in shape) + ' ' + extents
+
+
+def _local_positions(mesh) -> list[int]:
+  """Global positions (row-major in the mesh) of this client's devices, in the
+  order `dtensor.unpack` returns their components."""
+  flat = list(np.asarray(mesh.global_device_ids()).reshape(-1))
+  return [flat.index(device_id) for device_id in mesh.local_device_ids()]
+
+
+# -- writing -------------------------------------------------------------------------
+@dataclasses.dataclass
+class _DeviceWrite:
+  """What one device writes: names, slice specs and tensors for one SaveV2."""
+  device: str
+  names: list[str] = dataclasses.field(default_factory=list)
+  specs: list[str] = dataclasses.field(default_factory=list)
+  tensors: list = dataclasses.field(default_factory=list)
+
+  def add(self, name: str, spec: str, tensor) -> None:
+    self.names.append(name)
+    self.specs.append(spec)
+    self.tensors.append(tensor)
+
+
+def snapshot(entries: Sequence[CheckpointEntry], *, client_id: int,
+             object_graph_bytes: bytes | None = None) -> list[_DeviceWrite]:
+  """This client's share of a save, grouped by the device that holds it.
+
+  Each distinct slice is written by exactly one device in the whole cluster,
+  chosen among the devices that hold it by a hash of key and slice, so copies
+  of replicated shards spread the writing over devices and clients. Values
+  are read, not copied: TF copies a variable's buffer before the next update
+  writes into it, so the snapshot stays consistent while training goes on.
+  """
+  writes: dict[str, _DeviceWrite] = {}
+
+  def on(device: str) -> _DeviceWrite:
+    return writes.setdefault(device, _DeviceWrite(device))
+
+  values: dict[int, list] = {}
+  for entry in entries:
+    variable = entry.variable
+    layout = _layout(variable)
+    if layout is None:
+      if client_id == 0:
+        value = variable.read_value()
+        on(value.device).add(entry.key, '', value if entry.index is None else value[entry.index])
+      continue
+    if id(variable) not in values:
+      values[id(variable)] = dtensor.unpack(variable.read_value())
+    components = values[id(variable)]
+    all_ranges = device_ranges(variable.shape.as_list(), layout)
+    holders: dict[Ranges, list[int]] = {}
+    for position, ranges in enumerate(all_ranges):
+      part = _entry_part(entry, ranges)
+      if part is not None:
+        holders.setdefault(part[0], []).append(position)
+    owner = {extent: positions[zlib.crc32(f'{entry.key} {extent}'.encode()) % len(positions)]
+             for extent, positions in holders.items()}
+    for local, position in enumerate(_local_positions(layout.mesh)):
+      part = _entry_part(entry, all_ranges[position])
+      if part is None or owner[part[0]] != position:
+        continue
+      extent, row = part
+      component = components[local]
+      on(component.device).add(entry.key, slice_spec(entry.shape, extent),
+                               component if row is None else component[row])
+  if object_graph_bytes is not None and client_id == 0:
+    with tf.device('/CPU:0'):
+      on('/CPU:0').add(OBJECT_GRAPH_KEY, '', tf.constant(object_graph_bytes))
+  return list(writes.values())
+
+
+def write_shards(writes: Sequence[_DeviceWrite], *, directory: str,
+                 client_id: int) -> list[str]:
+  """Writes each device's slices with one SaveV2 on that device (no copies to a
+  host device); returns the part prefixes written (`part-c<client>-<n>`)."""
+  prefixes = []
+  for number, write in enumerate(writes):
+    prefix = os.path.join(directory, f'part-c{client_id}-{number}')
+    with tf.device(write.device):
+      tf.raw_ops.SaveV2(prefix=prefix, tensor_names=write.names,
+                        shape_and_slices=write.specs, tensors=write.tensors)
+    prefixes.append(prefix)
+  return prefixes
+
+
+def find_parts(directory: str) -> list[str]:
+  """Every part bundle in `directory` (all clients'), in a fixed order."""
+  names = sorted(m.group(1) for m in map(_PART.match, os.listdir(directory)) if m)
+  return [os.path.join(directory, name) for name in names]
+
+
+def merge_parts(parts: Sequence[str], *, prefix: str) -> None:
+  """Joins the part bundles into one checkpoint at `prefix`; the parts' data
+  files are renamed into it and their indexes removed."""
+  with tf.device('/CPU:0'):
+    tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=list(parts),
+                                  destination_prefix=prefix, delete_old_dirs=False)
+
+
+# -- reading -------------------------------------------------------------------------
+def _restore(prefix: str, names: Sequence[str], specs: Sequence[str], dtypes, device: str):
+  with tf.device(device):
+    return tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=list(names),
+                                shape_and_slices=list(specs), dtypes=list(dtypes))
+
+
+def read_entries(prefix: str, entries: Iterable[CheckpointEntry]) -> None:
+  """Assigns every entry's variable from the checkpoint at `prefix`.
+
+  Each local device reads only the slice it holds (a slice it shares with an
+  earlier local device is read once); rows of a stacked variable are read
+  from their own keys and stacked on the device. Works for any mesh shape or
+  layout, whatever the layout the checkpoint was written from."""
+  by_variable: dict[int, list[CheckpointEntry]] = {}
+  for entry in entries:
+    by_variable.setdefault(id(entry.variable), []).append(entry)
+  for group in by_variable.values():
+    variable = group[0].variable
+    rows = {e.index: e for e in group}
+    whole = rows.get(None)
+    shape = variable.shape.as_list()
+    layout = _layout(variable)
+    if layout is None:
+      extent = tuple((0, s) for s in shape)
+      variable.assign(_read_extent(prefix, whole, rows, shape, extent, variable.dtype,
+                                   variable.device))
+      continue
+    all_ranges = device_ranges(shape, layout)
+    cache: dict[Ranges, object] = {}
+    components = []
+    for device, position in zip(layout.mesh.local_devices(), _local_positions(layout.mesh)):
+      ranges = all_ranges[position]
+      if ranges not in cache:
+        cache[ranges] = _read_extent(prefix, whole, rows, shape, ranges, variable.dtype, device)
+      components.append(cache[ranges])
+    variable.assign(dtensor.pack(components, layout))
+
+
+def _read_extent(prefix, whole, rows, shape, ranges: Ranges, dtype, device: str):
+  if whole is not None:
+    return _restore(prefix, [whole.key], [slice_spec(shape, ranges)], [dtype], device)[0]
+  start, length = ranges[0]
+  missing = [i for i in range(start, start + length) if i not in rows]
+  if missing:
+    raise ValueError(f'rows {missing} of a stacked variable have no checkpoint entry')
+  keys = [rows[i].key for i in range(start, start + length)]
+  specs = [slice_spec(shape[1:], ranges[1:])] * length
+  values = _restore(prefix, keys, specs, [dtype] * length, device)
+  with tf.device(device):
+    return tf.stack(values)

@@ -1,0 +1,301 @@
+"""Several real client processes as one mesh: same result as one process,
+checkpoints that cross between them, and faults that end in bounded time.
+
+Every run is a real `launch.train` process (2 clients x 4 virtual CPU devices,
+or 1 process x 8), on the Megatron-sharded 2x4 mesh ('data' across clients,
+'model' within). Runs are shared between tests through module fixtures, in
+this order: one process for 8 steps (the reference), 2 clients for 4 steps,
+then resumes across the two kinds and the faults.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.conftest import REPO_ROOT, read_events, run_module
+
+# Bit-identical in practice (the cross-process all-reduce sums in the same
+# order here); 1e-6 leaves room for another reduction order on other hosts.
+ATOL = 1e-6
+
+ARGS = ['--gin_file=configs/experiments/lm_2d.gin',
+        '--gin_bindings=transformer_lm.num_layers = 1',
+        '--gin_bindings=transformer_lm.max_len = 16', '--gin_bindings=data.seq_len = 16',
+        '--gin_bindings=train.batch_size = 8', '--gin_bindings=train.eval_batches = 1',
+        '--gin_bindings=train.eval_every = 0', '--gin_bindings=train.log_every = 1',
+        "--gin_bindings=optimizer.decay = 'constant'",
+        '--gin_bindings=checkpoint.every_steps = 2', '--gin_bindings=checkpoint.keep = 10']
+
+
+def steps(n):
+  return f'--gin_bindings=train.num_steps = {n}'
+
+
+def ckpt(model_dir, step):
+  return os.path.join(model_dir, 'checkpoints', f'ckpt-{step}', 'ckpt')
+
+
+def assert_same_state(prefix, reference):
+  a, b = tf.train.load_checkpoint(prefix), tf.train.load_checkpoint(reference)
+  keys = {k for k in b.get_variable_to_shape_map() if k.endswith('VARIABLE_VALUE')}
+  assert keys == {k for k in a.get_variable_to_shape_map() if k.endswith('VARIABLE_VALUE')}
+  for key in keys:
+    np.testing.assert_allclose(a.get_tensor(key), b.get_tensor(key), rtol=0, atol=ATOL,
+                               err_msg=key)
+
+
+def copy_checkpoint(model_dir, step, target):
+  os.makedirs(os.path.join(target, 'checkpoints'))
+  shutil.copytree(os.path.dirname(ckpt(model_dir, step)),
+                  os.path.dirname(ckpt(target, step)))
+
+
+def free_cluster(count=2):
+  from launch.local_cluster import free_ports
+  return ','.join(f'localhost:{p}' for p in free_ports(count))
+
+
+class Client:
+  """One `launch.train` client in its own process group, output collected."""
+
+  def __init__(self, client_id, cluster, *args):
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
+    self.client_id = client_id
+    self.process = subprocess.Popen(
+        [sys.executable, '-u', '-m', 'launch.train', *args, f'--cluster={cluster}',
+         f'--client_id={client_id}'], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    self.lines = []
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+
+  def _read(self):
+    for line in self.process.stdout:
+      self.lines.append(line)
+
+  @property
+  def output(self):
+    return ''.join(self.lines)
+
+  def wait_for(self, pattern, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+      if re.search(pattern, self.output):
+        return
+      if self.process.poll() is not None:
+        break
+      time.sleep(0.2)
+    raise AssertionError(f'client {self.client_id}: no {pattern!r}:\n{self.output[-3000:]}')
+
+  def exit_seconds(self, timeout):
+    """Seconds until the process exits (AssertionError after `timeout`)."""
+    start = time.monotonic()
+    try:
+      self.process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      raise AssertionError(f'client {self.client_id} still running after {timeout} s:\n'
+                           f'{self.output[-3000:]}') from None
+    self._reader.join(timeout=5)
+    return time.monotonic() - start
+
+  def kill(self, signum=signal.SIGKILL):
+    try:
+      os.killpg(self.process.pid, signum)
+    except ProcessLookupError:
+      pass
+
+
+def cleanup(clients):
+  for client in clients:
+    client.kill(signal.SIGKILL)
+    client.process.wait()
+
+
+def local_cluster(model_dir, *args, timeout=400):
+  return run_module('launch.local_cluster', '--num_clients=2', '--devices_per_client=4',
+                    '--', *ARGS, *args, f'--model_dir={model_dir}', timeout=timeout)
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+  """One process with 8 devices, 8 steps: checkpoints at 2, 4, 6, 8."""
+  model_dir = str(tmp_path_factory.mktemp('reference'))
+  result = run_module('launch.train', *ARGS, steps(8), f'--model_dir={model_dir}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  return model_dir
+
+
+@pytest.fixture(scope='module')
+def two_clients(tmp_path_factory):
+  """2 clients x 4 devices through launch.local_cluster, preempted with SIGTERM
+  (to the launcher, which forwards it) once step 4 is saved."""
+  model_dir = str(tmp_path_factory.mktemp('two_clients'))
+  env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
+  launcher = subprocess.Popen(
+      [sys.executable, '-u', '-m', 'launch.local_cluster', '--num_clients=2',
+       '--devices_per_client=4', '--', *ARGS, steps(1000), f'--model_dir={model_dir}'],
+      cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  lines = []
+  reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+  reader.start()
+  try:
+    deadline = time.monotonic() + 400
+    while not re.search(r'Saved checkpoint .*ckpt-4/ckpt', ''.join(lines)):
+      assert launcher.poll() is None and time.monotonic() < deadline, ''.join(lines)[-4000:]
+      time.sleep(0.2)
+    launcher.send_signal(signal.SIGTERM)
+    launcher.wait(timeout=120)
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+      launcher.wait()
+    reader.join(timeout=10)
+  output = ''.join(lines)
+  assert launcher.returncode == 0, output[-4000:]
+  return model_dir, output
+
+
+def test_two_clients_equal_one_process_and_only_client_0_records(reference, two_clients):
+  model_dir, output = two_clients
+  for step in (2, 4):
+    assert_same_state(ckpt(model_dir, step), ckpt(reference, step))
+  assert '[client 0]' in output and '[client 1]' in output
+  assert 'exit status per client: [0, 0]' in output
+  assert [n for n in os.listdir(model_dir) if n.startswith('events.')]
+  assert {'config.gin', 'params.txt', 'layouts.txt'} <= set(os.listdir(model_dir))
+  events = read_events(model_dir)  # one writer: each step logged once
+  logged = [s for s, _ in events['scalars']['train/loss']]
+  assert logged == list(range(1, len(logged) + 1)) and len(logged) >= 4
+  assert re.search(r'\[client 1\].*This is client 1 of 2', output)
+
+
+def test_sigterm_stops_every_client_at_the_same_step_and_saves(two_clients):
+  model_dir, output = two_clients
+  stopped = {int(m.group(1)): int(m.group(2)) for m in re.finditer(
+      r'\[client (\d)\] Preempted by .* at step (\d+): saved', output)}
+  assert set(stopped) == {0, 1} and stopped[0] == stopped[1], output[-4000:]
+  step = stopped[0]
+  reader = tf.train.load_checkpoint(ckpt(model_dir, step))
+  assert reader.get_tensor('counters/step/.ATTRIBUTES/VARIABLE_VALUE') == step
+
+
+def test_two_client_checkpoint_resumes_in_one_process(tmp_path, reference, two_clients):
+  copy_checkpoint(two_clients[0], 4, str(tmp_path))
+  result = run_module('launch.train', *ARGS, steps(6), f'--model_dir={tmp_path}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert re.search(r'Resumed from .*ckpt-4/ckpt at step 4', result.stderr)
+  assert_same_state(ckpt(tmp_path, 6), ckpt(reference, 6))
+
+
+def test_one_process_checkpoint_resumes_on_two_clients_then_a_dead_peer_stops_the_other(
+    tmp_path, reference):
+  """Resume 1 -> 2 clients; kill client 0 (the coordination leader) after
+  step 6 is saved: client 1 exits non-zero within 30 s; relaunching both
+  resumes from that last complete checkpoint and matches the reference."""
+  model_dir = str(tmp_path)
+  copy_checkpoint(reference, 4, model_dir)
+  cluster = free_cluster()
+  clients = [Client(k, cluster, *ARGS, steps(1000), f'--model_dir={model_dir}')
+             for k in (0, 1)]
+  try:
+    clients[0].wait_for(r'Saved checkpoint .*ckpt-6/ckpt', timeout=300)
+    assert re.search(r'Resumed from .*ckpt-4/ckpt at step 4', clients[1].output)
+    clients[0].kill(signal.SIGKILL)
+    seconds = clients[1].exit_seconds(timeout=30)
+    assert clients[1].process.returncode != 0
+    assert 'Client 1 of 2 failed' in clients[1].output, clients[1].output[-3000:]
+    print(f'client 1 exited {seconds:.1f} s after its peer died')
+  finally:
+    cleanup(clients)
+  assert_same_state(ckpt(model_dir, 6), ckpt(reference, 6))
+
+  result = local_cluster(model_dir, steps(8))
+  assert result.returncode == 0, result.stdout[-4000:]
+  assert re.search(r'\[client 1\].*Resumed from .*ckpt-6/ckpt at step 6', result.stdout)
+  assert_same_state(ckpt(model_dir, 8), ckpt(reference, 8))
+
+
+def test_a_hung_peer_stops_the_other_within_30_seconds(tmp_path):
+  cluster = free_cluster()
+  clients = [Client(k, cluster, *ARGS, steps(1000), f'--model_dir={tmp_path}')
+             for k in (0, 1)]
+  try:
+    clients[0].wait_for(r'step 2/1000', timeout=300)
+    clients[1].kill(signal.SIGSTOP)
+    seconds = clients[0].exit_seconds(timeout=30)
+    assert clients[0].process.returncode != 0
+    assert 'Client 0 of 2 failed' in clients[0].output, clients[0].output[-3000:]
+    print(f'client 0 exited {seconds:.1f} s after its peer hung')
+  finally:
+    cleanup(clients)
+
+
+def test_a_peer_that_never_starts_fails_within_the_init_timeout(tmp_path):
+  cluster = free_cluster()
+  client = Client(0, cluster, *ARGS, steps(4), f'--model_dir={tmp_path}',
+                  '--cluster_init_timeout=5')
+  try:
+    seconds = client.exit_seconds(timeout=90)
+  finally:
+    cleanup([client])
+  assert client.process.returncode != 0
+  peer = cluster.split(',')[1]
+  assert f'client 0 gave up after 5 s' in client.output
+  assert f'not listening: client 1 ({peer})' in client.output, client.output[-2000:]
+  print(f'exited {seconds:.1f} s after start (import + 5 s timeout)')
+
+
+def test_bad_cluster_flags_exit_2(tmp_path):
+  result = run_module('launch.train', *ARGS, f'--model_dir={tmp_path}',
+                      '--cluster=localhost:9001,localhost:10000', '--client_id=0')
+  assert result.returncode == 2
+  assert 'not in sorted order' in result.stderr and '--cluster' in result.stderr
+  result = run_module('launch.train', *ARGS, f'--model_dir={tmp_path}',
+                      '--cluster=localhost:9001,localhost:9002', '--num_clients=3')
+  assert result.returncode == 2 and '--num_clients=3' in result.stderr
+
+
+def test_a_client_that_cannot_see_the_checkpoint_directory_is_named(tmp_path):
+  """Client 1 given another --model_dir stands in for a host without the shared
+  filesystem: both clients exit 2 naming client 1."""
+  cluster = free_cluster()
+  clients = [Client(k, cluster, *ARGS, steps(4), f'--model_dir={tmp_path / f"dir{k}"}')
+             for k in (0, 1)]
+  try:
+    for client in clients:
+      client.exit_seconds(timeout=300)
+  finally:
+    cleanup(clients)
+  for client in clients:
+    assert client.process.returncode == 2, client.output[-3000:]
+    assert 'client(s) [1] cannot see the checkpoint directory' in client.output
+    assert 'filesystem that every host mounts' in client.output
+
+
+def test_cluster_spec_from_flags_or_dtensor_environment():
+  from layout_core.cluster import ClusterSpec
+  from layout_core.errors import ConfigError
+  env = {'DTENSOR_JOBS': 'h0:9000,h1:9000', 'DTENSOR_CLIENT_ID': '1'}
+  spec = ClusterSpec.from_options(client_id=None, num_clients=None, cluster=[],
+                                  init_timeout=120, environ=env)
+  assert (spec.client_id, spec.addresses, spec.num_clients) == (1, ('h0:9000', 'h1:9000'), 2)
+  flags_win = ClusterSpec.from_options(client_id=0, num_clients=2, cluster=['a:1', 'b:1'],
+                                       init_timeout=5, environ=env)
+  assert flags_win.addresses == ('a:1', 'b:1') and flags_win.client_id == 0
+  single = ClusterSpec.from_options(client_id=None, num_clients=None, cluster=[],
+                                    init_timeout=120, environ={})
+  assert not single.is_multi_client
+  with pytest.raises(ConfigError, match='client_id 2 is not in 0..1'):
+    ClusterSpec.from_options(client_id=2, num_clients=None, cluster=['a:1', 'b:1'],
+                             init_timeout=1, environ={})
+  with pytest.raises(ConfigError, match='not host:port'):
+    ClusterSpec(client_id=0, addresses=('a:1', 'b'))
