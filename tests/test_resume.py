@@ -10,6 +10,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tests.conftest import REPO_ROOT, read_events, run_module
@@ -52,6 +53,20 @@ def test_n_plus_n_steps_equals_2n_steps_bit_exactly(tmp_path):
   assert any('(final' in line for line in lines) and any('(resume' in line for line in lines)
 
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def no_orphans():
+  """Kills any training process a failed test left running."""
+  yield
+  while _STARTED:
+    process = _STARTED.pop()
+    if process.poll() is None:
+      process.kill()
+      process.wait(30)
+
+
 class Training:
   """A launch.train process whose merged output is collected line by line."""
 
@@ -60,6 +75,7 @@ class Training:
     self.process = subprocess.Popen(
         [sys.executable, '-m', 'launch.train', *BASE, f'--model_dir={model_dir}', *extra],
         cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _STARTED.append(self.process)
     self.lines = []
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
