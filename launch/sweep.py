@@ -58,7 +58,8 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   outcome = {}
 
-  def body():
+  def body(watcher):
+    del watcher  # the runner forwards stop signals to its trials itself
     # pylint: disable=g-import-not-at-top
     from plugins import sweep as sweep_lib
     from plugins import sweep_spec

@@ -55,6 +55,14 @@ class PreemptionWatcher:
                       'exiting', self.signal_name)
     self.requested = True
 
+  def reinstall(self) -> None:
+    """Takes the signals back: TensorFlow installs its own SIGTERM handler when
+    it initialises its devices (and drops the SIGINT one), which would end the
+    process with status 143 and no message."""
+    if self._previous:
+      for signum in self.SIGNALS:
+        signal.signal(signum, self._handle)
+
   def defer(self) -> None:
     """From now on a signal only sets `requested` (see module docstring)."""
     self._immediate = False

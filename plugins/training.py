@@ -57,9 +57,11 @@ def join_cluster(plan: RunPlan, cluster: cluster_lib.ClusterSpec, *,
   cluster_lib.connect(cluster, device_type=spec.device_type, num_local_devices=per_client)
 
 
-def build_trainer(plan: RunPlan) -> Trainer:
+def build_trainer(plan: RunPlan, *, watcher: PreemptionWatcher | None = None) -> Trainer:
   """Builds the mesh, the model (in the layout scope) and the optimizer."""
   mesh = mesh_lib.build_mesh(plan.mesh_spec)
+  if watcher is not None:
+    watcher.reinstall()  # TF took SIGTERM/SIGINT while initialising its devices
   logging.info('Mesh: %s', plan.mesh_spec.describe())
   logging.info('Data: %s', plan.task.describe())
   kwargs = dict(model_params=plan.params, mesh=mesh, rules=plan.rules, task=plan.task,
@@ -81,7 +83,7 @@ def run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
   With a multi-client `cluster` (joined with `join_cluster`), every client
   runs this with the same plan and model_dir (a shared filesystem); client 0
   writes the run record and TensorBoard events."""
-  trainer = build_trainer(plan)
+  trainer = build_trainer(plan, watcher=watcher)
   coordinator = cluster_lib.coordinator_for(trainer.mesh, cluster)
   chief = coordinator.client_id == 0
   checkpointer = Checkpointer(
@@ -91,6 +93,7 @@ def run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
   checkpointer.check_latest_fits()
   trainer.check_runs()
 
+  watcher.reinstall()
   watcher.defer()  # writing starts: a signal now finishes the step and saves
   if chief:
     os.makedirs(model_dir, exist_ok=True)
