@@ -107,16 +107,59 @@ def _escape(name: str) -> str:
   return name.replace('.', '..').replace('/', '.S')
 
 
-def checkpoint_keys(state: Mapping[str, tf.Module]) -> dict[str, tf.Variable]:
-  """Checkpoint key -> variable for everything `state` would save."""
-  keys: dict[str, tf.Variable] = {}
+@dataclasses.dataclass(frozen=True)
+class KeyRecord:
+  """What one checkpoint key holds: `variable`, or `variable[index]` when the
+  variable stacks several checkpoint tensors (the SPMD pipeline's cells)."""
+  variable: tf.Variable
+  index: tuple[int, ...] | None = None
+
+  @property
+  def shape(self) -> list[int]:
+    shape = self.variable.shape.as_list()
+    return shape if self.index is None else shape[len(self.index):]
+
+
+_UNSTACKED = '_meshgin_unstacked'
+
+
+def set_unstacked(variable: tf.Variable, placeholder: str,
+                  pieces: Sequence[tuple[str, tuple[int, ...]]]) -> None:
+  """Declares that `variable` stacks several checkpoint tensors: under the
+  variable's own key with the path component `placeholder` replaced by
+  `name`, the tensor `variable[index]`, for each (name, index) in `pieces`.
+  E.g. placeholder 'stacked_cells' and ('block_003', (1, 0)):
+  model/stack/stacked_cells/ffn/w_in -> model/stack/block_003/ffn/w_in = v[1, 0]."""
+  setattr(variable, _UNSTACKED, (placeholder, tuple(pieces)))
+
+
+def _replace_component(key: str, placeholder: str, name: str) -> str:
+  """`placeholder` -> `name` where it is a whole path component of `key`
+  (components are separated by '/' in keys and '.S' inside escaped names)."""
+  pattern = re.compile(r'(^|/|\.S)' + re.escape(placeholder) + r'(?=/|\.S|$)')
+  replaced, count = pattern.subn(lambda m: m.group(1) + name, key)
+  if count != 1:
+    raise ValueError(f'{placeholder!r} is {count} components of checkpoint key {key!r}')
+  return replaced
+
+
+def checkpoint_records(state: Mapping[str, tf.Module]) -> dict[str, KeyRecord]:
+  """Checkpoint key -> what it holds, for everything `state` would save."""
+  records: dict[str, KeyRecord] = {}
   seen: set[int] = set()
 
   def visit(prefix: str, obj) -> None:
     if isinstance(obj, tf.Variable):
       if id(obj) not in seen:
         seen.add(id(obj))
-        keys[prefix + _VALUE_SUFFIX] = obj
+        unstacked = getattr(obj, _UNSTACKED, None)
+        if unstacked is None:
+          records[prefix + _VALUE_SUFFIX] = KeyRecord(obj)
+        else:
+          placeholder, pieces = unstacked
+          for name, index in pieces:
+            key = _replace_component(prefix, placeholder, name) + _VALUE_SUFFIX
+            records[key] = KeyRecord(obj, tuple(index))
       return
     children = obj._trackable_children(save_type='checkpoint')  # pylint: disable=protected-access
     for name, child in children.items():
@@ -124,7 +167,14 @@ def checkpoint_keys(state: Mapping[str, tf.Module]) -> dict[str, tf.Variable]:
 
   for name, obj in state.items():
     visit(_escape(name), obj)
-  return keys
+  return records
+
+
+def checkpoint_keys(state: Mapping[str, tf.Module]) -> dict[str, tf.Variable]:
+  """Checkpoint key -> variable for everything `state` would save (for a
+  stacked variable, every key it holds maps to the whole variable; use
+  `checkpoint_records` for the slice)."""
+  return {key: record.variable for key, record in checkpoint_records(state).items()}
 
 
 def gather_to_host(variable: tf.Variable) -> tf.Tensor:
@@ -159,25 +209,58 @@ def gather_to_host(variable: tf.Variable) -> tf.Tensor:
     return tf.identity(build((), 0))
 
 
-def _mirror(obj, pairs: dict[int, tuple[tf.Variable, tf.Variable]]):
-  """A trackable tree with the same checkpoint keys, holding host variables."""
-  if isinstance(obj, tf.Variable):
-    if id(obj) not in pairs:
-      with tf.device('/CPU:0'):
-        host = tf.Variable(tf.zeros(obj.shape, obj.dtype), trainable=False)
-      pairs[id(obj)] = (obj, host)
-    return pairs[id(obj)][1]
-  node = tf.__internal__.tracking.AutoTrackable()
-  for name, child in obj._trackable_children(save_type='checkpoint').items():  # pylint: disable=protected-access
-    node._track_trackable(_mirror(child, pairs), name=name)  # pylint: disable=protected-access
-  return node
+def _unescape(component: str) -> str:
+  """Inverse of `_escape`."""
+  out, i = [], 0
+  while i < len(component):
+    if component[i] == '.' and i + 1 < len(component):
+      out.append('/' if component[i + 1] == 'S' else component[i + 1])
+      i += 2
+    else:
+      out.append(component[i])
+      i += 1
+  return ''.join(out)
 
 
-def restore_values(prefix: str, keys: Mapping[str, tf.Variable]) -> None:
-  """Assigns every variable from the checkpoint by key, into its own layout."""
+def _host_tree(records: Mapping[str, KeyRecord]):
+  """Root name -> a trackable tree whose checkpoint keys are exactly those of
+  `records`, holding one host variable per key; plus (record, host) pairs."""
+  roots: dict = {}
+  pairs = []
+  for key, record in records.items():
+    parts = [_unescape(p) for p in key[:-len(_VALUE_SUFFIX)].split('/')]
+    with tf.device('/CPU:0'):
+      host = tf.Variable(tf.zeros(record.shape, record.variable.dtype), trainable=False)
+    pairs.append((record, host))
+    if parts[0] not in roots:
+      roots[parts[0]] = tf.__internal__.tracking.AutoTrackable()
+    node = roots[parts[0]]
+    for part in parts[1:-1]:
+      child = node._lookup_dependency(part)  # pylint: disable=protected-access
+      if child is None:
+        child = tf.__internal__.tracking.AutoTrackable()
+        node._track_trackable(child, name=part)  # pylint: disable=protected-access
+      node = child
+    node._track_trackable(host, name=parts[-1])  # pylint: disable=protected-access
+  return roots, pairs
+
+
+def restore_values(prefix: str, records: Mapping[str, KeyRecord]) -> None:
+  """Assigns every variable from the checkpoint by key, into its own layout
+  (a stacked variable from all its slices at once)."""
   reader = tf.train.load_checkpoint(prefix)
-  for key, variable in keys.items():
-    assign_global(variable, reader.get_tensor(key))
+  stacked: dict[int, tuple[tf.Variable, np.ndarray]] = {}
+  for key, record in records.items():
+    if record.index is None:
+      assign_global(record.variable, reader.get_tensor(key))
+      continue
+    variable = record.variable
+    if id(variable) not in stacked:
+      stacked[id(variable)] = (variable, np.zeros(variable.shape.as_list(),
+                                                  variable.dtype.as_numpy_dtype))
+    stacked[id(variable)][1][record.index] = reader.get_tensor(key)
+  for variable, value in stacked.values():
+    assign_global(variable, value)
 
 
 def assign_global(variable: tf.Variable, value: np.ndarray) -> None:
@@ -273,14 +356,14 @@ class Checkpointer:
   def check_compatible(self, prefix: str) -> None:
     """ConfigError listing every variable whose name or shape does not match."""
     saved = dict(tf.train.list_variables(prefix))
-    expected = checkpoint_keys(self.state)
+    expected = checkpoint_records(self.state)
     missing, reshaped, extra = [], [], []
-    for key, variable in expected.items():
+    for key, record in expected.items():
       if key not in saved:
         missing.append(key)
-      elif list(saved[key]) != variable.shape.as_list():
+      elif list(saved[key]) != record.shape:
         reshaped.append(f'{key}: checkpoint shape {list(saved[key])}, model shape '
-                        f'{variable.shape.as_list()}')
+                        f'{record.shape}')
     roots = tuple(_escape(name) + '/' for name in self.state)
     extra = [k for k in saved if k.startswith(roots) and k.endswith(_VALUE_SUFFIX)
              and k not in expected]
@@ -304,7 +387,7 @@ class Checkpointer:
         self.check_compatible(prefix)
         start = time.perf_counter()
         try:
-          restore_values(prefix, checkpoint_keys(self.state))
+          restore_values(prefix, checkpoint_records(self.state))
         except (tf.errors.OpError, ValueError) as e:
           problem = f'reading {prefix} failed: {type(e).__name__}: {str(e).splitlines()[0]}'
         else:
@@ -408,12 +491,16 @@ class Checkpointer:
   def _snapshot(self) -> tf.train.Checkpoint:
     """Copies every variable into host memory; training may then go on."""
     if self._host is None:
-      pairs: dict[int, tuple[tf.Variable, tf.Variable]] = {}
-      mirrored = {name: _mirror(obj, pairs) for name, obj in self.state.items()}
-      self._host = (tf.train.Checkpoint(**mirrored), list(pairs.values()))
+      roots, pairs = _host_tree(checkpoint_records(self.state))
+      self._host = (tf.train.Checkpoint(**roots), pairs)
     checkpoint, pairs = self._host
-    for variable, host in pairs:
-      host.assign(gather_to_host(variable))
+    gathered: dict[int, tf.Tensor] = {}
+    for record, host in pairs:
+      variable = record.variable
+      if id(variable) not in gathered:
+        gathered[id(variable)] = gather_to_host(variable)
+      value = gathered[id(variable)]
+      host.assign(value if record.index is None else value[record.index])
     return checkpoint
 
   def _write_guarded(self, *args) -> None:

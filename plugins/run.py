@@ -13,7 +13,6 @@ TensorBoard before the first step.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Callable
@@ -28,9 +27,9 @@ from layout_core import mesh as mesh_lib
 from layout_core.data import LMTask
 from layout_core.errors import ConfigError
 from layout_core.layers import Embedding, LayerMeta, flatten_layers
-from layout_core import pipeline as pipeline_lib
 from layout_core.params import Params
-from layout_core.pipeline_trainer import PipelinePlan, PipelineTrainer, plan_pipeline
+from layout_core.pipeline.trainer import (PipelinePlan, make_pipeline_trainer,
+                                          plan_layout_records, plan_pipeline)
 from layout_core.rules import LayoutRules
 from layout_core import trainer as trainer_lib
 from layout_core.summaries import SummaryWriter, code_block
@@ -87,15 +86,10 @@ def plan_run() -> RunPlan:
     pipeline = plan_pipeline(pipeline_config, params=params, mesh_axes=spec.shape,
                              batch_size=train_config.batch_size, seq_len=task.seq_len,
                              batch_axis=train_config.batch_axis)
-    stage_axis = pipeline_config.stage_axis
-    mesh_axes = {a: n for a, n in spec.shape.items() if a != stage_axis}
+    records = plan_layout_records(pipeline, params=params, rules=rules,
+                                  mesh_axes=spec.shape, stage_axis=pipeline_config.stage_axis)
   else:
-    mesh_axes = spec.shape
-  records = layout_scope.plan_layouts(params.cls.variable_specs(params), rules, mesh_axes)
-  if pipeline is not None:
-    records = [dataclasses.replace(
-        r, mesh=f'{stage_axis}{pipeline_lib.stage_of(pipeline.layer_stages, r.path)}')
-        for r in records]
+    records = layout_scope.plan_layouts(params.cls.variable_specs(params), rules, spec.shape)
   return RunPlan(mesh_spec=spec, params=params, rules=rules, task=task,
                  train_config=train_config, records=records, meta=meta,
                  pipeline=pipeline)
@@ -151,7 +145,7 @@ def build_trainer(*, model_dir: str | None) -> Trainer:
                 optimizer=configurables.optimizer(), config=train_config, writer=writer)
   pipeline_config = configurables.pipeline()
   if pipeline_config.enabled:
-    trainer = PipelineTrainer(pipeline=pipeline_config, **kwargs)
+    trainer = make_pipeline_trainer(pipeline=pipeline_config, **kwargs)
   else:
     trainer = Trainer(**kwargs)
   layout_scope.report_unused_rules(rules)
@@ -171,34 +165,8 @@ def record_run(trainer: Trainer, model_dir: str) -> None:
   write_text(model_dir, 'layouts.txt', table)
   trainer.writer.text(step=0, tag='config/gin', markdown=code_block(operative))
   trainer.writer.text(step=0, tag='config/params', markdown=code_block(params_text))
-  if isinstance(trainer, PipelineTrainer):
-    measured = benchmark_bubble_fraction(BENCH_RESULTS, num_stages=trainer.gpipe.num_stages,
-                                         num_micro_batches=trainer.gpipe.num_micro_batches)
-    if measured is not None:
-      trainer.writer.scalars(step=0, values={'pipeline/bubble_fraction_measured': measured})
   trainer.writer.flush()
   logging.info('Operative config:\n%s', operative)
-
-
-BENCH_RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                             'bench', 'results', 'pipeline.json')
-
-
-def benchmark_bubble_fraction(path: str, *, num_stages: int,
-                              num_micro_batches: int) -> float | None:
-  """The idle share bench/pipeline.py measured for K stages and M micro-batches
-  on sub-meshes (its own FC stack, so indicative only); None when not measured."""
-  try:
-    with open(path) as f:
-      training = json.load(f)['training']
-  except (OSError, ValueError, KeyError):
-    return None
-  if training.get('stages') != num_stages:
-    return None
-  for row in training.get('sub_meshes', []):
-    if row.get('num_micro_batches') == num_micro_batches:
-      return row.get('bubble_fraction_measured')
-  return None
 
 
 def checkpoint_event_recorder(writer) -> Callable[[CheckpointEvent], None]:
