@@ -6,7 +6,7 @@
       lm = transformer_lm_params(num_layers=2).Instantiate()
 
 One concept per module: params, mesh, rules, layout_scope, variables, layers,
-data, optimizer, trainer, checkpoint, preemption, pipeline, pipeline_trainer, replicated,
+data, optimizer, trainer, checkpoint, preemption, pipeline (a package), profiling, replicated,
 keras_compat, summaries. gin is attached in `plugins/`; flags live in `launch/`.
 """
 

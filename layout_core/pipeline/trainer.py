@@ -176,9 +176,10 @@ def plan_layout_records(plan: PipelinePlan, *, params: Params, rules: LayoutRule
   out = []
   for r in records:
     if any(r.path.startswith(cell + '/') for cell in plan.layer_stages):
+      # Stacked: each device holds 1/S of the cells (per cell, on average).
       out.append(dataclasses.replace(
           r, spec=(stage_axis,) + r.spec, source=f'{r.source} (+ stacked on {stage_axis})',
-          shape=r.shape))
+          bytes_per_device=r.bytes_per_device // plan.num_stages))
     else:
       out.append(r)
   return out
