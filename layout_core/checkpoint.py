@@ -226,6 +226,7 @@ def _host_tree(records: Mapping[str, KeyRecord]):
   """Root name -> a trackable tree whose checkpoint keys are exactly those of
   `records`, holding one host variable per key; plus (record, host) pairs."""
   roots: dict = {}
+  nodes: dict = {}  # path parts -> node
   pairs = []
   for key, record in records.items():
     parts = [_unescape(p) for p in key[:-len(_VALUE_SUFFIX)].split('/')]
@@ -233,13 +234,13 @@ def _host_tree(records: Mapping[str, KeyRecord]):
       host = tf.Variable(tf.zeros(record.shape, record.variable.dtype), trainable=False)
     pairs.append((record, host))
     if parts[0] not in roots:
-      roots[parts[0]] = tf.__internal__.tracking.AutoTrackable()
+      roots[parts[0]] = nodes[(parts[0],)] = tf.__internal__.tracking.AutoTrackable()
     node = roots[parts[0]]
-    for part in parts[1:-1]:
-      child = node._lookup_dependency(part)  # pylint: disable=protected-access
+    for depth in range(2, len(parts)):
+      child = nodes.get(tuple(parts[:depth]))
       if child is None:
-        child = tf.__internal__.tracking.AutoTrackable()
-        node._track_trackable(child, name=part)  # pylint: disable=protected-access
+        child = nodes[tuple(parts[:depth])] = tf.__internal__.tracking.AutoTrackable()
+        node._track_trackable(child, name=parts[depth - 1])  # pylint: disable=protected-access
       node = child
     node._track_trackable(host, name=parts[-1])  # pylint: disable=protected-access
   return roots, pairs
