@@ -47,8 +47,9 @@ class OptimizerConfig:
     if self.decay not in DECAYS:
       raise ConfigError(f'optimizer.decay is {self.decay!r}', where='optimizer.decay',
                         fix=f"use one of {', '.join(map(repr, DECAYS))}")
-    in_range(self.learning_rate, parameter='optimizer.learning_rate', low=0, high=10,
-             low_open=True)
+    if not self.learning_rate > 0:
+      raise ConfigError(f'optimizer.learning_rate is {self.learning_rate}',
+                        where='optimizer.learning_rate', fix='use a positive learning rate')
     at_least(self, 'optimizer', warmup_steps=0, weight_decay=0, clip_norm=0)
     in_range(self.final_learning_rate_ratio, parameter='optimizer.final_learning_rate_ratio',
              low=0, high=1)
