@@ -92,8 +92,3 @@ class Module:
       Module._runtime_classes[cls] = runtime
     return super().__new__(runtime)
 
-
-def tensorflow_loaded() -> bool:
-  """True once TensorFlow has been imported (by us or anyone else)."""
-  import sys  # pylint: disable=g-import-not-at-top
-  return 'tensorflow' in sys.modules

@@ -24,7 +24,6 @@ import os
 from absl import logging
 
 from layout_core import cluster as cluster_lib
-from layout_core import layout_scope
 from layout_core import mesh as mesh_lib
 from layout_core.checkpoint import Checkpointer
 from layout_core.errors import ConfigError
@@ -70,7 +69,6 @@ def build_trainer(plan: RunPlan, *, watcher: PreemptionWatcher | None = None) ->
     trainer = PipelineTrainer(pipeline=plan.pipeline_config, **kwargs)
   else:
     trainer = Trainer(**kwargs)
-  layout_scope.report_unused_rules(plan.rules, trainer.layout_records)
   logging.info('Model: %s parameters in %d variables', f'{trainer.num_parameters():,}',
                len(trainer.variables))
   return trainer
