@@ -472,7 +472,6 @@ class Checkpointer:
              start: float) -> None:
     client_id = self.coordinator.client_id
     parts = shard_io.write_shards(writes, directory=temporary, client_id=client_id)
-    _fsync_files(f'{p}{suffix}' for p in parts for suffix in ('.index', '.data-00000-of-00001'))
     written = self.coordinator.gather(len(parts))  # every client's parts are on disk
     if self.is_chief:
       self._commit(temporary, final, step, reason, start, expected_parts=int(sum(written)))
