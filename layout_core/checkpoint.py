@@ -60,6 +60,7 @@ from layout_core.errors import ConfigError
 from layout_core.fields import at_least, check_types
 from layout_core.lazy import tf
 from layout_core.mesh import pack_global_array
+from layout_core.variables import to_numpy
 
 _NAME = re.compile(r'^ckpt-(\d+)$')
 _VALUE_SUFFIX = shard_io.VALUE_SUFFIX
@@ -143,8 +144,20 @@ _escape = shard_io.escape
 
 
 def checkpoint_keys(state: Mapping[str, tf.Module]) -> dict[str, tf.Variable]:
-  """Checkpoint key -> variable for everything `state` would save."""
+  """Checkpoint key -> variable for everything `state` would save (a stacked
+  variable appears under each of its keys; `checkpoint_values` gives the slices)."""
   return {e.key: e.variable for e in shard_io.checkpoint_entries(state)}
+
+
+def checkpoint_values(state: Mapping[str, tf.Module]) -> dict[str, np.ndarray]:
+  """Checkpoint key -> the value it would hold (on the host; tests, inspection)."""
+  values, whole = {}, {}
+  for entry in shard_io.checkpoint_entries(state):
+    if id(entry.variable) not in whole:
+      whole[id(entry.variable)] = to_numpy(entry.variable)
+    value = whole[id(entry.variable)]
+    values[entry.key] = value if entry.index is None else value[entry.index]
+  return values
 
 
 def restore_values(prefix: str, keys: Mapping[str, tf.Variable]) -> None:
@@ -309,14 +322,13 @@ class Checkpointer:
   def check_compatible(self, prefix: str) -> None:
     """ConfigError listing every variable whose name or shape does not match."""
     saved = dict(tf.train.list_variables(prefix))
-    expected = checkpoint_keys(self.state)
+    expected = {e.key: list(e.shape) for e in self.entries}
     missing, reshaped, extra = [], [], []
-    for key, variable in expected.items():
+    for key, shape in expected.items():
       if key not in saved:
         missing.append(key)
-      elif list(saved[key]) != variable.shape.as_list():
-        reshaped.append(f'{key}: checkpoint shape {list(saved[key])}, model shape '
-                        f'{variable.shape.as_list()}')
+      elif list(saved[key]) != shape:
+        reshaped.append(f'{key}: checkpoint shape {list(saved[key])}, model shape {shape}')
     roots = tuple(_escape(name) + '/' for name in self.state)
     extra = [k for k in saved if k.startswith(roots) and k.endswith(_VALUE_SUFFIX)
              and k not in expected]

@@ -17,9 +17,10 @@ needs, so a checkpoint restores into any mesh shape or layout.
     merge_parts(find_parts(tmp), prefix=f'{tmp}/ckpt')       # client 0, after a barrier
     read_entries(f'{tmp}/ckpt', entries)                     # every client
 
-Each entry maps one checkpoint key to one variable, or to one dim-0 row of a
-variable (`index`): a stacked variable `[S, ...]` can be stored as S keys,
-each holding `variable[i]`, so its checkpoint matches the unstacked model.
+Each entry maps one checkpoint key to one variable, or to one element of a
+variable's leading dimensions (`index`): a stacked variable `[S, Q, ...]`
+(the SPMD pipeline's cells, see `set_unstacked`) is stored as S*Q keys, each
+holding `variable[s, q]`, so its checkpoint matches the unstacked model.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import itertools
 import os
 import re
 import zlib
@@ -51,16 +53,39 @@ Ranges = tuple[tuple[int, int], ...]
 class CheckpointEntry:
   """One checkpoint key and where its value lives.
 
-  `index` None: the key holds the whole `variable`. `index` i: the key holds
-  `variable[i]` (one dim-0 row of a stacked variable)."""
+  `index` None: the key holds the whole `variable`. `index` (i, j, ...): the
+  key holds `variable[i, j, ...]` (one element of a stacked variable)."""
   key: str
   variable: object  # tf.Variable or DVariable
-  index: int | None = None
+  index: tuple[int, ...] | None = None
 
   @property
   def shape(self) -> tuple[int, ...]:
     shape = tuple(self.variable.shape.as_list())
-    return shape if self.index is None else shape[1:]
+    return shape if self.index is None else shape[len(self.index):]
+
+
+_UNSTACKED = '_meshgin_unstacked'
+
+
+def set_unstacked(variable, placeholder: str,
+                  pieces: Sequence[tuple[str, tuple[int, ...]]]) -> None:
+  """Declares that `variable` stacks several checkpoint tensors: for each
+  (name, index) in `pieces`, the key of `variable` with its path component
+  `placeholder` replaced by `name` holds `variable[index]`. E.g. placeholder
+  'stacked_cells' and ('block_003', (1, 0)):
+  model/lm/stack/stacked_cells/ffn/w_in -> model/lm/stack/block_003/ffn/w_in = v[1, 0]."""
+  setattr(variable, _UNSTACKED, (placeholder, tuple((n, tuple(i)) for n, i in pieces)))
+
+
+def _replace_component(key: str, placeholder: str, name: str) -> str:
+  """`placeholder` -> `name` where it is a whole path component of `key`
+  (components are separated by '/' in keys and by '.S' inside escaped names)."""
+  pattern = re.compile(r'(^|/|\.S)' + re.escape(placeholder) + r'(?=/|\.S|$)')
+  replaced, count = pattern.subn(lambda m: m.group(1) + name, key)
+  if count != 1:
+    raise ValueError(f'{placeholder!r} is {count} components of checkpoint key {key!r}')
+  return replaced
 
 
 def escape(name: str) -> str:
@@ -83,7 +108,14 @@ def checkpoint_entries(state: Mapping[str, object]) -> list[CheckpointEntry]:
     if isinstance(obj, tf.Variable):
       if id(obj) not in seen:
         seen.add(id(obj))
-        entries.append(CheckpointEntry(prefix + VALUE_SUFFIX, obj))
+        unstacked = getattr(obj, _UNSTACKED, None)
+        if unstacked is None:
+          entries.append(CheckpointEntry(prefix + VALUE_SUFFIX, obj))
+        else:
+          placeholder, pieces = unstacked
+          entries.extend(
+              CheckpointEntry(_replace_component(prefix, placeholder, name) + VALUE_SUFFIX,
+                              obj, index) for name, index in pieces)
       return
     for name, child in _children(obj).items():
       visit(f'{prefix}/{escape(name)}', child)
@@ -108,6 +140,8 @@ def object_graph(state: Mapping[str, object]) -> bytes:
     node_of[id(obj)] = node_id
     node = graph.nodes.add()
     if isinstance(obj, tf.Variable):
+      if hasattr(obj, _UNSTACKED):  # its keys are the unstacked ones: none to name here
+        return node_id
       attribute = node.attributes.add()
       attribute.name = 'VARIABLE_VALUE'
       attribute.full_name = obj.name.split(':')[0]
@@ -153,13 +187,13 @@ def device_ranges(shape: Sequence[int], layout) -> list[Ranges]:
 
 def _entry_part(entry: CheckpointEntry, ranges: Ranges) -> tuple[Ranges, int | None] | None:
   """What a device whose shard spans `ranges` of the variable holds of `entry`:
-  (the extent within the entry's tensor, the row of the shard to take), or None."""
+  (the extent within the entry's tensor, the element of the shard to take), or None."""
   if entry.index is None:
     return ranges, None
-  start, length = ranges[0]
-  if not start <= entry.index < start + length:
+  lead = ranges[:len(entry.index)]
+  if not all(start <= i < start + length for i, (start, length) in zip(entry.index, lead)):
     return None
-  return ranges[1:], entry.index - start
+  return ranges[len(entry.index):], tuple(i - start for i, (start, _) in zip(entry.index, lead))
 
 
 def slice_spec(shape: Sequence[int], ranges: Ranges) -> str:
@@ -348,12 +382,15 @@ def _assign(variable, value) -> None:
 def _read_extent(prefix, whole, rows, shape, ranges: Ranges, dtype, device: str):
   if whole is not None:
     return _restore(prefix, [whole.key], [slice_spec(shape, ranges)], [dtype], device)[0]
-  start, length = ranges[0]
-  missing = [i for i in range(start, start + length) if i not in rows]
+  depth = len(next(iter(rows)))
+  lead = ranges[:depth]
+  wanted = list(itertools.product(*(range(start, start + length) for start, length in lead)))
+  missing = [i for i in wanted if i not in rows]
   if missing:
-    raise ValueError(f'rows {missing} of a stacked variable have no checkpoint entry')
-  keys = [rows[i].key for i in range(start, start + length)]
-  specs = [slice_spec(shape[1:], ranges[1:])] * length
-  values = _restore(prefix, keys, specs, [dtype] * length, device)
+    raise ValueError(f'elements {missing} of a stacked variable have no checkpoint entry')
+  specs = [slice_spec(shape[depth:], ranges[depth:])] * len(wanted)
+  values = _restore(prefix, [rows[i].key for i in wanted], specs, [dtype] * len(wanted),
+                    device)
   with tf.device(device):
-    return tf.stack(values)
+    stacked = tf.stack(values)
+    return tf.reshape(stacked, [length for _, length in lead] + stacked.shape.as_list()[1:])

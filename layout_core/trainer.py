@@ -33,6 +33,7 @@ from layout_core.layers import random_context, step_seed
 from layout_core.layout_scope import LayoutScope, table_markdown
 from layout_core.optimizer import Adam, OptimizerConfig
 from layout_core.params import Params
+from layout_core.profiling import StepProfiler
 from layout_core.rules import UNSHARDED, LayoutRules
 from layout_core.summaries import NullWriter, SummaryWriter
 from layout_core.tasks import Task, softmax_cross_entropy
@@ -48,11 +49,21 @@ class TrainConfig:
   log_every: int = 25        # steps between progress lines / train scalars
   seed: int = 0              # initial weights (data has its own seed)
   batch_axis: str = 'data'   # mesh axis the batch is split over ('' for none)
+  # (start, stop): a TensorFlow profiler trace of steps start..stop-1 (0-based)
+  # into model_dir/plugins/profile, for TensorBoard's Profile tab; None: off.
+  profile_steps: tuple[int, int] | None = None
 
   def __post_init__(self):
     check_types(self, name='train')
     at_least(self, 'train', num_steps=1, batch_size=1, log_every=1, eval_batches=1,
              eval_every=0, seed=0)
+    if self.profile_steps is not None:
+      steps = tuple(self.profile_steps)
+      if not 0 <= steps[0] < steps[1]:
+        raise ConfigError(f'train.profile_steps is {self.profile_steps!r}',
+                          where='train.profile_steps',
+                          fix='give (start, stop) steps with 0 <= start < stop, e.g. (5, 8)')
+      object.__setattr__(self, 'profile_steps', steps)
 
 
 @dataclasses.dataclass
@@ -275,8 +286,12 @@ class Trainer:
       logging.warning('Resuming at step %d on a task whose batches are not a pure '
                       'function of the step (%s): the data continues from where its '
                       'iterate() starts, not bit-exactly', start, self.task.describe())
+    profiler = StepProfiler(logdir=getattr(self.writer, 'logdir', None),
+                            steps=config.profile_steps)
     for step in range(start, config.num_steps):
+      profiler.before_step(step)
       loss, lr, grad_norm, metrics = self.train_step_with_metrics(next(batches))
+      profiler.after_step(step, loss)
       window_steps += 1
       done = step + 1
       last = done == config.num_steps
@@ -306,6 +321,7 @@ class Trainer:
         break
     else:
       done = max(start, config.num_steps)
+    profiler.close()
     self.writer.flush()
     total = time.perf_counter() - run_start
     overall = (done - start) / total if total > 0 else 0.0

@@ -31,7 +31,8 @@ from layout_core.layers import Embedding, LayerMeta, leaf_layers
 from layout_core.mesh import MeshSpec
 from layout_core.optimizer import OptimizerConfig
 from layout_core.params import Params
-from layout_core.pipeline_trainer import PipelinePlan, check_pipelinable, plan_pipeline
+from layout_core.pipeline.plan import (PipelinePlan, check_pipelinable, plan_layout_records,
+                                       plan_pipeline)
 from layout_core.rules import LayoutRules
 from layout_core.tasks import Task
 from layout_core.trainer import TrainConfig
@@ -120,13 +121,12 @@ def make_plan() -> RunPlan:
     records = keras_models.plan(params, rules=rules, mesh_axes=mesh_axes,
                                 input_specs=task.input_specs(train.batch_size),
                                 seed=train.seed)
+  elif pipeline is not None:
+    records = plan_layout_records(pipeline, params=params, rules=rules,
+                                  mesh_axes=mesh_spec.shape,
+                                  stage_axis=pipeline_config.stage_axis)
   else:
     records = layout_scope.plan_layouts(params.cls.variable_specs(params), rules, mesh_axes)
-  if pipeline is not None:
-    stage_axis = pipeline_config.stage_axis
-    records = [dataclasses.replace(
-        r, mesh=f'{stage_axis}{pipeline_lib.stage_of(pipeline.layer_stages, r.path)}')
-        for r in records]
   layout_scope.report_unused_rules(rules, records)
   return RunPlan(mesh_spec=mesh_spec, params=params, rules=rules, task=task,
                  optimizer=optimizer, train=train, checkpoint=checkpoint,

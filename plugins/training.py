@@ -27,7 +27,7 @@ from layout_core import cluster as cluster_lib
 from layout_core import mesh as mesh_lib
 from layout_core.checkpoint import Checkpointer
 from layout_core.errors import ConfigError
-from layout_core.pipeline_trainer import PipelineTrainer
+from layout_core.pipeline.trainer import make_pipeline_trainer
 from layout_core.preemption import PreemptionWatcher
 from layout_core.summaries import SummaryWriter
 from layout_core.trainer import Trainer, TrainResult
@@ -66,7 +66,7 @@ def build_trainer(plan: RunPlan, *, watcher: PreemptionWatcher | None = None) ->
   kwargs = dict(model_params=plan.params, mesh=mesh, rules=plan.rules, task=plan.task,
                 optimizer=plan.optimizer, config=plan.train)
   if plan.pipeline is not None:
-    trainer = PipelineTrainer(pipeline=plan.pipeline_config, **kwargs)
+    trainer = make_pipeline_trainer(pipeline=plan.pipeline_config, **kwargs)
   else:
     trainer = Trainer(**kwargs)
   logging.info('Model: %s parameters in %d variables', f'{trainer.num_parameters():,}',

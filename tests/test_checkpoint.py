@@ -283,7 +283,7 @@ def test_rows_of_a_stacked_variable_save_and_restore_under_their_own_keys(tmp_pa
   value = np.arange(4 * 8 * 16, dtype=np.float32).reshape(4, 8, 16)
   stacked = dtensor.DVariable(pack_global_array(
       value, dtensor.Layout(['data', 'unsharded', 'model'], mesh_2x4)))
-  entries = [shard_io.CheckpointEntry(f'stack/row_{i}', stacked, index=i) for i in range(4)]
+  entries = [shard_io.CheckpointEntry(f'stack/row_{i}', stacked, index=(i,)) for i in range(4)]
   directory = str(tmp_path)
   writes = shard_io.snapshot(entries, client_id=0)
   shard_io.write_shards(writes, directory=directory, client_id=0)
@@ -296,5 +296,5 @@ def test_rows_of_a_stacked_variable_save_and_restore_under_their_own_keys(tmp_pa
   target = dtensor.DVariable(pack_global_array(
       np.zeros_like(value), dtensor.Layout(['model', 'data', 'unsharded'], mesh_2x4)))
   shard_io.read_entries(f'{directory}/ckpt', [
-      shard_io.CheckpointEntry(f'stack/row_{i}', target, index=i) for i in range(4)])
+      shard_io.CheckpointEntry(f'stack/row_{i}', target, index=(i,)) for i in range(4)])
   np.testing.assert_array_equal(to_numpy(target), value)

@@ -11,7 +11,7 @@ from tensorflow.experimental import dtensor
 
 from layout_core import pipeline
 from layout_core.errors import ConfigError
-from layout_core.layers import (FeedForward, LayerNorm, Sequential, flatten_layers, leaf_layers,
+from layout_core.layers import (FeedForward, LayerNorm, Sequential, flatten_layers,
                                 transformer_lm_params)
 from layout_core.mesh import MeshSpec, build_mesh
 from layout_core.rules import LayoutRules
@@ -175,20 +175,6 @@ def test_crossing_sub_meshes_with_sharded_activations_gives_plain_tf_values(devi
   np.testing.assert_allclose(to_numpy(loss), tf.reduce_sum(ref ** 2).numpy(), rtol=1e-5)
 
 
-def staged_model(params, *, mesh, rules, num_stages, input_shape):
-  """`params` built with each leaf layer's variables on its stage's sub-mesh."""
-  leaves = leaf_layers(params)
-  plan = pipeline.partition([p for _, p in leaves], num_stages=num_stages,
-                            input_shapes=[input_shape])
-  placement = pipeline.SubMeshPlacement(mesh=mesh, rules=rules)
-  scope = pipeline.StagedLayoutScope(
-      meshes=placement.meshes, rules=rules,
-      layer_stages=pipeline.layer_stages([path for path, _ in leaves], plan))
-  with scope:
-    model = params.Instantiate()
-  return model, pipeline.stage_runners(model, plan), placement, scope
-
-
 @pytest.mark.parametrize('shape,num_micro', [
     ({'stage': 2, 'data': 2, 'model': 2}, 1),
     ({'stage': 2, 'data': 2, 'model': 2}, 4),
@@ -202,9 +188,10 @@ def test_gpipe_training_on_sub_meshes_equals_plain_tf(shape, num_micro, devices8
   rules = LayoutRules([(r'.*/w_in', ('unsharded', 'model')),
                        (r'.*/w_out', ('model', 'unsharded')), (r'.*/b_in', ('model',))]
                       if 'model' in shape else [])
-  model, runners, placement, scope = staged_model(
-      params, mesh=build_mesh(MeshSpec(shape=shape)), rules=rules,
-      num_stages=num_stages, input_shape=(8, 8))
+  staged = pipeline.build_staged_model(params, mesh=build_mesh(MeshSpec(shape=shape)),
+                                      rules=rules, num_stages=num_stages,
+                                      input_shapes=[(8, 8)])
+  runners, placement, scope = staged.runners, staged.placement, staged.scope
   assert {r.mesh for r in scope.records} == {f'stage{k}' for k in range(num_stages)}
   loss_fn = lambda out, target: tf.reduce_mean((out - target) ** 2)
   gpipe = pipeline.GPipe(stages=runners, placement=placement, loss_fn=loss_fn,
@@ -233,3 +220,49 @@ def test_gpipe_training_on_sub_meshes_equals_plain_tf(shape, num_micro, devices8
         to_numpy(squared), sum(np.sum(ref_grads[v.name].numpy() ** 2) for v in variables),
         rtol=1e-5)
   assert checked == len(plain.trainable_variables)
+
+
+def fetching_stages(dim=8):
+  """Two stages; the first also fetches an inner activation (Stage.fetch)."""
+  layers = heterogeneous_stack(dim)
+  first = pipeline.Stage.Params().Set(name='stage_0', sub=[p.Copy() for p in layers[:3]],
+                                      fetch=['ffn_0'])
+  second = pipeline.Stage.Params().Set(name='stage_1', sub=[p.Copy() for p in layers[3:]])
+  return first, second
+
+
+@pytest.mark.parametrize('kind', ['devices', 'sub_meshes'])
+@pytest.mark.parametrize('m', [1, 4])
+def test_fetched_activations_reach_the_pipeline_output(kind, m, devices8):
+  """A stage's fetched activation comes out after the pipeline's output, over
+  all micro-batches, and is never fed to the next stage (plain TF twin)."""
+  first, second = fetching_stages()
+  plan = pipeline.partition(heterogeneous_stack(), num_stages=2, input_shapes=[(8, 8)],
+                            method=[3, len(heterogeneous_stack()) - 3])
+  if kind == 'devices':
+    placement = pipeline.DevicePlacement(['/CPU:0', '/CPU:1'])
+  else:
+    placement = pipeline.SubMeshPlacement(
+        mesh=build_mesh(MeshSpec(shape={'stage': 2, 'data': 2, 'model': 2})))
+  stages = [placement.build(k, p, parent_path='net') for k, p in enumerate((first, second))]
+  pipe = pipeline.Pipeline(plan, placement=placement, num_micro_batches=m, stages=stages,
+                           bubble_fill=float('nan'))
+  x_value = np.random.RandomState(0).randn(8, 8).astype(np.float32)
+  x = (tf.constant(x_value) if kind == 'devices'
+       else placement.put(0, x_value, batch_dim=0))
+  out, fetched = tf.function(pipe)(x)
+  plain = [p.Instantiate(parent_path='net') for p in (first, second)]
+  ref_hidden, ref_fetched = plain[0](tf.constant(x_value))
+  ref_out = plain[1](ref_hidden)
+  np.testing.assert_allclose(to_numpy(out), ref_out.numpy(), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(to_numpy(fetched), ref_fetched.numpy(), rtol=1e-5, atol=1e-6)
+  assert to_numpy(fetched).shape == (8, 8)
+
+
+def test_training_refuses_fetching_stages(devices8):
+  first, second = fetching_stages()
+  placement = pipeline.DevicePlacement(['/CPU:0', '/CPU:1'])
+  stages = [placement.build(k, p, parent_path='net') for k, p in enumerate((first, second))]
+  with pytest.raises(ConfigError, match='stage 0 fetches 1 inner activation'):
+    pipeline.GPipe(stages=stages, placement=placement, num_micro_batches=2,
+                   loss_fn=lambda out, target: tf.reduce_mean((out - target) ** 2))

@@ -11,7 +11,7 @@ from layout_core.layers import transformer_lm_params
 from layout_core.mesh import MeshSpec, build_mesh
 from layout_core.optimizer import OptimizerConfig
 from layout_core.pipeline import PipelineConfig
-from layout_core.pipeline_trainer import PipelineTrainer
+from layout_core.pipeline import PipelineTrainer
 from layout_core.rules import LayoutRules
 from layout_core.trainer import TrainConfig, Trainer
 from layout_core.variables import to_numpy
@@ -82,4 +82,3 @@ def test_pipeline_config_errors_name_the_knob(stage_mesh):
     make(stage_mesh, [], PipelineConfig(num_stages=2, micro_batch_size=3))
   with pytest.raises(ConfigError, match='batch_dim'):
     make(stage_mesh, [], PipelineConfig(num_stages=2, batch_dim=1))
-

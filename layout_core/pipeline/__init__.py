@@ -1,0 +1,69 @@
+"""Pipeline parallelism: partitioning, placement, one schedule, two engines.
+
+    from layout_core import pipeline
+    config = pipeline.PipelineConfig(num_stages=2, num_micro_batches=8, engine='spmd')
+    trainer = pipeline.make_pipeline_trainer(pipeline=config, model_params=lm, mesh=mesh, ...)
+
+What a training step runs (`pipeline.engine`):
+
+* 'spmd' (stacks of identical cells, stages overlap on DTensor): the
+  embedding runs on the whole mesh; the cells, stacked `[S, R*c, ...]` on the
+  stage axis of the same mesh, run as ONE program in `schedule.clock_order`:
+
+      for clock t in 0 .. R*M + S - 2:
+        slot 0 <- micro-batch t | stage S-1's output of item t - M | bubble
+        every stage s runs its cell chunk on its slot at once (one op over
+          the stacked dim); bubble slots compute on zeros and are dropped
+        stage S-1's result -> output (last repeat) or back to slot 0 later
+        buffer shifts one stage along the axis (shift-matrix einsum)
+      final norm + softmax + loss per micro-batch on the whole mesh
+
+  and the tape's reverse gives the backward; one function also applies Adam.
+* 'submesh' (any layers): leaves cut by FLOPs into stages, each on a sub-mesh;
+  forward in clock order keeping stage inputs, backward in the reverse clock
+  order re-computing each stage (`submesh.GPipe`); two functions per step.
+
+Modules: `config` (PipelineConfig, TF-free), `partitioning` (cost-balanced
+cuts, TF-free), `schedule` (clock order and bubble, TF-free), `stages`
+(Stage, StageRunner, the staged-model builder), `placement` (devices,
+sub-meshes, staged variable creation), `submesh` (Pipeline forward engine and
+GPipe), `spmd` (StackedCells, SpmdPipeline), `trainer` (plan_pipeline and the
+trainers). Names below are importable from the package; modules that need
+TensorFlow load on first use, so importing this package for its config is
+TensorFlow-free.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from layout_core.pipeline.config import ENGINES, PipelineConfig
+from layout_core.pipeline.partitioning import (PartitionPlan, StagePlan, balanced_counts,
+                                            layer_costs, layer_stages, lingvo_counts,
+                                            partition, stage_of)
+from layout_core.pipeline.schedule import Item, bubble_fraction, clock_order
+
+_LAZY = {
+    'Stage': 'stages', 'StageRunner': 'stages', 'run_layers': 'stages',
+    'stage_params': 'stages', 'stage_runners': 'stages', 'StagedModel': 'stages',
+    'build_staged_model': 'stages',
+    'DevicePlacement': 'placement', 'SubMeshPlacement': 'placement',
+    'StagedLayoutScope': 'placement',
+    'Pipeline': 'submesh', 'GPipe': 'submesh',
+    'StackedCells': 'spmd', 'SpmdPipeline': 'spmd',
+    'PipelinePlan': 'trainer', 'plan_pipeline': 'trainer', 'plan_layout_records': 'trainer',
+    'PipelineTrainer': 'trainer', 'SpmdPipelineTrainer': 'trainer',
+    'make_pipeline_trainer': 'trainer',
+}
+
+
+def __getattr__(name: str):
+  if name in _LAZY:
+    module = importlib.import_module(f'layout_core.pipeline.{_LAZY[name]}')
+    return getattr(module, name)
+  raise AttributeError(f"module 'layout_core.pipeline' has no attribute {name!r}")
+
+
+__all__ = ['ENGINES', 'PipelineConfig', 'PartitionPlan', 'StagePlan', 'balanced_counts',
+           'layer_costs', 'layer_stages', 'lingvo_counts', 'partition', 'stage_of', 'Item',
+           'bubble_fraction', 'clock_order', *_LAZY]

@@ -1,0 +1,432 @@
+"""The SPMD stage-axis engine: one program, every stage computing at once.
+
+    stack = StackedCells(cells, parent_path='lm', mesh=mesh, rules=rules,
+                         num_stages=2, repeats=2)        # weights [stages, R*c, ...]
+    engine = SpmdPipeline(stack, num_micro_batches=8)
+    outputs = engine(micro_inputs)                        # one [mb, ...] per micro-batch
+
+For a stack of identical cells (the LM's repeated block), each per-cell
+variable becomes one stacked variable `[S, Q, *cell_shape]` (Q = R*c cells per
+stage) whose dim 0 is sharded over the mesh's stage axis and whose cell dims
+follow the layout rules for the per-cell path (`lm/stack/block_003/ffn/w_in`).
+Cell l (layer order) is chunk l // c; chunk n lives on stage n % S as its
+repeat n // S, so with circular repeats a stage holds R non-adjacent chunks.
+What the step runs (everything unrolled in one tf.function on one mesh):
+
+    buffer = <empty> [S, mb, ...], stage-sharded      # NaN-poisoned in tests
+    for clock t in 0 .. R*M + S - 2:                  # schedule.clock_order
+      slot 0 <- micro-batch t (t < M), or stage S-1's output of item t - M
+                (circular repeats), or nothing (bubble)
+      x = where(slot holds an item, buffer, 0)        # bubbles compute on zeros
+      for cell j of the chunk:                        # all S slots in one op
+        x = cell(x; weights[s, q_s(t) * c + j] per slot s)
+      slot S-1's result -> output (last repeat) or kept for slot 0 at t + M
+      buffer = shift(x)                               # slot s -> s + 1
+
+The shift is an einsum with a [S, S] shift matrix followed by a relayout back
+to stage-sharded (tf.roll and tf.concat on a sharded dim fail in DTensor,
+tf.gather replicates the buffer; see shared/DTENSOR_NOTES.md). The backward
+pass is the tape's reverse of the same program, so gradients accumulate over
+micro-batches and repeats by construction. Dropout masks are drawn per slot
+from (step seed, the cell's own layer path, the micro-batch's global rows):
+exactly the masks of an unpipelined step.
+
+Checkpoints keep per-cell keys: every stacked variable (and its optimizer
+slots) is tagged with its per-cell pieces (`shard_io.set_unstacked`), so
+`model/stack/block_003/ffn/w_in` is `stacked[s, q]` on save and restore, and
+a checkpoint moves between this engine, the sub-mesh engine and plain runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from layout_core.lazy import Module, tf, dtensor
+from layout_core import layers as layers_lib
+from layout_core import mesh as mesh_lib
+from layout_core.shard_io import set_unstacked
+from layout_core.errors import ConfigError
+from layout_core.layout_scope import LayoutRecord
+from layout_core.params import Params
+from layout_core.pipeline import schedule as schedule_lib
+from layout_core.pipeline.plan import (STACKABLE, cell_slot, check_cell_count,
+                                       check_identical_cells, check_stackable)
+from layout_core.rules import UNSHARDED, LayoutRules
+from layout_core.variables import initial_value, mix32, flat_index, path_seed
+
+# The path component that stands for "every cell" in stacked variable paths:
+# lm/stack/stacked_cells/ffn/w_in holds lm/stack/block_000/ffn/w_in, ...
+STACKED = 'stacked_cells'
+
+
+def stacked_path(stack_path: str, relative: str) -> str:
+  return f'{stack_path}/{STACKED}/{relative}'
+
+
+# -- the stacked variables -----------------------------------------------------
+class StackedCells(Module):
+  """The stack's cells as stacked DVariables `[S, Q, *cell_shape]`.
+
+  Variables live in a module tree mirroring one cell (`stacked_cells/attn/wq`),
+  so checkpoint keys are the cell's keys with `stacked_cells` standing for the
+  cell name; `records` and `variables` use the stacked paths."""
+
+  def __init__(self, cells: Sequence[Params], *, parent_path: str, mesh: dtensor.Mesh,
+               rules: LayoutRules | None, num_stages: int, repeats: int = 1,
+               stage_axis: str = 'stage', batch_axis: str = 'data', seed: int = 0,
+               name: str = 'stack'):
+    super().__init__(name=name)
+    check_identical_cells(cells, where=f'{parent_path}/{name}')
+    axes = mesh_lib.mesh_axes(mesh)
+    if axes.get(stage_axis) != num_stages:
+      raise ConfigError(f"mesh axis '{stage_axis}' has size {axes.get(stage_axis)}, "
+                        f'the pipeline has {num_stages} stages', where='mesh.shape')
+    rules = rules if rules is not None else LayoutRules()
+    self.path = f'{parent_path}/{name}' if parent_path else name
+    self.mesh, self.stage_axis = mesh, stage_axis
+    self.batch_axis = batch_axis if batch_axis in axes else UNSHARDED
+    self.cell_params = [c.Copy() for c in cells]
+    self.num_stages, self.repeats = num_stages, repeats
+    self.cells_per_chunk = check_cell_count(len(cells), num_stages, repeats)
+    self.rows = len(cells) // num_stages  # Q
+    self.slots = [cell_slot(l, num_stages=num_stages, cells_per_chunk=self.cells_per_chunk)
+                  for l in range(len(cells))]
+    by_slot = {(s.stage, s.row): l for l, s in enumerate(self.slots)}
+    # A plain holder: attributes that are dicts of variables would be tracked
+    # (and checkpointed) a second time.
+    self._book = _Book()
+    cell_axes = {a: n for a, n in axes.items() if a != stage_axis}
+    specs = [c.cls.variable_specs(c, self.path) for c in cells]
+    root = tf.Module(name=STACKED)
+    setattr(self, STACKED, root)
+    for i, template in enumerate(specs[0]):
+      relative = template.path[len(f'{self.path}/{cells[0].name}/'):]
+      per_cell = [s[i] for s in specs]
+      resolutions = [rules.resolve(s.path, s.shape, cell_axes) for s in per_cell]
+      cell_spec = resolutions[0].spec
+      for spec, resolution in zip(per_cell, resolutions):
+        if resolution.spec != cell_spec:
+          raise ConfigError(
+              f"layout rules give '{spec.path}' {resolution.spec} but "
+              f"'{per_cell[0].path}' {cell_spec}; stacked cells share one layout",
+              where='layout_rules.rules',
+              fix='write rules that treat every cell of the stack alike')
+      layout = dtensor.Layout([stage_axis, UNSHARDED] + list(cell_spec), mesh)
+      order = [per_cell[by_slot[(s, q)]] for s in range(num_stages) for q in range(self.rows)]
+      shape = (num_stages, self.rows) + tuple(template.shape)
+
+      def init(order=order, shape=shape):  # bound now, not traced as arguments
+        return lambda: tf.reshape(tf.stack([initial_value(spec, seed) for spec in order]),
+                                  shape)
+      # Built replicated, then sliced to the layout (a local slice per device):
+      # producing the stacked value straight into a stage-sharded layout fails
+      # in DTensor's SPMD expansion of tf.stack (TF 2.21, measured on {'stage': 2}).
+      value = dtensor.relayout(dtensor.call_with_layout(
+          tf.function(init(), autograph=False),
+          dtensor.Layout.replicated(mesh, len(shape))), layout)
+      path = stacked_path(self.path, relative)
+      variable = dtensor.DVariable(value, trainable=template.trainable,
+                                   name=path.replace('/', '.'))
+      _attach(root, relative, variable)
+      self.stacked_variables[path] = variable
+      self.pieces[path] = [(c.name, (self.slots[l].stage, self.slots[l].row))
+                           for l, c in enumerate(cells)]
+      set_unstacked(variable, STACKED, self.pieces[path])
+      nbytes = template.num_bytes * len(cells)
+      self.records.append(LayoutRecord(
+          path=path, shape=shape, dtype=template.dtype,
+          spec=(stage_axis, UNSHARDED) + tuple(cell_spec),
+          source=f'{resolutions[0].source(rules)} (+ stacked on {stage_axis})',
+          bytes_total=nbytes,
+          bytes_per_device=nbytes // math.prod(
+              axes[a] for a in (stage_axis,) + tuple(cell_spec) if a != UNSHARDED)))
+
+  @property
+  def records(self) -> list[LayoutRecord]:
+    return self._book.records
+
+  @property
+  def stacked_variables(self) -> dict[str, tf.Variable]:
+    """Stacked path (lm/stack/stacked_cells/ffn/w_in) -> variable [S, Q, ...]."""
+    return self._book.variables
+
+  @property
+  def pieces(self) -> dict[str, list[tuple[str, tuple[int, int]]]]:
+    """Stacked path -> [(cell name, (stage, row))] in layer order."""
+    return self._book.pieces
+
+  def tag_slots(self, slots_by_path: dict[str, Sequence[tf.Variable]]) -> None:
+    """Marks optimizer slots of the stacked variables with the same per-cell pieces."""
+    for path, slot_variables in slots_by_path.items():
+      for variable in slot_variables:
+        set_unstacked(variable, STACKED, self.pieces[path])
+
+  def cell_variable_path(self, layer: int, relative: str) -> str:
+    return f'{self.path}/{self.cell_params[layer].name}/{relative}'
+
+  def unstacked_values(self) -> dict[str, np.ndarray]:
+    """Per-cell path -> value (tests, inspection)."""
+    from layout_core.variables import to_numpy  # pylint: disable=g-import-not-at-top
+    values = {}
+    for path, variable in self.stacked_variables.items():
+      whole, relative = to_numpy(variable), path.split(f'/{STACKED}/', 1)[1]
+      for l, slot in enumerate(self.slots):
+        values[self.cell_variable_path(l, relative)] = whole[slot.stage, slot.row]
+    return values
+
+
+@dataclasses.dataclass
+class _Book:
+  records: list = dataclasses.field(default_factory=list)
+  variables: dict = dataclasses.field(default_factory=dict)
+  pieces: dict = dataclasses.field(default_factory=dict)
+
+
+def _attach(root: tf.Module, relative: str, variable: tf.Variable) -> None:
+  node = root
+  *parents, leaf = relative.split('/')
+  for part in parents:
+    if not hasattr(node, part):
+      setattr(node, part, tf.Module(name=part))
+    node = getattr(node, part)
+  setattr(node, leaf, variable)
+
+
+# -- one cell on every slot at once ---------------------------------------------------
+@dataclasses.dataclass
+class SlotRandom:
+  """Dropout inputs per slot for one clock: the step seed, and per slot the
+  cell path (None for a bubble) and its micro-batch's first global row."""
+  seed: tf.Tensor
+  cell_paths: list[str | None]
+  first_rows: list[int]
+
+
+def _per_slot(w: tf.Tensor, rank: int) -> tf.Tensor:
+  """[S, n] -> [S, 1, ..., 1, n], to broadcast against an activation of `rank`."""
+  for _ in range(rank - 2):
+    w = tf.expand_dims(w, 1)
+  return w
+
+
+def _sdense(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
+  """Per slot x[s, ..., d] @ w[s, d, f]."""
+  batch = 'abceghij'[:x.shape.rank - 2]
+  return tf.einsum(f's{batch}d,sdf->s{batch}f', x, w)
+
+
+def _layer_norm(p, w, x, random, prefix):
+  mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
+  normed = (x - mean) * tf.math.rsqrt(variance + p.epsilon)
+  return normed * _per_slot(w('scale'), x.shape.rank) + _per_slot(w('bias'), x.shape.rank)
+
+
+def _feed_forward(p, w, x, random, prefix):
+  h = _sdense(x, w('w_in')) + _per_slot(w('b_in'), x.shape.rank)
+  h = tf.nn.relu(h) if p.activation == 'relu' else tf.nn.gelu(h)
+  return _sdense(h, w('w_out')) + _per_slot(w('b_out'), x.shape.rank)
+
+
+def _attention(p, w, x, random, prefix):
+  head_dim = layers_lib.MultiHeadAttention._head_dim(p)  # pylint: disable=protected-access
+  q = tf.einsum('sbtd,sdhk->sbthk', x, w('wq'))
+  k = tf.einsum('sbtd,sdhk->sbthk', x, w('wk'))
+  v = tf.einsum('sbtd,sdhk->sbthk', x, w('wv'))
+  logits = tf.einsum('sbthk,sbuhk->sbhtu', q, k) * (head_dim ** -0.5)
+  if p.causal:
+    length = x.shape[2]
+    mask = tf.linalg.band_part(tf.ones([length, length], logits.dtype), -1, 0)
+    logits += (1.0 - mask) * -1e9
+  probs = tf.nn.softmax(logits, axis=-1)
+  context = tf.einsum('sbhtu,sbuhk->sbthk', probs, v)
+  return tf.einsum('sbthk,shkd->sbtd', context, w('wo'))
+
+
+def _dropout(p, w, x, random, prefix):
+  """layers.Dropout per slot: each slot's mask from its own cell's layer path and
+  its micro-batch's global rows, so the masks equal an unpipelined step's."""
+  if not p.rate or random is None:
+    return x
+  shape = x.shape.as_list()
+  keys, rows = [], []
+  for cell_path, first_row in zip(random.cell_paths, random.first_rows):
+    keys.append(path_seed(f'{cell_path}/{prefix}', 0) if cell_path else 0)
+    rows.append(first_row)
+  per_slot = [-1] + [1] * (len(shape) - 1)
+  key = mix32(tf.bitwise.bitwise_and(
+      tf.cast(random.seed, tf.int64) * 0x85EBCA77 + tf.constant(keys, tf.int64), 0xFFFFFFFF))
+  offset = tf.constant(rows, tf.int64) * math.prod(shape[2:])
+  index = tf.expand_dims(flat_index(tuple(shape[1:])), 0) + tf.reshape(offset, per_slot)
+  bits = mix32(tf.bitwise.bitwise_and(index * 2 + tf.reshape(key, per_slot), 0xFFFFFFFF))
+  keep = tf.cast(bits, tf.float32) >= p.rate * 4294967296.0
+  return tf.where(keep, x / (1.0 - p.rate), tf.zeros_like(x))
+
+
+def _block(p, w, x, random, prefix):
+  children = layers_lib.TransformerBlock.child_params(p)
+
+  def run(name, value):
+    child = children[name]
+    return STACKED_FPROPS[child.cls](child, lambda n: w(f'{name}/{n}'), value, random,
+                                     f'{prefix}/{name}' if prefix else name)
+  attn = run('attn', run('ln_attn', x))
+  if p.dropout_rate:
+    attn = run('attn_dropout', attn)
+  x = x + attn
+  ffn = run('ffn', run('ln_ffn', x))
+  if p.dropout_rate:
+    ffn = run('ffn_dropout', ffn)
+  return x + ffn
+
+
+# Layer class -> its computation on every slot at once: fn(params, weight(name)
+# -> [S, ...] tensor, x [S, ...], SlotRandom | None, layer path below the cell).
+STACKED_FPROPS: dict[type, Callable] = {
+    layers_lib.LayerNorm: _layer_norm,
+    layers_lib.FeedForward: _feed_forward,
+    layers_lib.MultiHeadAttention: _attention,
+    layers_lib.Dropout: _dropout,
+    layers_lib.TransformerBlock: _block,
+}
+assert set(STACKED_FPROPS) == set(STACKABLE)
+
+
+# -- the engine ----------------------------------------------------------------------
+class SpmdPipeline:
+  """Runs `stack`'s cells over micro-batches on the stage axis (module doc).
+
+  `bubble_fill` (NaN in tests) is what idle slots hold; a schedule that read
+  one would poison the outputs and gradients."""
+
+  def __init__(self, stack: StackedCells, *, num_micro_batches: int,
+               bubble_fill: float | None = None):
+    for cell in stack.cell_params:
+      check_stackable(cell)
+    self.stack = stack
+    self.num_micro_batches = num_micro_batches
+    self.order = schedule_lib.clock_order(stack.num_stages, num_micro_batches,
+                                          repeats=stack.repeats)
+    self.bubble_fill = bubble_fill
+
+  @property
+  def num_stages(self) -> int:
+    return self.stack.num_stages
+
+  def bubble_fraction(self) -> float:
+    return schedule_lib.bubble_fraction(self.num_stages, self.num_micro_batches,
+                                        self.stack.repeats)
+
+  def _layout(self, rank: int) -> dtensor.Layout:
+    return dtensor.Layout([self.stack.stage_axis, self.stack.batch_axis]
+                          + [UNSHARDED] * (rank - 2), self.stack.mesh)
+
+  def _slot_vector(self, values, dtype) -> tf.Tensor:
+    """A per-slot constant [S] as a stage-sharded DTensor."""
+    return dtensor.relayout(
+        dtensor.copy_to_mesh(tf.constant(values, dtype),
+                             dtensor.Layout.replicated(self.stack.mesh, 1)),
+        dtensor.Layout([self.stack.stage_axis], self.stack.mesh))
+
+  def _busy_mask(self, items, rank: int) -> tf.Tensor | None:
+    """[S, 1, ...] True where the slot holds an item this clock; bubble slots
+    then compute on zeros, so nothing they hold (NaN in tests) reaches an
+    output or a gradient (NaN * 0 would still be NaN)."""
+    busy = self._slot_vector([s in items for s in range(self.num_stages)], tf.bool)
+    return tf.reshape(busy, [-1] + [1] * (rank - 1))
+
+  def _weights(self, rows_of: list[tf.Tensor], rows: list[int]) -> tf.Tensor:
+    """variable[s, rows[s]] for every slot s: [S, *cell_shape], from the
+    variable's rows `rows_of` (unstacked once per step, so the backward adds up
+    [S, ...] row gradients; selecting per clock with tf.gather or a one-hot
+    einsum on the [S, Q, ...] variable made the backward 10-25x slower than the
+    forward, measured on FC-512 cells)."""
+    if len(set(rows)) == 1:
+      return rows_of[rows[0]]
+    picked = None
+    for row in sorted(set(rows)):
+      mask = self._slot_vector([float(r == row) for r in rows], rows_of[row].dtype)
+      letters = 'abcdefgh'[:rows_of[row].shape.rank - 1]
+      part = tf.einsum(f's,s{letters}->s{letters}', mask, rows_of[row])
+      picked = part if picked is None else picked + part
+    return picked
+
+  def __call__(self, micro_inputs: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """The stack on each micro-batch ([mb, ...] each, batch-sharded, replicated
+    over the stage axis); returns the outputs in the same form."""
+    stack, num_stages, num_micro = self.stack, self.num_stages, self.num_micro_batches
+    if len(micro_inputs) != num_micro:
+      raise ValueError(f'{len(micro_inputs)} micro-batches given, {num_micro} expected')
+    c, last = stack.cells_per_chunk, num_stages - 1
+    shape = micro_inputs[0].shape.as_list()
+    micro_size = shape[0]
+    rank = len(shape) + 1
+    layout = self._layout(rank)
+    state = getattr(layers_lib._random, 'state', None)  # pylint: disable=protected-access
+    fill = 0.0 if self.bubble_fill is None else self.bubble_fill
+    first = micro_inputs[0]
+    poison = tf.zeros_like(first) + tf.constant(fill, first.dtype)
+    ones = self._slot_vector([1.0] * num_stages, first.dtype)
+    letters = 'bcdefgh'[:rank - 1]
+
+    def over_slots(value):
+      """value [mb, ...] copied into every slot [S, mb, ...], stage-sharded. (In
+      TF 2.21 DTensor, tf.broadcast_to / tf.tile onto the sharded dim crash the
+      process, tf.stack fails, and tf.where broadcasting [1, ...] against a
+      sharded [S, ...] crashes; an einsum with a ones vector works.)"""
+      return dtensor.relayout(tf.einsum(f's,{letters}->s{letters}', ones, value), layout)
+
+    buffer = over_slots(poison)
+    shift = dtensor.copy_to_mesh(tf.constant(np.eye(num_stages, k=-1), first.dtype),
+                                 dtensor.Layout.replicated(stack.mesh, 2))
+    is_first_slot = tf.reshape(self._slot_vector([s == 0 for s in range(num_stages)],
+                                                 tf.bool), [-1] + [1] * (rank - 1))
+    last_one_hot = self._slot_vector([float(s == last) for s in range(num_stages)],
+                                     first.dtype)
+    variables = {path.split(f'/{STACKED}/', 1)[1]: tf.unstack(v, axis=1)
+                 for path, v in stack.stacked_variables.items()}
+    kept: dict[int, tf.Tensor] = {}          # item -> stage S-1 output, for repeat r+1
+    outputs: list = [None] * num_micro
+    cell = stack.cell_params[0]
+    fprop = STACKED_FPROPS[cell.cls]
+    for clock, work in enumerate(self.order):
+      items = {s: item for s, item in work}
+      # What enters slot 0 at this clock.
+      entering = clock  # item index at slot 0
+      if entering < num_micro:
+        inject = micro_inputs[entering]
+      elif entering < stack.repeats * num_micro:
+        inject = kept.pop(entering - num_micro)
+      else:
+        inject = poison
+      buffer = dtensor.relayout(tf.where(is_first_slot, over_slots(inject), buffer), layout)
+      busy = self._busy_mask(items, rank)
+      x = buffer if busy is None else tf.where(busy, buffer, tf.zeros_like(buffer))
+      for j in range(c):
+        rows, cell_paths, first_rows = [], [], []
+        for s in range(num_stages):
+          item = items.get(s)
+          repeat = item.repeat if item else 0
+          rows.append(repeat * c + j)
+          layer = (repeat * num_stages + s) * c + j
+          cell_paths.append(f'{stack.path}/{stack.cell_params[layer].name}' if item else None)
+          first_rows.append((item.micro if item else 0) * micro_size
+                            + (state[1] if state else 0))
+        random = SlotRandom(state[0], cell_paths, first_rows) if state else None
+        x = fprop(cell, lambda n, rows=rows: self._weights(variables[n], rows), x, random,
+                  '')
+        x = dtensor.relayout(x, layout)
+      done = items.get(last)
+      if done is not None:
+        out = tf.einsum(f's,s{letters}->{letters}', last_one_hot, x)
+        item_index = done.repeat * num_micro + done.micro
+        if done.repeat == stack.repeats - 1:
+          outputs[done.micro] = out
+        else:
+          kept[item_index] = out
+      if clock < len(self.order) - 1:
+        buffer = dtensor.relayout(tf.einsum(f'us,s{letters}->u{letters}', shift, x), layout)
+    return outputs

@@ -1,0 +1,334 @@
+"""The sub-mesh engine: stages on their own devices or DTensor sub-meshes.
+
+Any sequence of layers (heterogeneous stages) can run here. Two engines share
+the clock order of `schedule.clock_order`:
+
+* `Pipeline`: a forward pass in one function (library use, tests, bench):
+
+      pipe = Pipeline(plan, placement=DevicePlacement(['/CPU:0', '/CPU:1']),
+                      num_micro_batches=4)
+      y = pipe(x)          # same values as the layers in order; fetched
+                           # activations (Stage.fetch) follow: y, *fetched
+
+* `GPipe`: loss and gradients in two functions (what pipelined training runs
+  with pipeline.engine = 'submesh').
+
+On DTensor sub-meshes the stages of one function do not run at the same time
+(TF 2.21), so this engine splits memory but not time there; the SPMD engine
+(`layout_core.pipeline.spmd`) is the one whose stages overlap on DTensor.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from absl import logging
+
+from layout_core.lazy import Module, tf, dtensor
+from layout_core.errors import ConfigError
+from layout_core.layers import random_context
+from layout_core.optimizer import squared_norm
+from layout_core.pipeline import schedule as schedule_lib
+from layout_core.pipeline.partitioning import PartitionPlan
+from layout_core.pipeline.placement import SubMeshPlacement
+from layout_core.pipeline.stages import as_tuple, num_fetched, split_fetched, stage_params
+
+
+class Pipeline(Module):
+  """Runs partitioned stages over micro-batches in clock order (forward only).
+
+      buffer[k] = <empty> for every stage k > 0   # `bubble_fill` (NaN in tests)
+      for clock, work in enumerate(clock_order(K, M)):
+        for stage k, micro-batch m in work:
+          x = micro_batch[m] if k == 0 else buffer[k][m]
+          y, fetched = stage_k(x)                  # on stage k's devices
+          fetched activations -> output[m] (crossed to the last stage)
+          if k == K - 1: output[m] = y
+          else:          buffer[k + 1][m] = cross(y, k -> k + 1)
+
+  Everything is unrolled in one tf.function: stage k on micro-batch m and
+  stage k+1 on m-1 are independent ops (concurrent on plain devices).
+  """
+
+  def __init__(self, plan: PartitionPlan, *, placement, num_micro_batches: int = 1,
+               batch_dim: int = 0, name: str = 'lm', bubble_fill: float | None = None,
+               stages: Sequence[Callable] | None = None):
+    super().__init__(name=name)
+    if num_micro_batches < 1:
+      raise ConfigError(f'pipeline.num_micro_batches is {num_micro_batches}',
+                        fix='use at least 1')
+    self.plan = plan
+    self.placement = placement
+    self.num_micro_batches = num_micro_batches
+    self.batch_dim = batch_dim
+    self.bubble_fill = bubble_fill  # NaN in tests: a schedule bug then shows
+    if hasattr(placement, 'batch_dim'):
+      placement.batch_dim = batch_dim
+    if stages is None:
+      stages = [placement.build(k, p, parent_path=name)
+                for k, p in enumerate(stage_params(plan))]
+    self.stages = list(stages)
+    logging.info('Pipeline: %s', plan.describe())
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.stages)
+
+  def bubble_fraction(self) -> float:
+    return schedule_lib.bubble_fraction(self.num_stages, self.num_micro_batches)
+
+  def split(self, x: tf.Tensor) -> list[tf.Tensor]:
+    size = x.shape[self.batch_dim]
+    if size % self.num_micro_batches:
+      raise ConfigError(
+          f'pipeline.num_micro_batches={self.num_micro_batches} does not divide the '
+          f'batch of {size} (dim {self.batch_dim} of shape {x.shape.as_list()})',
+          where='pipeline.num_micro_batches',
+          fix=f'use a divisor of {size}, or change train.batch_size')
+    if self.num_micro_batches == 1:
+      return [x]
+    if isinstance(self.placement, SubMeshPlacement):
+      # DTensor cannot tf.split a sharded dim (nor give Split outputs a sharded
+      # layout); a gather of each micro-batch's indices works, for any batch_dim.
+      step = size // self.num_micro_batches
+      layout = self.placement.batch_layout(0, x.shape.rank, self.batch_dim)
+      return [dtensor.relayout(tf.gather(x, tf.range(m * step, (m + 1) * step),
+                                         axis=self.batch_dim), layout)
+              for m in range(self.num_micro_batches)]
+    return tf.split(x, self.num_micro_batches, axis=self.batch_dim)
+
+  def __call__(self, x: tf.Tensor):
+    micro = self.split(x)
+    num_stages, placement, last = self.num_stages, self.placement, self.num_stages - 1
+    num_micro = self.num_micro_batches
+    buffers = [[None] * num_micro for _ in range(num_stages)]
+    if self.bubble_fill is not None:  # what an idle slot would hold: must never be read
+      for k in range(1, num_stages):
+        buffers[k] = [self._fill(k, micro[0].shape.as_list())] * num_micro
+    outputs: list = [None] * num_micro
+    fetched: list[list] = [[] for _ in range(num_micro)]
+    for work in schedule_lib.clock_order(num_stages, num_micro):
+      for k, item in work:
+        m = item.micro
+        inputs = micro[m] if k == 0 else buffers[k][m]
+        y, extra = split_fetched(self.stages[k], placement.run(k, self.stages[k], inputs))
+        fetched[m] += [placement.cross(f, k, last) if k != last else f for f in extra]
+        if k == last:
+          outputs[m] = y[0] if len(y) == 1 else y
+        else:
+          if len(y) != 1:
+            raise ConfigError(f'pipeline stage {k} returns {len(y)} tensors; a stage '
+                              'passes one activation to the next',
+                              fix='return one tensor, or fetch extra ones (Stage.fetch)')
+          buffers[k + 1][m] = placement.cross(y[0], k, k + 1)
+    output = self._concat(outputs)
+    if not fetched[0]:
+      return output
+    return (output,) + tuple(self._concat(list(column)) for column in zip(*fetched))
+
+  def _concat(self, values: list) -> tf.Tensor:
+    return values[0] if len(values) == 1 else tf.concat(values, axis=self.batch_dim)
+
+  def _fill(self, k: int, micro_shape: list[int]) -> tf.Tensor:
+    """`bubble_fill` shaped like stage k's input."""
+    shapes = (tuple(micro_shape),)
+    for stage in self.plan.stages[:k]:
+      for p in stage.layers:
+        shapes = p.cls.fprop_meta(p, *shapes).out_shapes
+    value = tf.fill(shapes[0], tf.constant(self.bubble_fill, tf.float32))
+    if isinstance(self.placement, SubMeshPlacement):
+      mesh = self.placement.meshes[k]
+      value = dtensor.copy_to_mesh(value, dtensor.Layout.replicated(mesh, len(shapes[0])))
+      return dtensor.relayout(value, self.placement.batch_layout(k, len(shapes[0]),
+                                                                 self.batch_dim))
+    return self.placement.run(k, tf.identity, value)
+
+
+class GPipe:
+  """Loss and gradients of a staged model over micro-batches (GPipe).
+
+      gpipe = GPipe(stages=runners, placement=placement, loss_fn=cross_entropy,
+                    num_micro_batches=4)
+      loss, grads, squared_norms = gpipe.loss_and_gradients(micro_inputs, micro_labels)
+      # grads[k][i] belongs to gpipe.variables[k][i]
+
+  Two tf.functions per step, each crossing meshes in one direction only:
+
+  * forward: micro-batches flow through stages 0..K-2 in clock order; every
+    stage input is kept.
+  * backward, in the reverse clock order (`clock_order(..., reverse=True)`):
+    the last stage runs forward + loss + backward per micro-batch; every
+    other stage re-computes its forward from its kept input and
+    back-propagates the gradient that crossed back from the next stage
+    (re-materialisation: only stage inputs are held). Gradients accumulate
+    over micro-batches (one AddN per variable); the loss is the mean over
+    micro-batches.
+
+  `schedule='serial'` chains every unit of work on the previous one with
+  control dependencies: the same numbers without any overlap (a benchmark
+  reference).
+
+  Why not one function with one tape: in TF 2.21 a tf.function whose backward
+  crosses back to a DTensor mesh hangs whenever that gradient depends on
+  activations that came from the same mesh (measured: any non-linear layer).
+  """
+
+  def __init__(self, *, stages: Sequence[Callable], placement,
+               loss_fn: Callable[[tf.Tensor, tf.Tensor], tf.Tensor],
+               num_micro_batches: int, schedule: str = 'gpipe'):
+    if schedule not in ('gpipe', 'serial'):
+      raise ConfigError(f'pipeline schedule {schedule!r}', fix="use 'gpipe' or 'serial'")
+    for k, stage in enumerate(stages):
+      if num_fetched(stage):
+        raise ConfigError(
+            f'pipeline stage {k} fetches {num_fetched(stage)} inner activation(s) '
+            '(Stage.fetch); the training engine has no use for them: the loss reads '
+            "the last stage's output only", where='Stage.fetch',
+            fix='drop `fetch` from the stages you train, or run them with '
+                'layout_core.pipeline.Pipeline, which returns fetched activations')
+    self.schedule = schedule
+    self._previous = None  # last unit's outputs while tracing ('serial')
+    self._seeds = None     # per-stage step seeds while tracing
+    self.stages = list(stages)
+    self.placement = placement
+    self.loss_fn = loss_fn
+    self.num_micro_batches = num_micro_batches
+    self.variables = [list(stage.trainable_variables) for stage in self.stages]
+    self._forward = tf.function(self._forward_fn)
+    self._backward = tf.function(self._backward_fn)
+    self._eval = tf.function(self._eval_fn)
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.stages)
+
+  def bubble_fraction(self) -> float:
+    return schedule_lib.bubble_fraction(self.num_stages, self.num_micro_batches)
+
+  # -- one stage, one micro-batch (traced inside the step functions) -------------
+  def _random(self, k: int, m: int, inputs) -> tuple | None:
+    """(seed, first global row) for stage k on micro-batch m, or None (no dropout)."""
+    if self._seeds is None:
+      return None
+    return self._seeds[k], m * int(inputs[0].shape[0])
+
+  def _run(self, k: int, inputs, random: tuple | None = None) -> tuple:
+    """Stage k on one micro-batch. With `random` = (step seed, first row), random
+    layers (dropout) draw that micro-batch's masks, in the forward and in its
+    re-computation alike."""
+    if random is not None:
+      with random_context(seed=random[0], batch_offset=random[1]):
+        outputs = as_tuple(self.placement.run(k, self.stages[k], *inputs))
+    else:
+      outputs = as_tuple(self.placement.run(k, self.stages[k], *inputs))
+    if k < self.num_stages - 1:
+      for y in outputs:
+        if not y.dtype.is_floating:
+          raise ConfigError(f'pipeline stage {k} outputs a {y.dtype.name} tensor; '
+                            'activations between stages must be floating point',
+                            fix='move the cut (pipeline.partition) past that layer')
+    return outputs
+
+  def _cross(self, values, source: int, target: int) -> tuple:
+    return tuple(self.placement.cross(v, source, target) for v in values)
+
+  def _loss_share(self, outputs: tuple, labels) -> tf.Tensor:
+    """One micro-batch's loss / M: the shares sum to the mean loss."""
+    return self.loss_fn(outputs[0] if len(outputs) == 1 else outputs,
+                        labels) / self.num_micro_batches
+
+  def _chain(self, inputs) -> tuple:
+    """In the 'serial' schedule, makes this unit of work wait for the previous one."""
+    if self.schedule != 'serial' or self._previous is None:
+      return tuple(inputs)
+    with tf.control_dependencies(self._previous):
+      return tuple(tf.identity(x) for x in inputs)
+
+  def _unit_gradients(self, k: int, inputs, labels=None, output_grads=None, random=None):
+    """Re-runs stage k on one micro-batch's kept input under a tape; returns
+    (loss share or None, gradients of the floating inputs, of the variables)."""
+    inputs = self._chain(inputs)
+    floats = [x for x in inputs if x.dtype.is_floating]
+    with tf.GradientTape() as tape:
+      tape.watch(floats)
+      outputs = self._run(k, inputs, random)
+      share = self._loss_share(outputs, labels) if labels is not None else None
+    grads = tape.gradient(share if labels is not None else list(outputs),
+                          floats + self.variables[k],
+                          output_gradients=None if labels is not None else list(output_grads),
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    self._previous = [g for g in grads if g is not None]
+    return share, tuple(grads[:len(floats)]), grads[len(floats):]
+
+  # -- step functions --------------------------------------------------------------
+  def _forward_fn(self, micro_inputs, seeds=None):
+    """Stage inputs [k][m] for stages 1..K-1, in clock order (stages 0..K-2 run)."""
+    self._seeds = seeds
+    num_stages, num_micro = self.num_stages, self.num_micro_batches
+    kept = [[None] * num_micro for _ in range(num_stages)]
+    kept[0] = [as_tuple(x) for x in micro_inputs]
+    self._previous = None
+    for work in schedule_lib.clock_order(num_stages - 1, num_micro):
+      for k, item in work:
+        m = item.micro
+        outputs = self._run(k, self._chain(kept[k][m]), self._random(k, m, kept[k][m]))
+        self._previous = list(outputs)
+        kept[k + 1][m] = self._cross(outputs, k, k + 1)
+    return kept[1:]
+
+  def _backward_fn(self, micro_inputs, kept, micro_labels, seeds=None):
+    """The forward's clock order reversed: stage k back-propagates micro-batch
+    m while stage k-1 works on m-1, each re-computing its forward first."""
+    self._seeds = seeds
+    num_stages, num_micro, last = self.num_stages, self.num_micro_batches, self.num_stages - 1
+    inputs = [[as_tuple(x) for x in micro_inputs]] + [list(row) for row in kept]
+    output_grads = [[None] * num_micro for _ in range(num_stages)]
+    per_micro: list[list] = [[] for _ in range(num_stages)]
+    shares = []
+    self._previous = None
+    for work in schedule_lib.clock_order(num_stages, num_micro, reverse=True):
+      for k, item in work:
+        m = item.micro
+        share, input_grads, grads = self._unit_gradients(
+            k, inputs[k][m], labels=micro_labels[m] if k == last else None,
+            output_grads=output_grads[k][m], random=self._random(k, m, inputs[k][m]))
+        if share is not None:
+          shares.append(share)
+        per_micro[k].append(grads)
+        if k > 0:
+          output_grads[k - 1][m] = self._cross(input_grads, k, k - 1)
+    # Accumulate over micro-batches: one AddN per variable.
+    grads = [[tf.add_n([tf.convert_to_tensor(g) for g in column]) for column in zip(*rows)]
+             for rows in per_micro]
+    squared_norms = [squared_norm(stage) if stage else None for stage in grads]
+    return tf.add_n(shares), grads, squared_norms
+
+  def _eval_fn(self, micro_inputs, micro_labels):
+    kept = self._forward_fn(micro_inputs) if self.num_stages > 1 else [micro_inputs]
+    self._seeds = None
+    last = [as_tuple(x) for x in kept[-1]]
+    shares = []
+    for m in range(self.num_micro_batches):
+      outputs = self._run(self.num_stages - 1, last[m])
+      shares.append(self._loss_share(outputs, micro_labels[m]))
+    return tf.add_n(shares)
+
+  # -- public --------------------------------------------------------------------------
+  def loss(self, micro_inputs, micro_labels) -> tf.Tensor:
+    """Forward only (evaluation): the mean loss over micro-batches."""
+    self._check(micro_inputs)
+    return self._eval(list(micro_inputs), list(micro_labels))
+
+  def loss_and_gradients(self, micro_inputs, micro_labels, seeds=None):
+    """(mean loss, [per-stage gradient lists], [per-stage squared gradient norm]),
+    each on its stage's mesh (the loss on the last stage's). `seeds`: this
+    step's random seed as a scalar on each stage's mesh, for dropout."""
+    self._check(micro_inputs)
+    seeds = list(seeds) if seeds is not None else None
+    kept = self._forward(list(micro_inputs), seeds) if self.num_stages > 1 else []
+    return self._backward(list(micro_inputs), kept, list(micro_labels), seeds)
+
+  def _check(self, micro_inputs) -> None:
+    if len(micro_inputs) != self.num_micro_batches:
+      raise ValueError(f'{len(micro_inputs)} micro-batches given, '
+                       f'{self.num_micro_batches} expected')
