@@ -50,7 +50,7 @@ def join_cluster(plan: RunPlan, cluster: cluster_lib.ClusterSpec, *,
         f'clients x {per_client} devices give {per_client * cluster.num_clients}',
         where='mesh.shape', fix='make the mesh size num_clients x devices_per_client')
   if plan.pipeline is not None:
-    raise ConfigError('pipeline stages on sub-meshes run in a single client only',
+    raise ConfigError('pipelined runs (either engine) are single-client only',
                       where='pipeline.num_stages', fix='run the pipelined config with one client')
   logging.info('Joining the cluster as %s', cluster.describe())
   cluster_lib.connect(cluster, device_type=spec.device_type, num_local_devices=per_client)

@@ -295,6 +295,17 @@ STACKED_FPROPS: dict[type, Callable] = {
 assert set(STACKED_FPROPS) == set(STACKABLE)
 
 
+def _rows(variable) -> list:
+  """A stacked [S, Q, ...] variable as Q tensors [S, ...], each pinned to the
+  variable's layout without the Q dim. (Unpinned, DTensor lets a consumer's
+  layout flow back into the Unpack, e.g. a replicated bias added to a
+  model-sharded activation, and its SPMD expansion then fails on the shape.)"""
+  layout = variable.layout
+  row = dtensor.Layout([layout.sharding_specs[0]] + list(layout.sharding_specs[2:]),
+                       layout.mesh)
+  return [dtensor.relayout(r, row) for r in tf.unstack(variable, axis=1)]
+
+
 # -- the engine ----------------------------------------------------------------------
 class SpmdPipeline:
   """Runs `stack`'s cells over micro-batches on the stage axis (module doc).
@@ -386,7 +397,7 @@ class SpmdPipeline:
                                                  tf.bool), [-1] + [1] * (rank - 1))
     last_one_hot = self._slot_vector([float(s == last) for s in range(num_stages)],
                                      first.dtype)
-    variables = {path.split(f'/{STACKED}/', 1)[1]: tf.unstack(v, axis=1)
+    variables = {path.split(f'/{STACKED}/', 1)[1]: _rows(v)
                  for path, v in stack.stacked_variables.items()}
     kept: dict[int, tf.Tensor] = {}          # item -> stage S-1 output, for repeat r+1
     outputs: list = [None] * num_micro
