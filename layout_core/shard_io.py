@@ -25,7 +25,6 @@ holding `variable[s, q]`, so its checkpoint matches the unstacked model.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -42,7 +41,6 @@ VALUE_SUFFIX = '/.ATTRIBUTES/VARIABLE_VALUE'
 OBJECT_GRAPH_KEY = '_CHECKPOINTABLE_OBJECT_GRAPH'
 _UNSHARDED = 'unsharded'
 _WRITERS = 4  # concurrent shard writers per client (2-4 measured best on 2 cores)
-_READERS = 4  # variables read ahead while one is assigned
 _PART = re.compile(r'^(part-c\d+-\d+)\.index$')
 
 # A shard's extent: (start, length) per dimension of the global tensor.
@@ -284,7 +282,9 @@ def write_shards(writes: Sequence[_DeviceWrite], *, directory: str,
 
   The devices write at the same time, one thread each (SaveV2 and fsync run
   outside the GIL), so checksumming and copying one shard overlaps writing
-  and syncing another."""
+  and syncing another. Each thread runs ops on its own device only: TF 2.21
+  caches an eager op's wrapper function by op, attributes and device, and
+  concurrent calls sharing one (as parallel reads did) mixed their inputs."""
   prefixes = [os.path.join(directory, f'part-c{client_id}-{n}') for n in range(len(writes))]
 
   def write(prefix: str, shard: _DeviceWrite) -> None:
@@ -335,20 +335,14 @@ def read_entries(prefix: str, entries: Iterable[CheckpointEntry]) -> None:
   from their own keys and stacked on the device. Works for any mesh shape or
   layout, whatever the layout the checkpoint was written from.
 
-  Reader threads fetch the next few variables while this thread assigns the
-  one before, so at most `_READERS + 1` variables' values are in flight."""
+  One variable at a time, in this thread: reading from several threads raced
+  in TF 2.21's eager runtime (one call's tensor names met another call's slice
+  specs), so the parallelism stays on the write side, where it was tested."""
   by_variable: dict[int, list[CheckpointEntry]] = {}
   for entry in entries:
     by_variable.setdefault(id(entry.variable), []).append(entry)
-  with concurrent.futures.ThreadPoolExecutor(_READERS,
-                                             thread_name_prefix='shard-read') as pool:
-    pending: collections.deque = collections.deque()
-    for group in by_variable.values():
-      pending.append(pool.submit(_read_variable, prefix, group))
-      if len(pending) > _READERS:
-        _assign(*pending.popleft().result())
-    while pending:
-      _assign(*pending.popleft().result())
+  for group in by_variable.values():
+    _assign(*_read_variable(prefix, group))
 
 
 def _read_variable(prefix: str, group: Sequence[CheckpointEntry]):
