@@ -7,8 +7,10 @@
 
 One concept per module: params, mesh, rules, layout_scope, variables, layers,
 tasks (the Task interface, TFRecord files), data (the LM tasks), optimizer, trainer,
-checkpoint, preemption, pipeline, pipeline_trainer, replicated, keras_models (Keras 3
-models laid out by rules), keras_compat (LayoutMap), summaries. gin is attached in `plugins/`; flags live in `launch/`.
+checkpoint, shard_io, cluster, preemption, pipeline (a package: planning, engines,
+trainers), profiling, replicated, keras_models (Keras 3 models laid out by rules),
+keras_compat (LayoutMap), summaries. gin is attached in `plugins/`; flags live in
+`launch/`.
 """
 
 from layout_core.errors import ConfigError

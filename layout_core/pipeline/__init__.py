@@ -23,14 +23,14 @@ What a training step runs (`pipeline.engine`):
   forward in clock order keeping stage inputs, backward in the reverse clock
   order re-computing each stage (`submesh.GPipe`); two functions per step.
 
-Modules: `config` (PipelineConfig, TF-free), `partitioning` (cost-balanced
-cuts, TF-free), `schedule` (clock order and bubble, TF-free), `stages`
-(Stage, StageRunner, the staged-model builder), `placement` (devices,
-sub-meshes, staged variable creation), `submesh` (Pipeline forward engine and
-GPipe), `spmd` (StackedCells, SpmdPipeline), `trainer` (plan_pipeline and the
-trainers). Names below are importable from the package; modules that need
-TensorFlow load on first use, so importing this package for its config is
-TensorFlow-free.
+Modules: `config` (PipelineConfig) and `plan` (the checks and plan of a
+run), `partitioning` (cost-balanced cuts) and `schedule` (clock order and
+bubble), all TensorFlow-free; `stages` (Stage, StageRunner, the staged-model
+builder), `placement` (devices, sub-meshes, staged variable creation),
+`submesh` (the forward Pipeline and GPipe), `spmd` (StackedCells,
+SpmdPipeline), `trainer` (the trainers). Names below are importable from the
+package; modules that need TensorFlow load on first use, so importing this
+package for its config imports no TensorFlow.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ _LAZY = {
     'StagedLayoutScope': 'placement',
     'Pipeline': 'submesh', 'GPipe': 'submesh',
     'StackedCells': 'spmd', 'SpmdPipeline': 'spmd',
-    'PipelinePlan': 'trainer', 'plan_pipeline': 'trainer', 'plan_layout_records': 'trainer',
+    'PipelinePlan': 'plan', 'plan_pipeline': 'plan', 'plan_layout_records': 'plan',
+    'check_pipelinable': 'plan',
     'PipelineTrainer': 'trainer', 'SpmdPipelineTrainer': 'trainer',
     'make_pipeline_trainer': 'trainer',
 }
