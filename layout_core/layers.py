@@ -284,17 +284,26 @@ class MultiHeadAttention(BaseLayer):
 
   def fprop(self, x):
     p = self.params
-    q = tf.einsum('btd,dhk->bthk', x, self.wq)
-    k = tf.einsum('btd,dhk->bthk', x, self.wk)
-    v = tf.einsum('btd,dhk->bthk', x, self.wv)
-    logits = tf.einsum('bthk,bshk->bhts', q, k) * (self._head_dim(p) ** -0.5)
-    if p.causal:
-      length = x.shape[1]
-      mask = tf.linalg.band_part(tf.ones([length, length], logits.dtype), -1, 0)
-      logits += (1.0 - mask) * -1e9
-    probs = tf.nn.softmax(logits, axis=-1)
-    context = tf.einsum('bhts,bshk->bthk', probs, v)
-    return tf.einsum('bthk,hkd->btd', context, self.wo)
+    return attention(x, self.wq, self.wk, self.wv, self.wo, head_dim=self._head_dim(p),
+                     causal=p.causal)
+
+
+def attention(x, wq, wk, wv, wo, *, head_dim: int, causal: bool, lead: str = ''):
+  """Multi-head attention of x [*lead, batch, time, dim] with weights
+  [*lead, dim, heads, head_dim] (wo: [*lead, heads, head_dim, dim]). `lead`
+  names leading dimensions every operand shares: '' for a layer, 's' for the
+  SPMD pipeline's stage slots (each slot with its own cell's weights)."""
+  q = tf.einsum(f'{lead}btd,{lead}dhk->{lead}bthk', x, wq)
+  k = tf.einsum(f'{lead}btd,{lead}dhk->{lead}bthk', x, wk)
+  v = tf.einsum(f'{lead}btd,{lead}dhk->{lead}bthk', x, wv)
+  logits = tf.einsum(f'{lead}bthk,{lead}buhk->{lead}bhtu', q, k) * (head_dim ** -0.5)
+  if causal:
+    length = x.shape[-2]
+    mask = tf.linalg.band_part(tf.ones([length, length], logits.dtype), -1, 0)
+    logits += (1.0 - mask) * -1e9
+  probs = tf.nn.softmax(logits, axis=-1)
+  context = tf.einsum(f'{lead}bhtu,{lead}buhk->{lead}bthk', probs, v)
+  return tf.einsum(f'{lead}bthk,{lead}hkd->{lead}btd', context, wo)
 
 
 # -- randomness -----------------------------------------------------------------

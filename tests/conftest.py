@@ -8,8 +8,11 @@ device count run in a subprocess (see `run_module`).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import threading
+import time
 
 import gin
 import pytest
@@ -50,6 +53,49 @@ def run_module(module: str, *args: str, timeout: float = 300,
   full_env.update(env or {})
   return subprocess.run([sys.executable, '-m', module, *args], cwd=REPO_ROOT,
                         capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+class Launched:
+  """`python -u -m module args...` from the repo root, its merged stdout and
+  stderr collected line by line while it runs (tests that signal or watch it)."""
+
+  def __init__(self, module: str, *args: str, label: str = 'process',
+               new_session: bool = False):
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
+    self.label = label
+    self.process = subprocess.Popen(
+        [sys.executable, '-u', '-m', module, *args], cwd=REPO_ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=new_session)
+    self.lines: list[str] = []
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+
+  def _read(self) -> None:
+    for line in self.process.stdout:
+      self.lines.append(line)
+
+  @property
+  def output(self) -> str:
+    return ''.join(self.lines)
+
+  def wait_for(self, pattern: str, timeout: float = 120) -> re.Match:
+    """The first match of `pattern` in the output; AssertionError if the
+    process ends, or `timeout` passes, without one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+      match = re.search(pattern, self.output)
+      if match:
+        return match
+      if self.process.poll() is not None and not self._reader.is_alive():
+        break
+      time.sleep(0.05)
+    raise AssertionError(f'{self.label}: no {pattern!r}:\n{self.output[-3000:]}')
+
+  def finish(self, timeout: float = 120) -> str:
+    self.process.wait(timeout)
+    self._reader.join(10)
+    return self.output
 
 
 def read_events(logdir: str) -> dict:

@@ -13,15 +13,13 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
-import threading
 import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.conftest import REPO_ROOT, read_events, run_module
+from tests.conftest import Launched, read_events, run_module
 
 # Bit-identical in practice (the cross-process all-reduce sums in the same
 # order here); 1e-6 leaves room for another reduction order on other hosts.
@@ -64,37 +62,14 @@ def free_cluster(count=2):
   return ','.join(f'localhost:{p}' for p in free_ports(count))
 
 
-class Client:
+class Client(Launched):
   """One `launch.train` client in its own process group, output collected."""
 
   def __init__(self, client_id, cluster, *args):
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
+    super().__init__('launch.train', *args, f'--cluster={cluster}',
+                     f'--client_id={client_id}', label=f'client {client_id}',
+                     new_session=True)
     self.client_id = client_id
-    self.process = subprocess.Popen(
-        [sys.executable, '-u', '-m', 'launch.train', *args, f'--cluster={cluster}',
-         f'--client_id={client_id}'], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    self.lines = []
-    self._reader = threading.Thread(target=self._read, daemon=True)
-    self._reader.start()
-
-  def _read(self):
-    for line in self.process.stdout:
-      self.lines.append(line)
-
-  @property
-  def output(self):
-    return ''.join(self.lines)
-
-  def wait_for(self, pattern, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-      if re.search(pattern, self.output):
-        return
-      if self.process.poll() is not None:
-        break
-      time.sleep(0.2)
-    raise AssertionError(f'client {self.client_id}: no {pattern!r}:\n{self.output[-3000:]}')
 
   def exit_seconds(self, timeout):
     """Seconds until the process exits (AssertionError after `timeout`)."""
@@ -139,28 +114,18 @@ def two_clients(tmp_path_factory):
   """2 clients x 4 devices through launch.local_cluster, preempted with SIGTERM
   (to the launcher, which forwards it) once step 4 is saved."""
   model_dir = str(tmp_path_factory.mktemp('two_clients'))
-  env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
-  launcher = subprocess.Popen(
-      [sys.executable, '-u', '-m', 'launch.local_cluster', '--num_clients=2',
-       '--devices_per_client=4', '--', *ARGS, steps(1000), f'--model_dir={model_dir}'],
-      cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  lines = []
-  reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
-  reader.start()
+  launcher = Launched('launch.local_cluster', '--num_clients=2', '--devices_per_client=4',
+                      '--', *ARGS, steps(1000), f'--model_dir={model_dir}',
+                      label='launch.local_cluster')
   try:
-    deadline = time.monotonic() + 400
-    while not re.search(r'Saved checkpoint .*ckpt-4/ckpt', ''.join(lines)):
-      assert launcher.poll() is None and time.monotonic() < deadline, ''.join(lines)[-4000:]
-      time.sleep(0.2)
-    launcher.send_signal(signal.SIGTERM)
-    launcher.wait(timeout=120)
+    launcher.wait_for(r'Saved checkpoint .*ckpt-4/ckpt', timeout=400)
+    launcher.process.send_signal(signal.SIGTERM)
+    output = launcher.finish(timeout=120)
   finally:
-    if launcher.poll() is None:
-      launcher.kill()
-      launcher.wait()
-    reader.join(timeout=10)
-  output = ''.join(lines)
-  assert launcher.returncode == 0, output[-4000:]
+    if launcher.process.poll() is None:
+      launcher.process.kill()
+      launcher.process.wait()
+  assert launcher.process.returncode == 0, output[-4000:]
   return model_dir, output
 
 

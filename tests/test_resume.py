@@ -5,15 +5,13 @@ import random
 import re
 import signal
 import subprocess
-import sys
-import threading
 import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.conftest import REPO_ROOT, read_events, run_module
+from tests.conftest import Launched, read_events, run_module
 
 BASE = ['--gin_file=configs/experiments/quickstart.gin',
         '--gin_bindings=train.eval_batches = 1', '--gin_bindings=train.log_every = 1',
@@ -67,39 +65,13 @@ def no_orphans():
       process.wait(30)
 
 
-class Training:
-  """A launch.train process whose merged output is collected line by line."""
+class Training(Launched):
+  """A launch.train process of the BASE config, tracked for `no_orphans`."""
 
   def __init__(self, model_dir, *extra):
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
-    self.process = subprocess.Popen(
-        [sys.executable, '-m', 'launch.train', *BASE, f'--model_dir={model_dir}', *extra],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    super().__init__('launch.train', *BASE, f'--model_dir={model_dir}', *extra,
+                     label='launch.train')
     _STARTED.append(self.process)
-    self.lines = []
-    self._reader = threading.Thread(target=self._read, daemon=True)
-    self._reader.start()
-
-  def _read(self):
-    for line in self.process.stdout:
-      self.lines.append(line)
-
-  def wait_for(self, pattern, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-      for line in list(self.lines):
-        match = re.search(pattern, line)
-        if match:
-          return match
-      if self.process.poll() is not None and not self._reader.is_alive():
-        break
-      time.sleep(0.05)
-    raise AssertionError(f'{pattern!r} not seen:\n' + ''.join(self.lines[-30:]))
-
-  def finish(self, timeout=120):
-    self.process.wait(timeout)
-    self._reader.join(10)
-    return ''.join(self.lines)
 
   def saved_steps(self):
     return [int(m.group(1)) for m in re.finditer(r'Saved checkpoint \S+ at step (\d+)',

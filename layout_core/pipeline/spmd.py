@@ -232,18 +232,9 @@ def _feed_forward(p, w, x, random, prefix):
 
 
 def _attention(p, w, x, random, prefix):
-  head_dim = layers_lib.MultiHeadAttention._head_dim(p)  # pylint: disable=protected-access
-  q = tf.einsum('sbtd,sdhk->sbthk', x, w('wq'))
-  k = tf.einsum('sbtd,sdhk->sbthk', x, w('wk'))
-  v = tf.einsum('sbtd,sdhk->sbthk', x, w('wv'))
-  logits = tf.einsum('sbthk,sbuhk->sbhtu', q, k) * (head_dim ** -0.5)
-  if p.causal:
-    length = x.shape[2]
-    mask = tf.linalg.band_part(tf.ones([length, length], logits.dtype), -1, 0)
-    logits += (1.0 - mask) * -1e9
-  probs = tf.nn.softmax(logits, axis=-1)
-  context = tf.einsum('sbhtu,sbuhk->sbthk', probs, v)
-  return tf.einsum('sbthk,shkd->sbtd', context, w('wo'))
+  return layers_lib.attention(
+      x, w('wq'), w('wk'), w('wv'), w('wo'), causal=p.causal, lead='s',
+      head_dim=layers_lib.MultiHeadAttention._head_dim(p))  # pylint: disable=protected-access
 
 
 def _dropout(p, w, x, random, prefix):

@@ -36,7 +36,7 @@ from layout_core.layers import Sequential, random_context, step_seed
 from layout_core.params import Params
 from layout_core.pipeline import spmd as spmd_lib
 from layout_core.pipeline.config import PipelineConfig
-from layout_core.pipeline.plan import check_pipelinable, plan_pipeline
+from layout_core.pipeline.plan import PipelinePlan, check_pipelinable, plan_pipeline
 from layout_core.pipeline.stages import build_staged_model
 from layout_core.pipeline.submesh import GPipe
 from layout_core.rules import UNSHARDED, LayoutRules
@@ -44,21 +44,45 @@ from layout_core.trainer import Trainer, cross_entropy
 from layout_core.variables import to_numpy
 
 
-class PipelineTrainer(Trainer):
-  """A Trainer whose model runs as GPipe stages on sub-meshes (engine 'submesh')."""
+class _PipelinedTrainer(Trainer):
+  """What both engines' trainers share: the pipeline config, its plan (made
+  while the model is built), and its TensorBoard records."""
 
   def __init__(self, *, pipeline: PipelineConfig, **kwargs):
     self.pipeline_config = pipeline
     super().__init__(**kwargs)
 
-  def build_model(self, params: Params, rules: LayoutRules | None):
+  def _make_plan(self, params: Params) -> PipelinePlan:
     check_pipelinable(params, self.task)
+    self.pipeline_plan = plan_pipeline(
+        self.pipeline_config, params=params, mesh_axes=mesh_lib.mesh_axes(self.mesh),
+        batch_size=self.config.batch_size, seq_len=self.task.seq_len,
+        batch_axis=self.config.batch_axis)
+    return self.pipeline_plan
+
+  def describe_stages(self) -> str:
+    raise NotImplementedError
+
+  def write_layouts(self) -> str:
+    table = super().write_layouts()
+    plan = self.pipeline_plan
+    self.writer.text(step=0, tag='pipeline/stages', markdown=self.describe_stages())
+    values = {'pipeline/bubble_fraction': plan.bubble_fraction(),
+              'pipeline/num_stages': plan.num_stages,
+              'pipeline/num_micro_batches': plan.num_micro_batches,
+              'pipeline/partition_balance': plan.partition.balance}
+    if plan.engine == 'spmd':
+      values['pipeline/circular_repeats'] = plan.circular_repeats
+    self.writer.scalars(step=0, values=values)
+    return table
+
+
+class PipelineTrainer(_PipelinedTrainer):
+  """A Trainer whose model runs as GPipe stages on sub-meshes (engine 'submesh')."""
+
+  def build_model(self, params: Params, rules: LayoutRules | None):
     config = self.config
-    plan = plan_pipeline(self.pipeline_config, params=params,
-                         mesh_axes=mesh_lib.mesh_axes(self.mesh),
-                         batch_size=config.batch_size, seq_len=self.task.seq_len,
-                         batch_axis=config.batch_axis)
-    self.pipeline_plan = plan
+    plan = self._make_plan(params)
     staged = build_staged_model(
         params, mesh=self.mesh, rules=rules, num_stages=self.pipeline_config.num_stages,
         input_shapes=[(plan.micro_batch_size, self.task.seq_len)],
@@ -141,15 +165,6 @@ class PipelineTrainer(Trainer):
                  f'bubble fraction (K-1)/(M+K-1) = {self.gpipe.bubble_fraction():.3f}')
     return '\n'.join(lines) + '\n'
 
-  def write_layouts(self) -> str:
-    table = super().write_layouts()
-    self.writer.text(step=0, tag='pipeline/stages', markdown=self.describe_stages())
-    self.writer.scalars(step=0, values={
-        'pipeline/bubble_fraction': self.gpipe.bubble_fraction(),
-        'pipeline/num_stages': self.gpipe.num_stages,
-        'pipeline/num_micro_batches': self.gpipe.num_micro_batches,
-        'pipeline/partition_balance': self.plan.balance})
-    return table
 
 
 class _SpmdScope:
@@ -171,29 +186,21 @@ class SpmdModel(Module):
       setattr(self, child_name, module)
 
 
-class SpmdPipelineTrainer(Trainer):
+class SpmdPipelineTrainer(_PipelinedTrainer):
   """A Trainer whose cell stack runs on the SPMD stage-axis engine (module doc)."""
 
   def __init__(self, *, pipeline: PipelineConfig, bubble_fill: float | None = None,
                **kwargs):
-    self.pipeline_config = pipeline
     self.bubble_fill = bubble_fill  # NaN in tests
-    super().__init__(**kwargs)
+    super().__init__(pipeline=pipeline, **kwargs)
     paths = list(self.stack.stacked_variables)
     self.stack.tag_slots({p: (self.optimizer.m[p], self.optimizer.v[p]) for p in paths
                           if p in self.optimizer.m})
-    axes = mesh_lib.mesh_axes(self.mesh)
-    batch_axis = self.config.batch_axis if self.config.batch_axis in axes else UNSHARDED
-    self.micro_layout = dtensor.Layout([UNSHARDED, batch_axis, UNSHARDED], self.mesh)
+    self.micro_layout = dtensor.Layout([UNSHARDED, self.batch_axis, UNSHARDED], self.mesh)
 
   def build_model(self, params: Params, rules: LayoutRules | None):
-    check_pipelinable(params, self.task)
     config = self.config
-    plan = plan_pipeline(self.pipeline_config, params=params,
-                         mesh_axes=mesh_lib.mesh_axes(self.mesh),
-                         batch_size=config.batch_size, seq_len=self.task.seq_len,
-                         batch_axis=config.batch_axis)
-    self.pipeline_plan = plan
+    plan = self._make_plan(params)
     children = list(Sequential.child_params(params).items())
     scope = _SpmdScope()
     built = []
@@ -271,17 +278,6 @@ class SpmdPipelineTrainer(Trainer):
                  f'bubble fraction (S-1)/(R*M+S-1) = {plan.bubble_fraction():.3f}')
     return '\n'.join(lines) + '\n'
 
-  def write_layouts(self) -> str:
-    table = super().write_layouts()
-    plan = self.pipeline_plan
-    self.writer.text(step=0, tag='pipeline/stages', markdown=self.describe_stages())
-    self.writer.scalars(step=0, values={
-        'pipeline/bubble_fraction': plan.bubble_fraction(),
-        'pipeline/num_stages': plan.num_stages,
-        'pipeline/num_micro_batches': plan.num_micro_batches,
-        'pipeline/circular_repeats': plan.circular_repeats,
-        'pipeline/partition_balance': 1.0})
-    return table
 
 
 def make_pipeline_trainer(*, pipeline: PipelineConfig, **kwargs) -> Trainer:
