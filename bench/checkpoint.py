@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from layout_core.mesh import MeshSpec, build_mesh  # noqa: E402
+from layout_core.layout.mesh import MeshSpec, build_mesh  # noqa: E402
 
 MESH = build_mesh(MeshSpec(shape={'data': 2, 'model': 4}))
 
@@ -39,12 +39,12 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from tensorflow.experimental import dtensor  # noqa: E402
 
-from layout_core.checkpoint import CheckpointConfig, Checkpointer  # noqa: E402
-from layout_core.data import MarkovTask  # noqa: E402
-from layout_core.layers import transformer_lm_params  # noqa: E402
-from layout_core.optimizer import OptimizerConfig  # noqa: E402
-from layout_core.rules import LayoutRules  # noqa: E402
-from layout_core.trainer import TrainConfig, Trainer  # noqa: E402
+from layout_core.checkpoint.manager import CheckpointConfig, Checkpointer  # noqa: E402
+from layout_core.tasks.lm import MarkovTask  # noqa: E402
+from layout_core.model.lm import transformer_lm_params  # noqa: E402
+from layout_core.train.optimizer import OptimizerConfig  # noqa: E402
+from layout_core.layout.rules import LayoutRules  # noqa: E402
+from layout_core.train.loop import TrainConfig, Trainer  # noqa: E402
 
 
 def timed(fn):

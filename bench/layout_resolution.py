@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from layout_core.rules import LayoutRules, naive_first_match  # noqa: E402
+from layout_core.layout.rules import LayoutRules, naive_first_match  # noqa: E402
 
 WORDS = ['alpha', 'bravo', 'charlie', 'delta', 'echo', 'foxtrot', 'golf', 'hotel',
          'india', 'juliet', 'kilo', 'lima', 'mike', 'november', 'oscar', 'papa',

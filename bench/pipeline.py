@@ -55,12 +55,13 @@ tf.config.threading.set_inter_op_parallelism_threads(MAX_STAGES)
 from tensorflow.experimental import dtensor  # noqa: E402
 
 from layout_core import pipeline  # noqa: E402
-from layout_core.layers import (Embedding, FeedForward, Sequential,  # noqa: E402
-                                Softmax, TransformerBlock)
-from layout_core.mesh import MeshSpec, build_mesh, configure_virtual_cpus  # noqa: E402
-from layout_core.mesh import pack_global_array  # noqa: E402
+from layout_core.model.base import Sequential  # noqa: E402
+from layout_core.model.layers import (Embedding, FeedForward, Softmax,  # noqa: E402
+                                      TransformerBlock)
+from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus  # noqa: E402
+from layout_core.layout.mesh import pack_global_array  # noqa: E402
 from layout_core.pipeline.spmd import SpmdPipeline, StackedCells  # noqa: E402
-from layout_core.variables import to_numpy  # noqa: E402
+from layout_core.layout.variables import to_numpy  # noqa: E402
 
 configure_virtual_cpus(MAX_STAGES)
 NUM_CELLS = 8

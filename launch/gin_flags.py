@@ -17,7 +17,7 @@ from absl import flags
 import launch
 
 from layout_core.errors import ConfigError
-from layout_core.preemption import Interrupted, PreemptionWatcher
+from layout_core.train.preemption import Interrupted, PreemptionWatcher
 
 GIN_FILES = flags.DEFINE_multi_string(
     'gin_file', [], 'A .gin config file; repeat to combine several (later files '

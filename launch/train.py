@@ -62,7 +62,7 @@ DEVICES_PER_CLIENT = flags.DEFINE_integer(
 
 
 def cluster_from_flags():
-  from layout_core.cluster import ClusterSpec  # pylint: disable=g-import-not-at-top
+  from layout_core.layout.cluster import ClusterSpec  # pylint: disable=g-import-not-at-top
   return ClusterSpec.from_options(client_id=CLIENT_ID.value, num_clients=NUM_CLIENTS.value,
                                   cluster=CLUSTER.value,
                                   init_timeout=CLUSTER_INIT_TIMEOUT.value)

@@ -5,20 +5,29 @@
     with LayoutScope(mesh=mesh, rules=LayoutRules([(r'.*/ffn/w_in', ('unsharded', 'model'))])):
       lm = transformer_lm_params(num_layers=2).Instantiate()
 
-One concept per module: params, mesh, rules, layout_scope, variables, layers,
-tasks (the Task interface, TFRecord files), data (the LM tasks), optimizer, trainer,
-checkpoint, shard_io, cluster, preemption, pipeline (a package: planning, engines,
-trainers), profiling, replicated, keras_models (Keras 3 models laid out by rules),
-keras_compat (LayoutMap), summaries. gin is attached in `plugins/`; flags live in
-`launch/`.
+Subpackages, each owning one part:
+
+  layout/      mesh, layout rules, the layout scope, variables, multi-client cluster
+  model/       the Params layer framework, layers, LM recipes, Keras 3 adapter
+  tasks/       the Task interface, TFRecord files, the LM tasks
+  train/       the training loop, step engines, optimizer, summaries, profiling,
+               preemption
+  pipeline/    pipeline planning and engines (GPipe on sub-meshes, SPMD stage axis)
+  checkpoint/  sharded checkpoints (atomic, sliced per device) and resume
+  compat/      the seed-compatibility APIs: Keras' LayoutMap, the TPU
+               ReplicatedVariable
+
+plus the foundations: params (Params trees), errors (ConfigError), fields
+(type and range checks), lazy (TensorFlow imported on first use). gin is
+attached in `plugins/`; flags live in `launch/`.
 """
 
 from layout_core.errors import ConfigError
-from layout_core.layers import transformer_lm_params
-from layout_core.layout_scope import LayoutScope, plan_layouts
-from layout_core.mesh import MeshSpec, build_mesh
+from layout_core.model.lm import transformer_lm_params
+from layout_core.layout.scope import LayoutScope, plan_layouts
+from layout_core.layout.mesh import MeshSpec, build_mesh
 from layout_core.params import Params
-from layout_core.rules import LayoutRules
+from layout_core.layout.rules import LayoutRules
 
 __all__ = ['ConfigError', 'LayoutRules', 'LayoutScope', 'MeshSpec', 'Params',
            'build_mesh', 'plan_layouts', 'transformer_lm_params']

@@ -11,20 +11,20 @@ in the `meshgin` module, so `mesh.shape` and `meshgin.mesh.shape` both work:
 
 | configurable     | builds                                    | reference |
 |------------------|-------------------------------------------|-----------|
-| `mesh`           | `layout_core.mesh.MeshSpec`               | shape, device_type |
-| `layout_rules`   | `layout_core.rules.LayoutRules`           | rules, strict |
+| `mesh`           | `layout_core.layout.mesh.MeshSpec`               | shape, device_type |
+| `layout_rules`   | `layout_core.layout.rules.LayoutRules`           | rules, strict |
 | `transformer_lm` | the LM Params tree                        | sizes |
 | `transformer_block` | one Transformer cell's Params (for `transformer_lm.cells`) | num_heads, ffn_dim, activation |
 | `model`          | the Params tree to train (+ dotted overrides) | params, overrides |
 | `pipeline`       | `layout_core.pipeline.PipelineConfig`     | num_stages, num_micro_batches, partition, ... |
-| `data`           | `layout_core.data.make_task`: the run's task | task, text_file, vocab_size, seq_len, ... |
+| `data`           | `layout_core.tasks.lm.make_task`: the run's task | task, text_file, vocab_size, seq_len, ... |
 | `markov_task`, `bytes_task` | the LM tasks (`MarkovTask`, `TextFileTask`), for `data.task` | vocab_size, seq_len, ... / path, seq_len |
 | `tfrecord_task`  | `layout_core.tasks.TFRecordTask`: tf.train.Example files | train_files, eval_files, features, inputs, label, ... |
-| `keras_model`    | `layout_core.keras_models.KerasModel`, for `model.params` | build_fn, name |
+| `keras_model`    | `layout_core.model.keras.KerasModel`, for `model.params` | build_fn, name |
 | `sequential`, `feed_forward`, `softmax`, `layer_norm`, `embedding` | library layers' Params (via `plugins.registry.register_layer`) | their Params keys |
-| `optimizer`      | `layout_core.optimizer.OptimizerConfig`   | learning_rate, warmup_steps, ... |
-| `train`          | `layout_core.trainer.TrainConfig`         | num_steps, batch_size, ... |
-| `checkpoint`     | `layout_core.checkpoint.CheckpointConfig` | every_steps, keep, async_save, init_from, ... |
+| `optimizer`      | `layout_core.train.optimizer.OptimizerConfig`   | learning_rate, warmup_steps, ... |
+| `train`          | `layout_core.train.loop.TrainConfig`         | num_steps, batch_size, ... |
+| `checkpoint`     | `layout_core.checkpoint.manager.CheckpointConfig` | every_steps, keep, async_save, init_from, ... |
 """
 
 from __future__ import annotations
@@ -33,16 +33,16 @@ from typing import Any, Mapping
 
 import gin
 
-from layout_core import checkpoint as checkpoint_lib
-from layout_core import data as data_lib
-from layout_core import keras_models
-from layout_core import layers
-from layout_core import mesh as mesh_lib
-from layout_core import optimizer as optimizer_lib
+from layout_core.checkpoint import manager as checkpoint_lib
+from layout_core.tasks import lm as data_lib
+from layout_core.model import keras as keras_models
+from layout_core import model as model_lib
+from layout_core.layout import mesh as mesh_lib
+from layout_core.train import optimizer as optimizer_lib
 from layout_core import pipeline as pipeline_lib
-from layout_core import rules as rules_lib
+from layout_core.layout import rules as rules_lib
 from layout_core import tasks as tasks_lib
-from layout_core import trainer as trainer_lib
+from layout_core.train import loop as trainer_lib
 from layout_core.errors import ConfigError
 from layout_core.params import Params
 from plugins.registry import register_layer, register_task
@@ -52,9 +52,9 @@ MODULE = 'meshgin'
 mesh = gin.external_configurable(mesh_lib.MeshSpec, name='mesh', module=MODULE)
 layout_rules = gin.external_configurable(rules_lib.LayoutRules, name='layout_rules',
                                          module=MODULE)
-transformer_lm = gin.external_configurable(layers.transformer_lm_params,
+transformer_lm = gin.external_configurable(model_lib.transformer_lm_params,
                                            name='transformer_lm', module=MODULE)
-transformer_block = gin.external_configurable(layers.transformer_block_params,
+transformer_block = gin.external_configurable(model_lib.transformer_block_params,
                                               name='transformer_block', module=MODULE)
 pipeline = gin.external_configurable(pipeline_lib.PipelineConfig, name='pipeline',
                                      module=MODULE)
@@ -64,8 +64,8 @@ register_task(data_lib.TextFileTask, name='bytes_task', module=MODULE)
 register_task(tasks_lib.TFRecordTask, name='tfrecord_task', module=MODULE)
 keras_model = gin.external_configurable(keras_models.KerasModel, name='keras_model',
                                         module=MODULE)
-for _layer in (layers.Sequential, layers.FeedForward, layers.Softmax, layers.LayerNorm,
-               layers.Embedding):
+for _layer in (model_lib.Sequential, model_lib.FeedForward, model_lib.Softmax, model_lib.LayerNorm,
+               model_lib.Embedding):
   register_layer(_layer, module=MODULE)
 optimizer = gin.external_configurable(optimizer_lib.OptimizerConfig,
                                       name='optimizer', module=MODULE)

@@ -21,21 +21,22 @@ import os
 
 import gin
 
-from layout_core import keras_models
-from layout_core import layout_scope
+from layout_core.model import keras as keras_models
+from layout_core.layout import scope as layout_scope
 from layout_core import pipeline as pipeline_lib
-from layout_core.checkpoint import CheckpointConfig
-from layout_core.data import LMTask
+from layout_core.checkpoint.manager import CheckpointConfig
+from layout_core.tasks.lm import LMTask
 from layout_core.errors import ConfigError
-from layout_core.layers import Embedding, LayerMeta, leaf_layers
-from layout_core.mesh import MeshSpec
-from layout_core.optimizer import OptimizerConfig
+from layout_core.model.base import LayerMeta, leaf_layers
+from layout_core.model.layers import Embedding
+from layout_core.layout.mesh import MeshSpec
+from layout_core.train.optimizer import OptimizerConfig
 from layout_core.params import Params
 from layout_core.pipeline.plan import (PipelinePlan, check_pipelinable, plan_layout_records,
                                        plan_pipeline)
-from layout_core.rules import LayoutRules
+from layout_core.layout.rules import LayoutRules
 from layout_core.tasks import Task
-from layout_core.trainer import TrainConfig
+from layout_core.train.loop import TrainConfig
 from plugins import configurables
 
 

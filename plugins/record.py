@@ -18,10 +18,10 @@ from typing import Callable
 
 from absl import logging
 
-from layout_core.checkpoint import CheckpointEvent
+from layout_core.checkpoint.manager import CheckpointEvent
 from layout_core.params import Params
-from layout_core.summaries import code_block
-from layout_core.trainer import Trainer
+from layout_core.train.summaries import code_block
+from layout_core.train.loop import Trainer
 from plugins.plan import RunPlan
 
 

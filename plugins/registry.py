@@ -2,7 +2,7 @@
 
 In the user's module (any importable package, e.g. `my_project/layers.py`):
 
-    from layout_core.layers import BaseLayer, Declared, LayerMeta
+    from layout_core.model.base import BaseLayer, Declared, LayerMeta
     from plugins.registry import register_layer
 
     @register_layer                       # gin: @gated_dense() -> its Params

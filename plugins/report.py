@@ -8,9 +8,9 @@ Built from the typed plan alone (nothing allocated, no device touched), so a
 
 from __future__ import annotations
 
-from layout_core import keras_models
-from layout_core import layout_scope
-from layout_core import trainer as trainer_lib
+from layout_core.model import keras as keras_models
+from layout_core.layout import scope as layout_scope
+from layout_core.train import loop as trainer_lib
 from plugins.plan import RunPlan
 
 

@@ -23,14 +23,14 @@ import os
 
 from absl import logging
 
-from layout_core import cluster as cluster_lib
-from layout_core import mesh as mesh_lib
-from layout_core.checkpoint import Checkpointer
+from layout_core.layout import cluster as cluster_lib
+from layout_core.layout import mesh as mesh_lib
+from layout_core.checkpoint.manager import Checkpointer
 from layout_core.errors import ConfigError
 from layout_core.pipeline.trainer import make_pipeline_trainer
-from layout_core.preemption import PreemptionWatcher
-from layout_core.summaries import SummaryWriter
-from layout_core.trainer import Trainer, TrainResult
+from layout_core.train.preemption import PreemptionWatcher
+from layout_core.train.summaries import SummaryWriter
+from layout_core.train.loop import Trainer, TrainResult
 from plugins.plan import RunPlan
 from plugins.record import checkpoint_event_recorder, record_run
 

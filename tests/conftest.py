@@ -17,7 +17,7 @@ import time
 import gin
 import pytest
 
-from layout_core.mesh import MeshSpec, build_mesh, configure_virtual_cpus
+from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_DEVICES = 8

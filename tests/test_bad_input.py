@@ -209,13 +209,15 @@ def test_errors_that_need_no_tensorflow_come_before_it_is_imported(existing_run)
 def test_a_layout_dtensor_cannot_run_fails_before_training_and_updates_nothing(mesh_2x4):
   """The dry step catches what no static check knows: an embedding layer that
   does not declare its table unshardable along the vocabulary."""
-  from layout_core.data import MarkovTask  # pylint: disable=import-outside-toplevel
+  from layout_core.tasks.lm import MarkovTask  # pylint: disable=import-outside-toplevel
   from layout_core.errors import ConfigError
-  from layout_core.layers import Declared, Embedding, transformer_lm_params
-  from layout_core.optimizer import OptimizerConfig
-  from layout_core.rules import LayoutRules
-  from layout_core.trainer import TrainConfig, Trainer
-  from layout_core.variables import Normal, to_numpy
+  from layout_core.model.base import Declared
+  from layout_core.model.layers import Embedding
+  from layout_core.model.lm import transformer_lm_params
+  from layout_core.train.optimizer import OptimizerConfig
+  from layout_core.layout.rules import LayoutRules
+  from layout_core.train.loop import TrainConfig, Trainer
+  from layout_core.layout.variables import Normal, to_numpy
 
   class UndeclaredEmbedding(Embedding):
     @classmethod

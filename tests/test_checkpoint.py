@@ -10,17 +10,17 @@ import pytest
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from layout_core import checkpoint as checkpoint_lib
-from layout_core import shard_io
-from layout_core.checkpoint import CheckpointConfig, Checkpointer
-from layout_core.data import MarkovTask
+from layout_core.checkpoint import manager as checkpoint_lib
+from layout_core.checkpoint import shard_io
+from layout_core.checkpoint.manager import CheckpointConfig, Checkpointer
+from layout_core.tasks.lm import MarkovTask
 from layout_core.errors import ConfigError
-from layout_core.layers import transformer_lm_params
-from layout_core.mesh import MeshSpec, build_mesh, pack_global_array
-from layout_core.optimizer import OptimizerConfig
-from layout_core.rules import LayoutRules
-from layout_core.trainer import TrainConfig, Trainer
-from layout_core.variables import to_numpy
+from layout_core.model.lm import transformer_lm_params
+from layout_core.layout.mesh import MeshSpec, build_mesh, pack_global_array
+from layout_core.train.optimizer import OptimizerConfig
+from layout_core.layout.rules import LayoutRules
+from layout_core.train.loop import TrainConfig, Trainer
+from layout_core.layout.variables import to_numpy
 from tests.test_layout_scope import MEGATRON
 
 
@@ -162,7 +162,7 @@ def test_damaged_state_file_is_moved_aside_and_written_anew(tmp_path, trained, m
 def test_a_runtime_error_while_restoring_moves_nothing(tmp_path, trained, mesh_data8,
                                                        monkeypatch):
   """Out of memory while reading is not damage: the good checkpoint stays."""
-  from layout_core import shard_io  # pylint: disable=import-outside-toplevel
+  from layout_core.checkpoint import shard_io  # pylint: disable=import-outside-toplevel
   newest = two_checkpoints(tmp_path, trained)
   before = sorted(os.listdir(newest.parent))
 

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from layout_core import data
+from layout_core.tasks import lm as data
 from layout_core.errors import ConfigError
 
 

@@ -5,8 +5,8 @@ import pytest
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from layout_core.keras_compat import LayoutMap
-from layout_core.variables import to_numpy
+from layout_core.compat.layout_map import LayoutMap
+from layout_core.layout.variables import to_numpy
 
 
 class Dense(tf.Module):

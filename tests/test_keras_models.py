@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from layout_core import checkpoint as checkpoint_lib
-from layout_core import keras_models
-from layout_core.checkpoint import CheckpointConfig, Checkpointer
-from layout_core.optimizer import OptimizerConfig
-from layout_core.rules import LayoutRules
-from layout_core.trainer import TrainConfig, Trainer
-from layout_core.variables import to_numpy
+from layout_core.checkpoint import manager as checkpoint_lib
+from layout_core.model import keras as keras_models
+from layout_core.checkpoint.manager import CheckpointConfig, Checkpointer
+from layout_core.train.optimizer import OptimizerConfig
+from layout_core.layout.rules import LayoutRules
+from layout_core.train.loop import TrainConfig, Trainer
+from layout_core.layout.variables import to_numpy
 from tests.conftest import REPO_ROOT
 
 sys.path.insert(0, os.path.join(REPO_ROOT, 'tests', 'fixtures'))

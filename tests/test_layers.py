@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from layout_core import layers
+from layout_core import model
 from layout_core.errors import ConfigError
 
 ELEMENTWISE_COST = {'AddV2': 1, 'Add': 1, 'Sub': 1, 'Mul': 1, 'RealDiv': 1,
@@ -48,7 +48,7 @@ def textbook_attention_matmul_flops(batch, length, dim, heads, head_dim):
 
 @pytest.mark.parametrize('batch,length,dim,heads', [(2, 16, 32, 4), (3, 8, 48, 6)])
 def test_attention_flops_and_shape(batch, length, dim, heads):
-  p = layers.MultiHeadAttention.Params().Set(model_dim=dim, num_heads=heads)
+  p = model.MultiHeadAttention.Params().Set(model_dim=dim, num_heads=heads)
   meta = p.cls.fprop_meta(p, (batch, length, dim))
   layer = p.Instantiate()
   x = tf.random.normal([batch, length, dim])
@@ -63,7 +63,7 @@ def test_attention_flops_and_shape(batch, length, dim, heads):
 
 @pytest.mark.parametrize('shape,hidden', [((4, 8, 16), 64), ((5, 12), 20)])
 def test_feed_forward_flops_and_shape(shape, hidden):
-  p = layers.FeedForward.Params().Set(input_dim=shape[-1], hidden_dim=hidden)
+  p = model.FeedForward.Params().Set(input_dim=shape[-1], hidden_dim=hidden)
   meta = p.cls.fprop_meta(p, shape)
   layer = p.Instantiate()
   x = tf.random.normal(shape)
@@ -75,7 +75,7 @@ def test_feed_forward_flops_and_shape(shape, hidden):
 
 
 def test_lm_meta_matches_running_it():
-  p = layers.transformer_lm_params(vocab_size=32, model_dim=16, num_heads=2,
+  p = model.transformer_lm_params(vocab_size=32, model_dim=16, num_heads=2,
                                    ffn_dim=32, num_layers=2, max_len=8)
   meta = p.cls.fprop_meta(p, (3, 8))
   lm = p.Instantiate()
@@ -86,34 +86,34 @@ def test_lm_meta_matches_running_it():
 
 
 def test_variable_specs_match_created_variables_and_paths():
-  p = layers.transformer_lm_params(num_layers=3)
+  p = model.transformer_lm_params(num_layers=3)
   specs = p.cls.variable_specs(p)
   lm = p.Instantiate()
   created = {v.name.split(':')[0]: tuple(v.shape) for v in lm.variables}
   assert {s.path.replace('/', '.'): s.shape for s in specs} == created
   paths = [s.path for s in specs]
   assert 'lm/stack/block_002/ffn/w_in' in paths and 'lm/emb/table' in paths
-  assert layers.num_parameters(p) == sum(math.prod(s) for s in created.values())
+  assert model.num_parameters(p) == sum(math.prod(s) for s in created.values())
 
 
 def test_sequential_rejects_duplicate_names_and_bad_counts():
-  ffn = layers.FeedForward.Params()
+  ffn = model.FeedForward.Params()
   with pytest.raises(ConfigError, match="two sub-layers named 'ffn'"):
-    layers.Sequential.Params().Set(sub=[ffn, ffn.Copy()]).Instantiate()
+    model.Sequential.Params().Set(sub=[ffn, ffn.Copy()]).Instantiate()
   with pytest.raises(ConfigError, match='repeat is 0'):
-    layers.Sequential.Params().Set(sub=[ffn], repeat=0).cls.variable_specs(
-        layers.Sequential.Params().Set(sub=[ffn], repeat=0))
+    model.Sequential.Params().Set(sub=[ffn], repeat=0).cls.variable_specs(
+        model.Sequential.Params().Set(sub=[ffn], repeat=0))
 
 
 def test_flatten_layers_unrolls_nested_repeats():
-  p = layers.transformer_lm_params(num_layers=3)
-  names = [q.name for q in layers.flatten_layers(p)]
+  p = model.transformer_lm_params(num_layers=3)
+  names = [q.name for q in model.flatten_layers(p)]
   assert names == ['emb', 'block_000', 'block_001', 'block_002', 'final_ln', 'softmax']
 
 
 def test_initial_values_do_not_depend_on_layout(mesh_2x4):
   from tensorflow.experimental import dtensor
-  from layout_core.variables import Normal, VariableSpec, initial_value, to_numpy
+  from layout_core.layout.variables import Normal, VariableSpec, initial_value, to_numpy
   spec = VariableSpec(path='w', shape=(16, 32), initializer=Normal(1.0))
   reference = initial_value(spec, seed=3).numpy()
   assert 0.8 < reference.std() < 1.2 and abs(reference.mean()) < 0.2
@@ -125,20 +125,20 @@ def test_initial_values_do_not_depend_on_layout(mesh_2x4):
 
 
 def test_dropout_masks_follow_rows_and_seeds_and_are_off_outside_training():
-  layer = layers.Dropout.Params().Set(name='drop', rate=0.25).Instantiate(parent_path='lm')
+  layer = model.Dropout.Params().Set(name='drop', rate=0.25).Instantiate(parent_path='lm')
   x = tf.ones([8, 16, 32])
   np.testing.assert_array_equal(layer(x).numpy(), x.numpy())  # evaluation: identity
-  with layers.random_context(seed=tf.constant(7, tf.int64)):
+  with model.random_context(seed=tf.constant(7, tf.int64)):
     full = layer(x).numpy()
   kept = full != 0
   assert abs(kept.mean() - 0.75) < 0.02
   np.testing.assert_allclose(full[kept], 1 / 0.75)
   # A micro-batch of rows 4..7 draws exactly those rows' masks (pipelining),
   # distinct from rows 0..3; the same seed repeats, another seed does not.
-  with layers.random_context(seed=tf.constant(7, tf.int64), batch_offset=4):
+  with model.random_context(seed=tf.constant(7, tf.int64), batch_offset=4):
     np.testing.assert_array_equal(layer(x[4:]).numpy(), full[4:])
   assert (full[:4] != full[4:]).any()
-  with layers.random_context(seed=tf.constant(7, tf.int64)):
+  with model.random_context(seed=tf.constant(7, tf.int64)):
     np.testing.assert_array_equal(layer(x).numpy(), full)
-  with layers.random_context(seed=tf.constant(8, tf.int64)):
+  with model.random_context(seed=tf.constant(8, tf.int64)):
     assert (layer(x).numpy() != full).mean() > 0.2

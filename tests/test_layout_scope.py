@@ -5,13 +5,13 @@ import pytest
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from layout_core.data import MarkovTask
-from layout_core.layers import transformer_lm_params
-from layout_core.layout_scope import LayoutScope
-from layout_core.optimizer import OptimizerConfig
-from layout_core.rules import LayoutRules
-from layout_core.trainer import TrainConfig, Trainer
-from layout_core.variables import to_numpy
+from layout_core.tasks.lm import MarkovTask
+from layout_core.model.lm import transformer_lm_params
+from layout_core.layout.scope import LayoutScope
+from layout_core.train.optimizer import OptimizerConfig
+from layout_core.layout.rules import LayoutRules
+from layout_core.train.loop import TrainConfig, Trainer
+from layout_core.layout.variables import to_numpy
 
 MEGATRON = [
     (r'.*/attn/w[qkv]', ('unsharded', 'model', 'unsharded')),

@@ -247,7 +247,7 @@ def test_a_client_that_cannot_see_the_checkpoint_directory_is_named(tmp_path):
 
 
 def test_cluster_spec_from_flags_or_dtensor_environment():
-  from layout_core.cluster import ClusterSpec
+  from layout_core.layout.cluster import ClusterSpec
   from layout_core.errors import ConfigError
   env = {'DTENSOR_JOBS': 'h0:9000,h1:9000', 'DTENSOR_CLIENT_ID': '1'}
   spec = ClusterSpec.from_options(client_id=None, num_clients=None, cluster=[],

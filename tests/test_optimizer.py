@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from layout_core.rules import LayoutRules
-from layout_core.variables import to_numpy
+from layout_core.layout.rules import LayoutRules
+from layout_core.layout.variables import to_numpy
 from tests.test_layout_scope import MEGATRON, make_trainer
 
 

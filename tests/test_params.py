@@ -2,7 +2,7 @@
 
 import pytest
 
-from layout_core import layers
+from layout_core import model
 from layout_core.errors import ConfigError
 from layout_core.params import Params
 
@@ -67,7 +67,7 @@ def test_text_dump_and_diff():
 
 
 def test_lists_of_params_are_flattened_and_addressable():
-  lm = layers.transformer_lm_params(num_layers=3)
+  lm = model.transformer_lm_params(num_layers=3)
   text = lm.ToText()
   assert 'sub[1].repeat : 3\n' in text
   assert 'sub[1].sub[0].ffn_dim : 256\n' in text
@@ -76,9 +76,9 @@ def test_lists_of_params_are_flattened_and_addressable():
 
 
 def test_instantiate_builds_the_named_class_at_its_path():
-  p = layers.FeedForward.Params().Set(input_dim=4, hidden_dim=8)
+  p = model.FeedForward.Params().Set(input_dim=4, hidden_dim=8)
   ffn = p.Instantiate(parent_path='net')
-  assert isinstance(ffn, layers.FeedForward)
+  assert isinstance(ffn, model.FeedForward)
   assert ffn.path == 'net/ffn' and ffn.w_in.shape == (4, 8)
   assert ffn.params.IsFrozen() and not p.IsFrozen()
   with pytest.raises(ConfigError, match='no cls'):

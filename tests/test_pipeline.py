@@ -11,11 +11,12 @@ from tensorflow.experimental import dtensor
 
 from layout_core import pipeline
 from layout_core.errors import ConfigError
-from layout_core.layers import (FeedForward, LayerNorm, Sequential, flatten_layers,
-                                transformer_lm_params)
-from layout_core.mesh import MeshSpec, build_mesh
-from layout_core.rules import LayoutRules
-from layout_core.variables import to_numpy
+from layout_core.model.base import Sequential, flatten_layers
+from layout_core.model.layers import FeedForward, LayerNorm
+from layout_core.model.lm import transformer_lm_params
+from layout_core.layout.mesh import MeshSpec, build_mesh
+from layout_core.layout.rules import LayoutRules
+from layout_core.layout.variables import to_numpy
 
 
 def brute_force_best(costs, k):

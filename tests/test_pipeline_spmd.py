@@ -5,19 +5,22 @@ import pytest
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from layout_core import checkpoint as checkpoint_lib
-from layout_core import mesh as mesh_lib
-from layout_core.data import MarkovTask
+from layout_core.checkpoint import manager as checkpoint_lib
+from layout_core.layout import mesh as mesh_lib
+from layout_core.tasks.lm import MarkovTask
 from layout_core.errors import ConfigError
-from layout_core.layers import FeedForward, Sequential, random_context, transformer_lm_params
-from layout_core.mesh import MeshSpec, build_mesh
-from layout_core.optimizer import OptimizerConfig
+from layout_core.model.base import Sequential
+from layout_core.model.layers import FeedForward
+from layout_core.model.lm import transformer_lm_params
+from layout_core.model.random import random_context
+from layout_core.layout.mesh import MeshSpec, build_mesh
+from layout_core.train.optimizer import OptimizerConfig
 from layout_core.pipeline import PipelineConfig, clock_order
 from layout_core.pipeline.spmd import STACKED, SpmdPipeline, StackedCells
 from layout_core.pipeline.trainer import SpmdPipelineTrainer
-from layout_core.rules import LayoutRules
-from layout_core.trainer import TrainConfig, cross_entropy
-from layout_core.variables import to_numpy
+from layout_core.layout.rules import LayoutRules
+from layout_core.train.loop import TrainConfig, cross_entropy
+from layout_core.layout.variables import to_numpy
 from tests.test_layout_scope import MEGATRON
 
 MESH_SHAPES = {2: {'stage': 2, 'data': 2, 'model': 2}, 4: {'stage': 4, 'data': 2}}
@@ -181,7 +184,7 @@ def test_spmd_config_errors(meshes):
     spmd_trainer(meshes[2], tiny_lm(3), stages=2, micro=2, repeats=1)
   with pytest.raises(ConfigError, match='4 cells do not split into 2 stages x 4'):
     spmd_trainer(meshes[2], tiny_lm(4), stages=2, micro=4, repeats=4)
-  from layout_core.layers import transformer_block_params
+  from layout_core.model.lm import transformer_block_params
   cells = [transformer_block_params(ffn_dim=16), transformer_block_params(ffn_dim=32)]
   mixed = transformer_lm_params(vocab_size=VOCAB, model_dim=8, num_layers=2, max_len=SEQ,
                                 cells=cells)
@@ -197,9 +200,9 @@ def key_values(trainer) -> dict:
 
 
 def test_checkpoints_move_between_spmd_plain_and_submesh_runs(meshes, tmp_path):
-  from layout_core.checkpoint import CheckpointConfig, Checkpointer
+  from layout_core.checkpoint.manager import CheckpointConfig, Checkpointer
   from layout_core.pipeline.trainer import PipelineTrainer
-  from layout_core.trainer import Trainer
+  from layout_core.train.loop import Trainer
 
   params = tiny_lm(4)
   kwargs = dict(model_params=params, rules=LayoutRules(MEGATRON),

@@ -3,18 +3,18 @@
 import numpy as np
 import pytest
 
-from layout_core import checkpoint as checkpoint_lib
-from layout_core.checkpoint import CheckpointConfig, Checkpointer
-from layout_core.data import MarkovTask
+from layout_core.checkpoint import manager as checkpoint_lib
+from layout_core.checkpoint.manager import CheckpointConfig, Checkpointer
+from layout_core.tasks.lm import MarkovTask
 from layout_core.errors import ConfigError
-from layout_core.layers import transformer_lm_params
-from layout_core.mesh import MeshSpec, build_mesh
-from layout_core.optimizer import OptimizerConfig
+from layout_core.model.lm import transformer_lm_params
+from layout_core.layout.mesh import MeshSpec, build_mesh
+from layout_core.train.optimizer import OptimizerConfig
 from layout_core.pipeline import PipelineConfig
 from layout_core.pipeline import PipelineTrainer
-from layout_core.rules import LayoutRules
-from layout_core.trainer import TrainConfig, Trainer
-from layout_core.variables import to_numpy
+from layout_core.layout.rules import LayoutRules
+from layout_core.train.loop import TrainConfig, Trainer
+from layout_core.layout.variables import to_numpy
 from tests.test_layout_scope import MEGATRON, small_lm
 
 

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from layout_core.errors import ConfigError
-from layout_core.replicated import ReplicatedVariable, replicated_scope
+from layout_core.compat.replicated import ReplicatedVariable, replicated_scope
 
 
 def assert_copies_equal(variable, expected):

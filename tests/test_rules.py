@@ -6,9 +6,9 @@ import re
 import pytest
 
 from layout_core.errors import ConfigError
-from layout_core.layout_scope import plan_layouts, report_unused_rules
-from layout_core.layers import transformer_lm_params
-from layout_core.rules import LayoutRules, naive_first_match
+from layout_core.layout.scope import plan_layouts, report_unused_rules
+from layout_core.model.lm import transformer_lm_params
+from layout_core.layout.rules import LayoutRules, naive_first_match
 
 AXES = {'data': 2, 'model': 4}
 

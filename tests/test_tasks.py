@@ -7,15 +7,16 @@ import numpy as np
 import pytest
 
 from examples.classifier.write_data import write_blobs
-from layout_core import checkpoint as checkpoint_lib
-from layout_core.checkpoint import CheckpointConfig, Checkpointer
+from layout_core.checkpoint import manager as checkpoint_lib
+from layout_core.checkpoint.manager import CheckpointConfig, Checkpointer
 from layout_core.errors import ConfigError
-from layout_core.layers import FeedForward, Sequential, Softmax
-from layout_core.optimizer import OptimizerConfig
-from layout_core.rules import LayoutRules
+from layout_core.model.base import Sequential
+from layout_core.model.layers import FeedForward, Softmax
+from layout_core.train.optimizer import OptimizerConfig
+from layout_core.layout.rules import LayoutRules
 from layout_core.tasks import TFRecordTask, read_tfrecords, write_tfrecords
-from layout_core.trainer import TrainConfig, Trainer
-from layout_core.variables import to_numpy
+from layout_core.train.loop import TrainConfig, Trainer
+from layout_core.layout.variables import to_numpy
 from tests.conftest import read_events, run_module
 
 FEATURES = {'x': ('float32', [3]), 'label': ('int64', [])}

@@ -19,13 +19,13 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from layout_core.lazy import tf, dtensor
-from layout_core import mesh as mesh_lib
-from layout_core.layers import BaseLayer
-from layout_core.layout_scope import LayoutRecord, LayoutScope
+from layout_core.layout import mesh as mesh_lib
+from layout_core.model.base import BaseLayer
+from layout_core.layout.scope import LayoutRecord, LayoutScope
 from layout_core.params import Params
 from layout_core.pipeline.partitioning import stage_of
-from layout_core.rules import UNSHARDED, LayoutRules
-from layout_core.variables import VariableSpec, variable_creator
+from layout_core.layout.rules import UNSHARDED, LayoutRules
+from layout_core.layout.variables import VariableSpec, variable_creator
 
 
 class DevicePlacement:

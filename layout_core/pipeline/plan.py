@@ -14,16 +14,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Sequence
 
-from layout_core import layers as layers_lib
-from layout_core import layout_scope as layout_scope_lib
-from layout_core.data import LMTask
+from layout_core.model import layers as layers_lib
+from layout_core.layout import scope as layout_scope_lib
+from layout_core.tasks.lm import LMTask
 from layout_core.errors import ConfigError
-from layout_core.layers import Sequential, leaf_layers
+from layout_core.model.base import Sequential, leaf_layers
 from layout_core.params import Params
 from layout_core.pipeline import partitioning as partition_lib
 from layout_core.pipeline import schedule as schedule_lib
 from layout_core.pipeline.config import PipelineConfig
-from layout_core.rules import LayoutRules
+from layout_core.layout.rules import LayoutRules
 
 
 def check_pipelinable(params, task) -> None:

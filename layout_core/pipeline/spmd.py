@@ -46,17 +46,17 @@ from typing import Callable, Sequence
 import numpy as np
 
 from layout_core.lazy import Module, tf, dtensor
-from layout_core import layers as layers_lib
-from layout_core import mesh as mesh_lib
-from layout_core.shard_io import set_unstacked
+from layout_core.model import layers as layers_lib
+from layout_core.layout import mesh as mesh_lib
+from layout_core.checkpoint.shard_io import set_unstacked
 from layout_core.errors import ConfigError
-from layout_core.layout_scope import LayoutRecord
+from layout_core.layout.scope import LayoutRecord
 from layout_core.params import Params
 from layout_core.pipeline import schedule as schedule_lib
 from layout_core.pipeline.plan import (STACKABLE, cell_slot, check_cell_count,
                                        check_identical_cells, check_stackable)
-from layout_core.rules import UNSHARDED, LayoutRules
-from layout_core.variables import initial_value, mix32, flat_index, path_seed
+from layout_core.layout.rules import UNSHARDED, LayoutRules
+from layout_core.layout.variables import initial_value, mix32, flat_index, path_seed
 
 # The path component that stands for "every cell" in stacked variable paths:
 # lm/stack/stacked_cells/ffn/w_in holds lm/stack/block_000/ffn/w_in, ...
@@ -170,7 +170,7 @@ class StackedCells(Module):
 
   def unstacked_values(self) -> dict[str, np.ndarray]:
     """Per-cell path -> value (tests, inspection)."""
-    from layout_core.variables import to_numpy  # pylint: disable=g-import-not-at-top
+    from layout_core.layout.variables import to_numpy  # pylint: disable=g-import-not-at-top
     values = {}
     for path, variable in self.stacked_variables.items():
       whole, relative = to_numpy(variable), path.split(f'/{STACKED}/', 1)[1]

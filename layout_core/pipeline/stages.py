@@ -22,11 +22,11 @@ from typing import Sequence
 
 from layout_core.lazy import Module, tf
 from layout_core.errors import ConfigError
-from layout_core.layers import BaseLayer, Sequential, leaf_layers, leaf_modules
+from layout_core.model.base import BaseLayer, Sequential, leaf_layers, leaf_modules
 from layout_core.params import Params
 from layout_core.pipeline import partitioning as partition_lib
 from layout_core.pipeline.placement import StagedLayoutScope, SubMeshPlacement
-from layout_core.rules import LayoutRules
+from layout_core.layout.rules import LayoutRules
 
 
 def as_tuple(value) -> tuple:

@@ -26,8 +26,8 @@ from absl import logging
 
 from layout_core.lazy import Module, tf, dtensor
 from layout_core.errors import ConfigError
-from layout_core.layers import random_context
-from layout_core.optimizer import squared_norm
+from layout_core.model.random import random_context
+from layout_core.train.optimizer import squared_norm
 from layout_core.pipeline import schedule as schedule_lib
 from layout_core.pipeline.partitioning import PartitionPlan
 from layout_core.pipeline.placement import SubMeshPlacement

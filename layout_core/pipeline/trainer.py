@@ -30,18 +30,19 @@ import numpy as np
 from absl import logging
 
 from layout_core.lazy import Module, tf, dtensor
-from layout_core import layout_scope as layout_scope_lib
-from layout_core import mesh as mesh_lib
-from layout_core.layers import Sequential, random_context, step_seed
+from layout_core.layout import scope as layout_scope_lib
+from layout_core.layout import mesh as mesh_lib
+from layout_core.model.base import Sequential
+from layout_core.model.random import random_context, step_seed
 from layout_core.params import Params
 from layout_core.pipeline import spmd as spmd_lib
 from layout_core.pipeline.config import PipelineConfig
 from layout_core.pipeline.plan import PipelinePlan, check_pipelinable, plan_pipeline
 from layout_core.pipeline.stages import build_staged_model
 from layout_core.pipeline.submesh import GPipe
-from layout_core.rules import UNSHARDED, LayoutRules
-from layout_core.trainer import Trainer, cross_entropy
-from layout_core.variables import to_numpy
+from layout_core.layout.rules import UNSHARDED, LayoutRules
+from layout_core.train.loop import Trainer, cross_entropy
+from layout_core.layout.variables import to_numpy
 
 
 class _PipelinedTrainer(Trainer):
@@ -245,7 +246,7 @@ class SpmdPipelineTrainer(_PipelinedTrainer):
     task metrics are not pipelined yet."""
     plan = self.pipeline_plan
     num_micro = plan.num_micro_batches
-    from layout_core import layers as layers_lib  # pylint: disable=g-import-not-at-top
+    from layout_core.model import layers as layers_lib  # pylint: disable=g-import-not-at-top
     state = getattr(layers_lib._random, 'state', None)  # pylint: disable=protected-access
 
     def run(modules, x, m):

@@ -41,7 +41,7 @@ from typing import Iterator
 from absl import logging
 
 from layout_core.lazy import dtensor, tf
-from layout_core.variables import creator_initial_value
+from layout_core.layout.variables import creator_initial_value
 
 
 class LayoutMap(collections.abc.MutableMapping):

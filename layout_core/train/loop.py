@@ -10,7 +10,7 @@ The global batch is packed onto the mesh sharded over `config.batch_axis`
 the layouts the rules gave them, and DTensor inserts the collectives.
 
 The model is a Params tree (meshgin layers, built in a `LayoutScope`) or a
-`layout_core.keras_models.KerasModel` (a Keras 3 model built with the same
+`layout_core.model.keras.KerasModel` (a Keras 3 model built with the same
 rules); the task (`layout_core.tasks.Task`) supplies batches, the model's
 inputs, the loss and extra metrics (`train/<name>`, `eval/<name>`).
 """
@@ -26,18 +26,18 @@ import numpy as np
 from absl import logging
 
 from layout_core.lazy import tf, dtensor
-from layout_core import mesh as mesh_lib
+from layout_core.layout import mesh as mesh_lib
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least, check_types
-from layout_core.layers import random_context, step_seed
-from layout_core.layout_scope import LayoutScope, table_markdown
-from layout_core.optimizer import Adam, OptimizerConfig
+from layout_core.model.random import random_context, step_seed
+from layout_core.layout.scope import LayoutScope, table_markdown
+from layout_core.train.optimizer import Adam, OptimizerConfig
 from layout_core.params import Params
-from layout_core.profiling import StepProfiler
-from layout_core.rules import UNSHARDED, LayoutRules
-from layout_core.summaries import NullWriter, SummaryWriter
+from layout_core.train.profiling import StepProfiler
+from layout_core.layout.rules import UNSHARDED, LayoutRules
+from layout_core.train.summaries import NullWriter, SummaryWriter
 from layout_core.tasks import Task, softmax_cross_entropy
-from layout_core.variables import to_numpy
+from layout_core.layout.variables import to_numpy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +136,8 @@ class Trainer:
   def build_model(self, params, rules: LayoutRules | None):
     """Instantiates `params` with every variable laid out on the mesh;
     returns (model, scope with the layout records and variables)."""
-    if not isinstance(params, Params):  # a Keras model (layout_core.keras_models)
-      from layout_core import keras_models  # pylint: disable=g-import-not-at-top
+    if not isinstance(params, Params):  # a Keras model (layout_core.model.keras)
+      from layout_core.model import keras as keras_models  # pylint: disable=g-import-not-at-top
       built = keras_models.build(params, mesh=self.mesh, rules=rules,
                                  seed=self.config.seed,
                                  input_specs=self.task.input_specs(self.config.batch_size))

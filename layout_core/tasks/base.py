@@ -23,7 +23,7 @@ sees exactly the batches it would have seen. A task that cannot promise that
 (a live stream) sets `deterministic = False`; resume then continues from
 wherever its `iterate` starts, and the loss curve is no longer bit-identical.
 
-The language-model tasks (`MarkovTask`, `TextFileTask` in `layout_core.data`)
+The language-model tasks (`MarkovTask`, `TextFileTask` in `layout_core.tasks.lm`)
 are implementations of this interface; `TFRecordTask` reads
 `tf.train.Example`s with a feature spec and trains classifiers or regressors.
 """

@@ -45,12 +45,12 @@ import dataclasses
 import os
 from typing import Any, Callable, Mapping, Sequence
 
-from layout_core import mesh as mesh_lib
+from layout_core.layout import mesh as mesh_lib
 from layout_core.errors import ConfigError
-from layout_core.layout_scope import LayoutRecord, plan_layouts
+from layout_core.layout.scope import LayoutRecord, plan_layouts
 from layout_core.lazy import dtensor, tf
-from layout_core.rules import LayoutRules
-from layout_core.variables import VariableSpec, creator_initial_value
+from layout_core.layout.rules import LayoutRules
+from layout_core.layout.variables import VariableSpec, creator_initial_value
 
 
 @dataclasses.dataclass(frozen=True)

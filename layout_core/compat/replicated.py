@@ -24,7 +24,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from layout_core.errors import ConfigError
-from layout_core.variables import creator_initial_value
+from layout_core.layout.variables import creator_initial_value
 
 
 def replica_mesh(num_replicas: int, device_type: str = 'CPU') -> dtensor.Mesh:

@@ -15,7 +15,7 @@ On disk, `checkpoints/ckpt-<step>/` holds a standard `tf.train.Checkpoint`
 `manifest.json` (step, reason, every file's size) and the run's `config.gin`,
 so a checkpoint always says how to rebuild its model.
 
-Written where the shards live (`layout_core.shard_io`): every device writes
+Written where the shards live (`layout_core.checkpoint.shard_io`): every device writes
 the distinct shards it holds, as slices of the global tensors, into a bundle
 of its own; one `MergeV2Checkpoints` joins the bundles (renaming their data
 files, copying no tensor bytes). Nothing is gathered on a host, so a save
@@ -54,13 +54,13 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 from absl import logging
 
-from layout_core import shard_io
-from layout_core.cluster import SingleClient
+from layout_core.checkpoint import shard_io
+from layout_core.layout.cluster import SingleClient
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least, check_types
 from layout_core.lazy import tf
-from layout_core.mesh import pack_global_array
-from layout_core.variables import to_numpy
+from layout_core.layout.mesh import pack_global_array
+from layout_core.layout.variables import to_numpy
 
 _NAME = re.compile(r'^ckpt-(\d+)$')
 _VALUE_SUFFIX = shard_io.VALUE_SUFFIX
@@ -254,7 +254,7 @@ class Checkpointer:
                config: CheckpointConfig, extra_files: Mapping[str, str] | None = None,
                on_event: Callable[[CheckpointEvent], None] | None = None,
                coordinator=None):
-    """`coordinator` (layout_core.cluster) makes the clients of a multi-client
+    """`coordinator` (layout_core.layout.cluster) makes the clients of a multi-client
     run agree; only its client 0 renames, prunes and writes the manifest."""
     self.directory = directory
     self.config = config

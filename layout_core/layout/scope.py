@@ -24,10 +24,10 @@ from typing import Iterable, Mapping, Sequence
 from absl import logging
 
 from layout_core.lazy import tf, dtensor
-from layout_core import mesh as mesh_lib
+from layout_core.layout import mesh as mesh_lib
 from layout_core.errors import ConfigError
-from layout_core.rules import UNSHARDED, LayoutRules
-from layout_core.variables import (VariableSpec, creator_initial_value, initial_value,
+from layout_core.layout.rules import UNSHARDED, LayoutRules
+from layout_core.layout.variables import (VariableSpec, creator_initial_value, initial_value,
                                    variable_creator)
 
 

@@ -44,7 +44,7 @@ class StepProfiler:
     """`result`: a tensor of the step, read so the trace holds the step's whole work."""
     if self.active and step + 1 >= self.stop:
       if result is not None:
-        from layout_core.variables import to_numpy  # pylint: disable=g-import-not-at-top
+        from layout_core.layout.variables import to_numpy  # pylint: disable=g-import-not-at-top
         to_numpy(result)
       self.close()
 

@@ -1,0 +1,23 @@
+"""Models: the Params layer framework (`base`), the library's layers
+(`layers`), step randomness (`random`), the LM recipes (`lm`) and the Keras 3
+adapter (`keras`, imported on its own: it loads Keras).
+
+    from layout_core import model
+    p = model.transformer_lm_params(num_layers=2)
+    model.num_parameters(p)
+"""
+
+from layout_core.model.base import (BaseLayer, Declared, LayerMeta, Sequential, dense,
+                                    flatten_layers, leaf_layers, leaf_modules,
+                                    num_parameters)
+from layout_core.model.layers import (Dropout, Embedding, FeedForward, LayerNorm,
+                                      MultiHeadAttention, Softmax, TransformerBlock,
+                                      attention)
+from layout_core.model.lm import transformer_block_params, transformer_lm_params
+from layout_core.model.random import current_random, random_context, step_seed
+
+__all__ = ['BaseLayer', 'Declared', 'Dropout', 'Embedding', 'FeedForward', 'LayerMeta',
+           'LayerNorm', 'MultiHeadAttention', 'Sequential', 'Softmax', 'TransformerBlock',
+           'attention', 'current_random', 'dense', 'flatten_layers', 'leaf_layers',
+           'leaf_modules', 'num_parameters', 'random_context', 'step_seed',
+           'transformer_block_params', 'transformer_lm_params']

@@ -1,0 +1,210 @@
+"""The Params layer framework: layers that declare their variables and costs.
+
+Every layer is a `tf.Module` built by `p.Instantiate(parent_path=...)`. A layer
+class answers three questions from its params alone, without running:
+
+  * `declare_variables(p)`: its own variables (name, shape, initializer);
+  * `child_params(p)`: its sub-layers, in order;
+  * `fprop_meta(p, *input_shapes)`: output shapes and forward FLOPs.
+
+so the whole model's variables (`variable_specs`) and cost per layer
+(`fprop_meta`) are known before anything is allocated: `launch.inspect` plans a
+100B-parameter model in seconds and the pipeline balances stages by FLOPs.
+
+    p = Sequential.Params().Set(name='mlp', sub=[FeedForward.Params()])
+    Sequential.fprop_meta(p, (8, 64))          # LayerMeta(out_shapes=((8, 64),), ...)
+    mlp = p.Instantiate()                      # variables at 'mlp/ffn/w_in', ...
+
+FLOPs count a multiply-add as 2 (`matmul_flops`) plus one per output element of
+each elementwise op (`flops` includes both). The library's layers are in
+`layout_core.model.layers`, the LM recipes in `layout_core.model.lm`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping
+
+from layout_core.lazy import Module, tf
+from layout_core.errors import ConfigError
+from layout_core.params import Params
+from layout_core.layout.variables import Initializer, VariableSpec, create_variable
+
+Shape = tuple[int, ...]
+
+@dataclasses.dataclass(frozen=True)
+class LayerMeta:
+  out_shapes: tuple[Shape, ...]
+  flops: int         # all forward FLOPs, matmul + elementwise
+  matmul_flops: int  # 2 * multiply-adds of the dense contractions
+
+
+@dataclasses.dataclass(frozen=True)
+class Declared:
+  """A variable a layer owns: its attribute name, shape and initializer, and
+  the dimensions DTensor cannot run it sharded on (with why, and what works)."""
+  name: str
+  shape: Shape
+  initializer: Initializer
+  unshardable: Mapping[int, str] = dataclasses.field(default_factory=dict)
+
+
+def num_elements(shape: Shape) -> int:
+  return math.prod(shape)
+
+
+def dense(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
+  """x[..., d] @ w[d, f]: a matmul for 2-D x (on CPU the einsum kernel's
+  forward + backward took 2x as long at [16, 1024] x [1024, 1024]), else an
+  einsum with explicit letters (DTensor's einsum has no '...' broadcasting)."""
+  if x.shape.rank == 2:
+    return tf.matmul(x, w)
+  batch = 'abcefgh'[:x.shape.rank - 1]
+  return tf.einsum(f'{batch}d,df->{batch}f', x, w)
+
+
+class BaseLayer(Module):
+  """Params-built module (a tf.Module once built, see `layout_core.lazy`);
+  subclasses declare variables, children and costs."""
+
+  @classmethod
+  def Params(cls) -> Params:
+    p = Params()
+    p.Define('cls', cls, 'Layer class that Instantiate() builds.')
+    p.Define('name', cls.__name__.lower(), 'Layer name: its variable path component.')
+    p.Define('dtype', 'float32', 'Variable dtype.')
+    return p
+
+  def __init__(self, params: Params, *, parent_path: str = ''):
+    if not params.name or not params.name.isidentifier():
+      raise ConfigError(f'layer name {params.name!r} must be an identifier',
+                        where=f"{parent_path or '<root>'} ({type(self).__name__})")
+    super().__init__(name=params.name)
+    self.params = params.Copy().Freeze()
+    self.path = f'{parent_path}/{params.name}' if parent_path else params.name
+    for spec in self.own_variable_specs(self.params, self.path):
+      setattr(self, spec.path.rsplit('/', 1)[1], create_variable(spec))
+    self.child_names = tuple(self.child_params(self.params))
+    for name, child in self.child_params(self.params).items():
+      setattr(self, name, child.Instantiate(parent_path=self.path))
+
+  # -- declarations (classmethods: usable without building) ---------------------
+  @classmethod
+  def declare_variables(cls, p: Params) -> list[Declared]:
+    return []
+
+  @classmethod
+  def child_params(cls, p: Params) -> dict[str, Params]:
+    return {}
+
+  @classmethod
+  def own_variable_specs(cls, p: Params, path: str) -> list[VariableSpec]:
+    return [VariableSpec(path=f'{path}/{d.name}', shape=tuple(d.shape),
+                         initializer=d.initializer, dtype=p.dtype,
+                         unshardable=dict(d.unshardable))
+            for d in cls.declare_variables(p)]
+
+  @classmethod
+  def variable_specs(cls, p: Params, parent_path: str = '') -> list[VariableSpec]:
+    """Every variable this layer and its children would create, in order."""
+    path = f'{parent_path}/{p.name}' if parent_path else p.name
+    specs = cls.own_variable_specs(p, path)
+    for child in cls.child_params(p).values():
+      specs += child.cls.variable_specs(child, path)
+    return specs
+
+  @classmethod
+  def fprop_meta(cls, p: Params, *input_shapes: Shape) -> LayerMeta:
+    raise NotImplementedError(f'{cls.__name__}.fprop_meta')
+
+  # -- running ------------------------------------------------------------------
+  def children(self) -> list['BaseLayer']:
+    return [getattr(self, n) for n in self.child_names]
+
+  def fprop(self, *inputs):
+    raise NotImplementedError
+
+  def __call__(self, *inputs):
+    return self.fprop(*inputs)
+
+
+class Sequential(BaseLayer):
+  """Runs `sub` layers in order, `repeat` times (children `name_000`, ...).
+
+  With repeat == 1 children keep their own names; with repeat > 1 each copy of
+  sub-layer `s` is named `s_000`, `s_001`, ...
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.name = 'seq'
+    p.Define('sub', [], 'Params of the layers to run in order.')
+    p.Define('repeat', 1, 'How many times to repeat the whole `sub` list.')
+    return p
+
+  @classmethod
+  def child_params(cls, p):
+    if p.repeat < 1:
+      raise ConfigError(f'{p.name}.repeat is {p.repeat}', fix='use a positive count')
+    children = {}
+    for r in range(p.repeat):
+      for sub in p.sub:
+        child = sub.Copy()
+        if p.repeat > 1:
+          child.name = f'{sub.name}_{r:03d}'
+        if child.name in children:
+          raise ConfigError(f"{p.name} has two sub-layers named '{child.name}'",
+                            fix='give each sub-layer a distinct name')
+        children[child.name] = child
+    return children
+
+  @classmethod
+  def fprop_meta(cls, p, *shapes):
+    flops = matmul = 0
+    for child in cls.child_params(p).values():
+      meta = child.cls.fprop_meta(child, *shapes)
+      flops, matmul = flops + meta.flops, matmul + meta.matmul_flops
+      shapes = meta.out_shapes
+    return LayerMeta(out_shapes=tuple(shapes), flops=flops, matmul_flops=matmul)
+
+  def fprop(self, *inputs):
+    outputs = inputs
+    for child in self.children():
+      outputs = child(*outputs)
+      if not isinstance(outputs, tuple):
+        outputs = (outputs,)
+    return outputs[0] if len(outputs) == 1 else outputs
+
+
+def num_parameters(p: Params) -> int:
+  return sum(s.num_elements for s in p.cls.variable_specs(p))
+
+
+def flatten_layers(p: Params) -> list[Params]:
+  """Leaf layers of nested/repeated Sequentials, in execution order.
+
+  Leaves keep the names they would have as children (block_000, ...), so a
+  stage built from them creates variables at recognisable paths.
+  """
+  return [leaf for _, leaf in leaf_layers(p)]
+
+
+def leaf_layers(p: Params, parent_path: str = '') -> list[tuple[str, Params]]:
+  """(path, params) of every leaf layer, in execution order: the paths the
+  leaves get when `p` is instantiated (`lm/emb`, `lm/stack/block_000`, ...)."""
+  path = f'{parent_path}/{p.name}' if parent_path else p.name
+  if p.cls is not Sequential:
+    return [(path, p.Copy())]
+  leaves = []
+  for child in Sequential.child_params(p).values():
+    leaves += leaf_layers(child, path)
+  return leaves
+
+
+def leaf_modules(layer: BaseLayer) -> list[BaseLayer]:
+  """The built leaf layers of `layer`, in execution order (cf. `leaf_layers`)."""
+  if layer.params.cls is not Sequential:  # as in leaf_layers: subclasses are leaves
+    return [layer]
+  return [leaf for child in layer.children() for leaf in leaf_modules(child)]

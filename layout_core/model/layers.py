@@ -1,0 +1,294 @@
+"""The library's layers: embedding, layer norm, feed-forward, attention,
+dropout, the Transformer block and the softmax projection.
+
+    ffn = FeedForward.Params().Set(name='ffn', input_dim=64, hidden_dim=256)
+    FeedForward.fprop_meta(ffn, (8, 16, 64))  # LayerMeta(out_shapes=((8, 16, 64),), ...)
+    layer = ffn.Instantiate(parent_path='lm/block_000')
+    layer.w_in                                # created as 'lm/block_000/ffn/w_in'
+"""
+
+from __future__ import annotations
+
+from layout_core.lazy import tf
+from layout_core.errors import ConfigError
+from layout_core.layout.variables import Normal, Ones, Zeros, flat_index, mix32, path_seed
+from layout_core.model.base import (BaseLayer, Declared, LayerMeta, dense,
+                                    num_elements as _size)
+from layout_core.model.random import current_random
+
+
+class Embedding(BaseLayer):
+  """Token ids [B, T] -> vectors [B, T, D], plus learned positions."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.name = 'emb'
+    p.Define('vocab_size', 256, 'Number of token ids.')
+    p.Define('dim', 64, 'Embedding width.')
+    p.Define('max_len', 512, 'Longest sequence (position table rows); 0: none.')
+    p.Define('init_stddev', 0.02, 'Stddev of the initial embeddings.')
+    return p
+
+  @classmethod
+  def declare_variables(cls, p):
+    looked_up = {0: 'its rows are looked up with a gather, and DTensor cannot gather '
+                    'from a table sharded along dimension 0 (the vocabulary); shard '
+                    "dimension 1 (the features) instead, e.g. ('unsharded', 'model')"}
+    declared = [Declared('table', (p.vocab_size, p.dim), Normal(p.init_stddev),
+                         unshardable=looked_up)]
+    if p.max_len:
+      declared.append(Declared('pos_table', (p.max_len, p.dim), Normal(p.init_stddev)))
+    return declared
+
+  @classmethod
+  def fprop_meta(cls, p, ids_shape):
+    batch, length = ids_shape
+    if p.max_len and length > p.max_len:
+      raise ConfigError(f'sequence length {length} exceeds {p.name}.max_len={p.max_len}')
+    out = (batch, length, p.dim)
+    return LayerMeta(out_shapes=(out,), flops=_size(out) * (2 if p.max_len else 1),
+                     matmul_flops=0)
+
+  def fprop(self, ids):
+    x = tf.gather(self.table, ids)
+    if self.params.max_len:
+      x += self.pos_table[:ids.shape[1]]
+    return x
+
+
+class LayerNorm(BaseLayer):
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.name = 'ln'
+    p.Define('dim', 64, 'Normalised (last) dimension.')
+    p.Define('epsilon', 1e-6, 'Variance epsilon.')
+    return p
+
+  @classmethod
+  def declare_variables(cls, p):
+    return [Declared('scale', (p.dim,), Ones()), Declared('bias', (p.dim,), Zeros())]
+
+  @classmethod
+  def fprop_meta(cls, p, x_shape):
+    # mean, subtract, square, mean, rsqrt-multiply, scale, shift
+    return LayerMeta(out_shapes=(tuple(x_shape),), flops=7 * _size(x_shape),
+                     matmul_flops=0)
+
+  def fprop(self, x):
+    mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
+    normed = (x - mean) * tf.math.rsqrt(variance + self.params.epsilon)
+    return normed * self.scale + self.bias
+
+
+class FeedForward(BaseLayer):
+  """x -> act(x W_in + b_in) W_out + b_out."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.name = 'ffn'
+    p.Define('input_dim', 64, 'Input and output width.')
+    p.Define('hidden_dim', 256, 'Inner width.')
+    p.Define('activation', 'relu', "'relu' or 'gelu'.")
+    p.Define('init_stddev', 0.02, 'Stddev of the initial weights.')
+    return p
+
+  @classmethod
+  def declare_variables(cls, p):
+    if p.activation not in ('relu', 'gelu'):
+      raise ConfigError(f"{p.name}.activation is {p.activation!r}",
+                        fix="use 'relu' or 'gelu'")
+    return [Declared('w_in', (p.input_dim, p.hidden_dim), Normal(p.init_stddev)),
+            Declared('b_in', (p.hidden_dim,), Zeros()),
+            Declared('w_out', (p.hidden_dim, p.input_dim), Normal(p.init_stddev)),
+            Declared('b_out', (p.input_dim,), Zeros())]
+
+  @classmethod
+  def fprop_meta(cls, p, x_shape):
+    tokens = _size(x_shape[:-1])
+    matmul = 2 * tokens * p.input_dim * p.hidden_dim * 2
+    elementwise = tokens * (2 * p.hidden_dim + p.input_dim)  # bias, act, bias
+    return LayerMeta(out_shapes=(tuple(x_shape),), flops=matmul + elementwise,
+                     matmul_flops=matmul)
+
+  def fprop(self, x):
+    h = dense(x, self.w_in) + self.b_in
+    h = tf.nn.relu(h) if self.params.activation == 'relu' else tf.nn.gelu(h)
+    return dense(h, self.w_out) + self.b_out
+
+
+class MultiHeadAttention(BaseLayer):
+  """Causal multi-head self-attention; weights [D, H, K] and [H, K, D]."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.name = 'attn'
+    p.Define('model_dim', 64, 'Input and output width.')
+    p.Define('num_heads', 4, 'Attention heads.')
+    p.Define('head_dim', 0, 'Width per head; 0 means model_dim // num_heads.')
+    p.Define('causal', True, 'Mask attention to earlier positions only.')
+    p.Define('init_stddev', 0.02, 'Stddev of the initial weights.')
+    return p
+
+  @classmethod
+  def _head_dim(cls, p) -> int:
+    if p.head_dim:
+      return p.head_dim
+    if p.model_dim % p.num_heads:
+      raise ConfigError(f'{p.name}: model_dim {p.model_dim} is not divisible by '
+                        f'num_heads {p.num_heads}', fix='set head_dim explicitly')
+    return p.model_dim // p.num_heads
+
+  @classmethod
+  def declare_variables(cls, p):
+    qkv = (p.model_dim, p.num_heads, cls._head_dim(p))
+    init = Normal(p.init_stddev)
+    return [Declared('wq', qkv, init), Declared('wk', qkv, init),
+            Declared('wv', qkv, init),
+            Declared('wo', (p.num_heads, cls._head_dim(p), p.model_dim), init)]
+
+  @classmethod
+  def fprop_meta(cls, p, x_shape):
+    batch, length, dim = x_shape
+    heads, head_dim = p.num_heads, cls._head_dim(p)
+    tokens = batch * length
+    projections = 2 * tokens * dim * heads * head_dim * 4       # q, k, v, out
+    scores = 2 * batch * heads * length * length * head_dim * 2  # qk^T and attn.v
+    # scale, mask, softmax (exp, sum, divide ~ 3)
+    elementwise = batch * heads * length * length * 5
+    return LayerMeta(out_shapes=(tuple(x_shape),),
+                     flops=projections + scores + elementwise,
+                     matmul_flops=projections + scores)
+
+  def fprop(self, x):
+    p = self.params
+    return attention(x, self.wq, self.wk, self.wv, self.wo, head_dim=self._head_dim(p),
+                     causal=p.causal)
+
+
+def attention(x, wq, wk, wv, wo, *, head_dim: int, causal: bool, lead: str = ''):
+  """Multi-head attention of x [*lead, batch, time, dim] with weights
+  [*lead, dim, heads, head_dim] (wo: [*lead, heads, head_dim, dim]). `lead`
+  names leading dimensions every operand shares: '' for a layer, 's' for the
+  SPMD pipeline's stage slots (each slot with its own cell's weights)."""
+  q = tf.einsum(f'{lead}btd,{lead}dhk->{lead}bthk', x, wq)
+  k = tf.einsum(f'{lead}btd,{lead}dhk->{lead}bthk', x, wk)
+  v = tf.einsum(f'{lead}btd,{lead}dhk->{lead}bthk', x, wv)
+  logits = tf.einsum(f'{lead}bthk,{lead}buhk->{lead}bhtu', q, k) * (head_dim ** -0.5)
+  if causal:
+    length = x.shape[-2]
+    mask = tf.linalg.band_part(tf.ones([length, length], logits.dtype), -1, 0)
+    logits += (1.0 - mask) * -1e9
+  probs = tf.nn.softmax(logits, axis=-1)
+  context = tf.einsum(f'{lead}bhtu,{lead}buhk->{lead}bthk', probs, v)
+  return tf.einsum(f'{lead}bthk,{lead}hkd->{lead}btd', context, wo)
+
+
+class Dropout(BaseLayer):
+  """Zeroes each element with probability `rate` (scaling the rest by
+  1/(1-rate)) inside a `random_context`; the identity outside one."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.name = 'dropout'
+    p.Define('rate', 0.0, 'Probability of dropping an element.')
+    return p
+
+  @classmethod
+  def fprop_meta(cls, p, x_shape):
+    return LayerMeta(out_shapes=(tuple(x_shape),), flops=2 * _size(x_shape), matmul_flops=0)
+
+  def fprop(self, x):
+    state = current_random()
+    if not self.params.rate or state is None:
+      return x
+    seed, batch_offset = state
+    shape = tuple(x.shape.as_list())
+    index = flat_index(shape) + batch_offset * _size(shape[1:])
+    key = mix32(tf.bitwise.bitwise_and(
+        tf.cast(seed, tf.int64) * 0x85EBCA77 + path_seed(self.path, 0), 0xFFFFFFFF))
+    bits = mix32(tf.bitwise.bitwise_and(index * 2 + key, 0xFFFFFFFF))
+    keep = tf.cast(bits, tf.float32) >= self.params.rate * 4294967296.0
+    return tf.where(keep, x / (1.0 - self.params.rate), tf.zeros_like(x))
+
+
+class TransformerBlock(BaseLayer):
+  """Pre-norm block: x + attn(ln(x)), then x + ffn(ln(x))."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.name = 'block'
+    p.Define('model_dim', 64, 'Residual stream width.')
+    p.Define('num_heads', 4, 'Attention heads.')
+    p.Define('ffn_dim', 256, 'Feed-forward inner width.')
+    p.Define('activation', 'relu', "Feed-forward activation: 'relu' or 'gelu'.")
+    p.Define('dropout_rate', 0.0, 'Dropout on the attention and feed-forward outputs.')
+    return p
+
+  @classmethod
+  def child_params(cls, p):
+    children = {
+        'ln_attn': LayerNorm.Params().Set(name='ln_attn', dim=p.model_dim),
+        'attn': MultiHeadAttention.Params().Set(model_dim=p.model_dim,
+                                                num_heads=p.num_heads),
+        'ln_ffn': LayerNorm.Params().Set(name='ln_ffn', dim=p.model_dim),
+        'ffn': FeedForward.Params().Set(input_dim=p.model_dim, hidden_dim=p.ffn_dim,
+                                        activation=p.activation),
+    }
+    if p.dropout_rate:
+      for name in ('attn_dropout', 'ffn_dropout'):
+        children[name] = Dropout.Params().Set(name=name, rate=p.dropout_rate)
+    return children
+
+  @classmethod
+  def fprop_meta(cls, p, x_shape):
+    children = cls.child_params(p)
+    parts = [c.cls.fprop_meta(c, x_shape) for c in children.values()]
+    residual_adds = 2 * _size(x_shape)
+    return LayerMeta(out_shapes=(tuple(x_shape),),
+                     flops=sum(m.flops for m in parts) + residual_adds,
+                     matmul_flops=sum(m.matmul_flops for m in parts))
+
+  def fprop(self, x):
+    attn, ffn = self.attn(self.ln_attn(x)), None
+    if self.params.dropout_rate:
+      attn = self.attn_dropout(attn)
+    x = x + attn
+    ffn = self.ffn(self.ln_ffn(x))
+    if self.params.dropout_rate:
+      ffn = self.ffn_dropout(ffn)
+    return x + ffn
+
+
+class Softmax(BaseLayer):
+  """Projection to logits over classes (the loss is applied outside)."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.name = 'softmax'
+    p.Define('input_dim', 64, 'Input width.')
+    p.Define('num_classes', 256, 'Output classes (vocabulary).')
+    p.Define('init_stddev', 0.02, 'Stddev of the initial weights.')
+    return p
+
+  @classmethod
+  def declare_variables(cls, p):
+    return [Declared('w', (p.input_dim, p.num_classes), Normal(p.init_stddev)),
+            Declared('b', (p.num_classes,), Zeros())]
+
+  @classmethod
+  def fprop_meta(cls, p, x_shape):
+    tokens = _size(x_shape[:-1])
+    matmul = 2 * tokens * p.input_dim * p.num_classes
+    return LayerMeta(out_shapes=(tuple(x_shape[:-1]) + (p.num_classes,),),
+                     flops=matmul + tokens * p.num_classes, matmul_flops=matmul)
+
+  def fprop(self, x):
+    return dense(x, self.w) + self.b
