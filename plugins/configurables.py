@@ -23,7 +23,7 @@ in the `meshgin` module, so `mesh.shape` and `meshgin.mesh.shape` both work:
 | `keras_model`    | `layout_core.model.keras.KerasModel`, for `model.params` | build_fn, name |
 | `sequential`, `feed_forward`, `softmax`, `layer_norm`, `embedding` | library layers' Params (via `plugins.registry.register_layer`) | their Params keys |
 | `optimizer`      | `layout_core.train.optimizer.OptimizerConfig`   | learning_rate, warmup_steps, ... |
-| `train`          | `layout_core.train.loop.TrainConfig`         | num_steps, batch_size, ... |
+| `train`          | `layout_core.train.config.TrainConfig`         | num_steps, batch_size, ... |
 | `checkpoint`     | `layout_core.checkpoint.manager.CheckpointConfig` | every_steps, keep, async_save, init_from, ... |
 """
 
@@ -42,7 +42,7 @@ from layout_core.train import optimizer as optimizer_lib
 from layout_core import pipeline as pipeline_lib
 from layout_core.layout import rules as rules_lib
 from layout_core import tasks as tasks_lib
-from layout_core.train import loop as trainer_lib
+from layout_core.train import config as train_config
 from layout_core.errors import ConfigError
 from layout_core.params import Params
 from plugins.registry import register_layer, register_task
@@ -69,7 +69,7 @@ for _layer in (model_lib.Sequential, model_lib.FeedForward, model_lib.Softmax, m
   register_layer(_layer, module=MODULE)
 optimizer = gin.external_configurable(optimizer_lib.OptimizerConfig,
                                       name='optimizer', module=MODULE)
-train = gin.external_configurable(trainer_lib.TrainConfig, name='train', module=MODULE)
+train = gin.external_configurable(train_config.TrainConfig, name='train', module=MODULE)
 checkpoint = gin.external_configurable(checkpoint_lib.CheckpointConfig, name='checkpoint',
                                        module=MODULE)
 

@@ -36,7 +36,7 @@ from layout_core.pipeline.plan import (PipelinePlan, check_pipelinable, plan_lay
                                        plan_pipeline)
 from layout_core.layout.rules import LayoutRules
 from layout_core.tasks import Task
-from layout_core.train.loop import TrainConfig
+from layout_core.train.config import TrainConfig, batch_axis_for
 from plugins import configurables
 
 
@@ -84,18 +84,6 @@ def check_model_fits_data(params, task: Task, batch_size: int) -> LayerMeta | No
   return params.cls.fprop_meta(params, *[shape for shape, _ in task.input_specs(batch_size)])
 
 
-def check_batch_splits(train: TrainConfig, mesh_spec: MeshSpec) -> None:
-  """The batch splits evenly over `train.batch_axis` (a mesh without that axis
-  replicates the batch, with a warning from the trainer)."""
-  axis = train.batch_axis
-  if axis in mesh_spec.shape and train.batch_size % mesh_spec.shape[axis]:
-    size = mesh_spec.shape[axis]
-    raise ConfigError(
-        f'train.batch_size={train.batch_size} does not split over mesh axis '
-        f"'{axis}' of size {size}", where='train.batch_size / mesh.shape',
-        fix=f'use a multiple of {size} (e.g. {train.batch_size // size * size or size})')
-
-
 def make_plan() -> RunPlan:
   """Calls every configurable once and validates the result (see module doc)."""
   mesh_spec = configurables.mesh()
@@ -109,7 +97,7 @@ def make_plan() -> RunPlan:
   checkpoint = configurables.checkpoint()
   pipeline_config = configurables.pipeline()
   meta = check_model_fits_data(params, task, train.batch_size)
-  check_batch_splits(train, mesh_spec)
+  batch_axis_for(train, mesh_spec.shape)  # the batch splits over its axis
   pipeline = None
   mesh_axes = dict(mesh_spec.shape)
   if pipeline_config.enabled:

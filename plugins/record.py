@@ -19,7 +19,6 @@ from typing import Callable
 from absl import logging
 
 from layout_core.checkpoint.manager import CheckpointEvent
-from layout_core.params import Params
 from layout_core.train.summaries import code_block
 from layout_core.train.loop import Trainer
 from plugins.plan import RunPlan
@@ -36,7 +35,7 @@ def write_text(model_dir: str, name: str, text: str) -> str:
 
 
 def record_run(trainer: Trainer, plan: RunPlan, *, model_dir: str) -> None:
-  params_text = model_text(trainer)
+  params_text = trainer.engine.description
   write_text(model_dir, 'config.gin', plan.operative_config)
   write_text(model_dir, 'params.txt', params_text)
   write_text(model_dir, 'layouts.txt', trainer.write_layouts())
@@ -44,15 +43,6 @@ def record_run(trainer: Trainer, plan: RunPlan, *, model_dir: str) -> None:
   trainer.writer.text(step=0, tag='config/params', markdown=code_block(params_text))
   trainer.writer.flush()
   logging.info('Operative config:\n%s', plan.operative_config)
-
-
-def model_text(trainer: Trainer) -> str:
-  """params.txt: the Params tree, or a Keras model's description and weights."""
-  if isinstance(trainer.model_params, Params):
-    return trainer.model_params.ToText()
-  lines = [trainer.model_params.describe()]
-  lines += [f'{r.path} : {list(r.shape)} {r.dtype}' for r in trainer.layout_records]
-  return '\n'.join(lines) + '\n'
 
 
 def checkpoint_event_recorder(writer) -> Callable[[CheckpointEvent], None]:

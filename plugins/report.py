@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from layout_core.model import keras as keras_models
 from layout_core.layout import scope as layout_scope
-from layout_core.train import loop as trainer_lib
 from plugins.plan import RunPlan
 
 
@@ -37,7 +36,7 @@ def describe_plan(plan: RunPlan, *, max_rows: int = 0) -> str:
     lines.append(f'  {count:6d}  rule {rule.index}: {rule.pattern} -> {rule.spec}{note}')
   unmatched = sum(r.rule_index is None for r in records)
   lines.append(f'  {unmatched:6d}  default: replicated')
-  param_bytes = trainer_lib.bytes_per_device(records)
+  param_bytes = layout_scope.bytes_per_device(records)
   if plan.pipeline is not None:
     lines += ['', f'Pipeline: {plan.pipeline.num_micro_batches} micro-batches of '
                   f'{plan.pipeline.micro_batch_size}',

@@ -19,7 +19,9 @@ In order, and nothing is written to `model_dir` before step 4:
 
 from __future__ import annotations
 
+import math
 import os
+from typing import Callable
 
 from absl import logging
 
@@ -27,10 +29,12 @@ from layout_core.layout import cluster as cluster_lib
 from layout_core.layout import mesh as mesh_lib
 from layout_core.checkpoint.manager import Checkpointer
 from layout_core.errors import ConfigError
-from layout_core.pipeline.trainer import make_pipeline_trainer
 from layout_core.train.preemption import PreemptionWatcher
-from layout_core.train.summaries import SummaryWriter
-from layout_core.train.loop import Trainer, TrainResult
+from layout_core.train.summaries import NullWriter, SummaryWriter
+from layout_core.train.config import TrainResult
+from layout_core.train.engine import check_runs
+from layout_core.train.factory import make_trainer
+from layout_core.train.loop import Trainer
 from plugins.plan import RunPlan
 from plugins.record import checkpoint_event_recorder, record_run
 
@@ -56,50 +60,58 @@ def join_cluster(plan: RunPlan, cluster: cluster_lib.ClusterSpec, *,
   cluster_lib.connect(cluster, device_type=spec.device_type, num_local_devices=per_client)
 
 
-def build_trainer(plan: RunPlan, *, watcher: PreemptionWatcher | None = None) -> Trainer:
-  """Builds the mesh, the model (in the layout scope) and the optimizer."""
+def build_trainer(plan: RunPlan, *, watcher: PreemptionWatcher | None = None,
+                  writer=None, profile_dir: str | None = None) -> Trainer:
+  """Builds the mesh, the step engine the plan asks for (model and optimizer,
+  every variable laid out) and the training loop around it."""
   mesh = mesh_lib.build_mesh(plan.mesh_spec)
   if watcher is not None:
     watcher.reinstall()  # TF took SIGTERM/SIGINT while initialising its devices
   logging.info('Mesh: %s', plan.mesh_spec.describe())
   logging.info('Data: %s', plan.task.describe())
-  kwargs = dict(model_params=plan.params, mesh=mesh, rules=plan.rules, task=plan.task,
-                optimizer=plan.optimizer, config=plan.train)
-  if plan.pipeline is not None:
-    trainer = make_pipeline_trainer(pipeline=plan.pipeline_config, **kwargs)
-  else:
-    trainer = Trainer(**kwargs)
-  logging.info('Model: %s parameters in %d variables', f'{trainer.num_parameters():,}',
-               len(trainer.variables))
+  trainer = make_trainer(model=plan.params, mesh=mesh, rules=plan.rules, task=plan.task,
+                         optimizer=plan.optimizer, config=plan.train,
+                         pipeline=plan.pipeline_config if plan.pipeline else None,
+                         pipeline_plan=plan.pipeline, writer=writer, profile_dir=profile_dir)
+  variables = trainer.engine.variables
+  logging.info('Model: %s parameters in %d variables',
+               f'{sum(math.prod(v.shape) for v in variables.values()):,}', len(variables))
   return trainer
 
 
 def run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
-                 cluster: cluster_lib.ClusterSpec | None = None) -> TrainResult:
+                 cluster: cluster_lib.ClusterSpec | None = None,
+                 on_start: Callable[[], None] | None = None) -> TrainResult:
   """Trains as planned, resuming from `model_dir`'s checkpoints (see module doc).
 
   With a multi-client `cluster` (joined with `join_cluster`), every client
   runs this with the same plan and model_dir (a shared filesystem); client 0
-  writes the run record and TensorBoard events."""
-  trainer = build_trainer(plan, watcher=watcher)
-  coordinator = cluster_lib.coordinator_for(trainer.mesh, cluster)
-  chief = coordinator.client_id == 0
+  writes the run record and TensorBoard events. `on_start` is called once the
+  run is validated, right before anything is written (launch.train records
+  the run as running there)."""
+  chief = cluster is None or cluster.client_id == 0
+  # Created now, written only after validation (SummaryWriter opens its file
+  # at the first write).
+  writer = SummaryWriter(model_dir) if chief else NullWriter()
+  trainer = build_trainer(plan, watcher=watcher, writer=writer,
+                          profile_dir=model_dir if chief else None)
+  coordinator = cluster_lib.coordinator_for(trainer.engine.mesh, cluster)
   checkpointer = Checkpointer(
       directory=os.path.join(model_dir, 'checkpoints'), state=trainer.state(),
       config=plan.checkpoint, extra_files={'config.gin': plan.operative_config},
-      coordinator=coordinator)
+      on_event=checkpoint_event_recorder(writer), coordinator=coordinator)
   checkpointer.check_latest_fits()
-  trainer.check_runs()
+  check_runs(trainer.engine, plan.task, plan.train)
 
   watcher.reinstall()
   watcher.defer()  # writing starts: a signal now finishes the step and saves
+  if on_start is not None:
+    on_start()
   if chief:
     os.makedirs(model_dir, exist_ok=True)
-    trainer.writer = SummaryWriter(model_dir)
-    checkpointer.on_event = checkpoint_event_recorder(trainer.writer)
     record_run(trainer, plan, model_dir=model_dir)
   if checkpointer.restore_latest() is None and plan.checkpoint.init_from:
-    checkpointer.init_from(plan.checkpoint.init_from, trainer.variables)
+    checkpointer.init_from(plan.checkpoint.init_from, trainer.engine.variables)
 
   def after_step(step: int) -> bool:
     requested = watcher.requested
@@ -127,7 +139,7 @@ def run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
     first, last = result.eval_losses[0][1], result.eval_losses[-1][1]
     logging.info('Done at step %d: eval loss %.4f (first %.4f, %.0f%%), %.2f steps/s',
                  result.final_step, last, first, 100 * last / first, result.steps_per_sec)
-  trainer.writer.close()
+  writer.close()
   if coordinator.num_clients > 1:
     logging.info('Training done; waiting for every client to finish')
     coordinator.barrier()  # no client leaves while another still needs it

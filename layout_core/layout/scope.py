@@ -161,6 +161,15 @@ class LayoutScope:
     self._context = None
 
 
+def bytes_per_device(records) -> int:
+  """Parameter bytes on the fullest device. DTensor shards evenly, so within a
+  mesh all devices hold the same; with pipeline stages, the largest stage."""
+  per_mesh: dict[str, int] = {}
+  for r in records:
+    per_mesh[r.mesh] = per_mesh.get(r.mesh, 0) + r.bytes_per_device
+  return max(per_mesh.values(), default=0)
+
+
 def table_markdown(records: Sequence[LayoutRecord]) -> str:
   """The per-variable layout table (TensorBoard text / layouts.txt); with a
   mesh column when the variables live on several meshes (pipeline stages)."""

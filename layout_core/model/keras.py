@@ -49,6 +49,7 @@ from layout_core.layout import mesh as mesh_lib
 from layout_core.errors import ConfigError
 from layout_core.layout.scope import LayoutRecord, plan_layouts
 from layout_core.lazy import dtensor, tf
+from layout_core.model.built import BuiltModel
 from layout_core.layout.rules import LayoutRules
 from layout_core.layout.variables import VariableSpec, creator_initial_value
 
@@ -81,15 +82,6 @@ def import_keras():
     raise ConfigError(f'Keras runs on the {keras.backend.backend()!r} backend',
                       fix='set KERAS_BACKEND=tensorflow before starting')
   return keras
-
-
-@dataclasses.dataclass
-class KerasBuild:
-  """A built Keras model with its DVariables and their layout records."""
-  model: Any
-  variables: dict[str, Any]        # Keras path -> DVariable, creation order
-  records: list[LayoutRecord]
-  checkpoint_root: Any             # tf.Module holding the weights by path
 
 
 def _fresh_keras(seed: int):
@@ -130,7 +122,7 @@ def _forget_deferred_weights() -> None:
 
 
 def build(model: KerasModel, *, mesh, rules: LayoutRules | None, seed: int,
-          input_specs: Sequence[tuple[tuple[int, ...], str]] = ()) -> KerasBuild:
+          input_specs: Sequence[tuple[tuple[int, ...], str]] = ()) -> BuiltModel:
   """Builds `model` with every weight born as a DVariable laid out by `rules`.
 
   The model is first built statelessly (weights have paths, no values), then
@@ -167,7 +159,12 @@ def build(model: KerasModel, *, mesh, rules: LayoutRules | None, seed: int,
   _forget_deferred_weights()
   root = tf.Module(name=model.name)
   root.by_path = dict(variables)
-  return KerasBuild(model=built, variables=variables, records=records, checkpoint_root=root)
+  lines = [model.describe()] + [f'{r.path} : {list(r.shape)} {r.dtype}' for r in records]
+
+  def call(inputs, training):
+    return built(inputs[0] if len(inputs) == 1 else list(inputs), training=training)
+  return BuiltModel(module=built, call=call, variables=variables, records=records,
+                    checkpoint_root=root, description='\n'.join(lines) + '\n')
 
 
 def plan(model: KerasModel, *, rules: LayoutRules, mesh_axes: Mapping[str, int],

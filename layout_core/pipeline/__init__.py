@@ -2,7 +2,7 @@
 
     from layout_core import pipeline
     config = pipeline.PipelineConfig(num_stages=2, num_micro_batches=8, engine='spmd')
-    trainer = pipeline.make_pipeline_trainer(pipeline=config, model_params=lm, mesh=mesh, ...)
+    trainer = make_trainer(model=lm, mesh=mesh, ..., pipeline=config)   # layout_core.train.factory
 
 What a training step runs (`pipeline.engine`):
 
@@ -28,7 +28,7 @@ run), `partitioning` (cost-balanced cuts) and `schedule` (clock order and
 bubble), all TensorFlow-free; `stages` (Stage, StageRunner, the staged-model
 builder), `placement` (devices, sub-meshes, staged variable creation),
 `submesh` (the forward Pipeline and GPipe), `spmd` (StackedCells,
-SpmdPipeline), `trainer` (the trainers). Names below are importable from the
+SpmdPipeline), `engines` (the two step engines). Names below are importable from the
 package; modules that need TensorFlow load on first use, so importing this
 package for its config imports no TensorFlow.
 """
@@ -53,8 +53,7 @@ _LAZY = {
     'StackedCells': 'spmd', 'SpmdPipeline': 'spmd',
     'PipelinePlan': 'plan', 'plan_pipeline': 'plan', 'plan_layout_records': 'plan',
     'check_pipelinable': 'plan',
-    'PipelineTrainer': 'trainer', 'SpmdPipelineTrainer': 'trainer',
-    'make_pipeline_trainer': 'trainer',
+    'GPipeEngine': 'engines', 'SpmdEngine': 'engines',
 }
 
 

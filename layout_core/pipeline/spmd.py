@@ -47,6 +47,7 @@ import numpy as np
 
 from layout_core.lazy import Module, tf, dtensor
 from layout_core.model import layers as layers_lib
+from layout_core.model.random import current_random
 from layout_core.layout import mesh as mesh_lib
 from layout_core.checkpoint.shard_io import set_unstacked
 from layout_core.errors import ConfigError
@@ -367,7 +368,7 @@ class SpmdPipeline:
     micro_size = shape[0]
     rank = len(shape) + 1
     layout = self._layout(rank)
-    state = getattr(layers_lib._random, 'state', None)  # pylint: disable=protected-access
+    state = current_random()
     fill = 0.0 if self.bubble_fill is None else self.bubble_fill
     first = micro_inputs[0]
     poison = tf.zeros_like(first) + tf.constant(fill, first.dtype)

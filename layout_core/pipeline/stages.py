@@ -142,13 +142,15 @@ class StagedModel:
 def build_staged_model(params: Params, *, mesh, rules: LayoutRules | None,
                        num_stages: int, input_shapes: Sequence[tuple[int, ...]],
                        method: str | Sequence[int] = 'balanced', stage_axis: str = 'stage',
-                       batch_axis: str = 'data', seed: int = 0) -> StagedModel:
+                       batch_axis: str = 'data', seed: int = 0,
+                       partition: partition_lib.PartitionPlan | None = None) -> StagedModel:
   """Partitions `params`' leaf layers by FLOPs for `input_shapes` (one
-  micro-batch) and builds the model with every leaf's variables on its
-  stage's sub-mesh of `mesh` (cut along `stage_axis`)."""
+  micro-batch; or takes the `partition` a pipeline plan already made) and
+  builds the model with every leaf's variables on its stage's sub-mesh of
+  `mesh` (cut along `stage_axis`)."""
   leaves = leaf_layers(params)
-  plan = partition_lib.partition([p for _, p in leaves], num_stages=num_stages,
-                                 input_shapes=input_shapes, method=method)
+  plan = partition or partition_lib.partition([p for _, p in leaves], num_stages=num_stages,
+                                              input_shapes=input_shapes, method=method)
   placement = SubMeshPlacement(mesh=mesh, stage_axis=stage_axis, rules=rules,
                                batch_axis=batch_axis, seed=seed)
   owners = partition_lib.layer_stages([path for path, _ in leaves], plan)

@@ -232,10 +232,13 @@ class GPipe:
   def _cross(self, values, source: int, target: int) -> tuple:
     return tuple(self.placement.cross(v, source, target) for v in values)
 
-  def _loss_share(self, outputs: tuple, labels) -> tf.Tensor:
-    """One micro-batch's loss / M: the shares sum to the mean loss."""
-    return self.loss_fn(outputs[0] if len(outputs) == 1 else outputs,
-                        labels) / self.num_micro_batches
+  def _loss_share(self, outputs: tuple, labels) -> tuple[tf.Tensor, dict]:
+    """One micro-batch's (loss / M, {metric: value / M}): the shares sum to
+    the means. `loss_fn` returns a loss, or (loss, {metric: value})."""
+    result = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, labels)
+    loss, metrics = result if isinstance(result, tuple) else (result, {})
+    num_micro = self.num_micro_batches
+    return loss / num_micro, {n: v / num_micro for n, v in metrics.items()}
 
   def _chain(self, inputs) -> tuple:
     """In the 'serial' schedule, makes this unit of work wait for the previous one."""
@@ -252,13 +255,14 @@ class GPipe:
     with tf.GradientTape() as tape:
       tape.watch(floats)
       outputs = self._run(k, inputs, random)
-      share = self._loss_share(outputs, labels) if labels is not None else None
+      share, metrics = (self._loss_share(outputs, labels) if labels is not None
+                        else (None, {}))
     grads = tape.gradient(share if labels is not None else list(outputs),
                           floats + self.variables[k],
                           output_gradients=None if labels is not None else list(output_grads),
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
     self._previous = [g for g in grads if g is not None]
-    return share, tuple(grads[:len(floats)]), grads[len(floats):]
+    return share, metrics, tuple(grads[:len(floats)]), grads[len(floats):]
 
   # -- step functions --------------------------------------------------------------
   def _forward_fn(self, micro_inputs, seeds=None):
@@ -284,16 +288,17 @@ class GPipe:
     inputs = [[as_tuple(x) for x in micro_inputs]] + [list(row) for row in kept]
     output_grads = [[None] * num_micro for _ in range(num_stages)]
     per_micro: list[list] = [[] for _ in range(num_stages)]
-    shares = []
+    shares, metric_shares = [], []
     self._previous = None
     for work in schedule_lib.clock_order(num_stages, num_micro, reverse=True):
       for k, item in work:
         m = item.micro
-        share, input_grads, grads = self._unit_gradients(
+        share, metrics, input_grads, grads = self._unit_gradients(
             k, inputs[k][m], labels=micro_labels[m] if k == last else None,
             output_grads=output_grads[k][m], random=self._random(k, m, inputs[k][m]))
         if share is not None:
           shares.append(share)
+          metric_shares.append(metrics)
         per_micro[k].append(grads)
         if k > 0:
           output_grads[k - 1][m] = self._cross(input_grads, k, k - 1)
@@ -301,21 +306,27 @@ class GPipe:
     grads = [[tf.add_n([tf.convert_to_tensor(g) for g in column]) for column in zip(*rows)]
              for rows in per_micro]
     squared_norms = [squared_norm(stage) if stage else None for stage in grads]
-    return tf.add_n(shares), grads, squared_norms
+    return tf.add_n(shares), _add_up(metric_shares), grads, squared_norms
 
   def _eval_fn(self, micro_inputs, micro_labels):
     kept = self._forward_fn(micro_inputs) if self.num_stages > 1 else [micro_inputs]
     self._seeds = None
     last = [as_tuple(x) for x in kept[-1]]
-    shares = []
+    shares, metric_shares = [], []
     for m in range(self.num_micro_batches):
-      outputs = self._run(self.num_stages - 1, last[m])
-      shares.append(self._loss_share(outputs, micro_labels[m]))
-    return tf.add_n(shares)
+      share, metrics = self._loss_share(self._run(self.num_stages - 1, last[m]),
+                                        micro_labels[m])
+      shares.append(share)
+      metric_shares.append(metrics)
+    return tf.add_n(shares), _add_up(metric_shares)
 
   # -- public --------------------------------------------------------------------------
   def loss(self, micro_inputs, micro_labels) -> tf.Tensor:
     """Forward only (evaluation): the mean loss over micro-batches."""
+    return self.loss_and_metrics(micro_inputs, micro_labels)[0]
+
+  def loss_and_metrics(self, micro_inputs, micro_labels) -> tuple[tf.Tensor, dict]:
+    """Forward only: the mean loss and the mean of each metric `loss_fn` returns."""
     self._check(micro_inputs)
     return self._eval(list(micro_inputs), list(micro_labels))
 
@@ -323,6 +334,12 @@ class GPipe:
     """(mean loss, [per-stage gradient lists], [per-stage squared gradient norm]),
     each on its stage's mesh (the loss on the last stage's). `seeds`: this
     step's random seed as a scalar on each stage's mesh, for dropout."""
+    loss, _, grads, squared_norms = self.loss_metrics_and_gradients(
+        micro_inputs, micro_labels, seeds=seeds)
+    return loss, grads, squared_norms
+
+  def loss_metrics_and_gradients(self, micro_inputs, micro_labels, seeds=None):
+    """As `loss_and_gradients`, with the mean metrics after the loss."""
     self._check(micro_inputs)
     seeds = list(seeds) if seeds is not None else None
     kept = self._forward(list(micro_inputs), seeds) if self.num_stages > 1 else []
@@ -332,3 +349,9 @@ class GPipe:
     if len(micro_inputs) != self.num_micro_batches:
       raise ValueError(f'{len(micro_inputs)} micro-batches given, '
                        f'{self.num_micro_batches} expected')
+
+
+def _add_up(per_micro: list[dict]) -> dict:
+  """{metric: sum over micro-batches} of per-micro-batch metric shares."""
+  names = per_micro[0] if per_micro else {}
+  return {name: tf.add_n([m[name] for m in per_micro]) for name in names}

@@ -15,32 +15,41 @@ from __future__ import annotations
 
 import os
 from typing import Mapping
+
 from layout_core.lazy import tf
 
 
-
 class SummaryWriter:
+  """Event files in `logdir`, created at the first write: a run can be given
+  its writer before it has been validated, and nothing is written until then."""
 
   def __init__(self, logdir: str):
-    os.makedirs(logdir, exist_ok=True)
     self.logdir = logdir
-    with tf.device('/CPU:0'):
-      self._writer = tf.summary.create_file_writer(logdir)
+    self._writer = None
+
+  def _file_writer(self):
+    if self._writer is None:
+      os.makedirs(self.logdir, exist_ok=True)
+      with tf.device('/CPU:0'):
+        self._writer = tf.summary.create_file_writer(self.logdir)
+    return self._writer
 
   def scalars(self, *, step: int, values: Mapping[str, float]) -> None:
-    with tf.device('/CPU:0'), self._writer.as_default(step=step):
+    with tf.device('/CPU:0'), self._file_writer().as_default(step=step):
       for tag, value in values.items():
         tf.summary.scalar(tag, float(value))
 
   def text(self, *, step: int, tag: str, markdown: str) -> None:
-    with tf.device('/CPU:0'), self._writer.as_default(step=step):
+    with tf.device('/CPU:0'), self._file_writer().as_default(step=step):
       tf.summary.text(tag, markdown)
 
   def flush(self) -> None:
-    self._writer.flush()
+    if self._writer is not None:
+      self._writer.flush()
 
   def close(self) -> None:
-    self._writer.close()
+    if self._writer is not None:
+      self._writer.close()
 
 
 class NullWriter:

@@ -1,0 +1,289 @@
+"""The pipeline step engines: GPipe on sub-meshes, and the SPMD stage axis.
+
+    plan = plan_pipeline(PipelineConfig(num_stages=2, num_micro_batches=4), params=lm,
+                         mesh_axes={'stage': 2, 'data': 2, 'model': 2}, batch_size=32,
+                         seq_len=64, batch_axis='data')
+    engine = GPipeEngine(params=lm, plan=plan, stage_axis='stage', mesh=mesh, rules=rules,
+                         task=task, optimizer=OptimizerConfig(), config=config,
+                         counters=Counters(mesh))
+
+Both are `layout_core.train.engine.StepEngine`s, driven by the one training
+loop, and take the plan made at config time (nothing is planned twice):
+
+* `GPipeEngine` (engine 'submesh'): the usual Params tree, each leaf layer's
+  variables on the sub-mesh of its stage (the plan's partition); a step runs
+  `submesh.GPipe`, and the optimizer updates each stage on its own mesh with
+  the global gradient norm (summed on the host: one function doing it would
+  cross meshes both ways).
+* `SpmdEngine` (engine 'spmd'): the layers before the stack of identical cells
+  (embedding) and after it (final norm, softmax) run on the whole mesh; the
+  cells are stacked on the stage axis (`spmd.StackedCells`) and run by
+  `spmd.SpmdPipeline`. One program does forward, backward and update, as in
+  `PlainEngine`.
+
+Both report the task's loss and metrics as the mean over micro-batches (all of
+equal size, so the batch's), and keep the plain run's checkpoint keys, so a
+checkpoint moves between the engines and unpipelined runs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+from absl import logging
+
+from layout_core.lazy import Module, dtensor, tf
+from layout_core.layout import mesh as mesh_lib
+from layout_core.layout.rules import UNSHARDED, LayoutRules
+from layout_core.layout.scope import LayoutRecord, LayoutScope
+from layout_core.layout.variables import to_numpy
+from layout_core.model.base import Sequential
+from layout_core.model.built import BuiltModel
+from layout_core.model.random import current_random, random_context, step_seed
+from layout_core.params import Params
+from layout_core.pipeline import spmd as spmd_lib
+from layout_core.pipeline.plan import PipelinePlan
+from layout_core.pipeline.stages import build_staged_model
+from layout_core.pipeline.submesh import GPipe
+from layout_core.tasks import Task
+from layout_core.train.config import TrainConfig
+from layout_core.train.engine import Counters, PlainEngine
+from layout_core.train.optimizer import Adam, OptimizerConfig
+
+
+def plan_summaries(plan: PipelinePlan, stages_markdown: str):
+  """The `pipeline/*` TensorBoard records both engines write."""
+  values = {'pipeline/bubble_fraction': plan.bubble_fraction(),
+            'pipeline/num_stages': plan.num_stages,
+            'pipeline/num_micro_batches': plan.num_micro_batches,
+            'pipeline/partition_balance': plan.partition.balance}
+  if plan.engine == 'spmd':
+    values['pipeline/circular_repeats'] = plan.circular_repeats
+  return {'pipeline/stages': stages_markdown}, values
+
+
+def split_micro_batches(batch, num_micro: int) -> list[dict]:
+  """A host batch {name: [B, ...]} as M micro-batches {name: [B/M, ...]}."""
+  pieces = {name: np.split(value, num_micro) for name, value in batch.items()}
+  return [{name: parts[m] for name, parts in pieces.items()} for m in range(num_micro)]
+
+
+class GPipeEngine:
+  """GPipe over stages on sub-meshes (module doc)."""
+
+  def __init__(self, *, params: Params, plan: PipelinePlan, stage_axis: str, mesh,
+               rules: LayoutRules | None, task: Task, optimizer: OptimizerConfig,
+               config: TrainConfig, counters: Counters):
+    self.plan, self.mesh, self.task, self.config = plan, mesh, task, config
+    self.counters = counters
+    params = params.Copy().Freeze()
+    staged = build_staged_model(
+        params, mesh=mesh, rules=rules, num_stages=plan.num_stages,
+        input_shapes=[(plan.micro_batch_size, task.seq_len)], stage_axis=stage_axis,
+        batch_axis=config.batch_axis, seed=config.seed, partition=plan.partition)
+    self.placement = staged.placement
+    self.gpipe = GPipe(stages=staged.runners, placement=self.placement,
+                       loss_fn=task.loss_and_metrics, num_micro_batches=plan.num_micro_batches)
+    self.variables, self.layout_records = staged.scope.variables, staged.scope.records
+    self.model_state, self.description = staged.model, params.ToText()
+    trainable = {p: v for p, v in self.variables.items() if v.trainable}
+    self.optimizer = Adam(optimizer, variables=list(trainable.values()),
+                          paths=list(trainable), total_steps=config.num_steps)
+    path_of = {id(v): p for p, v in self.variables.items()}
+    self._stage_paths = [[path_of[id(v)] for v in variables]
+                         for variables in self.gpipe.variables]
+    self._apply = tf.function(self._apply_fn)
+    logging.info('Pipeline: %d micro-batches of %d, bubble fraction %.3f\n%s',
+                 plan.num_micro_batches, plan.micro_batch_size,
+                 self.gpipe.bubble_fraction(), self.describe_stages())
+
+  def pack(self, batch):
+    """Micro-batches of the model's inputs on stage 0's mesh, and of the whole
+    batch (what the task's loss reads) on the last stage's."""
+    last = self.plan.num_stages - 1
+    inputs, features = [], []
+    for micro in split_micro_batches(batch, self.plan.num_micro_batches):
+      model_inputs = tuple(self.placement.put(0, x, batch_dim=0)
+                           for x in self.task.model_inputs(micro))
+      inputs.append(model_inputs[0] if len(model_inputs) == 1 else model_inputs)
+      features.append({name: self.placement.put(last, value, batch_dim=0)
+                       for name, value in micro.items()})
+    return inputs, features
+
+  def _seeds(self):
+    seed = np.int64(step_seed(self.config.seed, self.counters.current_step))
+    return [self.placement.put(k, seed) for k in range(self.plan.num_stages)]
+
+  def loss_and_gradients(self, packed):
+    loss, metrics, grads, squared_norms = self.gpipe.loss_metrics_and_gradients(
+        *packed, seeds=self._seeds())
+    return loss, metrics, (grads, squared_norms)
+
+  def _apply_fn(self, grads, steps, norms):
+    """Every stage's update, each on its own mesh (no crossing), then the counters."""
+    rates = [self.optimizer.update(paths, stage_grads, step=step, norm=norm)
+             for paths, stage_grads, step, norm in zip(self._stage_paths, grads, steps, norms)
+             if paths]
+    self.counters.advance()
+    return rates[0]
+
+  def apply_gradients(self, gradients):
+    grads, squared_norms = gradients
+    step = self.counters.current_step
+    # The clipping norm spans all stages: summed on the host, then given to each stage's mesh.
+    norm = math.sqrt(sum(float(to_numpy(s)) for s in squared_norms if s is not None))
+    put = self.placement.put
+    rate = self._apply(grads, [put(k, np.int64(step)) for k in range(len(grads))],
+                       [put(k, np.float32(norm)) for k in range(len(grads))])
+    return rate, tf.constant(norm)
+
+  def evaluate(self, packed):
+    return self.gpipe.loss_and_metrics(*packed)
+
+  def describe_stages(self) -> str:
+    """Markdown table: per stage its sub-mesh, FLOPs share and layers."""
+    partition = self.plan.partition
+    lines = ['| stage | sub-mesh | devices | FLOPs share | layers |', '|---|---|---|---|---|']
+    for k, (stage, share) in enumerate(zip(partition.stages, partition.shares())):
+      mesh = self.placement.meshes[k]
+      shape = ' x '.join(f'{a}={n}' for a, n in mesh_lib.mesh_axes(mesh).items())
+      devices = ', '.join(d.rsplit('/', 1)[-1] for d in mesh.local_devices())
+      lines.append(f'| {k} | {shape} | {devices} | {share:.1%} | '
+                   f'{", ".join(stage.names)} |')
+    lines.append('')
+    lines.append(f'{partition.method} partition, max/mean stage cost '
+                 f'{partition.balance:.3f}; {self.gpipe.num_micro_batches} micro-batches; '
+                 f'bubble fraction (K-1)/(M+K-1) = {self.gpipe.bubble_fraction():.3f}')
+    return '\n'.join(lines) + '\n'
+
+  def summaries(self):
+    return plan_summaries(self.plan, self.describe_stages())
+
+
+class SpmdModel(Module):
+  """The model for the SPMD engine: the root's children under their own names
+  (so checkpoint keys match the plain model), the stack as `StackedCells`."""
+
+  def __init__(self, name: str, children: Sequence[tuple[str, tf.Module]]):
+    super().__init__(name=name)
+    self.child_names = tuple(n for n, _ in children)
+    for child_name, module in children:
+      setattr(self, child_name, module)
+
+
+def build_spmd_model(params: Params, *, plan: PipelinePlan, stage_axis: str, mesh,
+                     rules: LayoutRules | None, config: TrainConfig):
+  """The root's children built on the whole mesh, except the cell stack, built
+  as `StackedCells`; returns (BuiltModel, stack, layers before, layers after)."""
+  children = list(Sequential.child_params(params).items())
+  records: list[LayoutRecord] = []
+  variables: dict[str, tf.Variable] = {}
+  built = []
+  with LayoutScope(mesh=mesh, rules=rules, seed=config.seed) as plain:
+    for i, (name, child) in enumerate(children):
+      if i == plan.stack_index:
+        stack = spmd_lib.StackedCells(
+            list(Sequential.child_params(child).values()), parent_path=params.name,
+            mesh=mesh, rules=rules, num_stages=plan.num_stages,
+            repeats=plan.circular_repeats, stage_axis=stage_axis,
+            batch_axis=config.batch_axis, seed=config.seed, name=name)
+        built.append((name, stack))
+        records += stack.records
+        variables.update(stack.stacked_variables)
+      else:
+        built.append((name, child.Instantiate(parent_path=params.name)))
+        new = [p for p in plain.variables if p not in variables]
+        records += [r for r in plain.records if r.path in new]
+        variables.update({p: plain.variables[p] for p in new})
+  model = SpmdModel(params.name, built)
+  before = [m for _, m in built[:plan.stack_index]]
+  after = [m for _, m in built[plan.stack_index + 1:]]
+  return (BuiltModel(module=model, call=None, variables=variables, records=records,
+                     checkpoint_root=model, description=params.ToText()),
+          stack, before, after)
+
+
+class SpmdEngine(PlainEngine):
+  """The cell stack pipelined on the stage axis of one mesh (module doc);
+  forward, backward and update are `PlainEngine`'s, over micro-batches.
+
+  `bubble_fill` (NaN in tests) is what idle pipeline slots hold."""
+
+  def __init__(self, *, params: Params, plan: PipelinePlan, stage_axis: str, mesh,
+               rules: LayoutRules | None, task: Task, optimizer: OptimizerConfig,
+               config: TrainConfig, counters: Counters, bubble_fill: float | None = None):
+    self.plan = plan
+    params = params.Copy().Freeze()
+    model, self.stack, self.before, self.after = build_spmd_model(
+        params, plan=plan, stage_axis=stage_axis, mesh=mesh, rules=rules, config=config)
+    self.pipeline = spmd_lib.SpmdPipeline(self.stack, num_micro_batches=plan.num_micro_batches,
+                                          bubble_fill=bubble_fill)
+    super().__init__(model=model, mesh=mesh, task=task, optimizer=optimizer, config=config,
+                     counters=counters)
+    self.stack.tag_slots({p: (self.optimizer.m[p], self.optimizer.v[p])
+                          for p in self.stack.stacked_variables if p in self.optimizer.m})
+    self.micro_layout = dtensor.Layout([UNSHARDED, self.batch_axis, UNSHARDED], mesh)
+    logging.info('SPMD pipeline: %d stages x %d circular repeat(s), %d micro-batches of '
+                 '%d, bubble fraction %.3f', plan.num_stages, plan.circular_repeats,
+                 plan.num_micro_batches, plan.micro_batch_size, plan.bubble_fraction())
+
+  def pack(self, batch):
+    """Each feature [B, ...] as [M, B/M, ...], micro-batches split over the batch axis."""
+    num_micro = self.plan.num_micro_batches
+    packed = {}
+    for name, value in batch.items():
+      micro = value.reshape((num_micro, value.shape[0] // num_micro) + value.shape[1:])
+      layout = dtensor.Layout([UNSHARDED, self.batch_axis] + [UNSHARDED] * (value.ndim - 1),
+                              self.mesh)
+      packed[name] = mesh_lib.pack_global_array(micro, layout)
+    return packed
+
+  def _loss_and_metrics(self, batch, training: bool = False):
+    """The mean over micro-batches of the task's loss and metrics."""
+    del training  # dropout is on inside a random_context, as for every engine
+    plan = self.plan
+    num_micro = plan.num_micro_batches
+    state = current_random()
+
+    def run(modules, x, m):
+      if state is None:
+        for module in modules:
+          x = module(x)
+        return x
+      with random_context(seed=state.seed,
+                          batch_offset=state.batch_offset + m * plan.micro_batch_size):
+        for module in modules:
+          x = module(x)
+      return x
+
+    # tf.gather, not x[m]: in TF 2.21 DTensor, indexing away dim 0 of a
+    # tensor sharded on dim 1 returns wrong values with a shifted layout.
+    micro = [{name: tf.gather(value, m) for name, value in batch.items()}
+             for m in range(num_micro)]
+    hidden = []
+    for m in range(num_micro):
+      [inputs] = self.task.model_inputs(micro[m])
+      hidden.append(run(self.before, inputs, m))
+    outputs = self.pipeline(hidden)
+    shares, metric_shares = [], {}
+    for m, y in enumerate(outputs):
+      loss, metrics = self.task.loss_and_metrics(run(self.after, y, m), micro[m])
+      shares.append(loss / num_micro)
+      for name, value in metrics.items():
+        metric_shares.setdefault(name, []).append(value / num_micro)
+    return tf.add_n(shares), {n: tf.add_n(v) for n, v in metric_shares.items()}
+
+  def describe_stages(self) -> str:
+    plan = self.plan
+    lines = ['| stage | cells (layer order) |', '|---|---|']
+    for k, stage in enumerate(plan.partition.stages):
+      lines.append(f'| {k} | {", ".join(stage.names)} |')
+    lines.append('')
+    lines.append(f'{plan.partition.method}; {plan.num_micro_batches} micro-batches; '
+                 f'bubble fraction (S-1)/(R*M+S-1) = {plan.bubble_fraction():.3f}')
+    return '\n'.join(lines) + '\n'
+
+  def summaries(self):
+    return plan_summaries(self.plan, self.describe_stages())

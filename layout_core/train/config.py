@@ -1,0 +1,76 @@
+"""What a training run is asked to do, and what it reports (TensorFlow-free).
+
+    config = TrainConfig(num_steps=300, batch_size=32)
+    axis = batch_axis_for(config, mesh_axes={'data': 2, 'model': 4})   # 'data'
+
+The plan (`plugins.plan`) checks these at config time; the engines use the
+same function to find the batch axis, so the rule is written once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from absl import logging
+
+from layout_core.errors import ConfigError
+from layout_core.fields import at_least, check_types
+
+UNSHARDED = 'unsharded'  # = layout_core.layout.rules.UNSHARDED, without importing TF
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  num_steps: int = 300       # total optimizer steps (a resumed run stops here too)
+  batch_size: int = 32       # global batch, split over `batch_axis`
+  eval_every: int = 100      # steps between evaluations; 0: only at start and end
+  eval_batches: int = 4      # held-out batches per evaluation
+  log_every: int = 25        # steps between progress lines / train scalars
+  seed: int = 0              # initial weights (data has its own seed)
+  batch_axis: str = 'data'   # mesh axis the batch is split over ('' for none)
+  # (start, stop): a TensorFlow profiler trace of steps start..stop-1 (0-based)
+  # into model_dir/plugins/profile, for TensorBoard's Profile tab; None: off.
+  profile_steps: tuple[int, int] | None = None
+
+  def __post_init__(self):
+    check_types(self, name='train')
+    at_least(self, 'train', num_steps=1, batch_size=1, log_every=1, eval_batches=1,
+             eval_every=0, seed=0)
+    if self.profile_steps is not None:
+      steps = tuple(self.profile_steps)
+      if not 0 <= steps[0] < steps[1]:
+        raise ConfigError(f'train.profile_steps is {self.profile_steps!r}',
+                          where='train.profile_steps',
+                          fix='give (start, stop) steps with 0 <= start < stop, e.g. (5, 8)')
+      object.__setattr__(self, 'profile_steps', steps)
+
+
+@dataclasses.dataclass
+class TrainResult:
+  final_step: int
+  train_loss: float | None
+  eval_losses: list[tuple[int, float]]  # (step, loss) per evaluation
+  steps_per_sec: float
+  eval_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last eval's
+  stopped_early: bool = False           # `after_step` asked to stop (preemption)
+
+
+def batch_axis_for(config: TrainConfig, mesh_axes: Mapping[str, int], *,
+                   warn: bool = False) -> str:
+  """The mesh axis the global batch is split over: `config.batch_axis`, or
+  UNSHARDED (replicated) when the mesh lacks it. A ConfigError when the batch
+  does not split evenly."""
+  axis = config.batch_axis
+  if axis not in mesh_axes:
+    if axis and warn:
+      logging.warning("train.batch_axis '%s' is not a mesh axis (%s): the batch is "
+                      'replicated', axis, list(mesh_axes))
+    return UNSHARDED
+  size = mesh_axes[axis]
+  if config.batch_size % size:
+    raise ConfigError(
+        f'train.batch_size={config.batch_size} does not split over mesh axis '
+        f"'{axis}' of size {size}", where='train.batch_size / mesh.shape',
+        fix=f'use a multiple of {size} (e.g. {config.batch_size // size * size or size})')
+  return axis

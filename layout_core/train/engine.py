@@ -1,0 +1,184 @@
+"""Step engines: how one training step runs, chosen once from the plan.
+
+    counters = Counters(mesh)
+    engine = make_engine(model=params, mesh=mesh, rules=rules, task=task,
+                         optimizer=OptimizerConfig(), config=TrainConfig(),
+                         counters=counters, pipeline=None)     # layout_core.train.factory
+    packed = engine.pack(task.features(split='train', step=0, batch_size=32))
+    loss, metrics, grads = engine.loss_and_gradients(packed)
+    lr, grad_norm = engine.apply_gradients(grads)               # advances the counters
+
+An engine owns the model's variables and their layouts, the optimizer, and
+the compiled step functions; the training loop (`layout_core.train.loop`)
+only calls the protocol below, so every engine gets logging, evaluation,
+checkpoints, preemption and summaries from the one loop. Implementations:
+
+  * `PlainEngine` (here): one program on the whole mesh, for a Params model
+    or a Keras 3 model (both arrive as a `layout_core.model.built.BuiltModel`);
+  * `layout_core.pipeline.engines.GPipeEngine`: stages on sub-meshes;
+  * `layout_core.pipeline.engines.SpmdEngine`: a stack of identical cells on
+    the stage axis of one mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from layout_core.errors import ConfigError
+from layout_core.lazy import dtensor, tf
+from layout_core.layout import mesh as mesh_lib
+from layout_core.layout.rules import UNSHARDED
+from layout_core.layout.scope import LayoutRecord
+from layout_core.layout.variables import to_numpy
+from layout_core.model.built import BuiltModel
+from layout_core.model.random import random_context, step_seed
+from layout_core.tasks import Task
+from layout_core.train.config import TrainConfig, batch_axis_for
+from layout_core.train.optimizer import Adam, OptimizerConfig
+
+
+class StepEngine(Protocol):
+  """What the training loop needs from a way of running a step."""
+  mesh: Any                                 # the whole mesh (counters live on it)
+  variables: Mapping[str, Any]              # path -> variable
+  layout_records: Sequence[LayoutRecord]
+  optimizer: Adam
+  model_state: Any                          # what a checkpoint holds as 'model'
+  description: str                          # the model as text (params.txt)
+
+  def pack(self, batch: Mapping[str, np.ndarray]) -> Any:
+    """A host batch placed on the devices, as this engine's step takes it."""
+
+  def loss_and_gradients(self, packed) -> tuple[Any, dict[str, Any], Any]:
+    """(loss, task metrics, gradients) of one packed batch with this step's
+    dropout masks, updating nothing (also the dry step before training)."""
+
+  def apply_gradients(self, gradients) -> tuple[Any, Any]:
+    """The optimizer update; advances the counters. Returns (lr, grad norm)."""
+
+  def evaluate(self, packed) -> tuple[Any, dict[str, Any]]:
+    """(loss, task metrics) of one packed batch, no dropout."""
+
+  def summaries(self) -> tuple[dict[str, str], dict[str, float]]:
+    """Extra TensorBoard records at step 0: ({tag: markdown}, {tag: scalar})."""
+
+
+class Counters:
+  """The step and the data position, replicated on `mesh`: what a checkpoint
+  needs besides the variables to continue exactly. The data position is the
+  next batch to read; equal to the step today, kept separately so a data
+  pipeline that skips or repeats batches stays resumable."""
+
+  def __init__(self, mesh):
+    def counter(name: str):
+      return dtensor.DVariable(
+          dtensor.call_with_layout(tf.function(lambda: tf.zeros([], tf.int64)),
+                                   dtensor.Layout.replicated(mesh, rank=0)),
+          trainable=False, name=name)
+    self.step, self.data_position = counter('step'), counter('data_position')
+    self.module = tf.Module(name='counters')   # the checkpoint's 'counters'
+    self.module.step, self.module.data_position = self.step, self.data_position
+
+  def advance(self) -> None:
+    """Inside an engine's update function: one step done, one batch read."""
+    self.step.assign_add(1)
+    self.data_position.assign_add(1)
+
+  @property
+  def current_step(self) -> int:
+    return int(to_numpy(self.step))
+
+
+class PlainEngine:
+  """One program on the whole mesh: forward, backward and update of a
+  `BuiltModel` (a Params tree or a Keras 3 model), the batch split over
+  `config.batch_axis`, DTensor inserting the collectives."""
+
+  def __init__(self, *, model: BuiltModel, mesh, task: Task, optimizer: OptimizerConfig,
+               config: TrainConfig, counters: Counters):
+    self.model, self.mesh, self.task, self.config = model, mesh, task, config
+    self.counters = counters
+    self.batch_axis = batch_axis_for(config, mesh_lib.mesh_axes(mesh), warn=True)
+    self.variables, self.layout_records = model.variables, model.records
+    self.model_state, self.description = model.checkpoint_root, model.description
+    trainable = {p: v for p, v in model.variables.items() if v.trainable}
+    self._trainable = list(trainable.values())
+    self.optimizer = Adam(optimizer, variables=self._trainable, paths=list(trainable),
+                          total_steps=config.num_steps)
+    self._gradients = tf.function(self._gradients_fn)
+    self._apply = tf.function(self._apply_fn)
+    self._evaluate = tf.function(self._loss_and_metrics)
+
+  def pack(self, batch):
+    return pack_batch(batch, mesh=self.mesh, batch_axis=self.batch_axis)
+
+  def _loss_and_metrics(self, batch, training: bool = False):
+    outputs = self.model.call(self.task.model_inputs(batch), training)
+    return self.task.loss_and_metrics(outputs, batch)
+
+  def _gradients_fn(self, batch):
+    seed = step_seed(self.config.seed, self.counters.step.read_value())
+    with tf.GradientTape() as tape, random_context(seed=seed):
+      loss, metrics = self._loss_and_metrics(batch, training=True)
+    # Dense gradients: an embedding's IndexedSlices gradient passed on to the
+    # update function arrives with a wrong shape under DTensor (TF 2.21).
+    grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, self._trainable)]
+    return loss, metrics, grads
+
+  def _apply_fn(self, grads):
+    lr, grad_norm = self.optimizer.apply(grads, self.counters.step.read_value())
+    self.counters.advance()
+    return lr, grad_norm
+
+  def loss_and_gradients(self, packed):
+    return self._gradients(packed)
+
+  def apply_gradients(self, gradients):
+    return self._apply(gradients)
+
+  def evaluate(self, packed):
+    return self._evaluate(packed)
+
+  def summaries(self):
+    return {}, {}
+
+
+def pack_batch(batch: Mapping[str, np.ndarray], *, mesh, batch_axis: str) -> dict:
+  """Each feature of a host batch on `mesh`, split over `batch_axis` along its
+  first dimension (each device gets only its slice)."""
+  return {name: mesh_lib.pack_global_array(
+      value, dtensor.Layout([batch_axis] + [UNSHARDED] * (value.ndim - 1), mesh))
+          for name, value in batch.items()}
+
+
+def check_runs(engine: StepEngine, task: Task, config: TrainConfig) -> None:
+  """Runs forward and backward once on a real batch, updating nothing.
+
+  Some layouts pass every rank/axis/divisibility check and still cannot be
+  compiled by DTensor (it fails at the first step, deep inside TF). This
+  makes that happen before training starts, as a ConfigError naming the
+  sharded variables and their rules. It compiles the function the training
+  steps then use, so it costs one step, not a compile."""
+  packed = engine.pack(task.features(split='eval', step=0, batch_size=config.batch_size))
+  try:
+    loss = engine.loss_and_gradients(packed)[0]
+    to_numpy(loss)  # DTensor errors are asynchronous: wait for the values
+  except (tf.errors.OpError, ValueError) as e:
+    raise unrunnable_layout_error(e, engine.layout_records) from None
+
+
+def unrunnable_layout_error(error: Exception, records) -> ConfigError:
+  """A ConfigError for a model DTensor could not run with its layouts."""
+  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+  reason = next((line.split('error:', 1)[1].strip() for line in lines if 'error:' in line),
+                lines[0] if lines else type(error).__name__)
+  sharded = [r for r in records if any(a != UNSHARDED for a in r.spec)]
+  listing = '; '.join(f"'{r.path}' {r.spec} by rule {r.source}" for r in sharded[:8])
+  more = f'; ... {len(sharded) - 8} more' if len(sharded) > 8 else ''
+  return ConfigError(
+      f'DTensor cannot run this model with these layouts: {reason}',
+      where=f'layout_rules.rules (sharded variables: {listing or "none"}{more})',
+      fix='leave the dimension DTensor names unsharded (change that rule\'s spec or '
+          'narrow its regex); launch.inspect shows every variable\'s layout')

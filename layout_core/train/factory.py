@@ -1,0 +1,73 @@
+"""The one place that picks a step engine, from the model and the pipeline plan.
+
+    trainer = make_trainer(model=lm_params, mesh=mesh, rules=rules, task=task,
+                           optimizer=OptimizerConfig(), config=TrainConfig(),
+                           pipeline=PipelineConfig(num_stages=2, num_micro_batches=4))
+    trainer.train()
+
+Which engine runs a step depends only on what the plan says: a pipeline plan
+picks its engine (`'submesh'`: GPipe, `'spmd'`: the stage axis); otherwise a
+Params tree or a Keras 3 model runs as one program (`PlainEngine`). Nothing
+else in meshgin asks what kind of model it has.
+"""
+
+from __future__ import annotations
+
+from layout_core.layout import mesh as mesh_lib
+from layout_core.layout.rules import LayoutRules
+from layout_core.model.built import build_params_model
+from layout_core.params import Params
+from layout_core.pipeline.config import PipelineConfig
+from layout_core.pipeline.plan import PipelinePlan, check_pipelinable, plan_pipeline
+from layout_core.tasks import Task
+from layout_core.train.config import TrainConfig
+from layout_core.train.engine import Counters, PlainEngine, StepEngine
+from layout_core.train.loop import Trainer
+from layout_core.train.optimizer import OptimizerConfig
+
+
+def make_engine(*, model, mesh, rules: LayoutRules | None, task: Task,
+                optimizer: OptimizerConfig, config: TrainConfig, counters: Counters,
+                pipeline: PipelineConfig | None = None,
+                pipeline_plan: PipelinePlan | None = None,
+                bubble_fill: float | None = None) -> StepEngine:
+  """The engine for `model` (a Params tree or `layout_core.model.keras.KerasModel`).
+
+  A pipelined run passes its `pipeline` config and the `pipeline_plan` made
+  at config time (`plugins.plan`); a library caller may leave the plan out
+  and it is made here. `bubble_fill` (tests: NaN) fills the SPMD engine's idle slots."""
+  if pipeline is not None and pipeline.enabled:
+    if pipeline_plan is None:
+      check_pipelinable(model, task)
+      pipeline_plan = plan_pipeline(pipeline, params=model, mesh_axes=mesh_lib.mesh_axes(mesh),
+                                    batch_size=config.batch_size, seq_len=task.seq_len,
+                                    batch_axis=config.batch_axis)
+    from layout_core.pipeline import engines  # pylint: disable=g-import-not-at-top
+    kwargs = dict(params=model, plan=pipeline_plan, stage_axis=pipeline.stage_axis, mesh=mesh,
+                  rules=rules, task=task, optimizer=optimizer, config=config,
+                  counters=counters)
+    if pipeline_plan.engine == 'spmd':
+      return engines.SpmdEngine(bubble_fill=bubble_fill, **kwargs)
+    return engines.GPipeEngine(**kwargs)
+  if isinstance(model, Params):
+    built = build_params_model(model, mesh=mesh, rules=rules, seed=config.seed)
+  else:
+    from layout_core.model import keras  # pylint: disable=g-import-not-at-top
+    built = keras.build(model, mesh=mesh, rules=rules, seed=config.seed,
+                        input_specs=task.input_specs(config.batch_size))
+  return PlainEngine(model=built, mesh=mesh, task=task, optimizer=optimizer, config=config,
+                     counters=counters)
+
+
+def make_trainer(*, model, mesh, rules: LayoutRules | None, task: Task,
+                 optimizer: OptimizerConfig, config: TrainConfig,
+                 pipeline: PipelineConfig | None = None,
+                 pipeline_plan: PipelinePlan | None = None, writer=None,
+                 profile_dir: str | None = None, bubble_fill: float | None = None) -> Trainer:
+  """Counters, the engine (`make_engine`) and the loop around them."""
+  counters = Counters(mesh)
+  engine = make_engine(model=model, mesh=mesh, rules=rules, task=task, optimizer=optimizer,
+                       config=config, counters=counters, pipeline=pipeline,
+                       pipeline_plan=pipeline_plan, bubble_fill=bubble_fill)
+  return Trainer(engine=engine, counters=counters, task=task, config=config, writer=writer,
+                 profile_dir=profile_dir)
