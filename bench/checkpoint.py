@@ -44,7 +44,8 @@ from layout_core.tasks.lm import MarkovTask  # noqa: E402
 from layout_core.model.lm import transformer_lm_params  # noqa: E402
 from layout_core.train.optimizer import OptimizerConfig  # noqa: E402
 from layout_core.layout.rules import LayoutRules  # noqa: E402
-from layout_core.train.loop import TrainConfig, Trainer  # noqa: E402
+from layout_core.train.config import TrainConfig
+from layout_core.train.factory import make_trainer  # noqa: E402
 
 
 def timed(fn):
@@ -114,7 +115,7 @@ def async_overhead(directory: str, steps: int = 40, every: int = 10) -> dict:
                              num_layers=4, max_len=64)
   rules = LayoutRules([(r'.*/ffn/w_in', ('unsharded', 'model')),
                        (r'.*/ffn/w_out', ('model', 'unsharded'))])
-  trainer = Trainer(model_params=lm, mesh=MESH, rules=rules,
+  trainer = make_trainer(model=lm, mesh=MESH, rules=rules,
                     task=MarkovTask(vocab_size=256, seq_len=64),
                     optimizer=OptimizerConfig(), config=TrainConfig(num_steps=10**6,
                                                                     batch_size=16))
@@ -137,7 +138,7 @@ def async_overhead(directory: str, steps: int = 40, every: int = 10) -> dict:
   save_steps = iter(range(1, 10**6))
   baseline = min(run(False) for _ in range(2))
   with_async = min(run(True) for _ in range(2))
-  return {'model_mib': round(sum(int(np.prod(v.shape)) for v in trainer.variables.values())
+  return {'model_mib': round(sum(int(np.prod(v.shape)) for v in trainer.engine.variables.values())
                              * 4 * 3 / 2**20, 1),
           'save_every_steps': every, 'step_seconds_no_checkpoint': round(baseline, 4),
           'step_seconds_async_checkpoint': round(with_async, 4),

@@ -216,7 +216,9 @@ def test_a_layout_dtensor_cannot_run_fails_before_training_and_updates_nothing(m
   from layout_core.model.lm import transformer_lm_params
   from layout_core.train.optimizer import OptimizerConfig
   from layout_core.layout.rules import LayoutRules
-  from layout_core.train.loop import TrainConfig, Trainer
+  from layout_core.train.config import TrainConfig
+  from layout_core.train.engine import check_runs
+  from layout_core.train.factory import make_trainer
   from layout_core.layout.variables import Normal, to_numpy
 
   class UndeclaredEmbedding(Embedding):
@@ -227,17 +229,17 @@ def test_a_layout_dtensor_cannot_run_fails_before_training_and_updates_nothing(m
   lm = transformer_lm_params(vocab_size=32, model_dim=16, num_heads=2, ffn_dim=32,
                              num_layers=1, max_len=0)
   lm.Set(**{'sub[0].cls': UndeclaredEmbedding})
-  trainer = Trainer(model_params=lm, mesh=mesh_2x4,
+  trainer = make_trainer(model=lm, mesh=mesh_2x4,
                     rules=LayoutRules([(r'.*/emb/table', ('model', 'unsharded'))]),
                     task=MarkovTask(vocab_size=32, seq_len=8), optimizer=OptimizerConfig(),
                     config=TrainConfig(batch_size=8, num_steps=2))
-  before = {p: to_numpy(v) for p, v in trainer.variables.items()}
+  before = {p: to_numpy(v) for p, v in trainer.engine.variables.items()}
   with pytest.raises(ConfigError) as raised:
-    trainer.check_runs()
+    check_runs(trainer.engine, trainer.task, trainer.config)
   message = str(raised.value)
   assert 'DTensor cannot run this model with these layouts' in message
   assert 'ResourceGather' in message or 'sharded 0th dimension' in message, message
   assert "'lm/emb/table' ('model', 'unsharded') by rule 0: .*/emb/table" in message
   for path, value in before.items():
-    np.testing.assert_array_equal(to_numpy(trainer.variables[path]), value, err_msg=path)
+    np.testing.assert_array_equal(to_numpy(trainer.engine.variables[path]), value, err_msg=path)
   assert trainer.current_step == 0

@@ -19,15 +19,16 @@ from layout_core.model.lm import transformer_lm_params
 from layout_core.layout.mesh import MeshSpec, build_mesh, pack_global_array
 from layout_core.train.optimizer import OptimizerConfig
 from layout_core.layout.rules import LayoutRules
-from layout_core.train.loop import TrainConfig, Trainer
+from layout_core.train.config import TrainConfig
+from layout_core.train.factory import make_trainer
 from layout_core.layout.variables import to_numpy
 from tests.test_layout_scope import MEGATRON
 
 
-def make_trainer(mesh, rules=None, num_layers=2, model_dim=32):
+def lm_trainer(mesh, rules=None, num_layers=2, model_dim=32):
   lm = transformer_lm_params(vocab_size=32, model_dim=model_dim, num_heads=4, ffn_dim=64,
                              num_layers=num_layers, max_len=16)
-  return Trainer(model_params=lm, mesh=mesh, rules=LayoutRules(rules or []),
+  return make_trainer(model=lm, mesh=mesh, rules=LayoutRules(rules or []),
                  task=MarkovTask(vocab_size=32, seq_len=16, seed=3),
                  optimizer=OptimizerConfig(learning_rate=1e-2, warmup_steps=0),
                  config=TrainConfig(num_steps=3, batch_size=8, log_every=1,
@@ -47,7 +48,7 @@ def saved(tmp_path, trainer, **config):
 
 @pytest.fixture(scope='module')
 def trained(mesh_2x4):
-  trainer = make_trainer(mesh_2x4, MEGATRON)
+  trainer = lm_trainer(mesh_2x4, MEGATRON)
   trainer.train()
   return trainer
 
@@ -65,7 +66,7 @@ def test_save_is_standard_and_restores_exactly_into_other_meshes_and_layouts(
 
   four = build_mesh(MeshSpec(shape={'data': 4}))
   for mesh, rules in ((mesh_data8, None), (four, None), (mesh_data8, [(r'.*/ffn/w_in', ('data', 'unsharded'))])):
-    fresh = make_trainer(mesh, rules)
+    fresh = lm_trainer(mesh, rules)
     restorer, restore_events = saved(tmp_path, fresh)
     assert restorer.restore_latest() == 3
     for key, value in values(fresh).items():
@@ -132,7 +133,7 @@ def test_damaged_checkpoint_is_reported_moved_aside_and_the_previous_used(
   newest = two_checkpoints(tmp_path, trained)
   damaged = FILES[file](newest)
   DAMAGE[damage](damaged)
-  fresh = make_trainer(mesh_data8)
+  fresh = lm_trainer(mesh_data8)
   restorer, _ = saved(tmp_path, fresh)
   assert restorer.restore_latest() == 2
   expected = values(trained)
@@ -152,7 +153,7 @@ def test_damaged_state_file_is_moved_aside_and_written_anew(tmp_path, trained, m
   newest = two_checkpoints(tmp_path, trained)
   state_file = newest.parent / 'checkpoint'
   DAMAGE[damage](state_file)
-  restorer, _ = saved(tmp_path, make_trainer(mesh_data8))
+  restorer, _ = saved(tmp_path, lm_trainer(mesh_data8))
   assert restorer.restore_latest() == 3  # the checkpoints themselves are fine
   assert 'state file' in caplog.text and 'damaged' in caplog.text
   assert any(n.startswith('checkpoint.corrupt-') for n in os.listdir(newest.parent))
@@ -170,7 +171,7 @@ def test_a_runtime_error_while_restoring_moves_nothing(tmp_path, trained, mesh_d
     raise tf.errors.ResourceExhaustedError(None, None, 'OOM when allocating tensor')
 
   monkeypatch.setattr(shard_io, '_restore', out_of_memory)
-  restorer, _ = saved(tmp_path, make_trainer(mesh_data8))
+  restorer, _ = saved(tmp_path, lm_trainer(mesh_data8))
   with pytest.raises(tf.errors.ResourceExhaustedError):
     restorer.restore_latest()
   assert sorted(os.listdir(newest.parent)) == before
@@ -181,7 +182,7 @@ def test_incompatible_model_is_rejected_and_checkpoint_untouched(tmp_path, train
   checkpointer.save(3, reason='final')
   directory = tmp_path / 'checkpoints' / 'ckpt-3'
   before = {n: (directory / n).read_bytes() for n in os.listdir(directory)}
-  other = make_trainer(mesh_data8, num_layers=3, model_dim=64)
+  other = lm_trainer(mesh_data8, num_layers=3, model_dim=64)
   restorer, _ = saved(tmp_path, other)
   with pytest.raises(ConfigError) as e:
     restorer.restore_latest()
@@ -195,22 +196,22 @@ def test_incompatible_model_is_rejected_and_checkpoint_untouched(tmp_path, train
 def test_init_from_with_path_mapping(tmp_path, trained, mesh_data8):
   checkpointer, _ = saved(tmp_path / 'old', trained)
   checkpointer.save(3, reason='final')
-  renamed = make_trainer(mesh_data8)
+  renamed = lm_trainer(mesh_data8)
   mapping = [(r'lm/stack/block_(\d+)/(.*)', r'lm/stack/block_\1/\2')]
   target, events = saved(tmp_path / 'new', renamed, init_from=str(tmp_path / 'old'),
                          init_from_map=mapping)
-  assert target.init_from(str(tmp_path / 'old'), renamed.variables) == len(renamed.variables)
-  for path, variable in renamed.variables.items():
-    np.testing.assert_array_equal(to_numpy(variable), to_numpy(trained.variables[path]))
+  assert target.init_from(str(tmp_path / 'old'), renamed.engine.variables) == len(renamed.engine.variables)
+  for path, variable in renamed.engine.variables.items():
+    np.testing.assert_array_equal(to_numpy(variable), to_numpy(trained.engine.variables[path]))
   assert renamed.current_step == 0 and events[-1].reason == 'init_from'
 
 
 def test_init_from_tf1_name_based_checkpoint(tmp_path, mesh_2x4):
   """A tf.compat.v1.train.Saver checkpoint (no object graph), read by name."""
-  model = make_trainer(mesh_2x4, MEGATRON)
+  model = lm_trainer(mesh_2x4, MEGATRON)
   expected = {}
   with tf.Graph().as_default():
-    for path, variable in model.variables.items():
+    for path, variable in model.engine.variables.items():
       value = np.random.RandomState(len(path)).randn(*variable.shape).astype(np.float32)
       expected[path] = value
       tf.compat.v1.get_variable(f'old_{path}', initializer=value)
@@ -219,12 +220,12 @@ def test_init_from_tf1_name_based_checkpoint(tmp_path, mesh_2x4):
       session.run(tf.compat.v1.global_variables_initializer())
       prefix = saver.save(session, str(tmp_path / 'tf1' / 'model.ckpt'))
   target, _ = saved(tmp_path, model, init_from_map=[(r'(.*)', r'old_\1')])
-  target.init_from(prefix, model.variables)
-  for path, variable in model.variables.items():
+  target.init_from(prefix, model.engine.variables)
+  for path, variable in model.engine.variables.items():
     np.testing.assert_array_equal(to_numpy(variable), expected[path], err_msg=path)
   bad, _ = saved(tmp_path, model)
   with pytest.raises(ConfigError, match=r"not found \[lm/emb/table \(looked for 'lm/emb/table'\)"):
-    bad.init_from(prefix, model.variables)
+    bad.init_from(prefix, model.engine.variables)
 
 
 def test_interrupted_save_leaves_no_valid_checkpoint(tmp_path, trained):
@@ -271,9 +272,9 @@ def test_sharded_variables_are_stored_as_slices_with_exact_values(tmp_path, trai
   assert checked >= 6  # parameters and both Adam slots of the sharded weights
 
   # Still an ordinary object-graph checkpoint: TF's own restore reads it too.
-  fresh = make_trainer(build_mesh(MeshSpec(shape={'data': 4})))
-  tf.train.Checkpoint(model=fresh.model).read(path).assert_existing_objects_matched()
-  for key, variable in checkpoint_lib.checkpoint_keys({'model': fresh.model}).items():
+  fresh = lm_trainer(build_mesh(MeshSpec(shape={'data': 4})))
+  tf.train.Checkpoint(model=fresh.engine.model_state).read(path).assert_existing_objects_matched()
+  for key, variable in checkpoint_lib.checkpoint_keys({'model': fresh.engine.model_state}).items():
     np.testing.assert_array_equal(to_numpy(variable), reader.get_tensor(key), err_msg=key)
 
 

@@ -12,7 +12,8 @@ from layout_core.model import keras as keras_models
 from layout_core.checkpoint.manager import CheckpointConfig, Checkpointer
 from layout_core.train.optimizer import OptimizerConfig
 from layout_core.layout.rules import LayoutRules
-from layout_core.train.loop import TrainConfig, Trainer
+from layout_core.train.config import TrainConfig
+from layout_core.train.factory import make_trainer
 from layout_core.layout.variables import to_numpy
 from tests.conftest import REPO_ROOT
 
@@ -32,8 +33,8 @@ ADAM = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, decay='constant', cli
 BATCH, STEPS, SEED = 8, 3, 5
 
 
-def make_trainer(mesh, rules):
-  return Trainer(model_params=keras_models.KerasModel(build_fn=models.token_classifier),
+def keras_trainer(mesh, rules):
+  return make_trainer(model=keras_models.KerasModel(build_fn=models.token_classifier),
                  mesh=mesh, rules=LayoutRules(rules), task=tasks.FirstTokenTask(),
                  optimizer=ADAM,
                  config=TrainConfig(num_steps=STEPS, batch_size=BATCH, seed=SEED,
@@ -61,7 +62,7 @@ def reference_training(task):
 
 @pytest.fixture(scope='module')
 def sharded(mesh_2x4):
-  trainer = make_trainer(mesh_2x4, RULES)
+  trainer = keras_trainer(mesh_2x4, RULES)
   losses = [float(to_numpy(trainer.train_step(trainer.task.features(
       split='train', step=step, batch_size=BATCH))[0])) for step in range(STEPS)]
   return trainer, losses
@@ -69,14 +70,14 @@ def sharded(mesh_2x4):
 
 def test_weights_are_born_with_their_rule_layouts(sharded):
   trainer, _ = sharded
-  specs = {path: tuple(v.layout.sharding_specs) for path, v in trainer.variables.items()}
+  specs = {path: tuple(v.layout.sharding_specs) for path, v in trainer.engine.variables.items()}
   assert specs == {'embed/embeddings': ('unsharded', 'model'),
                    'hidden/kernel': ('unsharded', 'model'), 'hidden/bias': ('model',),
                    'scale/scale': ('model',), 'logits/kernel': ('model', 'unsharded'),
                    'logits/bias': ('unsharded',)}
   # Optimizer slots follow the weights' layouts.
-  assert trainer.optimizer.m['hidden/kernel'].layout == trainer.variables['hidden/kernel'].layout
-  assert [r.source.split(':')[0] for r in trainer.layout_records][-1] == 'default'
+  assert trainer.engine.optimizer.m['hidden/kernel'].layout == trainer.engine.variables['hidden/kernel'].layout
+  assert [r.source.split(':')[0] for r in trainer.engine.layout_records][-1] == 'default'
 
 
 def test_sharded_training_equals_plain_keras(sharded):
@@ -84,9 +85,9 @@ def test_sharded_training_equals_plain_keras(sharded):
   ref_losses, ref_weights, _ = reference_training(trainer.task)
   np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
   assert losses[-1] < losses[0]
-  assert set(ref_weights) == set(trainer.variables)
+  assert set(ref_weights) == set(trainer.engine.variables)
   for path, value in ref_weights.items():
-    np.testing.assert_allclose(to_numpy(trainer.variables[path]), value, atol=1e-5, rtol=0,
+    np.testing.assert_allclose(to_numpy(trainer.engine.variables[path]), value, atol=1e-5, rtol=0,
                                err_msg=path)
 
 
@@ -98,17 +99,17 @@ def test_checkpoint_restores_into_another_mesh_exactly(tmp_path, sharded, mesh_d
   expected = {k: to_numpy(v) for k, v in checkpoint_lib.checkpoint_keys(trainer.state()).items()}
   assert 'model/by_path/hidden.Skernel/.ATTRIBUTES/VARIABLE_VALUE' in expected
 
-  fresh = make_trainer(mesh_data8, [(r'hidden/kernel', ('data', 'unsharded'))])
+  fresh = keras_trainer(mesh_data8, [(r'hidden/kernel', ('data', 'unsharded'))])
   restorer = Checkpointer(directory=str(tmp_path / 'ckpt'), state=fresh.state(),
                           config=CheckpointConfig())
   assert restorer.restore_latest() == STEPS
-  assert fresh.variables['hidden/kernel'].layout.sharding_specs == ['data', 'unsharded']
+  assert fresh.engine.variables['hidden/kernel'].layout.sharding_specs == ['data', 'unsharded']
   for key, value in checkpoint_lib.checkpoint_keys(fresh.state()).items():
     np.testing.assert_array_equal(to_numpy(value), expected[key], err_msg=key)
   # The Keras model itself computes with the restored weights.
   batch = fresh.task.features(split='eval', step=0, batch_size=BATCH)
-  np.testing.assert_allclose(to_numpy(fresh.eval_loss(fresh.pack(batch))),
-                             to_numpy(trainer.eval_loss(trainer.pack(batch))), atol=1e-6)
+  np.testing.assert_allclose(to_numpy(fresh.engine.evaluate(fresh.engine.pack(batch))[0]),
+                             to_numpy(trainer.engine.evaluate(trainer.engine.pack(batch))[0]), atol=1e-6)
 
 
 def test_plan_lists_the_weights_without_allocating(sharded):
@@ -125,25 +126,25 @@ def test_plan_lists_the_weights_without_allocating(sharded):
                                 input_specs=trainer.task.input_specs(BATCH))
   assert created == []
   assert [(r.path, r.shape, r.spec) for r in records] == [
-      (r.path, r.shape, r.spec) for r in trainer.layout_records]
+      (r.path, r.shape, r.spec) for r in trainer.engine.layout_records]
 
 
 def test_subclassed_model_built_on_first_call_is_laid_out_and_planned(mesh_data8):
   model = keras_models.KerasModel(build_fn=models.subclassed_point_classifier)
   task = tasks.CentroidTask()
   rules = LayoutRules([(r'.*hidden/kernel', ('unsharded', 'data'))])
-  trainer = Trainer(model_params=model, mesh=mesh_data8, rules=rules, task=task,
+  trainer = make_trainer(model=model, mesh=mesh_data8, rules=rules, task=task,
                     optimizer=ADAM, config=TrainConfig(num_steps=1, batch_size=BATCH, seed=SEED))
-  [kernel_path] = [p for p in trainer.variables if p.endswith('hidden/kernel')]
-  assert trainer.variables[kernel_path].layout.sharding_specs == ['unsharded', 'data']
+  [kernel_path] = [p for p in trainer.engine.variables if p.endswith('hidden/kernel')]
+  assert trainer.engine.variables[kernel_path].layout.sharding_specs == ['unsharded', 'data']
   planned = keras_models.plan(model, rules=rules, mesh_axes={'data': 8},
                               input_specs=task.input_specs(BATCH))
   assert [(r.path, r.shape, r.spec) for r in planned] == [
-      (r.path, r.shape, r.spec) for r in trainer.layout_records]
+      (r.path, r.shape, r.spec) for r in trainer.engine.layout_records]
 
   keras.backend.clear_session()
   keras.utils.set_random_seed(SEED)
   reference = models.subclassed_point_classifier()      # plain Keras, no DTensor
   batch = task.features(split='eval', step=0, batch_size=BATCH)
-  outputs = trainer.forward(trainer.task.model_inputs(trainer.pack(batch)), training=False)
+  outputs = trainer.engine.model.call(trainer.task.model_inputs(trainer.engine.pack(batch)), False)
   np.testing.assert_allclose(to_numpy(outputs), reference(batch['x']).numpy(), atol=1e-6)

@@ -10,7 +10,8 @@ from layout_core.model.lm import transformer_lm_params
 from layout_core.layout.scope import LayoutScope
 from layout_core.train.optimizer import OptimizerConfig
 from layout_core.layout.rules import LayoutRules
-from layout_core.train.loop import TrainConfig, Trainer
+from layout_core.train.config import TrainConfig
+from layout_core.train.factory import make_trainer
 from layout_core.layout.variables import to_numpy
 
 MEGATRON = [
@@ -56,8 +57,8 @@ def test_plain_variables_in_the_scope_are_replicated(mesh_2x4):
   assert int(to_numpy(counter)) == 3
 
 
-def make_trainer(mesh, rules, steps=4):
-  return Trainer(model_params=small_lm(), mesh=mesh, rules=rules,
+def lm_trainer(mesh, rules, steps=4):
+  return make_trainer(model=small_lm(), mesh=mesh, rules=rules,
                  task=MarkovTask(vocab_size=32, seq_len=16, seed=3),
                  optimizer=OptimizerConfig(learning_rate=1e-2, warmup_steps=0),
                  config=TrainConfig(num_steps=steps, batch_size=8, log_every=1,
@@ -65,33 +66,34 @@ def make_trainer(mesh, rules, steps=4):
 
 
 def test_slots_follow_their_parameter_layout(mesh_2x4):
-  trainer = make_trainer(mesh_2x4, LayoutRules(MEGATRON))
-  for path, variable in trainer.variables.items():
-    for slots in (trainer.optimizer.m, trainer.optimizer.v):
+  trainer = lm_trainer(mesh_2x4, LayoutRules(MEGATRON))
+  for path, variable in trainer.engine.variables.items():
+    for slots in (trainer.engine.optimizer.m, trainer.engine.optimizer.v):
       assert slots[path].layout == variable.layout, path
 
 
 def test_sharded_run_matches_replicated_run(mesh_2x4, mesh_data8):
   """2-D sharded (data x model) vs pure data parallel: same losses and weights."""
-  sharded = make_trainer(mesh_2x4, LayoutRules(MEGATRON))
-  replicated = make_trainer(mesh_data8, LayoutRules())
-  for path in sharded.variables:
-    np.testing.assert_array_equal(to_numpy(sharded.variables[path]),
-                                  to_numpy(replicated.variables[path]), err_msg=path)
+  sharded = lm_trainer(mesh_2x4, LayoutRules(MEGATRON))
+  replicated = lm_trainer(mesh_data8, LayoutRules())
+  for path in sharded.engine.variables:
+    np.testing.assert_array_equal(to_numpy(sharded.engine.variables[path]),
+                                  to_numpy(replicated.engine.variables[path]), err_msg=path)
   task = sharded.task
   for step in range(4):
-    batch = task.batch(step=step, batch_size=8)
+    batch = {'tokens': task.batch(step=step, batch_size=8)}
     loss_a = float(to_numpy(sharded.train_step(batch)[0]))
     loss_b = float(to_numpy(replicated.train_step(batch)[0]))
     assert loss_a == pytest.approx(loss_b, rel=1e-5), step
-  final_a = float(to_numpy(sharded._eval_step(sharded.pack(task.batch(step=9, batch_size=8)))))
-  final_b = float(to_numpy(replicated._eval_step(replicated.pack(task.batch(step=9, batch_size=8)))))
+  final = {'tokens': task.batch(step=9, batch_size=8)}
+  final_a = float(to_numpy(sharded.engine.evaluate(sharded.engine.pack(final))[0]))
+  final_b = float(to_numpy(replicated.engine.evaluate(replicated.engine.pack(final))[0]))
   assert final_a == pytest.approx(final_b, rel=1e-5)
   assert final_a < float(np.log(32))  # it trained
   # Sharded reductions sum in another order (~1e-7 relative); Adam divides by
   # sqrt(v), which turns a near-zero gradient's rounding into up to a full lr
   # step, so weights get an absolute bound of 1% of lr * steps.
-  for path in sharded.variables:
-    np.testing.assert_allclose(to_numpy(sharded.variables[path]),
-                               to_numpy(replicated.variables[path]),
+  for path in sharded.engine.variables:
+    np.testing.assert_allclose(to_numpy(sharded.engine.variables[path]),
+                               to_numpy(replicated.engine.variables[path]),
                                rtol=1e-4, atol=0.01 * 1e-2 * 4, err_msg=path)

@@ -5,7 +5,7 @@ import pytest
 
 from layout_core.layout.rules import LayoutRules
 from layout_core.layout.variables import to_numpy
-from tests.test_layout_scope import MEGATRON, make_trainer
+from tests.test_layout_scope import MEGATRON, lm_trainer
 
 
 def test_first_adam_step_moves_each_parameter_by_the_learning_rate(mesh_2x4):
@@ -13,11 +13,11 @@ def test_first_adam_step_moves_each_parameter_by_the_learning_rate(mesh_2x4):
   g / (|g| + eps / sqrt(1 - b2)), so every weight moves by at most lr and by
   ~lr where |g| >> 1e-7 (the small attention-logit weights reach 0.999 lr).
   A version that re-read the slots after assigning them moved nothing."""
-  trainer = make_trainer(mesh_2x4, LayoutRules(MEGATRON), steps=1)
-  lr = trainer.optimizer.config.learning_rate
-  before = {p: to_numpy(v).copy() for p, v in trainer.variables.items()}
-  trainer.train_step(trainer.task.batch(step=0, batch_size=8))
-  for path, variable in trainer.variables.items():
+  trainer = lm_trainer(mesh_2x4, LayoutRules(MEGATRON), steps=1)
+  lr = trainer.engine.optimizer.config.learning_rate
+  before = {p: to_numpy(v).copy() for p, v in trainer.engine.variables.items()}
+  trainer.train_step({'tokens': trainer.task.batch(step=0, batch_size=8)})
+  for path, variable in trainer.engine.variables.items():
     moved = np.abs(to_numpy(variable) - before[path])
     assert moved.max() == pytest.approx(lr, rel=1e-2), path
     assert np.all(moved <= lr * (1 + 1e-3)), path

@@ -17,9 +17,10 @@ from layout_core.layout.mesh import MeshSpec, build_mesh
 from layout_core.train.optimizer import OptimizerConfig
 from layout_core.pipeline import PipelineConfig, clock_order
 from layout_core.pipeline.spmd import STACKED, SpmdPipeline, StackedCells
-from layout_core.pipeline.trainer import SpmdPipelineTrainer
 from layout_core.layout.rules import LayoutRules
-from layout_core.train.loop import TrainConfig, cross_entropy
+from layout_core.tasks import softmax_cross_entropy as cross_entropy
+from layout_core.train.config import TrainConfig
+from layout_core.train.factory import make_trainer
 from layout_core.layout.variables import to_numpy
 from tests.test_layout_scope import MEGATRON
 
@@ -41,10 +42,10 @@ def meshes(devices8):
 def spmd_trainer(mesh, params, *, stages, micro, repeats, bubble_fill=float('nan'),
                  batch_size=BATCH):
   rules = MEGATRON if 'model' in mesh.dim_names else []  # Megatron cells on the 3-D mesh
-  return SpmdPipelineTrainer(
+  return make_trainer(
       pipeline=PipelineConfig(num_stages=stages, num_micro_batches=micro, engine='spmd',
                               circular_repeats=repeats),
-      bubble_fill=bubble_fill, model_params=params, mesh=mesh,
+      bubble_fill=bubble_fill, model=params, mesh=mesh,
       rules=LayoutRules(rules), task=MarkovTask(vocab_size=VOCAB, seq_len=SEQ, seed=3),
       optimizer=OptimizerConfig(learning_rate=1e-2, warmup_steps=0),
       config=TrainConfig(num_steps=3, batch_size=batch_size, log_every=1, eval_every=0,
@@ -54,16 +55,16 @@ def spmd_trainer(mesh, params, *, stages, micro, repeats, bubble_fill=float('nan
 def spmd_loss_and_gradients(trainer, tokens):
   """Loss and per-cell gradients (path -> array) of one training step's loss."""
   seed = mesh_lib.pack_global_array(np.int64(SEED),
-                                    dtensor.Layout.replicated(trainer.mesh, 0))
+                                    dtensor.Layout.replicated(trainer.engine.mesh, 0))
 
   @tf.function
   def run(tokens, seed):
     with tf.GradientTape() as tape, random_context(seed=seed):
-      loss = trainer.loss(tokens)
-    return loss, tape.gradient(loss, trainer._trainable)
+      loss = trainer.engine.loss_and_metrics(tokens)[0]
+    return loss, tape.gradient(loss, trainer.engine.trainable)
 
-  loss, grads = run(trainer.pack(tokens), seed)
-  by_path = dict(zip((p for p, v in trainer.variables.items() if v.trainable), grads))
+  loss, grads = run(trainer.engine.pack({'tokens': tokens}), seed)
+  by_path = dict(zip((p for p, v in trainer.engine.variables.items() if v.trainable), grads))
   result = {}
   for path, grad in by_path.items():
     value = to_numpy(grad)
@@ -71,8 +72,8 @@ def spmd_loss_and_gradients(trainer, tokens):
       result[path] = value
       continue
     relative = path.split(f'/{STACKED}/', 1)[1]
-    for layer, slot in enumerate(trainer.stack.slots):
-      result[trainer.stack.cell_variable_path(layer, relative)] = value[slot.stage, slot.row]
+    for layer, slot in enumerate(trainer.engine.stack.slots):
+      result[trainer.engine.stack.cell_variable_path(layer, relative)] = value[slot.stage, slot.row]
   return float(to_numpy(loss)), result
 
 
@@ -201,16 +202,14 @@ def key_values(trainer) -> dict:
 
 def test_checkpoints_move_between_spmd_plain_and_submesh_runs(meshes, tmp_path):
   from layout_core.checkpoint.manager import CheckpointConfig, Checkpointer
-  from layout_core.pipeline.trainer import PipelineTrainer
-  from layout_core.train.loop import Trainer
 
   params = tiny_lm(4)
-  kwargs = dict(model_params=params, rules=LayoutRules(MEGATRON),
+  kwargs = dict(model=params, rules=LayoutRules(MEGATRON),
                 task=MarkovTask(vocab_size=VOCAB, seq_len=SEQ, seed=3),
                 optimizer=OptimizerConfig(learning_rate=1e-2, warmup_steps=0),
                 config=TrainConfig(num_steps=3, batch_size=BATCH, eval_every=0))
   spmd = spmd_trainer(meshes[2], params, stages=2, micro=2, repeats=2, bubble_fill=None)
-  spmd.train_step(spmd.task.batch(step=0, batch_size=BATCH))  # weights and slots move
+  spmd.train_step({'tokens': spmd.task.batch(step=0, batch_size=BATCH)})  # weights and slots move
   saved = key_values(spmd)
   assert 'model/stack/block_003/ffn/w_in/.ATTRIBUTES/VARIABLE_VALUE' in saved
   assert not any(STACKED in key for key in saved)
@@ -226,11 +225,11 @@ def test_checkpoints_move_between_spmd_plain_and_submesh_runs(meshes, tmp_path):
     for key, value in expected.items():
       np.testing.assert_array_equal(actual[key], value, err_msg=key)
 
-  plain = Trainer(mesh=build_mesh(MeshSpec(shape={'data': 4, 'model': 2})), **kwargs)
+  plain = make_trainer(mesh=build_mesh(MeshSpec(shape={'data': 4, 'model': 2})), **kwargs)
   round_trip(spmd, plain, tmp_path / 'spmd_to_plain')
-  submesh = PipelineTrainer(pipeline=PipelineConfig(num_stages=2, num_micro_batches=2),
+  submesh = make_trainer(pipeline=PipelineConfig(num_stages=2, num_micro_batches=2),
                             mesh=meshes[2], **kwargs)
   round_trip(spmd, submesh, tmp_path / 'spmd_to_submesh')
-  plain.train_step(plain.task.batch(step=1, batch_size=BATCH))  # now unlike spmd's
+  plain.train_step({'tokens': plain.task.batch(step=1, batch_size=BATCH)})  # now unlike spmd's
   round_trip(plain, spmd, tmp_path / 'plain_to_spmd')
   round_trip(submesh, spmd, tmp_path / 'submesh_to_spmd')  # back to step 1's values

@@ -11,9 +11,9 @@ from layout_core.model.lm import transformer_lm_params
 from layout_core.layout.mesh import MeshSpec, build_mesh
 from layout_core.train.optimizer import OptimizerConfig
 from layout_core.pipeline import PipelineConfig
-from layout_core.pipeline import PipelineTrainer
 from layout_core.layout.rules import LayoutRules
-from layout_core.train.loop import TrainConfig, Trainer
+from layout_core.train.config import TrainConfig
+from layout_core.train.factory import make_trainer
 from layout_core.layout.variables import to_numpy
 from tests.test_layout_scope import MEGATRON, small_lm
 
@@ -24,12 +24,11 @@ def lm_with_dropout():
 
 
 def make(mesh, rules, pipeline=None, batch_size=8, params=None):
-  kwargs = dict(model_params=params or small_lm(), mesh=mesh, rules=LayoutRules(rules),
+  return make_trainer(model=params or small_lm(), mesh=mesh, rules=LayoutRules(rules),
                 task=MarkovTask(vocab_size=32, seq_len=16, seed=3),
                 optimizer=OptimizerConfig(learning_rate=1e-2, warmup_steps=0),
                 config=TrainConfig(num_steps=3, batch_size=batch_size, log_every=1,
-                                   eval_every=0, eval_batches=1))
-  return PipelineTrainer(pipeline=pipeline, **kwargs) if pipeline else Trainer(**kwargs)
+                                   eval_every=0, eval_batches=1), pipeline=pipeline)
 
 
 @pytest.fixture(scope='module')
@@ -46,19 +45,24 @@ def test_pipelined_training_matches_plain_training(stage_mesh, mesh_data8, tmp_p
   piped = make(stage_mesh, MEGATRON, PipelineConfig(num_stages=2, num_micro_batches=2),
                params=lm_with_dropout())
   plain = make(mesh_data8, [], params=lm_with_dropout())
-  assert {r.mesh for r in piped.layout_records} == {'stage0', 'stage1'}
+  assert {r.mesh for r in piped.engine.layout_records} == {'stage0', 'stage1'}
   piped_keys = checkpoint_lib.checkpoint_keys(piped.state())
   assert piped_keys.keys() == checkpoint_lib.checkpoint_keys(plain.state()).keys()
   for step in range(3):
     batch = piped.task.batch(step=step, batch_size=8)
-    loss_a, _, norm_a = piped.train_step(batch)
-    loss_b, _, norm_b = plain.train_step(batch)
+    loss_a, _, norm_a, metrics_a = piped.train_step({'tokens': batch})
+    loss_b, _, norm_b, metrics_b = plain.train_step({'tokens': batch})
     assert float(to_numpy(loss_a)) == pytest.approx(float(to_numpy(loss_b)), rel=1e-5)
+    assert float(to_numpy(metrics_a['accuracy'])) == pytest.approx(
+        float(to_numpy(metrics_b['accuracy'])), abs=1e-6)
     assert float(to_numpy(norm_a)) == pytest.approx(float(to_numpy(norm_b)), rel=1e-4)
   assert piped.current_step == plain.current_step == 3
-  assert piped.evaluate() == pytest.approx(plain.evaluate(), rel=1e-5)
-  for path, variable in piped.variables.items():  # tolerance: see test_layout_scope
-    np.testing.assert_allclose(to_numpy(variable), to_numpy(plain.variables[path]),
+  (piped_loss, piped_metrics), (plain_loss, plain_metrics) = piped.evaluate(), plain.evaluate()
+  assert piped_loss == pytest.approx(plain_loss, rel=1e-5)
+  assert piped_metrics.keys() == plain_metrics.keys() == {'accuracy'}
+  assert piped_metrics['accuracy'] == pytest.approx(plain_metrics['accuracy'], abs=1e-6)
+  for path, variable in piped.engine.variables.items():  # tolerance: see test_layout_scope
+    np.testing.assert_allclose(to_numpy(variable), to_numpy(plain.engine.variables[path]),
                                rtol=1e-4, atol=0.01 * 1e-2 * 3, err_msg=path)
 
   checkpointer = Checkpointer(directory=str(tmp_path), state=piped.state(),

@@ -15,7 +15,8 @@ from layout_core.model.layers import FeedForward, Softmax
 from layout_core.train.optimizer import OptimizerConfig
 from layout_core.layout.rules import LayoutRules
 from layout_core.tasks import TFRecordTask, read_tfrecords, write_tfrecords
-from layout_core.train.loop import TrainConfig, Trainer
+from layout_core.train.config import TrainConfig
+from layout_core.train.factory import make_trainer
 from layout_core.layout.variables import to_numpy
 from tests.conftest import read_events, run_module
 
@@ -76,7 +77,7 @@ def classifier_trainer(mesh, directory, num_steps):
       Softmax.Params().Set(input_dim=16, num_classes=4)])
   rules = LayoutRules([(r'.*/ffn/w_in', ('unsharded', 'model')),
                        (r'.*/ffn/w_out', ('model', 'unsharded'))])
-  return Trainer(model_params=mlp, mesh=mesh, rules=rules, task=make_task(directory),
+  return make_trainer(model=mlp, mesh=mesh, rules=rules, task=make_task(directory),
                  optimizer=OptimizerConfig(learning_rate=1e-2, warmup_steps=2),
                  config=TrainConfig(num_steps=num_steps, batch_size=16, eval_every=0,
                                     eval_batches=1, log_every=1))

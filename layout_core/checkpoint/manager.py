@@ -41,7 +41,6 @@ step, since the commit needs a barrier between them).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import random
@@ -55,14 +54,16 @@ import numpy as np
 from absl import logging
 
 from layout_core.checkpoint import shard_io
+from layout_core.checkpoint.shard_io import (assign_global, checkpoint_keys, checkpoint_values,
+                                             restore_values)
+from layout_core.checkpoint.files import (checkpoint_dirs, directory_size, fsync_dir,
+                                          fsync_files, fsync_tree, latest_valid,
+                                          manifest_digest, resolve_checkpoint_path, validate)
 from layout_core.layout.cluster import SingleClient
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least, check_types
 from layout_core.lazy import tf
-from layout_core.layout.mesh import pack_global_array
-from layout_core.layout.variables import to_numpy
 
-_NAME = re.compile(r'^ckpt-(\d+)$')
 _VALUE_SUFFIX = shard_io.VALUE_SUFFIX
 _SHARED_CHECK = '.shared-filesystem-check'
 _STATE_FILE = re.compile(rb'model_checkpoint_path: "ckpt-\d+/ckpt"\n'
@@ -121,130 +122,7 @@ class CheckpointEvent:
             f'{self.size_bytes / 2**20:.1f} MiB in {self.seconds:.2f} s)')
 
 
-def _fsync_files(paths) -> None:
-  for path in paths:
-    with open(path, 'rb') as f:
-      os.fsync(f.fileno())
-
-
-def _fsync_tree(directory: str) -> None:
-  _fsync_files(os.path.join(directory, name) for name in os.listdir(directory))
-  _fsync_dir(directory)
-
-
-def _fsync_dir(directory: str) -> None:
-  fd = os.open(directory, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
 _escape = shard_io.escape
-
-
-def checkpoint_keys(state: Mapping[str, tf.Module]) -> dict[str, tf.Variable]:
-  """Checkpoint key -> variable for everything `state` would save (a stacked
-  variable appears under each of its keys; `checkpoint_values` gives the slices)."""
-  return {e.key: e.variable for e in shard_io.checkpoint_entries(state)}
-
-
-def checkpoint_values(state: Mapping[str, tf.Module]) -> dict[str, np.ndarray]:
-  """Checkpoint key -> the value it would hold (on the host; tests, inspection)."""
-  values, whole = {}, {}
-  for entry in shard_io.checkpoint_entries(state):
-    if id(entry.variable) not in whole:
-      whole[id(entry.variable)] = to_numpy(entry.variable)
-    value = whole[id(entry.variable)]
-    values[entry.key] = value if entry.index is None else value[entry.index]
-  return values
-
-
-def restore_values(prefix: str, keys: Mapping[str, tf.Variable]) -> None:
-  """Assigns every variable from the checkpoint by key; each device reads its slice."""
-  shard_io.read_entries(prefix, [shard_io.CheckpointEntry(k, v) for k, v in keys.items()])
-
-
-def assign_global(variable: tf.Variable, value: np.ndarray) -> None:
-  """Sets a (D)Variable from its global value; each device gets only its slice."""
-  layout = getattr(variable, 'layout', None)
-  variable.assign(pack_global_array(value, layout) if layout is not None else value)
-
-
-def resolve_checkpoint_path(path: str) -> str:
-  """A checkpoint prefix from a prefix, a ckpt-N directory or a model_dir."""
-  if tf.io.gfile.exists(path + '.index'):
-    return path
-  for candidate in (os.path.join(path, 'ckpt'), os.path.join(path, 'checkpoints')):
-    if tf.io.gfile.exists(candidate + '.index'):
-      return candidate
-    if os.path.isdir(candidate):
-      found = latest_valid(candidate)
-      if found:
-        return found[1]
-  latest = tf.train.latest_checkpoint(path)
-  if latest:
-    return latest
-  raise ConfigError(f'no checkpoint found at {path!r}',
-                    where='checkpoint.init_from',
-                    fix='give a checkpoint prefix, a ckpt-N directory or a model_dir')
-
-
-def _directory_size(directory: str) -> int:
-  return sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory))
-
-
-def validate(directory: str) -> str | None:
-  """None if `directory` is a complete checkpoint, else what is wrong with it."""
-  manifest_path = os.path.join(directory, 'manifest.json')
-  if not os.path.isfile(manifest_path):
-    return f'{manifest_path} is missing (an interrupted save?)'
-  try:
-    with open(manifest_path) as f:
-      manifest = json.load(f)
-    files = manifest['files']
-    digest = manifest.get('digest')
-  except (ValueError, KeyError, TypeError, AttributeError) as e:
-    return f'{manifest_path} is unreadable: {type(e).__name__}: {e}'
-  if digest is not None and digest != manifest_digest(manifest):
-    return f'{manifest_path} does not match its own digest (corrupt)'
-  if not isinstance(files, dict):
-    return f'{manifest_path} is unreadable: no file list'
-  for name, size in files.items():
-    path = os.path.join(directory, name)
-    if not os.path.isfile(path):
-      return f'{path} is missing'
-    actual = os.path.getsize(path)
-    if actual != size:
-      return f'{path} is {actual} bytes but the manifest says {size} (truncated or corrupt)'
-  return None
-
-
-def manifest_digest(manifest: Mapping) -> str:
-  """sha256 of a manifest's content (all but the digest itself), so a
-  flipped byte anywhere in it is noticed."""
-  body = {k: v for k, v in manifest.items() if k != 'digest'}
-  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def checkpoint_dirs(directory: str) -> list[tuple[int, str]]:
-  """(step, path) of every ckpt-N directory, newest first."""
-  if not os.path.isdir(directory):
-    return []
-  found = []
-  for name in os.listdir(directory):
-    match = _NAME.match(name)
-    if match:
-      found.append((int(match.group(1)), os.path.join(directory, name)))
-  return sorted(found, reverse=True)
-
-
-def latest_valid(directory: str) -> tuple[int, str] | None:
-  """(step, prefix) of the newest checkpoint that passes `validate`."""
-  for step, path in checkpoint_dirs(directory):
-    if validate(path) is None:
-      return step, os.path.join(path, 'ckpt')
-  return None
 
 
 class Checkpointer:
@@ -371,7 +249,7 @@ class Checkpointer:
       if not failed:
         self._last_saved_step = step
         self.on_event(CheckpointEvent(step, prefix, 'resume',
-                                      time.perf_counter() - start, _directory_size(path)))
+                                      time.perf_counter() - start, directory_size(path)))
         logging.info('Resumed from %s at step %d', prefix, step)
         return step
       problem = problem or f'client(s) {failed} could not read it'
@@ -505,11 +383,11 @@ class Checkpointer:
     manifest['digest'] = manifest_digest(manifest)
     with open(os.path.join(temporary, 'manifest.json'), 'w') as f:
       json.dump(manifest, f, indent=1)
-    _fsync_tree(temporary)
+    fsync_tree(temporary)
     os.rename(temporary, final)  # the commit point
-    _fsync_dir(self.directory)
+    fsync_dir(self.directory)
     event = CheckpointEvent(step, os.path.join(final, 'ckpt'), reason,
-                            time.perf_counter() - start, _directory_size(final))
+                            time.perf_counter() - start, directory_size(final))
     self._prune()
     self._update_state_file()
     logging.info('Saved checkpoint %s at step %d (%s, %.2f s)', event.path, step,

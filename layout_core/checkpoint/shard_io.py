@@ -36,6 +36,8 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from layout_core.lazy import dtensor, tf
+from layout_core.layout.mesh import pack_global_array
+from layout_core.layout.variables import to_numpy
 
 VALUE_SUFFIX = '/.ATTRIBUTES/VARIABLE_VALUE'
 OBJECT_GRAPH_KEY = '_CHECKPOINTABLE_OBJECT_GRAPH'
@@ -388,3 +390,31 @@ def _read_extent(prefix, whole, rows, shape, ranges: Ranges, dtype, device: str)
   with tf.device(device):
     stacked = tf.stack(values)
     return tf.reshape(stacked, [length for _, length in lead] + stacked.shape.as_list()[1:])
+
+
+def checkpoint_keys(state: Mapping[str, tf.Module]) -> dict[str, tf.Variable]:
+  """Checkpoint key -> variable for everything `state` would save (a stacked
+  variable appears under each of its keys; `checkpoint_values` gives the slices)."""
+  return {e.key: e.variable for e in checkpoint_entries(state)}
+
+
+def checkpoint_values(state: Mapping[str, tf.Module]) -> dict[str, np.ndarray]:
+  """Checkpoint key -> the value it would hold (on the host; tests, inspection)."""
+  values, whole = {}, {}
+  for entry in checkpoint_entries(state):
+    if id(entry.variable) not in whole:
+      whole[id(entry.variable)] = to_numpy(entry.variable)
+    value = whole[id(entry.variable)]
+    values[entry.key] = value if entry.index is None else value[entry.index]
+  return values
+
+
+def restore_values(prefix: str, keys: Mapping[str, tf.Variable]) -> None:
+  """Assigns every variable from the checkpoint by key; each device reads its slice."""
+  read_entries(prefix, [CheckpointEntry(k, v) for k, v in keys.items()])
+
+
+def assign_global(variable: tf.Variable, value: np.ndarray) -> None:
+  """Sets a (D)Variable from its global value; each device gets only its slice."""
+  layout = getattr(variable, 'layout', None)
+  variable.assign(pack_global_array(value, layout) if layout is not None else value)

@@ -240,7 +240,7 @@ class SpmdEngine(PlainEngine):
       packed[name] = mesh_lib.pack_global_array(micro, layout)
     return packed
 
-  def _loss_and_metrics(self, batch, training: bool = False):
+  def loss_and_metrics(self, batch, training: bool = False):
     """The mean over micro-batches of the task's loss and metrics."""
     del training  # dropout is on inside a random_context, as for every engine
     plan = self.plan

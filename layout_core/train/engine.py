@@ -104,27 +104,28 @@ class PlainEngine:
     self.variables, self.layout_records = model.variables, model.records
     self.model_state, self.description = model.checkpoint_root, model.description
     trainable = {p: v for p, v in model.variables.items() if v.trainable}
-    self._trainable = list(trainable.values())
-    self.optimizer = Adam(optimizer, variables=self._trainable, paths=list(trainable),
+    self.trainable = list(trainable.values())
+    self.optimizer = Adam(optimizer, variables=self.trainable, paths=list(trainable),
                           total_steps=config.num_steps)
     self._gradients = tf.function(self._gradients_fn)
     self._apply = tf.function(self._apply_fn)
-    self._evaluate = tf.function(self._loss_and_metrics)
+    self._evaluate = tf.function(self.loss_and_metrics)
 
   def pack(self, batch):
     return pack_batch(batch, mesh=self.mesh, batch_axis=self.batch_axis)
 
-  def _loss_and_metrics(self, batch, training: bool = False):
+  def loss_and_metrics(self, batch, training: bool = False):
+    """The task's loss and metrics of the model on a packed batch (not compiled)."""
     outputs = self.model.call(self.task.model_inputs(batch), training)
     return self.task.loss_and_metrics(outputs, batch)
 
   def _gradients_fn(self, batch):
     seed = step_seed(self.config.seed, self.counters.step.read_value())
     with tf.GradientTape() as tape, random_context(seed=seed):
-      loss, metrics = self._loss_and_metrics(batch, training=True)
+      loss, metrics = self.loss_and_metrics(batch, training=True)
     # Dense gradients: an embedding's IndexedSlices gradient passed on to the
     # update function arrives with a wrong shape under DTensor (TF 2.21).
-    grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, self._trainable)]
+    grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, self.trainable)]
     return loss, metrics, grads
 
   def _apply_fn(self, grads):
