@@ -107,4 +107,4 @@ def model(params: Params | keras_models.KerasModel | None = None,
     except ConfigError as e:
       raise ConfigError(f'model.overrides key {key!r}: {e} (the keys are the dotted '
                         "names in a run's params.txt)", where='model.overrides') from None
-  return tree
+  return tree.Freeze()

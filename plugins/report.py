@@ -8,7 +8,6 @@ Built from the typed plan alone (nothing allocated, no device touched), so a
 
 from __future__ import annotations
 
-from layout_core.model import keras as keras_models
 from layout_core.layout import scope as layout_scope
 from plugins.plan import RunPlan
 
@@ -22,7 +21,7 @@ def describe_plan(plan: RunPlan, *, max_rows: int = 0) -> str:
   records = plan.records
   rows = records if not max_rows or len(records) <= max_rows else records[:max_rows]
   lines = [f'Mesh: {plan.mesh_spec.describe()}', '']
-  if isinstance(plan.params, keras_models.KerasModel):
+  if plan.meta is None:  # a Keras model: weights known, FLOPs not declared
     lines += [f'{plan.params.describe()}: weights listed from a stateless build '
               "(Keras' StatelessScope defers initialisers, so nothing is allocated); "
               'FLOPs are not known for Keras models.', '']

@@ -104,8 +104,8 @@ def test_resume_from_a_checkpoint_reads_exactly_the_same_batches(tmp_path, mesh_
     np.testing.assert_array_equal(to_numpy(actual[key]), to_numpy(expected[key]), err_msg=key)
   assert resumed.current_step == 6
   # ... and the weights really moved over the second half.
-  assert not np.array_equal(to_numpy(first.variables['mlp/ffn/w_in']),
-                            to_numpy(resumed.variables['mlp/ffn/w_in']))
+  assert not np.array_equal(to_numpy(first.engine.variables['mlp/ffn/w_in']),
+                            to_numpy(resumed.engine.variables['mlp/ffn/w_in']))
 
 
 def test_classifier_example_trains_end_to_end_from_gin(tmp_path):

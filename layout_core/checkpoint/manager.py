@@ -1,7 +1,7 @@
 """Sharded, atomic, resumable checkpoints in the standard tf.train format.
 
     checkpointer = Checkpointer(directory=f'{model_dir}/checkpoints',
-                                state={'model': model, 'optimizer': adam, 'step': step},
+                                state=trainer.state(),   # model, optimizer, counters
                                 config=CheckpointConfig(every_steps=100, keep=3))
     restored = checkpointer.restore_latest()     # None on a fresh run
     ...
@@ -28,7 +28,8 @@ layout, and into any number of clients.
 Crash safety: a checkpoint is written into a temporary directory, every file
 is fsynced, and only then is the directory renamed to `ckpt-<step>` (an atomic
 rename, by client 0 after every client has written). A checkpoint is "valid"
-when its manifest exists and every file has its recorded size; restore takes
+when its manifest exists and every file has its recorded size
+(`layout_core.checkpoint.files`); restore takes
 the newest valid one, and if reading it still fails (a corrupt shard, on any
 client) it logs the file and falls back to the next one, moving the broken one
 aside (`*.corrupt`) instead of deleting it. The TF `checkpoint` state file

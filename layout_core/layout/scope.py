@@ -3,7 +3,7 @@
     rules = LayoutRules([(r'.*/ffn/w_in', ('unsharded', 'model'))])
     with LayoutScope(mesh=mesh, rules=rules, seed=0) as scope:
       model = lm_params.Instantiate()        # variables are DVariables now
-    print(scope.table_markdown())            # what each rule did
+    print(table_markdown(scope.records))     # what each rule did
 
 Each variable's initializer runs under its resolved layout
 (`dtensor.call_with_layout`), so every device computes only its own shard and
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging as logging_std
 import math
 from typing import Iterable, Mapping, Sequence
 
@@ -28,7 +27,7 @@ from layout_core.layout import mesh as mesh_lib
 from layout_core.errors import ConfigError
 from layout_core.layout.rules import UNSHARDED, LayoutRules
 from layout_core.layout.variables import (VariableSpec, creator_initial_value, initial_value,
-                                   variable_creator)
+                                          quiet_one_shot_traces, variable_creator)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,28 +89,11 @@ def report_unused_rules(rules: LayoutRules, records: Sequence[LayoutRecord]) -> 
   logging.warning('%d layout rule(s) matched no variable: %s', len(unused), listing)
 
 
-class _OneShotTraceFilter(logging_std.Filter):
-  """Drops TF's "frequent retracing" warning for our one-shot init functions.
-
-  Each variable's initializer is its own tf.function, traced exactly once by
-  design (it must run under that variable's layout); the warning is noise.
-  """
-
-  def filter(self, record: logging_std.LogRecord) -> bool:
-    message = record.getMessage()
-    return not ('triggered tf.function retracing' in message and
-                ('LayoutScope' in message or '_zeros_like' in message))
-
-
-_TRACE_FILTER = _OneShotTraceFilter()
-
-
 class LayoutScope:
   """Creates model variables as DVariables laid out by `rules` on `mesh`."""
 
   def __init__(self, *, mesh: dtensor.Mesh, rules: LayoutRules | None = None,
                seed: int = 0, log_assignments: bool = False):
-    tf.get_logger().addFilter(_TRACE_FILTER)  # a set: adding it again is a no-op
     self.mesh = mesh
     self.rules = rules if rules is not None else LayoutRules()
     self.mesh_axes = mesh_lib.mesh_axes(mesh)
@@ -152,6 +134,7 @@ class LayoutScope:
 
   def __enter__(self) -> 'LayoutScope':
     self._context = contextlib.ExitStack()
+    self._context.enter_context(quiet_one_shot_traces())
     self._context.enter_context(variable_creator(self.create))
     self._context.enter_context(tf.variable_creator_scope(self.replicate_plain_variable))
     return self

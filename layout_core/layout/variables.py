@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging as logging_std
 import math
 import threading
 import zlib
@@ -210,3 +211,26 @@ def to_numpy(value) -> np.ndarray:
     tensor = dtensor.relayout(
         tensor, dtensor.Layout.replicated(layout.mesh, tensor.shape.rank))
   return dtensor.unpack(tensor)[0].numpy()
+
+
+class _OneShotTraceFilter(logging_std.Filter):
+  """Drops TF's "frequent retracing" warning for one-shot init functions.
+
+  Each variable's initializer is its own tf.function, traced exactly once by
+  design (it must run under that variable's layout); the warning is noise.
+  """
+
+  def filter(self, record: logging_std.LogRecord) -> bool:
+    return 'triggered tf.function retracing' not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_one_shot_traces() -> Iterator[None]:
+  """While variables are being created: TF's retracing warning is dropped
+  (removed again on exit, whatever happens)."""
+  trace_filter = _OneShotTraceFilter()
+  tf.get_logger().addFilter(trace_filter)
+  try:
+    yield
+  finally:
+    tf.get_logger().removeFilter(trace_filter)

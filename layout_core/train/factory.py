@@ -7,19 +7,28 @@
 
 Which engine runs a step depends only on what the plan says: a pipeline plan
 picks its engine (`'submesh'`: GPipe, `'spmd'`: the stage axis); otherwise a
-Params tree or a Keras 3 model runs as one program (`PlainEngine`). Nothing
-else in meshgin asks what kind of model it has.
+Params tree or a Keras 3 model runs as one program (`PlainEngine`). With
+`plan_model` (config time: layout records and cost, nothing allocated) this is
+the one module that asks what kind of model it has.
 """
 
 from __future__ import annotations
 
+from typing import Mapping
+
+from layout_core.errors import ConfigError
 from layout_core.layout import mesh as mesh_lib
+from layout_core.layout.scope import LayoutRecord, plan_layouts
 from layout_core.layout.rules import LayoutRules
+from layout_core.model.base import LayerMeta, leaf_layers
 from layout_core.model.built import build_params_model
+from layout_core.model.layers import Embedding
 from layout_core.params import Params
 from layout_core.pipeline.config import PipelineConfig
-from layout_core.pipeline.plan import PipelinePlan, check_pipelinable, plan_pipeline
+from layout_core.pipeline.plan import (PipelinePlan, check_pipelinable, plan_layout_records,
+                                       plan_pipeline)
 from layout_core.tasks import Task
+from layout_core.tasks.lm import LMTask
 from layout_core.train.config import TrainConfig
 from layout_core.train.engine import Counters, PlainEngine, StepEngine
 from layout_core.train.loop import Trainer
@@ -71,3 +80,43 @@ def make_trainer(*, model, mesh, rules: LayoutRules | None, task: Task,
                        pipeline_plan=pipeline_plan, bubble_fill=bubble_fill)
   return Trainer(engine=engine, counters=counters, task=task, config=config, writer=writer,
                  profile_dir=profile_dir)
+
+
+def plan_model(model, *, rules: LayoutRules, mesh_axes: Mapping[str, int], task: Task,
+               config: TrainConfig, pipeline_plan: PipelinePlan | None = None,
+               stage_axis: str = 'stage') -> tuple[list[LayoutRecord], LayerMeta | None]:
+  """Config time, nothing allocated: every variable's layout record, and the
+  forward cost of one global batch (None for a Keras model: its FLOPs are not
+  declared). Checks that a Params LM fits the task's vocabulary and length."""
+  if not isinstance(model, Params):
+    from layout_core.model import keras  # pylint: disable=g-import-not-at-top
+    return keras.plan(model, rules=rules, mesh_axes=mesh_axes,
+                      input_specs=task.input_specs(config.batch_size), seed=config.seed), None
+  _check_embedding_fits(model, task)
+  meta = model.cls.fprop_meta(model, *[shape for shape, _ in task.input_specs(config.batch_size)])
+  if pipeline_plan is not None:
+    records = plan_layout_records(pipeline_plan, params=model, rules=rules,
+                                  mesh_axes=mesh_axes, stage_axis=stage_axis)
+  else:
+    records = plan_layouts(model.cls.variable_specs(model), rules, mesh_axes)
+  return records, meta
+
+
+def _check_embedding_fits(params: Params, task: Task) -> None:
+  """The model's vocabulary and longest sequence against an LM task's."""
+  embeddings = [p for _, p in leaf_layers(params) if p.cls is Embedding]
+  if not embeddings or not isinstance(task, LMTask):
+    return
+  embedding = embeddings[0]
+  if embedding.vocab_size < task.vocab_size:
+    raise ConfigError(
+        f'model vocabulary {embedding.vocab_size} is smaller than the data '
+        f'vocabulary {task.vocab_size}', where='transformer_lm.vocab_size / data.vocab_size',
+        fix=f'set transformer_lm.vocab_size = {task.vocab_size}')
+  if embedding.max_len and task.seq_len > embedding.max_len:
+    raise ConfigError(
+        f'data.seq_len={task.seq_len} is longer than the model\'s longest sequence, '
+        f'transformer_lm.max_len={embedding.max_len}',
+        where='data.seq_len / transformer_lm.max_len',
+        fix=f'set transformer_lm.max_len >= {task.seq_len} or data.seq_len <= '
+            f'{embedding.max_len}')

@@ -26,6 +26,7 @@ from typing import Sequence
 from layout_core.lazy import Module, tf, dtensor
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least, check_types, in_range
+from layout_core.layout.variables import quiet_one_shot_traces
 
 DECAYS = ('cosine', 'linear', 'constant')
 
@@ -113,8 +114,9 @@ class Adam(Module):
     self.total_steps = total_steps
     # A plain holder, so the parameters are not tracked (and checkpointed) twice.
     self._targets = _Targets(dict(zip(paths, variables)))
-    self.m = {p: _zeros_like(v, f'{p}/m') for p, v in zip(paths, variables)}
-    self.v = {p: _zeros_like(v, f'{p}/v') for p, v in zip(paths, variables)}
+    with quiet_one_shot_traces():
+      self.m = {p: _zeros_like(v, f'{p}/m') for p, v in zip(paths, variables)}
+      self.v = {p: _zeros_like(v, f'{p}/v') for p, v in zip(paths, variables)}
 
   def apply(self, grads: Sequence[tf.Tensor], step: tf.Tensor):
     """One update of every parameter (all on one mesh) at 0-based `step`;
