@@ -72,8 +72,8 @@ def spmd_loss_and_gradients(trainer, tokens):
       result[path] = value
       continue
     relative = path.split(f'/{STACKED}/', 1)[1]
-    for layer, slot in enumerate(trainer.engine.stack.slots):
-      result[trainer.engine.stack.cell_variable_path(layer, relative)] = value[slot.stage, slot.row]
+    for layer, slot in enumerate(trainer.engine.program.stack.slots):
+      result[trainer.engine.program.stack.cell_variable_path(layer, relative)] = value[slot.stage, slot.row]
   return float(to_numpy(loss)), result
 
 

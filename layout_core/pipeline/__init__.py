@@ -53,7 +53,7 @@ _LAZY = {
     'StackedCells': 'spmd', 'SpmdPipeline': 'spmd',
     'PipelinePlan': 'plan', 'plan_pipeline': 'plan', 'plan_layout_records': 'plan',
     'check_pipelinable': 'plan',
-    'GPipeEngine': 'engines', 'SpmdEngine': 'engines',
+    'GPipeEngine': 'engines', 'SpmdProgram': 'engines', 'spmd_engine': 'engines',
 }
 
 

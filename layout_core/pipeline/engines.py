@@ -15,11 +15,11 @@ loop, and take the plan made at config time (nothing is planned twice):
   `submesh.GPipe`, and the optimizer updates each stage on its own mesh with
   the global gradient norm (summed on the host: one function doing it would
   cross meshes both ways).
-* `SpmdEngine` (engine 'spmd'): the layers before the stack of identical cells
-  (embedding) and after it (final norm, softmax) run on the whole mesh; the
-  cells are stacked on the stage axis (`spmd.StackedCells`) and run by
-  `spmd.SpmdPipeline`. One program does forward, backward and update, as in
-  `PlainEngine`.
+* `spmd_engine` (engine 'spmd'): a `SingleProgramEngine` running `SpmdProgram`:
+  the layers before the stack of identical cells (embedding) and after it
+  (final norm, softmax) run on the whole mesh; the cells are stacked on the
+  stage axis (`spmd.StackedCells`) and run by `spmd.SpmdPipeline`; one program
+  does forward, backward and update.
 
 Both report the task's loss and metrics as the mean over micro-batches (all of
 equal size, so the batch's), and keep the plain run's checkpoint keys, so a
@@ -49,7 +49,7 @@ from layout_core.pipeline.stages import build_staged_model
 from layout_core.pipeline.submesh import GPipe
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig
-from layout_core.train.engine import Counters, PlainEngine
+from layout_core.train.engine import Counters, SingleProgramEngine
 from layout_core.train.optimizer import Adam, OptimizerConfig
 
 
@@ -205,26 +205,22 @@ def build_spmd_model(params: Params, *, plan: PipelinePlan, stage_axis: str, mes
           stack, before, after)
 
 
-class SpmdEngine(PlainEngine):
-  """The cell stack pipelined on the stage axis of one mesh (module doc);
-  forward, backward and update are `PlainEngine`'s, over micro-batches.
-
-  `bubble_fill` (NaN in tests) is what idle pipeline slots hold."""
+class SpmdProgram:
+  """The program the SPMD engine runs (module doc): the layers before the cell
+  stack, the stack pipelined on the stage axis, the layers after it, and the
+  task's loss and metrics per micro-batch. `bubble_fill` (NaN in tests) is
+  what idle pipeline slots hold."""
 
   def __init__(self, *, params: Params, plan: PipelinePlan, stage_axis: str, mesh,
-               rules: LayoutRules | None, task: Task, optimizer: OptimizerConfig,
-               config: TrainConfig, counters: Counters, bubble_fill: float | None = None):
-    self.plan = plan
-    params = params.Copy().Freeze()
-    model, self.stack, self.before, self.after = build_spmd_model(
-        params, plan=plan, stage_axis=stage_axis, mesh=mesh, rules=rules, config=config)
+               rules: LayoutRules | None, task: Task, config: TrainConfig, batch_axis: str,
+               bubble_fill: float | None = None):
+    self.plan, self.task, self.mesh = plan, task, mesh
+    self.model, self.stack, self.before, self.after = build_spmd_model(
+        params.Copy().Freeze(), plan=plan, stage_axis=stage_axis, mesh=mesh, rules=rules,
+        config=config)
     self.pipeline = spmd_lib.SpmdPipeline(self.stack, num_micro_batches=plan.num_micro_batches,
                                           bubble_fill=bubble_fill)
-    super().__init__(model=model, mesh=mesh, task=task, optimizer=optimizer, config=config,
-                     counters=counters)
-    self.stack.tag_slots({p: (self.optimizer.m[p], self.optimizer.v[p])
-                          for p in self.stack.stacked_variables if p in self.optimizer.m})
-    self.micro_layout = dtensor.Layout([UNSHARDED, self.batch_axis, UNSHARDED], mesh)
+    self.batch_axis = batch_axis
     logging.info('SPMD pipeline: %d stages x %d circular repeat(s), %d micro-batches of '
                  '%d, bubble fraction %.3f', plan.num_stages, plan.circular_repeats,
                  plan.num_micro_batches, plan.micro_batch_size, plan.bubble_fraction())
@@ -287,3 +283,16 @@ class SpmdEngine(PlainEngine):
 
   def summaries(self):
     return plan_summaries(self.plan, self.describe_stages())
+
+
+def spmd_engine(*, optimizer: OptimizerConfig, config: TrainConfig, counters: Counters,
+                **program_kwargs) -> SingleProgramEngine:
+  """The SPMD engine: `SpmdProgram` run as one program on the whole mesh, its
+  stacked variables' optimizer slots checkpointed under per-cell keys too."""
+  program = SpmdProgram(config=config, **program_kwargs)
+  engine = SingleProgramEngine(program=program, mesh=program.mesh, optimizer=optimizer,
+                               config=config, counters=counters)
+  adam = engine.optimizer
+  program.stack.tag_slots({p: (adam.m[p], adam.v[p])
+                           for p in program.stack.stacked_variables if p in adam.m})
+  return engine

@@ -13,11 +13,12 @@ the compiled step functions; the training loop (`layout_core.train.loop`)
 only calls the protocol below, so every engine gets logging, evaluation,
 checkpoints, preemption and summaries from the one loop. Implementations:
 
-  * `PlainEngine` (here): one program on the whole mesh, for a Params model
-    or a Keras 3 model (both arrive as a `layout_core.model.built.BuiltModel`);
-  * `layout_core.pipeline.engines.GPipeEngine`: stages on sub-meshes;
-  * `layout_core.pipeline.engines.SpmdEngine`: a stack of identical cells on
-    the stage axis of one mesh.
+  * `SingleProgramEngine` (here): forward, backward and update as one program
+    on the whole mesh, running a `ModelProgram` (a Params model or a Keras 3
+    model, both arriving as a `layout_core.model.built.BuiltModel`) or the
+    SPMD pipeline's `layout_core.pipeline.engines.SpmdProgram` (a stack of
+    identical cells on the stage axis of one mesh);
+  * `layout_core.pipeline.engines.GPipeEngine`: stages on sub-meshes.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from layout_core.layout.variables import to_numpy
 from layout_core.model.built import BuiltModel
 from layout_core.model.random import random_context, step_seed
 from layout_core.tasks import Task
-from layout_core.train.config import TrainConfig, batch_axis_for
+from layout_core.train.config import TrainConfig
 from layout_core.train.optimizer import Adam, OptimizerConfig
 
 
@@ -91,16 +92,47 @@ class Counters:
     return int(to_numpy(self.step))
 
 
-class PlainEngine:
-  """One program on the whole mesh: forward, backward and update of a
-  `BuiltModel` (a Params tree or a Keras 3 model), the batch split over
-  `config.batch_axis`, DTensor inserting the collectives."""
+class Program(Protocol):
+  """What one program computes: a packed batch's loss and the task's metrics."""
+  model: BuiltModel
 
-  def __init__(self, *, model: BuiltModel, mesh, task: Task, optimizer: OptimizerConfig,
+  def pack(self, batch: Mapping[str, np.ndarray]) -> Any:
+    """A host batch placed on the devices as `loss_and_metrics` takes it."""
+
+  def loss_and_metrics(self, packed, training: bool = False) -> tuple[Any, dict[str, Any]]:
+    """Traced inside the engine's functions; dropout is on inside a random_context."""
+
+  def summaries(self) -> tuple[dict[str, str], dict[str, float]]:
+    """Extra TensorBoard records at step 0."""
+
+
+class ModelProgram:
+  """The model on the whole batch, split over `batch_axis`: the task's inputs
+  -> a Params or Keras model -> the task's loss and metrics."""
+
+  def __init__(self, *, model: BuiltModel, task: Task, mesh, batch_axis: str):
+    self.model, self.task, self.mesh, self.batch_axis = model, task, mesh, batch_axis
+
+  def pack(self, batch):
+    return pack_batch(batch, mesh=self.mesh, batch_axis=self.batch_axis)
+
+  def loss_and_metrics(self, packed, training: bool = False):
+    outputs = self.model.call(self.task.model_inputs(packed), training)
+    return self.task.loss_and_metrics(outputs, packed)
+
+  def summaries(self):
+    return {}, {}
+
+
+class SingleProgramEngine:
+  """Forward, backward and update as one program on the whole mesh, DTensor
+  inserting the collectives: a `ModelProgram` (Params or Keras model) or the
+  SPMD pipeline's program (`layout_core.pipeline.engines.SpmdProgram`)."""
+
+  def __init__(self, *, program: Program, mesh, optimizer: OptimizerConfig,
                config: TrainConfig, counters: Counters):
-    self.model, self.mesh, self.task, self.config = model, mesh, task, config
-    self.counters = counters
-    self.batch_axis = batch_axis_for(config, mesh_lib.mesh_axes(mesh), warn=True)
+    self.program, self.mesh, self.config, self.counters = program, mesh, config, counters
+    model = program.model
     self.variables, self.layout_records = model.variables, model.records
     self.model_state, self.description = model.checkpoint_root, model.description
     trainable = {p: v for p, v in model.variables.items() if v.trainable}
@@ -109,20 +141,19 @@ class PlainEngine:
                           total_steps=config.num_steps)
     self._gradients = tf.function(self._gradients_fn)
     self._apply = tf.function(self._apply_fn)
-    self._evaluate = tf.function(self.loss_and_metrics)
+    self._evaluate = tf.function(program.loss_and_metrics)
 
   def pack(self, batch):
-    return pack_batch(batch, mesh=self.mesh, batch_axis=self.batch_axis)
+    return self.program.pack(batch)
 
-  def loss_and_metrics(self, batch, training: bool = False):
-    """The task's loss and metrics of the model on a packed batch (not compiled)."""
-    outputs = self.model.call(self.task.model_inputs(batch), training)
-    return self.task.loss_and_metrics(outputs, batch)
+  def loss_and_metrics(self, packed, training: bool = False):
+    """The program's loss and metrics, not compiled (to trace inside a caller's function)."""
+    return self.program.loss_and_metrics(packed, training)
 
   def _gradients_fn(self, batch):
     seed = step_seed(self.config.seed, self.counters.step.read_value())
     with tf.GradientTape() as tape, random_context(seed=seed):
-      loss, metrics = self.loss_and_metrics(batch, training=True)
+      loss, metrics = self.program.loss_and_metrics(batch, training=True)
     # Dense gradients: an embedding's IndexedSlices gradient passed on to the
     # update function arrives with a wrong shape under DTensor (TF 2.21).
     grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, self.trainable)]
@@ -143,7 +174,7 @@ class PlainEngine:
     return self._evaluate(packed)
 
   def summaries(self):
-    return {}, {}
+    return self.program.summaries()
 
 
 def pack_batch(batch: Mapping[str, np.ndarray], *, mesh, batch_axis: str) -> dict:

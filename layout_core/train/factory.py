@@ -7,7 +7,8 @@
 
 Which engine runs a step depends only on what the plan says: a pipeline plan
 picks its engine (`'submesh'`: GPipe, `'spmd'`: the stage axis); otherwise a
-Params tree or a Keras 3 model runs as one program (`PlainEngine`). With
+Params tree or a Keras 3 model runs as one program (`SingleProgramEngine`
+with a `ModelProgram`). With
 `plan_model` (config time: layout records and cost, nothing allocated) this is
 the one module that asks what kind of model it has.
 """
@@ -29,8 +30,8 @@ from layout_core.pipeline.plan import (PipelinePlan, check_pipelinable, plan_lay
                                        plan_pipeline)
 from layout_core.tasks import Task
 from layout_core.tasks.lm import LMTask
-from layout_core.train.config import TrainConfig
-from layout_core.train.engine import Counters, PlainEngine, StepEngine
+from layout_core.train.config import TrainConfig, batch_axis_for
+from layout_core.train.engine import Counters, ModelProgram, SingleProgramEngine, StepEngine
 from layout_core.train.loop import Trainer
 from layout_core.train.optimizer import OptimizerConfig
 
@@ -45,6 +46,7 @@ def make_engine(*, model, mesh, rules: LayoutRules | None, task: Task,
   A pipelined run passes its `pipeline` config and the `pipeline_plan` made
   at config time (`plugins.plan`); a library caller may leave the plan out
   and it is made here. `bubble_fill` (tests: NaN) fills the SPMD engine's idle slots."""
+  batch_axis = batch_axis_for(config, mesh_lib.mesh_axes(mesh), warn=True)
   if pipeline is not None and pipeline.enabled:
     if pipeline_plan is None:
       check_pipelinable(model, task)
@@ -52,20 +54,23 @@ def make_engine(*, model, mesh, rules: LayoutRules | None, task: Task,
                                     batch_size=config.batch_size, seq_len=task.seq_len,
                                     batch_axis=config.batch_axis)
     from layout_core.pipeline import engines  # pylint: disable=g-import-not-at-top
-    kwargs = dict(params=model, plan=pipeline_plan, stage_axis=pipeline.stage_axis, mesh=mesh,
-                  rules=rules, task=task, optimizer=optimizer, config=config,
-                  counters=counters)
     if pipeline_plan.engine == 'spmd':
-      return engines.SpmdEngine(bubble_fill=bubble_fill, **kwargs)
-    return engines.GPipeEngine(**kwargs)
+      return engines.spmd_engine(
+          params=model, plan=pipeline_plan, stage_axis=pipeline.stage_axis, mesh=mesh,
+          rules=rules, task=task, optimizer=optimizer, config=config, counters=counters,
+          batch_axis=batch_axis, bubble_fill=bubble_fill)
+    return engines.GPipeEngine(params=model, plan=pipeline_plan, stage_axis=pipeline.stage_axis,
+                               mesh=mesh, rules=rules, task=task, optimizer=optimizer,
+                               config=config, counters=counters)
   if isinstance(model, Params):
     built = build_params_model(model, mesh=mesh, rules=rules, seed=config.seed)
   else:
     from layout_core.model import keras  # pylint: disable=g-import-not-at-top
     built = keras.build(model, mesh=mesh, rules=rules, seed=config.seed,
                         input_specs=task.input_specs(config.batch_size))
-  return PlainEngine(model=built, mesh=mesh, task=task, optimizer=optimizer, config=config,
-                     counters=counters)
+  return SingleProgramEngine(
+      program=ModelProgram(model=built, task=task, mesh=mesh, batch_axis=batch_axis),
+      mesh=mesh, optimizer=optimizer, config=config, counters=counters)
 
 
 def make_trainer(*, model, mesh, rules: LayoutRules | None, task: Task,
