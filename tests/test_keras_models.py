@@ -146,5 +146,5 @@ def test_subclassed_model_built_on_first_call_is_laid_out_and_planned(mesh_data8
   keras.utils.set_random_seed(SEED)
   reference = models.subclassed_point_classifier()      # plain Keras, no DTensor
   batch = task.features(split='eval', step=0, batch_size=BATCH)
-  outputs = trainer.engine.model.call(trainer.task.model_inputs(trainer.engine.pack(batch)), False)
+  outputs = trainer.engine.program.model.call(trainer.task.model_inputs(trainer.engine.pack(batch)), False)
   np.testing.assert_allclose(to_numpy(outputs), reference(batch['x']).numpy(), atol=1e-6)
