@@ -85,7 +85,10 @@ def compare(args) -> None:
     after = json.load(f)['losses']
   worst = 0
   for name, values in before.items():
-    same = after.get(name) == values
+    if name not in after:
+      print(f'{name:22s} not recorded')
+      continue
+    same = after[name] == values
     print(f'{name:22s} {"bit-identical" if same else "DIFFERENT"} ({len(values)} losses)')
     if not same:
       worst = 1

@@ -142,3 +142,31 @@ def test_dropout_masks_follow_rows_and_seeds_and_are_off_outside_training():
     np.testing.assert_array_equal(layer(x).numpy(), full)
   with model.random_context(seed=tf.constant(8, tf.int64)):
     assert (layer(x).numpy() != full).mean() > 0.2
+
+
+def test_one_body_serves_a_layer_and_stacked_cells():
+  """TransformerBlock.apply on weights stacked over 2 slots (the SPMD engine's
+  SlotWeights) equals each slot's own block run plainly on its own rows, with
+  dropout: each slot draws the masks of its own cell path and global rows."""
+  from layout_core.pipeline.spmd import SlotRandom, SlotWeights
+  p = model.TransformerBlock.Params().Set(model_dim=8, num_heads=2, ffn_dim=16,
+                                          dropout_rate=0.3)
+  blocks = [p.Copy().Set(name=f'block_{s:03d}').Instantiate(parent_path='lm/stack')
+            for s in range(2)]
+  x = tf.random.stateless_normal([2, 4, 3, 8], seed=[1, 2])
+  seed, first_rows = tf.constant(11, tf.int64), [4, 12]
+
+  def weight(block, relative):
+    value = block
+    for part in relative.split('/'):
+      value = getattr(value, part)
+    return value
+  stacked = SlotWeights(lambda name: tf.stack([weight(b, name) for b in blocks]),
+                        SlotRandom(seed, [b.path for b in blocks], first_rows))
+  together = model.TransformerBlock.apply(p, stacked, x)
+  for s, block in enumerate(blocks):
+    with model.random_context(seed=seed, batch_offset=first_rows[s]):
+      alone = block(x[s])
+    np.testing.assert_allclose(together[s].numpy(), alone.numpy(), rtol=1e-5, atol=1e-6)
+  # The masks are really on: without a random context the outputs differ.
+  assert not np.allclose(together[0].numpy(), blocks[0](x[0]).numpy(), atol=1e-3)

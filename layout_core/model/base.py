@@ -29,7 +29,9 @@ from typing import Mapping
 from layout_core.lazy import Module, tf
 from layout_core.errors import ConfigError
 from layout_core.params import Params
-from layout_core.layout.variables import Initializer, VariableSpec, create_variable
+from layout_core.layout.variables import (Initializer, VariableSpec, create_variable,
+                                          path_seed)
+from layout_core.model.random import DropoutInputs, current_random
 
 Shape = tuple[int, ...]
 
@@ -54,14 +56,71 @@ def num_elements(shape: Shape) -> int:
   return math.prod(shape)
 
 
-def dense(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
+def dense(x: tf.Tensor, w: tf.Tensor, *, lead: str = '') -> tf.Tensor:
   """x[..., d] @ w[d, f]: a matmul for 2-D x (on CPU the einsum kernel's
   forward + backward took 2x as long at [16, 1024] x [1024, 1024]), else an
-  einsum with explicit letters (DTensor's einsum has no '...' broadcasting)."""
+  einsum with explicit letters (DTensor's einsum has no '...' broadcasting).
+  With lead 's': per slot, x[s, ..., d] @ w[s, d, f]."""
+  if lead:
+    batch = 'abceghij'[:x.shape.rank - 2]
+    return tf.einsum(f's{batch}d,sdf->s{batch}f', x, w)
   if x.shape.rank == 2:
     return tf.matmul(x, w)
   batch = 'abcefgh'[:x.shape.rank - 1]
   return tf.einsum(f'{batch}d,df->{batch}f', x, w)
+
+
+class Weights:
+  """A layer's weights as its `apply` reads them: `w('w_in')`, a sub-layer's
+  `w.child('ffn')`, and the inputs of its dropout masks (`w.random()`).
+
+  `lead` names leading dimensions every weight and activation carries: ''
+  for a layer's own variables (`LayerWeights`), 's' for the SPMD pipeline's
+  stage slots, where each slot holds another cell's weights
+  (`layout_core.pipeline.spmd`). The broadcasting helpers make one body of
+  math serve both."""
+  lead = ''
+
+  def __call__(self, name: str) -> tf.Tensor:
+    raise NotImplementedError
+
+  def child(self, name: str) -> 'Weights':
+    raise NotImplementedError
+
+  def random(self) -> DropoutInputs | None:
+    """None outside a random context (evaluation): random layers are the identity."""
+    raise NotImplementedError
+
+  def dense(self, x: tf.Tensor, name: str) -> tf.Tensor:
+    return dense(x, self(name), lead=self.lead)
+
+  def vector(self, name: str, x: tf.Tensor) -> tf.Tensor:
+    """A [n] weight (per slot [S, n]) ready to combine with x [..., n]."""
+    w = self(name)
+    if self.lead:
+      for _ in range(x.shape.rank - 2):
+        w = tf.expand_dims(w, 1)
+    return w
+
+
+class LayerWeights(Weights):
+  """A built layer's own variables (lead '')."""
+
+  def __init__(self, layer: 'BaseLayer'):
+    self.layer = layer
+
+  def __call__(self, name):
+    return getattr(self.layer, name)
+
+  def child(self, name):
+    return LayerWeights(getattr(self.layer, name))
+
+  def random(self):
+    state = current_random()
+    if state is None:
+      return None
+    return DropoutInputs(seed=state.seed, keys=path_seed(self.layer.path, 0),
+                         first_rows=state.batch_offset)
 
 
 class BaseLayer(Module):
@@ -122,8 +181,21 @@ class BaseLayer(Module):
   def children(self) -> list['BaseLayer']:
     return [getattr(self, n) for n in self.child_names]
 
+  # A layer may write its math once as a classmethod `apply(cls, p, w, *inputs)`
+  # over `Weights` w: its fprop is then `apply` on its own variables, and the
+  # SPMD pipeline runs the same `apply` on stacked cells (`stackable`).
+  apply = None
+
+  @classmethod
+  def stackable(cls, p: Params) -> bool:
+    """Whether `apply` covers this layer and every sub-layer."""
+    return cls.apply is not None and all(
+        c.cls.stackable(c) for c in cls.child_params(p).values())
+
   def fprop(self, *inputs):
-    raise NotImplementedError
+    if self.apply is None:
+      raise NotImplementedError(f'{type(self).__name__}.fprop')
+    return self.apply(self.params, LayerWeights(self), *inputs)
 
   def __call__(self, *inputs):
     return self.fprop(*inputs)

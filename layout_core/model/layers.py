@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from layout_core.lazy import tf
 from layout_core.errors import ConfigError
-from layout_core.layout.variables import Normal, Ones, Zeros, flat_index, mix32, path_seed
+from layout_core.layout.variables import Normal, Ones, Zeros
 from layout_core.model.base import (BaseLayer, Declared, LayerMeta, dense,
                                     num_elements as _size)
-from layout_core.model.random import current_random
+from layout_core.model.random import dropout
 
 
 class Embedding(BaseLayer):
@@ -77,10 +77,11 @@ class LayerNorm(BaseLayer):
     return LayerMeta(out_shapes=(tuple(x_shape),), flops=7 * _size(x_shape),
                      matmul_flops=0)
 
-  def fprop(self, x):
+  @classmethod
+  def apply(cls, p, w, x):
     mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
-    normed = (x - mean) * tf.math.rsqrt(variance + self.params.epsilon)
-    return normed * self.scale + self.bias
+    normed = (x - mean) * tf.math.rsqrt(variance + p.epsilon)
+    return normed * w.vector('scale', x) + w.vector('bias', x)
 
 
 class FeedForward(BaseLayer):
@@ -114,10 +115,11 @@ class FeedForward(BaseLayer):
     return LayerMeta(out_shapes=(tuple(x_shape),), flops=matmul + elementwise,
                      matmul_flops=matmul)
 
-  def fprop(self, x):
-    h = dense(x, self.w_in) + self.b_in
-    h = tf.nn.relu(h) if self.params.activation == 'relu' else tf.nn.gelu(h)
-    return dense(h, self.w_out) + self.b_out
+  @classmethod
+  def apply(cls, p, w, x):
+    h = w.dense(x, 'w_in') + w.vector('b_in', x)
+    h = tf.nn.relu(h) if p.activation == 'relu' else tf.nn.gelu(h)
+    return w.dense(h, 'w_out') + w.vector('b_out', h)
 
 
 class MultiHeadAttention(BaseLayer):
@@ -135,7 +137,7 @@ class MultiHeadAttention(BaseLayer):
     return p
 
   @classmethod
-  def _head_dim(cls, p) -> int:
+  def head_dim(cls, p) -> int:
     if p.head_dim:
       return p.head_dim
     if p.model_dim % p.num_heads:
@@ -145,16 +147,16 @@ class MultiHeadAttention(BaseLayer):
 
   @classmethod
   def declare_variables(cls, p):
-    qkv = (p.model_dim, p.num_heads, cls._head_dim(p))
+    qkv = (p.model_dim, p.num_heads, cls.head_dim(p))
     init = Normal(p.init_stddev)
     return [Declared('wq', qkv, init), Declared('wk', qkv, init),
             Declared('wv', qkv, init),
-            Declared('wo', (p.num_heads, cls._head_dim(p), p.model_dim), init)]
+            Declared('wo', (p.num_heads, cls.head_dim(p), p.model_dim), init)]
 
   @classmethod
   def fprop_meta(cls, p, x_shape):
     batch, length, dim = x_shape
-    heads, head_dim = p.num_heads, cls._head_dim(p)
+    heads, head_dim = p.num_heads, cls.head_dim(p)
     tokens = batch * length
     projections = 2 * tokens * dim * heads * head_dim * 4       # q, k, v, out
     scores = 2 * batch * heads * length * length * head_dim * 2  # qk^T and attn.v
@@ -164,10 +166,10 @@ class MultiHeadAttention(BaseLayer):
                      flops=projections + scores + elementwise,
                      matmul_flops=projections + scores)
 
-  def fprop(self, x):
-    p = self.params
-    return attention(x, self.wq, self.wk, self.wv, self.wo, head_dim=self._head_dim(p),
-                     causal=p.causal)
+  @classmethod
+  def apply(cls, p, w, x):
+    return attention(x, w('wq'), w('wk'), w('wv'), w('wo'), head_dim=cls.head_dim(p),
+                     causal=p.causal, lead=w.lead)
 
 
 def attention(x, wq, wk, wv, wo, *, head_dim: int, causal: bool, lead: str = ''):
@@ -203,18 +205,12 @@ class Dropout(BaseLayer):
   def fprop_meta(cls, p, x_shape):
     return LayerMeta(out_shapes=(tuple(x_shape),), flops=2 * _size(x_shape), matmul_flops=0)
 
-  def fprop(self, x):
-    state = current_random()
-    if not self.params.rate or state is None:
+  @classmethod
+  def apply(cls, p, w, x):
+    inputs = w.random()
+    if not p.rate or inputs is None:
       return x
-    seed, batch_offset = state
-    shape = tuple(x.shape.as_list())
-    index = flat_index(shape) + batch_offset * _size(shape[1:])
-    key = mix32(tf.bitwise.bitwise_and(
-        tf.cast(seed, tf.int64) * 0x85EBCA77 + path_seed(self.path, 0), 0xFFFFFFFF))
-    bits = mix32(tf.bitwise.bitwise_and(index * 2 + key, 0xFFFFFFFF))
-    keep = tf.cast(bits, tf.float32) >= self.params.rate * 4294967296.0
-    return tf.where(keep, x / (1.0 - self.params.rate), tf.zeros_like(x))
+    return dropout(x, rate=p.rate, inputs=inputs, lead=w.lead)
 
 
 class TransformerBlock(BaseLayer):
@@ -255,14 +251,20 @@ class TransformerBlock(BaseLayer):
                      flops=sum(m.flops for m in parts) + residual_adds,
                      matmul_flops=sum(m.matmul_flops for m in parts))
 
-  def fprop(self, x):
-    attn, ffn = self.attn(self.ln_attn(x)), None
-    if self.params.dropout_rate:
-      attn = self.attn_dropout(attn)
+  @classmethod
+  def apply(cls, p, w, x):
+    children = cls.child_params(p)
+
+    def run(name, value):
+      child = children[name]
+      return child.cls.apply(child, w.child(name), value)
+    attn = run('attn', run('ln_attn', x))
+    if p.dropout_rate:
+      attn = run('attn_dropout', attn)
     x = x + attn
-    ffn = self.ffn(self.ln_ffn(x))
-    if self.params.dropout_rate:
-      ffn = self.ffn_dropout(ffn)
+    ffn = run('ffn', run('ln_ffn', x))
+    if p.dropout_rate:
+      ffn = run('ffn_dropout', ffn)
     return x + ffn
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Sequence
 
-from layout_core.model import layers as layers_lib
 from layout_core.layout import scope as layout_scope_lib
 from layout_core.tasks.lm import LMTask
 from layout_core.errors import ConfigError
@@ -36,11 +35,6 @@ def check_pipelinable(params, task) -> None:
     raise ConfigError(f'pipelining is wired for language-model tasks only, not '
                       f'{type(task).__name__}', where='pipeline.enabled / data.task',
                       fix='turn pipelining off for this task')
-
-
-# Layer classes the SPMD engine can run stacked (`spmd.STACKED_FPROPS`).
-STACKABLE = (layers_lib.LayerNorm, layers_lib.FeedForward, layers_lib.MultiHeadAttention,
-             layers_lib.Dropout, layers_lib.TransformerBlock)
 
 
 # -- which cells, where ---------------------------------------------------------
@@ -84,12 +78,16 @@ def cell_slot(layer: int, *, num_stages: int, cells_per_chunk: int) -> CellSlot:
 
 
 def check_stackable(cell: Params) -> None:
-  if cell.cls not in STACKABLE:
+  """The SPMD engine runs a cell through its layers' `apply` (one body of math
+  for a layer and for stacked cells); a ConfigError if some layer has none."""
+  if not cell.cls.stackable(cell):
     raise ConfigError(
-        f"pipeline.engine='spmd' has no stacked form of {cell.cls.__name__} "
-        f'({cell.name})', where='pipeline.engine',
-        fix=f'stack cells of {", ".join(c.__name__ for c in STACKABLE)}, or use '
-            "pipeline.engine = 'submesh'")
+        f"pipeline.engine='spmd' cannot stack {cell.cls.__name__} ({cell.name}): it or "
+        'one of its sub-layers has no `apply` (the math written once for plain and '
+        'stacked runs)', where='pipeline.engine',
+        fix='give the layer an `apply` classmethod (see layout_core.model.base), stack '
+            "library cells (TransformerBlock, FeedForward, LayerNorm, MultiHeadAttention, "
+            "Dropout), or use pipeline.engine = 'submesh'")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,10 +19,12 @@ What the step runs (everything unrolled in one tf.function on one mesh):
                 (circular repeats), or nothing (bubble)
       x = where(slot holds an item, buffer, 0)        # bubbles compute on zeros
       for cell j of the chunk:                        # all S slots in one op
-        x = cell(x; weights[s, q_s(t) * c + j] per slot s)
+        x = Cell.apply(x; weights[s, q_s(t) * c + j] per slot s)
       slot S-1's result -> output (last repeat) or kept for slot 0 at t + M
       buffer = shift(x)                               # slot s -> s + 1
 
+`Cell.apply` is the layer's own math (`layout_core.model.layers`), given the
+weights as `SlotWeights` (lead 's'): this module holds no layer math.
 The shift is an einsum with a [S, S] shift matrix followed by a relayout back
 to stage-sharded (tf.roll and tf.concat on a sharded dim fail in DTensor,
 tf.gather replicates the buffer; see shared/DTENSOR_NOTES.md). The backward
@@ -46,7 +48,6 @@ from typing import Callable, Sequence
 import numpy as np
 
 from layout_core.lazy import Module, tf, dtensor
-from layout_core.model import layers as layers_lib
 from layout_core.model.random import current_random
 from layout_core.layout import mesh as mesh_lib
 from layout_core.checkpoint.shard_io import set_unstacked
@@ -54,10 +55,12 @@ from layout_core.errors import ConfigError
 from layout_core.layout.scope import LayoutRecord
 from layout_core.params import Params
 from layout_core.pipeline import schedule as schedule_lib
-from layout_core.pipeline.plan import (STACKABLE, cell_slot, check_cell_count,
-                                       check_identical_cells, check_stackable)
+from layout_core.pipeline.plan import (cell_slot, check_cell_count, check_identical_cells,
+                                       check_stackable)
 from layout_core.layout.rules import UNSHARDED, LayoutRules
-from layout_core.layout.variables import initial_value, mix32, flat_index, path_seed
+from layout_core.layout.variables import initial_value, path_seed
+from layout_core.model.base import Weights
+from layout_core.model.random import DropoutInputs
 
 # The path component that stands for "every cell" in stacked variable paths:
 # lm/stack/stacked_cells/ffn/w_in holds lm/stack/block_000/ffn/w_in, ...
@@ -207,84 +210,32 @@ class SlotRandom:
   first_rows: list[int]
 
 
-def _per_slot(w: tf.Tensor, rank: int) -> tf.Tensor:
-  """[S, n] -> [S, 1, ..., 1, n], to broadcast against an activation of `rank`."""
-  for _ in range(rank - 2):
-    w = tf.expand_dims(w, 1)
-  return w
+class SlotWeights(Weights):
+  """The weights of the cells on every slot at once (lead 's'): `select(name)`
+  gives the [S, ...] tensor of weight `name` (a path below the cell), one
+  row per slot; `below` is the layer's path below the cell."""
+  lead = 's'
 
+  def __init__(self, select: Callable[[str], tf.Tensor], random: SlotRandom | None,
+               below: str = ''):
+    self.select, self.slot_random, self.below = select, random, below
 
-def _sdense(x: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
-  """Per slot x[s, ..., d] @ w[s, d, f]."""
-  batch = 'abceghij'[:x.shape.rank - 2]
-  return tf.einsum(f's{batch}d,sdf->s{batch}f', x, w)
+  def __call__(self, name):
+    return self.select(f'{self.below}/{name}' if self.below else name)
 
+  def child(self, name):
+    return SlotWeights(self.select, self.slot_random,
+                       f'{self.below}/{name}' if self.below else name)
 
-def _layer_norm(p, w, x, random, prefix):
-  mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
-  normed = (x - mean) * tf.math.rsqrt(variance + p.epsilon)
-  return normed * _per_slot(w('scale'), x.shape.rank) + _per_slot(w('bias'), x.shape.rank)
-
-
-def _feed_forward(p, w, x, random, prefix):
-  h = _sdense(x, w('w_in')) + _per_slot(w('b_in'), x.shape.rank)
-  h = tf.nn.relu(h) if p.activation == 'relu' else tf.nn.gelu(h)
-  return _sdense(h, w('w_out')) + _per_slot(w('b_out'), x.shape.rank)
-
-
-def _attention(p, w, x, random, prefix):
-  return layers_lib.attention(
-      x, w('wq'), w('wk'), w('wv'), w('wo'), causal=p.causal, lead='s',
-      head_dim=layers_lib.MultiHeadAttention._head_dim(p))  # pylint: disable=protected-access
-
-
-def _dropout(p, w, x, random, prefix):
-  """layers.Dropout per slot: each slot's mask from its own cell's layer path and
-  its micro-batch's global rows, so the masks equal an unpipelined step's."""
-  if not p.rate or random is None:
-    return x
-  shape = x.shape.as_list()
-  keys, rows = [], []
-  for cell_path, first_row in zip(random.cell_paths, random.first_rows):
-    keys.append(path_seed(f'{cell_path}/{prefix}', 0) if cell_path else 0)
-    rows.append(first_row)
-  per_slot = [-1] + [1] * (len(shape) - 1)
-  key = mix32(tf.bitwise.bitwise_and(
-      tf.cast(random.seed, tf.int64) * 0x85EBCA77 + tf.constant(keys, tf.int64), 0xFFFFFFFF))
-  offset = tf.constant(rows, tf.int64) * math.prod(shape[2:])
-  index = tf.expand_dims(flat_index(tuple(shape[1:])), 0) + tf.reshape(offset, per_slot)
-  bits = mix32(tf.bitwise.bitwise_and(index * 2 + tf.reshape(key, per_slot), 0xFFFFFFFF))
-  keep = tf.cast(bits, tf.float32) >= p.rate * 4294967296.0
-  return tf.where(keep, x / (1.0 - p.rate), tf.zeros_like(x))
-
-
-def _block(p, w, x, random, prefix):
-  children = layers_lib.TransformerBlock.child_params(p)
-
-  def run(name, value):
-    child = children[name]
-    return STACKED_FPROPS[child.cls](child, lambda n: w(f'{name}/{n}'), value, random,
-                                     f'{prefix}/{name}' if prefix else name)
-  attn = run('attn', run('ln_attn', x))
-  if p.dropout_rate:
-    attn = run('attn_dropout', attn)
-  x = x + attn
-  ffn = run('ffn', run('ln_ffn', x))
-  if p.dropout_rate:
-    ffn = run('ffn_dropout', ffn)
-  return x + ffn
-
-
-# Layer class -> its computation on every slot at once: fn(params, weight(name)
-# -> [S, ...] tensor, x [S, ...], SlotRandom | None, layer path below the cell).
-STACKED_FPROPS: dict[type, Callable] = {
-    layers_lib.LayerNorm: _layer_norm,
-    layers_lib.FeedForward: _feed_forward,
-    layers_lib.MultiHeadAttention: _attention,
-    layers_lib.Dropout: _dropout,
-    layers_lib.TransformerBlock: _block,
-}
-assert set(STACKED_FPROPS) == set(STACKABLE)
+  def random(self):
+    """Each slot's mask from its own cell's layer path and its micro-batch's
+    global rows, so the masks equal an unpipelined step's."""
+    slots = self.slot_random
+    if slots is None:
+      return None
+    keys = [path_seed(f'{cell}/{self.below}' if self.below else cell, 0) if cell else 0
+            for cell in slots.cell_paths]
+    return DropoutInputs(seed=slots.seed, keys=keys, first_rows=slots.first_rows)
 
 
 def _rows(variable) -> list:
@@ -394,7 +345,6 @@ class SpmdPipeline:
     kept: dict[int, tf.Tensor] = {}          # item -> stage S-1 output, for repeat r+1
     outputs: list = [None] * num_micro
     cell = stack.cell_params[0]
-    fprop = STACKED_FPROPS[cell.cls]
     for clock, work in enumerate(self.order):
       items = {s: item for s, item in work}
       # What enters slot 0 at this clock.
@@ -419,8 +369,8 @@ class SpmdPipeline:
           first_rows.append((item.micro if item else 0) * micro_size
                             + (state[1] if state else 0))
         random = SlotRandom(state[0], cell_paths, first_rows) if state else None
-        x = fprop(cell, lambda n, rows=rows: self._weights(variables[n], rows), x, random,
-                  '')
+        weights = SlotWeights(lambda n, rows=rows: self._weights(variables[n], rows), random)
+        x = cell.cls.apply(cell, weights, x)
         x = dtensor.relayout(x, layout)
       done = items.get(last)
       if done is not None:
