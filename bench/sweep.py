@@ -25,7 +25,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from plugins.sweep import Sweep  # noqa: E402
-from plugins.sweep_spec import parse_axis  # noqa: E402
+from plugins.sweep.spec import parse_axis  # noqa: E402
 
 
 def base_bindings(num_steps: int) -> list[str]:

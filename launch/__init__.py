@@ -1,7 +1,11 @@
-"""absl entry points. The first thing any launcher does is catch SIGTERM and
-SIGINT: until a run starts writing, a stop signal ends it at once with exit 0
-(nothing to save, nothing half-written). `gin_flags.run_guarded` then keeps
-that promise through start-up and hands over to "finish the step and save".
+"""absl entry points: `train`, `inspect`, `sweep`, `local_cluster`.
+
+The first thing each does (in its `__main__` block, before absl parses flags
+or anything heavy is imported) is `install_start_up_handlers()`: until a run
+starts writing, a stop signal ends it at once with exit 0 (nothing to save,
+nothing half-written). `gin_flags.run_guarded` then keeps that promise
+through start-up and hands over to "finish the step and save". Importing this
+package does nothing.
 """
 
 import signal
@@ -19,5 +23,7 @@ def _stop_during_start_up(signum, frame):
   sys.exit(0)
 
 
-for _signal in (signal.SIGTERM, signal.SIGINT):
-  signal.signal(_signal, _stop_during_start_up)
+def install_start_up_handlers() -> None:
+  """SIGTERM and SIGINT end the process at once with exit 0 (start-up)."""
+  for signum in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(signum, _stop_during_start_up)

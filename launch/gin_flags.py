@@ -17,6 +17,7 @@ from absl import flags
 import launch
 
 from layout_core.errors import ConfigError
+from plugins import run_status
 from layout_core.train.preemption import Interrupted, PreemptionWatcher
 
 GIN_FILES = flags.DEFINE_multi_string(
@@ -31,9 +32,6 @@ GIN_SEARCH_PATHS = flags.DEFINE_list(
     '--gin_file and include statements.')
 VERBOSE = flags.DEFINE_bool(
     'verbose', False, 'On a configuration error, also print the Python traceback.')
-
-EXIT_CONFIG_ERROR = 2
-
 
 def parsed_config():
   """The flags' gin config, parsed (see plugins.gin_setup.parsed_config)."""
@@ -56,7 +54,7 @@ def run_guarded(body: Callable[[PreemptionWatcher], object]) -> None:
     message = ' '.join(str(error).split())
     print(f'\nConfiguration error: {message}\n(run with --verbose for the '
           'traceback)', file=sys.stderr)
-    sys.exit(EXIT_CONFIG_ERROR)
+    sys.exit(run_status.EXIT_CONFIG_ERROR)
   except Interrupted as stop:
     print(launch.stop_message(stop.signal_name), file=sys.stderr, flush=True)
     sys.exit(0)

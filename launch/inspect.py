@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from absl import app, flags
 
+import launch
+
 from launch import gin_flags
 
 flags.adopt_module_key_flags(gin_flags)
@@ -38,4 +40,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  launch.install_start_up_handlers()
   app.run(main)

@@ -25,6 +25,8 @@ import time
 
 from absl import app, flags
 
+import launch
+
 NUM_CLIENTS = flags.DEFINE_integer('num_clients', 2, 'Clients to start.')
 DEVICES_PER_CLIENT = flags.DEFINE_integer(
     'devices_per_client', 4, 'Virtual CPU devices per client; the config\'s mesh '
@@ -137,4 +139,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  launch.install_start_up_handlers()
   app.run(main)

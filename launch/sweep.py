@@ -20,6 +20,9 @@ import sys
 
 from absl import app, flags
 
+import launch
+from plugins import run_status
+
 from launch import gin_flags
 
 flags.adopt_module_key_flags(gin_flags)
@@ -49,8 +52,6 @@ TRIAL_TIMEOUT = flags.DEFINE_float(
     'trial_timeout', 0, 'Seconds a trial may run before it is stopped (it saves a '
     'checkpoint) and recorded as failed; 0: no limit.')
 
-EXIT_SOME_FAILED = 1
-EXIT_INTERRUPTED = 4
 
 
 def main(argv):
@@ -62,7 +63,7 @@ def main(argv):
     del watcher  # the runner forwards stop signals to its trials itself
     # pylint: disable=g-import-not-at-top
     from plugins import sweep as sweep_lib
-    from plugins import sweep_spec
+    from plugins.sweep import spec as sweep_spec
     values = {'gin_file': list(gin_flags.GIN_FILES.value),
               'gin_bindings': list(gin_flags.GIN_BINDINGS.value),
               'sweep': list(SWEEP.value), 'sweep_mode': SWEEP_MODE.value,
@@ -90,8 +91,8 @@ def main(argv):
 
   gin_flags.run_guarded(body)
   if outcome.get('interrupted'):
-    sys.exit(EXIT_INTERRUPTED)
-  sys.exit(EXIT_SOME_FAILED if outcome.get('failed') else 0)
+    sys.exit(run_status.EXIT_SWEEP_INTERRUPTED)
+  sys.exit(run_status.EXIT_SWEEP_FAILED if outcome.get('failed') else run_status.EXIT_OK)
 
 
 def _parse(name: str, text: str):
@@ -106,4 +107,5 @@ def _parse(name: str, text: str):
 
 
 if __name__ == '__main__':
+  launch.install_start_up_handlers()
   app.run(main)

@@ -34,6 +34,8 @@ import traceback
 
 from absl import app, flags, logging
 
+import launch
+
 from launch import gin_flags
 
 flags.adopt_module_key_flags(gin_flags)  # show the gin flags in --help
@@ -41,8 +43,6 @@ flags.adopt_module_key_flags(gin_flags)  # show the gin flags in --help
 MODEL_DIR = flags.DEFINE_string(
     'model_dir', '/tmp/meshgin/run', 'Directory for checkpoints, TensorBoard '
     'events and the run record (config.gin, params.txt, layouts.txt).')
-
-EXIT_DIVERGED = 3  # the loss became NaN or infinite (launch.sweep records it as such)
 
 CLIENT_ID = flags.DEFINE_integer(
     'client_id', None, 'This process\'s index in --cluster (default: $DTENSOR_CLIENT_ID or 0).')
@@ -83,36 +83,66 @@ def exit_client(cluster, error: BaseException | None) -> None:
   os._exit(1 if error is not None else 0)  # pylint: disable=protected-access
 
 
+def final_metrics(result) -> dict[str, float]:
+  """run_status.json's metrics: the last evaluation's, the train loss, the speed."""
+  metrics = {f'eval_{name}': value for name, value in result.eval_metrics.items()}
+  if result.train_loss is not None:
+    metrics['train_loss'] = result.train_loss
+  metrics['steps_per_sec'] = result.steps_per_sec
+  return metrics
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   logging.set_verbosity(logging.INFO)
 
   def body(watcher):
-    from plugins import plan, training  # pylint: disable=g-import-not-at-top
-    with gin_flags.parsed_config():
-      run_plan = plan.make_plan()
-      cluster = cluster_from_flags()
-      plan.check_model_dir(MODEL_DIR.value)
-      training.join_cluster(run_plan, cluster, devices_per_client=DEVICES_PER_CLIENT.value)
-      try:
-        training.run_training(run_plan, model_dir=MODEL_DIR.value, watcher=watcher,
-                              cluster=cluster)
-      except FloatingPointError as e:  # raised by the trainer on a non-finite loss
-        if cluster.is_multi_client:
-          exit_client(cluster, e)
-        logging.error('Training diverged: %s', e)
-        print(f'\nTraining diverged: {e}', file=sys.stderr)
-        sys.exit(EXIT_DIVERGED)
-      except Exception as e:  # pylint: disable=broad-except
-        if not cluster.is_multi_client or type(e).__name__ == 'ConfigError':
-          raise
-        exit_client(cluster, e)
+    from layout_core.errors import ConfigError  # pylint: disable=g-import-not-at-top
+    from plugins import plan, run_status, training  # pylint: disable=g-import-not-at-top
+    record = run_status.RunStatusFile(MODEL_DIR.value)
+    try:
+      with gin_flags.parsed_config():
+        cluster = cluster_from_flags()
+        record = run_status.RunStatusFile(MODEL_DIR.value, enabled=cluster.client_id == 0)
+        run_plan = plan.make_plan()
+        plan.check_model_dir(MODEL_DIR.value)
+        training.join_cluster(run_plan, cluster, devices_per_client=DEVICES_PER_CLIENT.value)
+        result = train(run_plan, cluster, watcher, record)
+    except ConfigError as e:
+      record.write_rejection(e)
+      raise
+    final = run_status.PREEMPTED if result.stopped_early else run_status.COMPLETED
+    record.write(final, step=result.final_step, exit_code=run_status.EXIT_OK,
+                 metrics=final_metrics(result))
+    if cluster.is_multi_client:
+      exit_client(cluster, None)
+
+  def train(run_plan, cluster, watcher, record):
+    from layout_core.errors import ConfigError  # pylint: disable=g-import-not-at-top
+    from plugins import run_status, training  # pylint: disable=g-import-not-at-top
+    try:
+      return training.run_training(run_plan, model_dir=MODEL_DIR.value, watcher=watcher,
+                                   cluster=cluster,
+                                   on_start=lambda: record.write(run_status.RUNNING))
+    except FloatingPointError as e:  # raised by the trainer on a non-finite loss
+      record.write(run_status.DIVERGED, exit_code=run_status.EXIT_DIVERGED, error=str(e))
       if cluster.is_multi_client:
-        exit_client(cluster, None)
+        exit_client(cluster, e)
+      logging.error('Training diverged: %s', e)
+      print(f'\nTraining diverged: {e}', file=sys.stderr)
+      sys.exit(run_status.EXIT_DIVERGED)
+    except ConfigError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      record.write(run_status.CRASHED, exit_code=1, error=f'{type(e).__name__}: {e}')
+      if not cluster.is_multi_client:
+        raise
+      exit_client(cluster, e)
 
   gin_flags.run_guarded(body)
 
 
 if __name__ == '__main__':
+  launch.install_start_up_handlers()
   app.run(main)

@@ -11,7 +11,8 @@ import os
 import gin
 import pytest
 
-from plugins import gin_setup, plan as plan_lib, sweep_spec
+from plugins import gin_setup, plan as plan_lib
+from plugins.sweep import spec as sweep_spec
 from tests.conftest import REPO_ROOT
 
 BASE_RUN = 'configs/runs/train.gin'

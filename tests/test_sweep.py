@@ -20,8 +20,8 @@ import urllib.request
 import pytest
 
 from layout_core.errors import ConfigError
-from plugins import sweep as sweep_lib
-from plugins.sweep_spec import expand, parse_axis, read_sweep_file
+from plugins import run_status, sweep as sweep_lib
+from plugins.sweep.spec import expand, parse_axis, read_sweep_file
 from tests.conftest import REPO_ROOT, read_events, run_module
 
 TINY = ['--gin_file=configs/experiments/quickstart.gin',
@@ -213,9 +213,12 @@ def test_sweep_isolates_the_invalid_trial_and_fills_the_hparams_dashboard(zip_sw
     assert group['hparams'] == {key: float(text) for key, text in trial['values'].items()}
     status = group['sessions'][0]['status']
     shown = {m['name']['tag']: m['value'] for m in group['metricValues']}
+    outcome = run_status.read_run_status(os.path.join(root, name))  # launch.train's own
     if name == INVALID:
       assert status == 'STATUS_FAILURE' and rows[name]['status'] == 'FAILURE'
       assert rows[name]['exit'] == '2'
+      assert (outcome.status, outcome.exit_code, outcome.step) == ('config_error', 2, None)
+      assert outcome.error.startswith('model vocabulary 64 is smaller')
       assert rows[name]['error'].startswith(
           'Configuration error: model vocabulary 64 is smaller than the data vocabulary 128')
       assert 'eval/loss' not in shown
@@ -223,6 +226,10 @@ def test_sweep_isolates_the_invalid_trial_and_fills_the_hparams_dashboard(zip_sw
     assert status == 'STATUS_SUCCESS' and rows[name]['status'] == 'SUCCESS'
     # The dashboard's numbers are the trial's own final scalars, read independently.
     scalars = read_events(os.path.join(root, name))['scalars']
+    assert (outcome.status, outcome.exit_code, outcome.step) == ('completed', 0, 4)
+    assert outcome.metrics['eval_loss'] == pytest.approx(scalars['eval/loss'][-1][1], rel=1e-6)
+    assert outcome.metrics['eval_accuracy'] == pytest.approx(
+        scalars['eval/accuracy'][-1][1], rel=1e-6)
     for tag in ('eval/loss', 'train/tokens_per_sec', 'layouts/bytes_per_device_max'):
       assert shown[tag] == pytest.approx(scalars[tag][-1][1], rel=1e-6), tag
     assert float(rows[name]['eval_loss']) == pytest.approx(scalars['eval/loss'][-1][1],
@@ -320,6 +327,9 @@ def test_sigterm_stops_the_trial_cleanly_and_a_rerun_continues_it(tmp_path):
   saved = re.search(r'Preempted by SIGTERM at step (\d+)', open(log).read())
   assert saved, open(log).read()[-3000:]
   step = int(saved.group(1))
+  outcome = run_status.read_run_status(trial_dir)
+  assert (outcome.status, outcome.exit_code, outcome.step) == ('preempted', 0, step)
+  assert sweep_lib.read_status(trial_dir)['outcome'] == 'preempted'
   assert 0 < step < 400 and os.path.isdir(os.path.join(trial_dir, 'checkpoints',
                                                        f'ckpt-{step}'))
 
@@ -330,6 +340,33 @@ def test_sigterm_stops_the_trial_cleanly_and_a_rerun_continues_it(tmp_path):
   assert max(s for s, _ in read_events(trial_dir)['scalars']['train/loss']) == step + 2
   status = sweep_lib.read_status(trial_dir)
   assert (status['status'], status['attempts']) == ('SUCCESS', 2)
+
+
+def test_a_trial_killed_with_sigkill_is_recorded_as_crashed(tmp_path):
+  """SIGKILL leaves the trial's run_status.json at 'running' with its process
+  gone: the sweep records the trial as crashed (a failure), the others' way."""
+  root = str(tmp_path / 'killed')
+  env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
+  sweep = subprocess.Popen(
+      [sys.executable, '-m', 'launch.sweep', *TINY, '--gin_bindings=train.num_steps = 400',
+       '--sweep=optimizer.learning_rate=[1e-3]', f'--model_dir={root}'],
+      cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  trial_dir = os.path.join(root, 'learning_rate=0.001')
+  give_up = time.monotonic() + 300
+  while True:
+    outcome = run_status.read_run_status(trial_dir)
+    if outcome is not None and outcome.status == 'running':
+      break
+    assert sweep.poll() is None and time.monotonic() < give_up, sweep.communicate()
+    time.sleep(0.2)
+  os.kill(outcome.pid, signal.SIGKILL)
+  stdout, stderr = sweep.communicate(timeout=120)
+  assert sweep.returncode == 1, stdout[-2000:] + stderr[-2000:]
+  [row] = read_tsv(root)
+  assert (row['status'], row['exit'], row['error']) == ('FAILURE', '-9',
+                                                        'crashed: killed by SIGKILL')
+  assert sweep_lib.read_status(trial_dir)['outcome'] == 'crashed'
+  assert run_status.read_run_status(trial_dir).status == 'running'  # nothing more written
 
 
 def test_a_diverged_trial_and_a_timed_out_trial_are_recorded_failures(tmp_path):
@@ -345,6 +382,9 @@ def test_a_diverged_trial_and_a_timed_out_trial_are_recorded_failures(tmp_path):
                       row['error']), row['error']
   log = open(os.path.join(root, row['trial'], sweep_lib.LOG_FILE)).read()
   assert 'Traceback' not in log
+  outcome = run_status.read_run_status(os.path.join(root, row['trial']))
+  assert (outcome.status, outcome.exit_code) == ('diverged', 3)
+  assert outcome.error.startswith('train loss is ')
 
   root = str(tmp_path / 'slow')
   slow = run_module('launch.sweep', *TINY, '--sweep=train.seed=[0]', '--trial_timeout=1',

@@ -11,6 +11,9 @@ What the runner guarantees:
   meant for one trial reaches no other). Whatever it does (exit 2 on a bad
   config, 3 on a NaN loss, a crash, a hang past `trial_timeout`) is recorded with
   its exit status and the first line of its error, and the other trials go on.
+  How it ended is read from the trial's `run_status.json` (written by
+  `launch.train`), never from its printed output; a trial that wrote no final
+  status (killed by SIGKILL) crashed.
 * **Resume.** Each trial's outcome is kept in `ROOT/<trial>/sweep_trial.json`.
   Running the same sweep again skips trials that succeeded and runs the others:
   failed ones from the start of their config, interrupted or timed-out ones
@@ -26,7 +29,7 @@ What the runner guarantees:
 
 The sweep root gets `sweep.json` (the resolved trial list and each outcome),
 `sweep.tsv` (the results table, best eval loss first) and the HParams
-experiment config (see `plugins/sweep_board.py`).
+experiment config (see `plugins/sweep/board.py`).
 """
 
 from __future__ import annotations
@@ -44,15 +47,14 @@ import time
 from typing import Any, Sequence, TextIO
 
 from layout_core.errors import ConfigError
-from plugins import sweep_board
-from plugins.sweep_spec import Axis, Trial, expand
+from plugins.sweep import board as sweep_board
+from plugins import run_status
+from plugins.sweep.spec import Axis, Trial, expand
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STATUS_FILE = 'sweep_trial.json'  # in each trial directory: the trial's outcome
 LOG_FILE = 'trial.log'            # in each trial directory: stdout+stderr of every attempt
 SUCCESS, FAILURE, INTERRUPTED = 'SUCCESS', 'FAILURE', 'INTERRUPTED'
-EXIT_DIVERGED = 3  # launch.train: the loss became NaN or infinite
-PREEMPTED_MARK = 'Preempted by '  # launch.train's line after a signal-triggered save
 # TensorFlow sizes its thread pools from these (checked: 1, 4, 8 give 5, 11, 19 threads).
 THREAD_VARIABLES = ('TF_NUM_INTRAOP_THREADS', 'TF_NUM_INTEROP_THREADS')
 
@@ -115,6 +117,22 @@ def check_config(sweep: Sweep, trials: Sequence[Trial]) -> None:
                         where='--sweep', fix='check the swept keys and values')
   finally:
     gin.clear_config()
+
+
+STOPPED_AT_START_UP = 'stopped_at_start_up'  # a signal before the run wrote anything
+
+
+def trial_outcome(status: run_status.RunStatus | None, exit_code: int) -> str:
+  """How a finished trial process ended, from its run_status.json (removed
+  before it started, so never an earlier attempt's): one of run_status's
+  statuses. A process gone while its status still says running (SIGKILL, a
+  hard crash) crashed; so did one that wrote nothing and exited non-zero.
+  Exit 0 with nothing written: stopped by a signal during start-up."""
+  if status is None:
+    return STOPPED_AT_START_UP if exit_code == 0 else run_status.CRASHED
+  if status.status == run_status.RUNNING:
+    return run_status.CRASHED
+  return status.status
 
 
 def first_error_line(output: str, exit_code: int) -> str:
@@ -229,6 +247,7 @@ class SweepRunner:
     directory = self.trial_dir(trial)
     os.makedirs(directory, exist_ok=True)
     previous = read_status(directory) or {}
+    run_status.remove_run_status(directory)  # this attempt's outcome is its own
     sweep_board.clear_sessions(directory)
     sweep_board.write_session_start(directory, trial, self.sweep.axes)
     command = self.sweep.train_command(trial, self.python)
@@ -274,18 +293,20 @@ class SweepRunner:
       output = f.read()
     record = self.records[trial.name]
     wall = record['wall_seconds'] + time.monotonic() - running.started
-    preempted = PREEMPTED_MARK in output
+    outcome = trial_outcome(run_status.read_run_status(directory), exit_code)
     if running.timed_out:
       status, error = FAILURE, (f'timed out after {self.trial_timeout:g} s '
                                 f'(stopped; a re-run continues from its checkpoint)')
-    elif exit_code == 0 and not preempted:
+    elif outcome == run_status.COMPLETED:
       status, error = SUCCESS, ''
-    elif self.stop_signal or (exit_code == 0 and preempted):
+    elif self.stop_signal or outcome in (run_status.PREEMPTED, STOPPED_AT_START_UP):
       status, error = INTERRUPTED, f'stopped by {self.stop_signal or "a signal"}'
     else:
       status, error = FAILURE, first_error_line(output, exit_code)
-    record.update(status=status, exit_code=exit_code, error=error, wall_seconds=wall,
-                  ended_at=time.time())
+      if outcome == run_status.CRASHED:
+        error = f'crashed: {error}'
+    record.update(status=status, outcome=outcome, exit_code=exit_code, error=error,
+                  wall_seconds=wall, ended_at=time.time())
     if status != INTERRUPTED:  # an interrupted session goes on in the next attempt
       sweep_board.write_session_end(directory, status=status, wall_seconds=wall)
     record['metrics'] = sweep_board.final_metrics(directory)

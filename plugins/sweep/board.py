@@ -24,7 +24,7 @@ import os
 import time
 from typing import Sequence
 
-from plugins.sweep_spec import Axis, Trial, literal
+from plugins.sweep.spec import Axis, Trial, literal
 
 WALL_SECONDS_TAG = 'sweep/wall_seconds'
 METRICS = (  # (tag, display name): each trial's last value is what the dashboard shows

@@ -1,0 +1,114 @@
+"""How a run ended, for programs: exit codes, and `<model_dir>/run_status.json`.
+
+    record = RunStatusFile(model_dir)          # the run's start time and pid
+    record.write(RUNNING, step=0)              # once the run is validated
+    record.write(COMPLETED, step=300, exit_code=EXIT_OK, metrics={'eval_loss': 1.02})
+    read_run_status(model_dir).status          # 'completed'
+
+`launch.train` writes the file, atomically (temp file, fsync, rename), from
+client 0 only; `launch.sweep` classifies its trials by it rather than by their
+printed output. A process killed with SIGKILL writes nothing more, so a file
+still saying `running` once its process is gone means the run crashed.
+
+Statuses: running, completed, preempted (stopped by a signal after saving),
+diverged (non-finite loss), config_error (rejected before training: written
+only into an existing directory that holds no status of an earlier run, so a
+rejected command never overwrites the record of a run that trained), crashed
+(any other exception, best effort).
+
+Nothing here imports TensorFlow or gin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Mapping
+
+EXIT_OK = 0                # also: stopped by SIGTERM/SIGINT, after saving
+EXIT_CONFIG_ERROR = 2      # the config was rejected; nothing was written
+EXIT_DIVERGED = 3          # the loss became NaN or infinite
+EXIT_SWEEP_FAILED = 1      # launch.sweep: some trial failed
+EXIT_SWEEP_INTERRUPTED = 4  # launch.sweep: stopped by a signal; run it again to continue
+
+STATUS_FILE = 'run_status.json'
+RUNNING, COMPLETED, PREEMPTED = 'running', 'completed', 'preempted'
+DIVERGED, CONFIG_ERROR, CRASHED = 'diverged', 'config_error', 'crashed'
+STATUSES = (RUNNING, COMPLETED, PREEMPTED, DIVERGED, CONFIG_ERROR, CRASHED)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStatus:
+  status: str                      # one of STATUSES
+  step: int | None                 # the last step done (None: before training)
+  exit_code: int | None            # None while running
+  metrics: dict[str, float]        # final eval metrics ('eval_loss', ...), train_loss
+  wall_seconds: float              # since the process started
+  started_at: float                # time.time() of the process start
+  updated_at: float
+  pid: int
+  error: str = ''                  # the first line of what went wrong
+
+
+def status_path(model_dir: str) -> str:
+  return os.path.join(model_dir, STATUS_FILE)
+
+
+class RunStatusFile:
+  """Writes one process's run_status.json (see the module doc)."""
+
+  def __init__(self, model_dir: str, *, enabled: bool = True):
+    self.model_dir, self.enabled = model_dir, enabled
+    self.started_at, self._start = time.time(), time.monotonic()
+    self._wrote = False  # this process wrote the file (a run that started)
+
+  def write(self, status: str, *, step: int | None = None, exit_code: int | None = None,
+            metrics: Mapping[str, float] | None = None, error: str = '') -> None:
+    if not self.enabled:
+      return
+    if status not in STATUSES:
+      raise ValueError(f'run status {status!r} is not one of {STATUSES}')
+    record = RunStatus(status=status, step=step, exit_code=exit_code,
+                       metrics=dict(metrics or {}),
+                       wall_seconds=round(time.monotonic() - self._start, 3),
+                       started_at=self.started_at, updated_at=time.time(), pid=os.getpid(),
+                       error=error.strip().splitlines()[0] if error.strip() else '')
+    path = status_path(self.model_dir)
+    temporary = f'{path}.tmp-{os.getpid()}'
+    with open(temporary, 'w') as f:
+      json.dump(dataclasses.asdict(record), f, indent=1)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(temporary, path)
+    self._wrote = True
+
+  def write_rejection(self, error: BaseException) -> None:
+    """config_error, only into an existing directory without an earlier run's
+    status (a rejected command changes nothing of a run that trained), or
+    over this process's own `running`."""
+    if self.enabled and os.path.isdir(self.model_dir) and (
+        self._wrote or not os.path.exists(status_path(self.model_dir))):
+      try:
+        self.write(CONFIG_ERROR, exit_code=EXIT_CONFIG_ERROR, error=' '.join(str(error).split()))
+      except OSError:
+        pass  # not writable: the error message says so already
+
+
+def read_run_status(model_dir: str) -> RunStatus | None:
+  """The run's status, or None when there is none (or it cannot be read)."""
+  try:
+    with open(status_path(model_dir)) as f:
+      values: dict[str, Any] = json.load(f)
+    return RunStatus(**values)
+  except (OSError, ValueError, TypeError):
+    return None
+
+
+def remove_run_status(model_dir: str) -> None:
+  """Before a new attempt: an old status must never be read as this one's."""
+  try:
+    os.remove(status_path(model_dir))
+  except FileNotFoundError:
+    pass
