@@ -14,9 +14,12 @@ left to `launch.train`.
 
 from __future__ import annotations
 
+if __name__ == '__main__':  # first, before the imports below take their time
+  import launch
+  launch.install_start_up_handlers()
+
 from absl import app, flags
 
-import launch
 
 from launch import gin_flags
 
@@ -40,5 +43,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  launch.install_start_up_handlers()
   app.run(main)

@@ -15,6 +15,10 @@ left running.
 
 from __future__ import annotations
 
+if __name__ == '__main__':  # first, before the imports below take their time
+  import launch
+  launch.install_start_up_handlers()
+
 import os
 import signal
 import socket
@@ -25,7 +29,6 @@ import time
 
 from absl import app, flags
 
-import launch
 
 NUM_CLIENTS = flags.DEFINE_integer('num_clients', 2, 'Clients to start.')
 DEVICES_PER_CLIENT = flags.DEFINE_integer(
@@ -139,5 +142,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  launch.install_start_up_handlers()
   app.run(main)

@@ -16,11 +16,14 @@ sweep.tsv); 2 the sweep itself is misconfigured; 4 interrupted by a signal
 
 from __future__ import annotations
 
+if __name__ == '__main__':  # first, before the imports below take their time
+  import launch
+  launch.install_start_up_handlers()
+
 import sys
 
 from absl import app, flags
 
-import launch
 from plugins import run_status
 
 from launch import gin_flags
@@ -107,5 +110,4 @@ def _parse(name: str, text: str):
 
 
 if __name__ == '__main__':
-  launch.install_start_up_handlers()
   app.run(main)

@@ -28,13 +28,16 @@ A client whose peers fail exits non-zero: 1 after a failure in training
 
 from __future__ import annotations
 
+if __name__ == '__main__':  # first, before the imports below take their time
+  import launch
+  launch.install_start_up_handlers()
+
 import os
 import sys
 import traceback
 
 from absl import app, flags, logging
 
-import launch
 
 from launch import gin_flags
 
@@ -84,8 +87,11 @@ def exit_client(cluster, error: BaseException | None) -> None:
 
 
 def final_metrics(result) -> dict[str, float]:
-  """run_status.json's metrics: the last evaluation's, the train loss, the speed."""
-  metrics = {f'eval_{name}': value for name, value in result.eval_metrics.items()}
+  """run_status.json's metrics: the evaluation at the final step (a run
+  stopped early has none), the last train loss, the speed."""
+  evaluated_last = result.eval_losses and result.eval_losses[-1][0] == result.final_step
+  metrics = ({f'eval_{name}': value for name, value in result.eval_metrics.items()}
+             if evaluated_last else {})
   if result.train_loss is not None:
     metrics['train_loss'] = result.train_loss
   metrics['steps_per_sec'] = result.steps_per_sec
@@ -144,5 +150,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  launch.install_start_up_handlers()
   app.run(main)

@@ -6,6 +6,7 @@ time, the last trial deliberately invalid) and check it through a real
 trials' own records. Trials run on 2 virtual devices to keep them quick.
 """
 
+import io
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import pytest
 from layout_core.errors import ConfigError
 from plugins import run_status, sweep as sweep_lib
 from plugins.sweep.spec import expand, parse_axis, read_sweep_file
-from tests.conftest import REPO_ROOT, read_events, run_module
+from tests.conftest import REPO_ROOT, Launched, read_events, run_module
 
 TINY = ['--gin_file=configs/experiments/quickstart.gin',
         '--gin_bindings=train.num_steps = 4', '--gin_bindings=train.log_every = 2',
@@ -342,50 +343,74 @@ def test_sigterm_stops_the_trial_cleanly_and_a_rerun_continues_it(tmp_path):
   assert (status['status'], status['attempts']) == ('SUCCESS', 2)
 
 
-def test_a_trial_killed_with_sigkill_is_recorded_as_crashed(tmp_path):
-  """SIGKILL leaves the trial's run_status.json at 'running' with its process
-  gone: the sweep records the trial as crashed (a failure), the others' way."""
-  root = str(tmp_path / 'killed')
-  env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
-  sweep = subprocess.Popen(
-      [sys.executable, '-m', 'launch.sweep', *TINY, '--gin_bindings=train.num_steps = 400',
-       '--sweep=optimizer.learning_rate=[1e-3]', f'--model_dir={root}'],
-      cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  trial_dir = os.path.join(root, 'learning_rate=0.001')
-  give_up = time.monotonic() + 300
+def wait_until_training(trial_dir, sweep, timeout=300):
+  """The trial's run_status.json once it says 'running' (every check passed)."""
+  give_up = time.monotonic() + timeout
   while True:
-    outcome = run_status.read_run_status(trial_dir)
-    if outcome is not None and outcome.status == 'running':
-      break
-    assert sweep.poll() is None and time.monotonic() < give_up, sweep.communicate()
+    status = run_status.read_run_status(trial_dir)
+    if status is not None and status.status == 'running':
+      return status
+    assert sweep.process.poll() is None, sweep.output[-3000:]
+    assert time.monotonic() < give_up, f'{trial_dir} never started:\n{sweep.output[-3000:]}'
     time.sleep(0.2)
-  os.kill(outcome.pid, signal.SIGKILL)
-  stdout, stderr = sweep.communicate(timeout=120)
-  assert sweep.returncode == 1, stdout[-2000:] + stderr[-2000:]
-  [row] = read_tsv(root)
-  assert (row['status'], row['exit'], row['error']) == ('FAILURE', '-9',
-                                                        'crashed: killed by SIGKILL')
-  assert sweep_lib.read_status(trial_dir)['outcome'] == 'crashed'
-  assert run_status.read_run_status(trial_dir).status == 'running'  # nothing more written
 
 
-def test_a_diverged_trial_and_a_timed_out_trial_are_recorded_failures(tmp_path):
-  root = str(tmp_path / 'nan')
-  diverged = run_module('launch.sweep', *TINY, '--gin_bindings=train.log_every = 1',
-                        '--gin_bindings=optimizer.clip_norm = 0',
-                        '--sweep=optimizer.learning_rate=[1e30]', f'--model_dir={root}',
-                        timeout=300)
-  assert diverged.returncode == 1, diverged.stdout[-2000:] + diverged.stderr[-3000:]
-  [row] = read_tsv(root)
-  assert (row['status'], row['exit']) == ('FAILURE', '3')
+def test_diverged_preempted_and_killed_trials_are_told_apart_by_run_status(tmp_path):
+  """Three real trials, two at a time: one diverges (exit 3), one is sent
+  SIGTERM (saves, exit 0, yet not a success) and one SIGKILL (its status still
+  says running: crashed). The sweep's verdicts come from run_status.json."""
+  root = str(tmp_path / 'outcomes')
+  axes = ['optimizer.learning_rate=[1e30, 1e-3, 1e-3]',
+          'train.num_steps=[4, 100000, 100000]', 'train.seed=[0, 1, 2]']
+  diverges, preempted, killed = (t.name for t in expand([parse_axis(a) for a in axes],
+                                                        mode='zip'))
+  sweep = Launched('launch.sweep', *TINY, '--gin_bindings=train.log_every = 1',
+                   '--gin_bindings=optimizer.clip_norm = 0', '--sweep_mode=zip',
+                   *[f'--sweep={a}' for a in axes], '--parallel=2', f'--model_dir={root}',
+                   label='sweep')
+  try:
+    stopped = wait_until_training(os.path.join(root, preempted), sweep)
+    os.kill(stopped.pid, signal.SIGTERM)
+    victim = wait_until_training(os.path.join(root, killed), sweep)
+    os.kill(victim.pid, signal.SIGKILL)
+    output = sweep.finish(timeout=300)
+  finally:
+    if sweep.process.poll() is None:
+      sweep.process.kill()
+  assert sweep.process.returncode == 1, output[-3000:]  # failures, not an interrupted sweep
+  rows = {row['trial']: row for row in read_tsv(root)}
+  recorded = {name: sweep_lib.read_status(os.path.join(root, name)) for name in rows}
+  status = {name: run_status.read_run_status(os.path.join(root, name)) for name in rows}
+
+  assert (rows[diverges]['status'], rows[diverges]['exit']) == ('FAILURE', '3')
   assert re.fullmatch(r'Training diverged: train loss is (nan|inf) at step \d+; .*',
-                      row['error']), row['error']
-  log = open(os.path.join(root, row['trial'], sweep_lib.LOG_FILE)).read()
-  assert 'Traceback' not in log
-  outcome = run_status.read_run_status(os.path.join(root, row['trial']))
-  assert (outcome.status, outcome.exit_code) == ('diverged', 3)
-  assert outcome.error.startswith('train loss is ')
+                      rows[diverges]['error']), rows[diverges]['error']
+  assert (status[diverges].status, status[diverges].exit_code) == ('diverged', 3)
+  assert status[diverges].error.startswith('train loss is ')
+  assert 'Traceback' not in open(os.path.join(root, diverges, sweep_lib.LOG_FILE)).read()
 
+  # Exit 0 like a success, but its status says it stopped early, after saving.
+  assert (rows[preempted]['status'], rows[preempted]['exit']) == ('INTERRUPTED', '0')
+  saved = re.search(r'Preempted by SIGTERM at step (\d+)',
+                    open(os.path.join(root, preempted, sweep_lib.LOG_FILE)).read())
+  assert saved and status[preempted].step == int(saved.group(1))
+  assert (status[preempted].status, status[preempted].pid) == ('preempted', stopped.pid)
+  train_losses = read_events(os.path.join(root, preempted))['scalars']['train/loss']
+  assert train_losses[-1][0] == status[preempted].step  # logged every step
+  assert status[preempted].metrics['train_loss'] == pytest.approx(train_losses[-1][1],
+                                                                  rel=1e-6)
+  assert 'eval_loss' not in status[preempted].metrics  # its last eval was at step 0
+  assert os.path.isdir(os.path.join(root, preempted, 'checkpoints', f'ckpt-{saved.group(1)}'))
+
+  # Killed: its last word is still 'running', from the process that was killed.
+  assert (rows[killed]['status'], rows[killed]['exit'], rows[killed]['error']) == (
+      'FAILURE', '-9', 'crashed: killed by SIGKILL')
+  assert status[killed] == victim and victim.exit_code is None
+  assert {name: r['outcome'] for name, r in recorded.items()} == {
+      diverges: 'diverged', preempted: 'preempted', killed: 'crashed'}
+
+
+def test_a_timed_out_trial_is_a_recorded_failure(tmp_path):
   root = str(tmp_path / 'slow')
   slow = run_module('launch.sweep', *TINY, '--sweep=train.seed=[0]', '--trial_timeout=1',
                     f'--model_dir={root}', timeout=300)
@@ -393,6 +418,41 @@ def test_a_diverged_trial_and_a_timed_out_trial_are_recorded_failures(tmp_path):
   [row] = read_tsv(root)
   assert row['status'] == 'FAILURE' and row['error'].startswith('timed out after 1 s')
   assert float(row['wall_seconds']) < 60  # stopped, not left to finish
+
+
+FAKE_TRIAL = """#!{python}
+# Stands in for `python -m launch.train`: acts out the ending its train.seed names.
+import os, signal, sys
+from plugins import run_status
+model_dir = [a.split('=', 1)[1] for a in sys.argv if a.startswith('--model_dir=')][0]
+seed = [a.split('=')[-1].strip() for a in sys.argv if a.startswith('--gin_bindings=train.seed')][0]
+if seed == '1':
+  run_status.RunStatusFile(model_dir).write(run_status.RUNNING)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_an_earlier_attempts_status_is_never_read_as_this_ones(tmp_path):
+  """A trial killed before it wrote a word, over the status of an earlier
+  attempt that completed, crashed (the status is removed before each attempt)."""
+  fake = tmp_path / 'fake_python'
+  fake.write_text(FAKE_TRIAL.format(python=sys.executable))
+  fake.chmod(0o755)
+  sweep = sweep_lib.Sweep(root=str(tmp_path / 'root'),
+                          gin_files=['configs/experiments/quickstart.gin'], gin_bindings=[],
+                          axes=[parse_axis('train.seed=[0, 1]')])
+  silent, running = sweep.trials()
+  earlier = os.path.join(sweep.root, silent.name)
+  os.makedirs(earlier)
+  run_status.RunStatusFile(earlier).write(run_status.COMPLETED, step=4, exit_code=0)
+  records = sweep_lib.SweepRunner(sweep, python=str(fake), out=io.StringIO()).run()
+  by_name = {r['name']: r for r in records}
+  for trial in (silent, running):
+    record = by_name[trial.name]
+    assert (record['status'], record['exit_code'], record['outcome'], record['error']) == (
+        'FAILURE', -9, 'crashed', 'crashed: killed by SIGKILL'), record
+  assert run_status.read_run_status(earlier) is None
+  assert run_status.read_run_status(os.path.join(sweep.root, running.name)).status == 'running'
 
 
 def test_a_misconfigured_sweep_exits_2_before_any_trial_runs(tmp_path):

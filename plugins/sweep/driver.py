@@ -122,12 +122,16 @@ def check_config(sweep: Sweep, trials: Sequence[Trial]) -> None:
 STOPPED_AT_START_UP = 'stopped_at_start_up'  # a signal before the run wrote anything
 
 
-def trial_outcome(status: run_status.RunStatus | None, exit_code: int) -> str:
+def trial_outcome(status: run_status.RunStatus | None, exit_code: int, *,
+                  pid: int | None = None) -> str:
   """How a finished trial process ended, from its run_status.json (removed
-  before it started, so never an earlier attempt's): one of run_status's
-  statuses. A process gone while its status still says running (SIGKILL, a
-  hard crash) crashed; so did one that wrote nothing and exited non-zero.
-  Exit 0 with nothing written: stopped by a signal during start-up."""
+  before it started, and believed only from the trial's own `pid`, so never an
+  earlier attempt's): one of run_status's statuses. A process gone while its
+  status still says running (SIGKILL, a hard crash) crashed; so did one that
+  wrote nothing and exited non-zero. Exit 0 with nothing written: stopped by a
+  signal during start-up."""
+  if status is not None and pid is not None and status.pid != pid:
+    status = None
   if status is None:
     return STOPPED_AT_START_UP if exit_code == 0 else run_status.CRASHED
   if status.status == run_status.RUNNING:
@@ -293,7 +297,8 @@ class SweepRunner:
       output = f.read()
     record = self.records[trial.name]
     wall = record['wall_seconds'] + time.monotonic() - running.started
-    outcome = trial_outcome(run_status.read_run_status(directory), exit_code)
+    outcome = trial_outcome(run_status.read_run_status(directory), exit_code,
+                            pid=running.process.pid)
     if running.timed_out:
       status, error = FAILURE, (f'timed out after {self.trial_timeout:g} s '
                                 f'(stopped; a re-run continues from its checkpoint)')
