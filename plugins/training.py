@@ -105,10 +105,11 @@ def run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
 
   watcher.reinstall()
   watcher.defer()  # writing starts: a signal now finishes the step and saves
+  if chief:
+    os.makedirs(model_dir, exist_ok=True)
   if on_start is not None:
     on_start()
   if chief:
-    os.makedirs(model_dir, exist_ok=True)
     record_run(trainer, plan, model_dir=model_dir)
   if checkpointer.restore_latest() is None and plan.checkpoint.init_from:
     checkpointer.init_from(plan.checkpoint.init_from, trainer.engine.variables)
