@@ -63,11 +63,11 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
                           where='transformer_lm.cells',
                           fix='list cells made by @transformer_block()')
       if model_dim % cell.num_heads:
-        raise ConfigError(
-            f'transformer_lm.cells[{i}] has num_heads={cell.num_heads}, which does not '
-            f'divide transformer_lm.model_dim={model_dim}',
-            where='transformer_block.num_heads / transformer_lm.model_dim',
-            fix=f'use a num_heads dividing {model_dim} ({_divisors(model_dim)})')
+        divisors = _divisors(model_dim)
+        raise ConfigError(f'transformer_lm.cells[{i}] has num_heads={cell.num_heads}, which '
+                          f'does not divide transformer_lm.model_dim={model_dim}',
+                          where='transformer_block.num_heads / transformer_lm.model_dim',
+                          fix=f'use a num_heads dividing {model_dim} ({divisors})')
   else:
     _check_cell('transformer_lm', num_heads=num_heads, ffn_dim=ffn_dim,
                 activation=activation, dropout_rate=dropout_rate)
