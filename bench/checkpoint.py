@@ -119,7 +119,7 @@ def async_overhead(directory: str, steps: int = 40, every: int = 10) -> dict:
                     task=MarkovTask(vocab_size=256, seq_len=64),
                     optimizer=OptimizerConfig(), config=TrainConfig(num_steps=10**6,
                                                                     batch_size=16))
-  batch = trainer.task.batch(step=0, batch_size=16)
+  batch = {'tokens': trainer.task.batch(step=0, batch_size=16)}
   for _ in range(3):
     trainer.train_step(batch)
   checkpointer = Checkpointer(directory=directory, state=trainer.state(),
