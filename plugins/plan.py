@@ -74,7 +74,8 @@ def make_plan() -> RunPlan:
   if pipeline_config.enabled:
     check_pipelinable(params, task)
     pipeline = plan_pipeline(pipeline_config, params=params, mesh_axes=mesh_spec.shape,
-                             batch_size=train.batch_size, seq_len=task.seq_len,
+                             batch_size=train.batch_size // train.grad_accum_steps,
+                             seq_len=task.seq_len,
                              batch_axis=train.batch_axis)
   records, meta = plan_model(params, rules=rules, mesh_axes=mesh_spec.shape, task=task,
                              config=train, pipeline_plan=pipeline,

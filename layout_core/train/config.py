@@ -18,6 +18,13 @@ from layout_core.errors import ConfigError
 from layout_core.fields import at_least, check_types
 
 UNSHARDED = 'unsharded'  # = layout_core.layout.rules.UNSHARDED, without importing TF
+COMPUTE_DTYPES = ('float32', 'bfloat16')
+# What the backward pass recomputes instead of keeping (README "Memory and precision"):
+#   'none':  nothing; every activation is kept for the whole step;
+#   'block': each repeated block (a cell of a repeated Sequential, of the SPMD
+#            stack, of a GPipe stage; every Keras layer) keeps only its input;
+#   'full':  'block', and every other layer too (embedding, norms, softmax).
+REMAT_POLICIES = ('none', 'block', 'full')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,11 +39,24 @@ class TrainConfig:
   # (start, stop): a TensorFlow profiler trace of steps start..stop-1 (0-based)
   # into model_dir/plugins/profile, for TensorBoard's Profile tab; None: off.
   profile_steps: tuple[int, int] | None = None
+  # Memory and precision (defaults: today's float32, keep-everything step).
+  compute_dtype: str = 'float32'  # forward/backward math: 'float32' | 'bfloat16'
+  remat: str = 'none'        # recompute activations in the backward pass: REMAT_POLICIES
+  grad_accum_steps: int = 1  # micro-steps of batch_size / k summed into one update
 
   def __post_init__(self):
     check_types(self, name='train')
     at_least(self, 'train', num_steps=1, batch_size=1, log_every=1, eval_batches=1,
-             eval_every=0, seed=0)
+             eval_every=0, seed=0, grad_accum_steps=1)
+    for field, allowed in (('compute_dtype', COMPUTE_DTYPES), ('remat', REMAT_POLICIES)):
+      if getattr(self, field) not in allowed:
+        raise ConfigError(f'train.{field} is {getattr(self, field)!r}', where=f'train.{field}',
+                          fix=f"use one of {', '.join(map(repr, allowed))}")
+    if self.batch_size % self.grad_accum_steps:
+      raise ConfigError(
+          f'train.grad_accum_steps={self.grad_accum_steps} does not divide '
+          f'train.batch_size={self.batch_size}', where='train.grad_accum_steps',
+          fix='use a divisor of the batch size (each micro-step takes batch_size / k)')
     if self.profile_steps is not None:
       steps = tuple(self.profile_steps)
       if not 0 <= steps[0] < steps[1]:
@@ -68,6 +88,14 @@ def batch_axis_for(config: TrainConfig, mesh_axes: Mapping[str, int], *,
                       'replicated', axis, list(mesh_axes))
     return UNSHARDED
   size = mesh_axes[axis]
+  micro = config.batch_size // config.grad_accum_steps
+  if config.grad_accum_steps > 1 and micro % size:
+    raise ConfigError(
+        f'train.batch_size={config.batch_size} / grad_accum_steps={config.grad_accum_steps}'
+        f' = {micro} examples per micro-step do not split over mesh axis '
+        f"'{axis}' of size {size}", where='train.batch_size / train.grad_accum_steps',
+        fix=f'make batch_size a multiple of grad_accum_steps x {size} '
+            f'(e.g. {config.grad_accum_steps * size * max(1, micro // size)})')
   if config.batch_size % size:
     raise ConfigError(
         f'train.batch_size={config.batch_size} does not split over mesh axis '

@@ -51,7 +51,8 @@ def make_engine(*, model, mesh, rules: LayoutRules | None, task: Task,
     if pipeline_plan is None:
       check_pipelinable(model, task)
       pipeline_plan = plan_pipeline(pipeline, params=model, mesh_axes=mesh_lib.mesh_axes(mesh),
-                                    batch_size=config.batch_size, seq_len=task.seq_len,
+                                    batch_size=config.batch_size // config.grad_accum_steps,
+                                    seq_len=task.seq_len,
                                     batch_axis=config.batch_axis)
     from layout_core.pipeline import engines  # pylint: disable=g-import-not-at-top
     if pipeline_plan.engine == 'spmd':
