@@ -31,7 +31,7 @@ from layout_core.errors import ConfigError
 from layout_core.params import Params
 from layout_core.layout.variables import (Initializer, VariableSpec, create_variable,
                                           path_seed)
-from layout_core.model.random import DropoutInputs, current_random
+from layout_core.model.random import DropoutInputs, current_random, random_context
 
 Shape = tuple[int, ...]
 
@@ -80,6 +80,7 @@ class Weights:
   (`layout_core.pipeline.spmd`). The broadcasting helpers make one body of
   math serve both."""
   lead = ''
+  dtype = None  # the compute dtype weights are cast to (None: as stored)
 
   def __call__(self, name: str) -> tf.Tensor:
     raise NotImplementedError
@@ -108,9 +109,10 @@ class LayerWeights(Weights):
 
   def __init__(self, layer: 'BaseLayer'):
     self.layer = layer
+    self.dtype = layer.compute_dtype
 
   def __call__(self, name):
-    return getattr(self.layer, name)
+    return self.layer.weight(name)
 
   def child(self, name):
     return LayerWeights(getattr(self.layer, name))
@@ -133,6 +135,10 @@ class BaseLayer(Module):
     p.Define('cls', cls, 'Layer class that Instantiate() builds.')
     p.Define('name', cls.__name__.lower(), 'Layer name: its variable path component.')
     p.Define('dtype', 'float32', 'Variable dtype.')
+    p.Define('fprop_dtype', None, 'Dtype of the forward and backward math; None: dtype. '
+             'Weights are cast at use; sub-layers inherit it.')
+    p.Define('remat', False, "Recompute this layer's activations in the backward pass "
+             'instead of keeping them (train.remat sets it).')
     return p
 
   def __init__(self, params: Params, *, parent_path: str = ''):
@@ -144,8 +150,11 @@ class BaseLayer(Module):
     self.path = f'{parent_path}/{params.name}' if parent_path else params.name
     for spec in self.own_variable_specs(self.params, self.path):
       setattr(self, spec.path.rsplit('/', 1)[1], create_variable(spec))
-    self.child_names = tuple(self.child_params(self.params))
-    for name, child in self.child_params(self.params).items():
+    children = self.child_params(self.params)
+    self.child_names = tuple(children)
+    for name, child in children.items():
+      if child.fprop_dtype is None and params.fprop_dtype is not None:
+        child = child.Copy().Set(fprop_dtype=params.fprop_dtype)
       setattr(self, name, child.Instantiate(parent_path=self.path))
 
   # -- declarations (classmethods: usable without building) ---------------------
@@ -178,6 +187,16 @@ class BaseLayer(Module):
     raise NotImplementedError(f'{cls.__name__}.fprop_meta')
 
   # -- running ------------------------------------------------------------------
+  @property
+  def compute_dtype(self) -> str:
+    """The dtype this layer computes in (`fprop_dtype`, else the variables')."""
+    return self.params.fprop_dtype or self.params.dtype
+
+  def weight(self, name: str) -> tf.Tensor:
+    """Variable `name` as the math uses it: cast to the compute dtype. A user
+    layer's own `fprop` reads its weights through this (or `LayerWeights`)."""
+    return cast(getattr(self, name), self.compute_dtype)
+
   def children(self) -> list['BaseLayer']:
     return [getattr(self, n) for n in self.child_names]
 
@@ -198,6 +217,9 @@ class BaseLayer(Module):
     return self.apply(self.params, LayerWeights(self), *inputs)
 
   def __call__(self, *inputs):
+    inputs = tuple(cast(x, self.compute_dtype) if _floating(x) else x for x in inputs)
+    if self.params.remat:
+      return rematerialized(self.fprop, *inputs)
     return self.fprop(*inputs)
 
 
@@ -248,6 +270,63 @@ class Sequential(BaseLayer):
       if not isinstance(outputs, tuple):
         outputs = (outputs,)
     return outputs[0] if len(outputs) == 1 else outputs
+
+
+def cast(x, dtype) -> tf.Tensor:
+  """x as `dtype`; x itself (a variable is then read by its consumer, as
+  before compute dtypes existed) when it already has it."""
+  return x if x.dtype == tf.as_dtype(dtype) else tf.cast(x, dtype)
+
+
+def _floating(x) -> bool:
+  return bool(getattr(getattr(x, 'dtype', None), 'is_floating', False))
+
+
+def as_float32(x):
+  """Floating outputs as float32: the task's loss and metrics always see
+  float32 logits, whatever the compute dtype (a no-op for float32 runs)."""
+  if isinstance(x, (tuple, list)):
+    return type(x)(as_float32(v) for v in x)
+  return cast(x, tf.float32) if _floating(x) else x
+
+
+def rematerialized(fn, *inputs):
+  """fn(*inputs), its activations recomputed in the backward pass instead of
+  kept (`tf.recompute_grad`). The random context of the forward pass (dropout
+  masks) is re-entered for the recomputation, so the masks are the same.
+  Gradients reach `inputs` and the variables `fn` reads; a tensor `fn` only
+  captures gets none, so pass such tensors as inputs. Inputs with no floating
+  tensor (token ids) have no activations worth recomputing: fn runs as is."""
+  if not any(_floating(x) for x in inputs):
+    return fn(*inputs)
+  state = current_random()
+
+  def run(*args):
+    if state is None:
+      return fn(*args)
+    with random_context(seed=state.seed, batch_offset=state.batch_offset):
+      return fn(*args)
+  return tf.recompute_grad(run)(*inputs)
+
+
+def compute_params(p: Params, *, dtype: str = 'float32', remat: str = 'none') -> Params:
+  """`p` set up to compute in `dtype` under the `remat` policy
+  (`layout_core.train.config.REMAT_POLICIES`): 'block' marks every composite
+  layer (one with sub-layers, e.g. a TransformerBlock) to recompute, 'full'
+  every layer below the Sequentials. Defaults return `p` unchanged."""
+  if dtype == p.dtype and remat == 'none':
+    return p
+  p = p.Copy()
+
+  def walk(node: Params) -> None:
+    node.fprop_dtype = dtype
+    if issubclass(node.cls, Sequential):
+      for sub in node.sub:
+        walk(sub)
+    elif remat == 'full' or (remat == 'block' and node.cls.child_params(node)):
+      node.remat = True
+  walk(p)
+  return p.Freeze()
 
 
 def num_parameters(p: Params) -> int:

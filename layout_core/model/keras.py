@@ -41,6 +41,7 @@ the host while it is created.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Any, Callable, Mapping, Sequence
@@ -91,12 +92,25 @@ def _fresh_keras(seed: int):
   return keras
 
 
-def _stateless_build(model: KerasModel, keras, input_specs):
+def _stateless_build(model: KerasModel, keras, input_specs, *, compute_dtype: str = 'float32',
+                     remat: str = 'none'):
   """`model.build_fn()` in Keras' stateless scope: every weight exists with its
   path, shape and initializer but no value yet. A model that creates weights
-  on first call is called once on symbolic inputs of `input_specs`."""
+  on first call is called once on symbolic inputs of `input_specs`.
+
+  Layers take Keras' dtype policy and remat mode when they are made: with
+  `compute_dtype` 'bfloat16' the policy is 'mixed_bfloat16' (float32 weights,
+  bfloat16 math), and any `remat` but 'none' recomputes every layer's
+  activation function (`keras.RematScope(mode='activations')`): Keras' whole-
+  layer modes fail inside tf.function on the TensorFlow backend
+  (bench/keras_remat_limit.py)."""
+  policy = keras.config.dtype_policy()
+  if compute_dtype != 'float32':
+    keras.config.set_dtype_policy(f'mixed_{compute_dtype}')
+  remat_scope = (keras.RematScope(mode='activations') if remat != 'none'
+                 else contextlib.nullcontext())
   try:
-    with keras.StatelessScope(initialize_variables=False):
+    with keras.StatelessScope(initialize_variables=False), remat_scope:
       built = model.build_fn()
       if not isinstance(built, keras.layers.Layer):
         raise ConfigError(f'{model.describe()} returned a {type(built).__name__}',
@@ -111,6 +125,8 @@ def _stateless_build(model: KerasModel, keras, input_specs):
                       f'initializer: {" ".join(str(e).split())[:200]}',
                       where='keras_model.build_fn',
                       fix='create weights with add_weight(shape=..., initializer=...)') from e
+  finally:
+    keras.config.set_dtype_policy(policy)
   return built
 
 
@@ -122,7 +138,8 @@ def _forget_deferred_weights() -> None:
 
 
 def build(model: KerasModel, *, mesh, rules: LayoutRules | None, seed: int,
-          input_specs: Sequence[tuple[tuple[int, ...], str]] = ()) -> BuiltModel:
+          input_specs: Sequence[tuple[tuple[int, ...], str]] = (),
+          compute_dtype: str = 'float32', remat: str = 'none') -> BuiltModel:
   """Builds `model` with every weight born as a DVariable laid out by `rules`.
 
   The model is first built statelessly (weights have paths, no values), then
@@ -133,7 +150,7 @@ def build(model: KerasModel, *, mesh, rules: LayoutRules | None, seed: int,
   mesh_axes = mesh_lib.mesh_axes(mesh)
   rules.check_mesh(mesh_axes)
   keras = _fresh_keras(seed)
-  built = _stateless_build(model, keras, input_specs)
+  built = _stateless_build(model, keras, input_specs, compute_dtype=compute_dtype, remat=remat)
   variables: dict[str, Any] = {}
   records: list[LayoutRecord] = []
   for weight in built.variables:

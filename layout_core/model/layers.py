@@ -12,7 +12,7 @@ from __future__ import annotations
 from layout_core.lazy import tf
 from layout_core.errors import ConfigError
 from layout_core.layout.variables import Normal, Ones, Zeros
-from layout_core.model.base import (BaseLayer, Declared, LayerMeta, dense,
+from layout_core.model.base import (BaseLayer, Declared, LayerMeta, as_float32, cast, dense,
                                     num_elements as _size)
 from layout_core.model.random import dropout
 
@@ -51,9 +51,9 @@ class Embedding(BaseLayer):
                      matmul_flops=0)
 
   def fprop(self, ids):
-    x = tf.gather(self.table, ids)
+    x = cast(tf.gather(self.table, ids), self.compute_dtype)  # gather, then cast the rows
     if self.params.max_len:
-      x += self.pos_table[:ids.shape[1]]
+      x += cast(self.pos_table[:ids.shape[1]], self.compute_dtype)
     return x
 
 
@@ -79,8 +79,9 @@ class LayerNorm(BaseLayer):
 
   @classmethod
   def apply(cls, p, w, x):
-    mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
-    normed = (x - mean) * tf.math.rsqrt(variance + p.epsilon)
+    x32 = as_float32(x)  # statistics in float32 whatever the compute dtype
+    mean, variance = tf.nn.moments(x32, axes=[-1], keepdims=True)
+    normed = cast((x32 - mean) * tf.math.rsqrt(variance + p.epsilon), x.dtype)
     return normed * w.vector('scale', x) + w.vector('bias', x)
 
 
@@ -185,7 +186,7 @@ def attention(x, wq, wk, wv, wo, *, head_dim: int, causal: bool, lead: str = '')
     length = x.shape[-2]
     mask = tf.linalg.band_part(tf.ones([length, length], logits.dtype), -1, 0)
     logits += (1.0 - mask) * -1e9
-  probs = tf.nn.softmax(logits, axis=-1)
+  probs = cast(tf.nn.softmax(as_float32(logits), axis=-1), x.dtype)  # softmax in float32
   context = tf.einsum(f'{lead}bhtu,{lead}buhk->{lead}bthk', probs, v)
   return tf.einsum(f'{lead}bthk,{lead}hkd->{lead}btd', context, wo)
 
@@ -293,4 +294,4 @@ class Softmax(BaseLayer):
                      flops=matmul + tokens * p.num_classes, matmul_flops=matmul)
 
   def fprop(self, x):
-    return dense(x, self.w) + self.b
+    return as_float32(dense(x, self.weight('w')) + self.weight('b'))  # float32 logits

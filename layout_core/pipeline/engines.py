@@ -39,7 +39,7 @@ from layout_core.layout import mesh as mesh_lib
 from layout_core.layout.rules import UNSHARDED, LayoutRules
 from layout_core.layout.scope import LayoutRecord, LayoutScope
 from layout_core.layout.variables import to_numpy
-from layout_core.model.base import Sequential
+from layout_core.model.base import Sequential, as_float32
 from layout_core.model.built import BuiltModel
 from layout_core.model.random import current_random, random_context, step_seed
 from layout_core.params import Params
@@ -49,8 +49,8 @@ from layout_core.pipeline.stages import build_staged_model
 from layout_core.pipeline.submesh import GPipe
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig
-from layout_core.train.engine import Counters, SingleProgramEngine
-from layout_core.train.optimizer import Adam, OptimizerConfig
+from layout_core.train.engine import Counters, SingleProgramEngine, split_rows
+from layout_core.train.optimizer import Adam, OptimizerConfig, squared_norm
 
 
 def plan_summaries(plan: PipelinePlan, stages_markdown: str):
@@ -62,12 +62,6 @@ def plan_summaries(plan: PipelinePlan, stages_markdown: str):
   if plan.engine == 'spmd':
     values['pipeline/circular_repeats'] = plan.circular_repeats
   return {'pipeline/stages': stages_markdown}, values
-
-
-def split_micro_batches(batch, num_micro: int) -> list[dict]:
-  """A host batch {name: [B, ...]} as M micro-batches {name: [B/M, ...]}."""
-  pieces = {name: np.split(value, num_micro) for name, value in batch.items()}
-  return [{name: parts[m] for name, parts in pieces.items()} for m in range(num_micro)]
 
 
 class GPipeEngine:
@@ -85,7 +79,9 @@ class GPipeEngine:
         batch_axis=config.batch_axis, seed=config.seed, partition=plan.partition)
     self.placement = staged.placement
     self.gpipe = GPipe(stages=staged.runners, placement=self.placement,
-                       loss_fn=task.loss_and_metrics, num_micro_batches=plan.num_micro_batches)
+                       loss_fn=lambda outputs, batch: task.loss_and_metrics(as_float32(outputs),
+                                                                            batch),
+                       num_micro_batches=plan.num_micro_batches)
     self.variables, self.layout_records = staged.scope.variables, staged.scope.records
     self.model_state, self.description = staged.model, params.ToText()
     trainable = {p: v for p, v in self.variables.items() if v.trainable}
@@ -101,10 +97,17 @@ class GPipeEngine:
 
   def pack(self, batch):
     """Micro-batches of the model's inputs on stage 0's mesh, and of the whole
-    batch (what the task's loss reads) on the last stage's."""
+    batch (what the task's loss reads) on the last stage's; with
+    `grad_accum_steps` k, a list of k such packs of batch_size / k rows."""
+    k = self.config.grad_accum_steps
+    if k > 1:
+      return [self._pack(part) for part in split_rows(batch, k)]
+    return self._pack(batch)
+
+  def _pack(self, batch):
     last = self.plan.num_stages - 1
     inputs, features = [], []
-    for micro in split_micro_batches(batch, self.plan.num_micro_batches):
+    for micro in split_rows(batch, self.plan.num_micro_batches):
       model_inputs = tuple(self.placement.put(0, x, batch_dim=0)
                            for x in self.task.model_inputs(micro))
       inputs.append(model_inputs[0] if len(model_inputs) == 1 else model_inputs)
@@ -117,9 +120,24 @@ class GPipeEngine:
     return [self.placement.put(k, seed) for k in range(self.plan.num_stages)]
 
   def loss_and_gradients(self, packed):
-    loss, metrics, grads, squared_norms = self.gpipe.loss_metrics_and_gradients(
-        *packed, seeds=self._seeds())
-    return loss, metrics, (grads, squared_norms)
+    if self.config.grad_accum_steps == 1:
+      loss, metrics, grads, squared_norms = self.gpipe.loss_metrics_and_gradients(
+          *packed, seeds=self._seeds())
+      return loss, metrics, (grads, squared_norms)
+    # k micro-steps, one after the other, each a whole pipelined pass; their
+    # per-stage gradients summed on each stage's mesh as the batch's means.
+    k, rows, seeds = len(packed), self.config.batch_size // len(packed), self._seeds()
+    total = None
+    for i, part in enumerate(packed):
+      loss, metrics, grads, _ = self.gpipe.loss_metrics_and_gradients(
+          *part, seeds=seeds, first_row=i * rows)
+      share = (loss / k, {n: v / k for n, v in metrics.items()},
+               [[g / k for g in stage] for stage in grads])
+      total = share if total is None else (
+          total[0] + share[0], {n: total[1][n] + v for n, v in share[1].items()},
+          [[a + b for a, b in zip(x, y)] for x, y in zip(total[2], share[2])])
+    loss, metrics, grads = total
+    return loss, metrics, (grads, [squared_norm(stage) if stage else None for stage in grads])
 
   def _apply_fn(self, grads, steps, norms):
     """Every stage's update, each on its own mesh (no crossing), then the counters."""
@@ -140,7 +158,12 @@ class GPipeEngine:
     return rate, tf.constant(norm)
 
   def evaluate(self, packed):
-    return self.gpipe.loss_and_metrics(*packed)
+    if self.config.grad_accum_steps == 1:
+      return self.gpipe.loss_and_metrics(*packed)
+    results = [self.gpipe.loss_and_metrics(*part) for part in packed]
+    k = len(results)
+    return (sum(loss for loss, _ in results) / k,
+            {n: sum(m[n] for _, m in results) / k for n in results[0][1]})
 
   def describe_stages(self) -> str:
     """Markdown table: per stage its sub-mesh, FLOPs share and layers."""
@@ -265,7 +288,7 @@ class SpmdProgram:
     outputs = self.pipeline(hidden)
     shares, metric_shares = [], {}
     for m, y in enumerate(outputs):
-      loss, metrics = self.task.loss_and_metrics(run(self.after, y, m), micro[m])
+      loss, metrics = self.task.loss_and_metrics(as_float32(run(self.after, y, m)), micro[m])
       shares.append(loss / num_micro)
       for name, value in metrics.items():
         metric_shares.setdefault(name, []).append(value / num_micro)

@@ -59,7 +59,7 @@ from layout_core.pipeline.plan import (cell_slot, check_cell_count, check_identi
                                        check_stackable)
 from layout_core.layout.rules import UNSHARDED, LayoutRules
 from layout_core.layout.variables import initial_value, path_seed
-from layout_core.model.base import Weights
+from layout_core.model.base import Weights, cast, rematerialized
 from layout_core.model.random import DropoutInputs
 
 # The path component that stands for "every cell" in stacked variable paths:
@@ -213,19 +213,21 @@ class SlotRandom:
 class SlotWeights(Weights):
   """The weights of the cells on every slot at once (lead 's'): `select(name)`
   gives the [S, ...] tensor of weight `name` (a path below the cell), one
-  row per slot; `below` is the layer's path below the cell."""
+  row per slot, cast to `dtype` (the cell's compute dtype); `below` is the
+  layer's path below the cell."""
   lead = 's'
 
   def __init__(self, select: Callable[[str], tf.Tensor], random: SlotRandom | None,
-               below: str = ''):
-    self.select, self.slot_random, self.below = select, random, below
+               below: str = '', dtype: str | None = None):
+    self.select, self.slot_random, self.below, self.dtype = select, random, below, dtype
 
   def __call__(self, name):
-    return self.select(f'{self.below}/{name}' if self.below else name)
+    value = self.select(f'{self.below}/{name}' if self.below else name)
+    return value if self.dtype is None else cast(value, self.dtype)
 
   def child(self, name):
     return SlotWeights(self.select, self.slot_random,
-                       f'{self.below}/{name}' if self.below else name)
+                       f'{self.below}/{name}' if self.below else name, self.dtype)
 
   def random(self):
     """Each slot's mask from its own cell's layer path and its micro-batch's
@@ -345,6 +347,7 @@ class SpmdPipeline:
     kept: dict[int, tf.Tensor] = {}          # item -> stage S-1 output, for repeat r+1
     outputs: list = [None] * num_micro
     cell = stack.cell_params[0]
+    names, dtype = list(variables), cell.fprop_dtype or cell.dtype
     for clock, work in enumerate(self.order):
       items = {s: item for s, item in work}
       # What enters slot 0 at this clock.
@@ -369,8 +372,14 @@ class SpmdPipeline:
           first_rows.append((item.micro if item else 0) * micro_size
                             + (state[1] if state else 0))
         random = SlotRandom(state[0], cell_paths, first_rows) if state else None
-        weights = SlotWeights(lambda n, rows=rows: self._weights(variables[n], rows), random)
-        x = cell.cls.apply(cell, weights, x)
+        picked = [self._weights(variables[n], rows) for n in names]
+
+        def run_cell(x, *picked, random=random):
+          by_name = dict(zip(names, picked))
+          return cell.cls.apply(cell, SlotWeights(by_name.__getitem__, random, dtype=dtype), x)
+        # The picked weights are inputs, not captures: a recomputed cell's
+        # gradients reach only its inputs and the variables it reads itself.
+        x = rematerialized(run_cell, x, *picked) if cell.remat else run_cell(x, *picked)
         x = dtensor.relayout(x, layout)
       done = items.get(last)
       if done is not None:

@@ -189,6 +189,7 @@ class GPipe:
     self.schedule = schedule
     self._previous = None  # last unit's outputs while tracing ('serial')
     self._seeds = None     # per-stage step seeds while tracing
+    self._first_row = 0    # global row of micro-batch 0 while tracing (accumulation)
     self.stages = list(stages)
     self.placement = placement
     self.loss_fn = loss_fn
@@ -210,7 +211,7 @@ class GPipe:
     """(seed, first global row) for stage k on micro-batch m, or None (no dropout)."""
     if self._seeds is None:
       return None
-    return self._seeds[k], m * int(inputs[0].shape[0])
+    return self._seeds[k], self._first_row + m * int(inputs[0].shape[0])
 
   def _run(self, k: int, inputs, random: tuple | None = None) -> tuple:
     """Stage k on one micro-batch. With `random` = (step seed, first row), random
@@ -265,9 +266,9 @@ class GPipe:
     return share, metrics, tuple(grads[:len(floats)]), grads[len(floats):]
 
   # -- step functions --------------------------------------------------------------
-  def _forward_fn(self, micro_inputs, seeds=None):
+  def _forward_fn(self, micro_inputs, seeds=None, first_row: int = 0):
     """Stage inputs [k][m] for stages 1..K-1, in clock order (stages 0..K-2 run)."""
-    self._seeds = seeds
+    self._seeds, self._first_row = seeds, first_row
     num_stages, num_micro = self.num_stages, self.num_micro_batches
     kept = [[None] * num_micro for _ in range(num_stages)]
     kept[0] = [as_tuple(x) for x in micro_inputs]
@@ -280,10 +281,10 @@ class GPipe:
         kept[k + 1][m] = self._cross(outputs, k, k + 1)
     return kept[1:]
 
-  def _backward_fn(self, micro_inputs, kept, micro_labels, seeds=None):
+  def _backward_fn(self, micro_inputs, kept, micro_labels, seeds=None, first_row: int = 0):
     """The forward's clock order reversed: stage k back-propagates micro-batch
     m while stage k-1 works on m-1, each re-computing its forward first."""
-    self._seeds = seeds
+    self._seeds, self._first_row = seeds, first_row
     num_stages, num_micro, last = self.num_stages, self.num_micro_batches, self.num_stages - 1
     inputs = [[as_tuple(x) for x in micro_inputs]] + [list(row) for row in kept]
     output_grads = [[None] * num_micro for _ in range(num_stages)]
@@ -338,12 +339,16 @@ class GPipe:
         micro_inputs, micro_labels, seeds=seeds)
     return loss, grads, squared_norms
 
-  def loss_metrics_and_gradients(self, micro_inputs, micro_labels, seeds=None):
-    """As `loss_and_gradients`, with the mean metrics after the loss."""
+  def loss_metrics_and_gradients(self, micro_inputs, micro_labels, seeds=None,
+                                 first_row: int = 0):
+    """As `loss_and_gradients`, with the mean metrics after the loss.
+    `first_row`: the global row of the first micro-batch's first row (gradient
+    accumulation: dropout masks of the rows, not of the call)."""
     self._check(micro_inputs)
     seeds = list(seeds) if seeds is not None else None
-    kept = self._forward(list(micro_inputs), seeds) if self.num_stages > 1 else []
-    return self._backward(list(micro_inputs), kept, list(micro_labels), seeds)
+    kept = (self._forward(list(micro_inputs), seeds, first_row)
+            if self.num_stages > 1 else [])
+    return self._backward(list(micro_inputs), kept, list(micro_labels), seeds, first_row)
 
   def _check(self, micro_inputs) -> None:
     if len(micro_inputs) != self.num_micro_batches:

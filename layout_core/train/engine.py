@@ -33,6 +33,7 @@ from layout_core.layout import mesh as mesh_lib
 from layout_core.layout.rules import UNSHARDED
 from layout_core.layout.scope import LayoutRecord
 from layout_core.layout.variables import to_numpy
+from layout_core.model.base import as_float32
 from layout_core.model.built import BuiltModel
 from layout_core.model.random import random_context, step_seed
 from layout_core.tasks import Task
@@ -118,7 +119,7 @@ class ModelProgram:
 
   def loss_and_metrics(self, packed, training: bool = False):
     outputs = self.model.call(self.task.model_inputs(packed), training)
-    return self.task.loss_and_metrics(outputs, packed)
+    return self.task.loss_and_metrics(as_float32(outputs), packed)
 
   def summaries(self):
     return {}, {}
@@ -141,10 +142,15 @@ class SingleProgramEngine:
                           total_steps=config.num_steps)
     self._gradients = tf.function(self._gradients_fn)
     self._apply = tf.function(self._apply_fn)
-    self._evaluate = tf.function(program.loss_and_metrics)
+    self._evaluate = tf.function(self._evaluate_fn)
 
   def pack(self, batch):
-    return self.program.pack(batch)
+    """The program's packed batch; with `grad_accum_steps` k, a list of k
+    packed micro-steps of batch_size / k rows each."""
+    k = self.config.grad_accum_steps
+    if k == 1:
+      return self.program.pack(batch)
+    return [self.program.pack(part) for part in split_rows(batch, k)]
 
   def loss_and_metrics(self, packed, training: bool = False):
     """The program's loss and metrics, not compiled (to trace inside a caller's function)."""
@@ -152,7 +158,26 @@ class SingleProgramEngine:
 
   def _gradients_fn(self, batch):
     seed = step_seed(self.config.seed, self.counters.step.read_value())
-    with tf.GradientTape() as tape, random_context(seed=seed):
+    if self.config.grad_accum_steps == 1:
+      return self._micro_step(batch, seed=seed, first_row=0)
+    # k micro-steps, each after the previous one's gradients exist (so only
+    # one micro-step's activations are alive at a time), summed as the means
+    # of the whole batch: every micro-step has batch_size / k rows.
+    k, rows = len(batch), self.config.batch_size // len(batch)
+    total = None
+    for i, part in enumerate(batch):
+      if total is not None:
+        with tf.control_dependencies(total[2]):
+          part = {name: tf.identity(value) for name, value in part.items()}
+      loss, metrics, grads = self._micro_step(part, seed=seed, first_row=i * rows)
+      share = (loss / k, {n: v / k for n, v in metrics.items()}, [g / k for g in grads])
+      total = share if total is None else (
+          total[0] + share[0], {n: total[1][n] + v for n, v in share[1].items()},
+          [a + b for a, b in zip(total[2], share[2])])
+    return total
+
+  def _micro_step(self, batch, *, seed, first_row: int):
+    with tf.GradientTape() as tape, random_context(seed=seed, batch_offset=first_row):
       loss, metrics = self.program.loss_and_metrics(batch, training=True)
     # Dense gradients: an embedding's IndexedSlices gradient passed on to the
     # update function arrives with a wrong shape under DTensor (TF 2.21).
@@ -163,6 +188,14 @@ class SingleProgramEngine:
     lr, grad_norm = self.optimizer.apply(grads, self.counters.step.read_value())
     self.counters.advance()
     return lr, grad_norm
+
+  def _evaluate_fn(self, packed):
+    if self.config.grad_accum_steps == 1:
+      return self.program.loss_and_metrics(packed)
+    results = [self.program.loss_and_metrics(part) for part in packed]
+    k = len(results)
+    return (tf.add_n([loss for loss, _ in results]) / k,
+            {n: tf.add_n([m[n] for _, m in results]) / k for n in results[0][1]})
 
   def loss_and_gradients(self, packed):
     return self._gradients(packed)
@@ -175,6 +208,12 @@ class SingleProgramEngine:
 
   def summaries(self):
     return self.program.summaries()
+
+
+def split_rows(batch: Mapping[str, np.ndarray], parts: int) -> list[dict]:
+  """A host batch {name: [B, ...]} as `parts` batches {name: [B/parts, ...]}."""
+  pieces = {name: np.split(value, parts) for name, value in batch.items()}
+  return [{name: split[i] for name, split in pieces.items()} for i in range(parts)]
 
 
 def pack_batch(batch: Mapping[str, np.ndarray], *, mesh, batch_axis: str) -> dict:

@@ -21,7 +21,7 @@ from layout_core.errors import ConfigError
 from layout_core.layout import mesh as mesh_lib
 from layout_core.layout.scope import LayoutRecord, plan_layouts
 from layout_core.layout.rules import LayoutRules
-from layout_core.model.base import LayerMeta, leaf_layers
+from layout_core.model.base import LayerMeta, compute_params, leaf_layers
 from layout_core.model.built import build_params_model
 from layout_core.model.layers import Embedding
 from layout_core.params import Params
@@ -47,6 +47,8 @@ def make_engine(*, model, mesh, rules: LayoutRules | None, task: Task,
   at config time (`plugins.plan`); a library caller may leave the plan out
   and it is made here. `bubble_fill` (tests: NaN) fills the SPMD engine's idle slots."""
   batch_axis = batch_axis_for(config, mesh_lib.mesh_axes(mesh), warn=True)
+  if isinstance(model, Params):
+    model = compute_params(model, dtype=config.compute_dtype, remat=config.remat)
   if pipeline is not None and pipeline.enabled:
     if pipeline_plan is None:
       check_pipelinable(model, task)
@@ -68,7 +70,8 @@ def make_engine(*, model, mesh, rules: LayoutRules | None, task: Task,
   else:
     from layout_core.model import keras  # pylint: disable=g-import-not-at-top
     built = keras.build(model, mesh=mesh, rules=rules, seed=config.seed,
-                        input_specs=task.input_specs(config.batch_size))
+                        input_specs=task.input_specs(config.batch_size),
+                        compute_dtype=config.compute_dtype, remat=config.remat)
   return SingleProgramEngine(
       program=ModelProgram(model=built, task=task, mesh=mesh, batch_axis=batch_axis),
       mesh=mesh, optimizer=optimizer, config=config, counters=counters)

@@ -1,0 +1,155 @@
+"""Memory and precision: gradient accumulation, rematerialization and bfloat16
+compute, each against the same run without it (the independent reference)."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from layout_core.layout.mesh import MeshSpec, build_mesh
+from layout_core.layout.rules import LayoutRules
+from layout_core.layout.variables import to_numpy
+from layout_core.model import keras as keras_models
+from layout_core.model.lm import transformer_lm_params
+from layout_core.pipeline import PipelineConfig
+from layout_core.tasks.lm import MarkovTask
+from layout_core.train.config import TrainConfig
+from layout_core.train.factory import make_trainer
+from layout_core.train.optimizer import OptimizerConfig
+from tests.conftest import REPO_ROOT
+from tests.test_layout_scope import MEGATRON
+
+sys.path.insert(0, os.path.join(REPO_ROOT, 'tests', 'fixtures'))
+from my_project import models, tasks  # noqa: E402  pylint: disable=g-import-not-at-top
+
+BATCH = 8
+
+
+def lm(dropout_rate=0.2):
+  return transformer_lm_params(vocab_size=32, model_dim=32, num_heads=4, ffn_dim=64,
+                               num_layers=2, max_len=16, dropout_rate=dropout_rate)
+
+
+def trainer(mesh, *, rules=(), pipeline=None, model=None, task=None, **train):
+  return make_trainer(
+      model=model or lm(), mesh=mesh, rules=LayoutRules(list(rules)),
+      task=task or MarkovTask(vocab_size=32, seq_len=16, seed=3),
+      optimizer=OptimizerConfig(learning_rate=1e-2, warmup_steps=0),
+      config=TrainConfig(num_steps=3, batch_size=BATCH, log_every=1, eval_every=0,
+                         eval_batches=1, **train), pipeline=pipeline)
+
+
+def values(variables):
+  return {path: to_numpy(v) for path, v in variables.items()}
+
+
+@pytest.fixture(scope='module')
+def stage_mesh(devices8):
+  return build_mesh(MeshSpec(shape={'stage': 2, 'data': 2, 'model': 2}))
+
+
+@pytest.mark.parametrize('setup', ['plain', '2d', 'spmd', 'gpipe'])
+def test_accumulated_micro_steps_equal_one_step_on_the_whole_batch(
+    setup, mesh_data8, mesh_2x4, stage_mesh):
+  """grad_accum_steps=2 (2 x 4 rows) against 1 (8 rows), with dropout (each
+  row keeps its mask): the same loss, metrics, gradient norm and updated
+  parameters, for a data-parallel, a 2-D sharded and both pipelined meshes."""
+  mesh, rules, pipeline = {
+      'plain': (mesh_data8, (), None),
+      '2d': (mesh_2x4, MEGATRON, None),
+      'spmd': (stage_mesh, MEGATRON, PipelineConfig(num_stages=2, num_micro_batches=2,
+                                                    engine='spmd')),
+      'gpipe': (stage_mesh, MEGATRON, PipelineConfig(num_stages=2, num_micro_batches=2)),
+  }[setup]
+  if setup == 'plain':  # 8 rows / 2 micro-steps over 8 devices does not split
+    mesh = mesh_2x4
+  whole = trainer(mesh, rules=rules, pipeline=pipeline)
+  accumulated = trainer(mesh, rules=rules, pipeline=pipeline, grad_accum_steps=2)
+  batch = {'tokens': whole.task.batch(step=0, batch_size=BATCH)}
+  loss_a, _, norm_a, metrics_a = whole.train_step(batch)
+  loss_b, _, norm_b, metrics_b = accumulated.train_step(batch)
+  assert float(to_numpy(loss_b)) == pytest.approx(float(to_numpy(loss_a)), rel=1e-5)
+  assert float(to_numpy(norm_b)) == pytest.approx(float(to_numpy(norm_a)), rel=1e-5)
+  assert float(to_numpy(metrics_b['accuracy'])) == pytest.approx(
+      float(to_numpy(metrics_a['accuracy'])), abs=1e-6)
+  after_a, after_b = values(whole.engine.variables), values(accumulated.engine.variables)
+  for path, value in after_a.items():
+    np.testing.assert_allclose(after_b[path], value, atol=1e-5, err_msg=path)
+  (eval_a, _), (eval_b, _) = whole.evaluate(), accumulated.evaluate()
+  assert eval_b == pytest.approx(eval_a, rel=1e-5)
+
+
+def gradients(t):
+  loss, _, grads = t.engine.loss_and_gradients(
+      t.engine.pack({'tokens': t.task.batch(step=0, batch_size=BATCH)}))
+  if isinstance(grads, tuple):  # the sub-mesh engine: (per-stage lists, norms)
+    grads = [g for stage in grads[0] for g in stage]
+  return float(to_numpy(loss)), [to_numpy(g) for g in grads]
+
+
+def assert_same_gradients(reference, other, atol=1e-6):
+  assert other[0] == pytest.approx(reference[0], abs=1e-6)
+  assert len(other[1]) == len(reference[1])
+  for a, b in zip(reference[1], other[1]):
+    np.testing.assert_allclose(b, a, atol=atol)
+
+
+@pytest.mark.parametrize('setup', ['plain', 'spmd'])
+def test_remat_gradients_equal_kept_activation_gradients(setup, mesh_2x4, stage_mesh):
+  """Recomputed blocks ('block') and layers ('full') give the gradients of
+  the run that keeps every activation, dropout masks included (a recomputed
+  block re-enters its forward pass's random context); for the SPMD engine the
+  recomputed cells get their stacked weights as inputs."""
+  mesh, pipeline = ((mesh_2x4, None) if setup == 'plain' else
+                    (stage_mesh, PipelineConfig(num_stages=2, num_micro_batches=2,
+                                                engine='spmd')))
+  reference = gradients(trainer(mesh, rules=MEGATRON, pipeline=pipeline))
+  for policy in ('block', 'full'):
+    remat = trainer(mesh, rules=MEGATRON, pipeline=pipeline, remat=policy)
+    assert_same_gradients(reference, gradients(remat))
+
+
+def test_remat_keras_model_gradients_equal(mesh_2x4):
+  def keras_trainer(**train):
+    return trainer(mesh_2x4, model=keras_models.KerasModel(build_fn=models.token_classifier),
+                   task=tasks.FirstTokenTask(), **train)
+
+  def keras_gradients(t):
+    packed = t.engine.pack(t.task.features(split='train', step=0, batch_size=BATCH))
+    loss, _, grads = t.engine.loss_and_gradients(packed)
+    return float(to_numpy(loss)), [to_numpy(g) for g in grads]
+  reference = keras_gradients(keras_trainer())
+  remat = keras_trainer(remat='block')
+  assert any(getattr(layer, '_remat_mode', None) for layer in remat.engine.program.model.module.layers)
+  assert_same_gradients(reference, keras_gradients(remat))
+
+
+@pytest.mark.parametrize('setup', ['plain', 'spmd', 'gpipe', 'keras'])
+def test_bfloat16_computes_in_bfloat16_and_keeps_float32_variables(
+    setup, mesh_2x4, stage_mesh):
+  """bf16 math, float32 master weights and gradients, float32 loss: one step
+  stays close to the float32 step (bf16 has 8 bits of mantissa)."""
+  kwargs = {
+      'plain': dict(mesh=mesh_2x4, rules=MEGATRON),
+      'spmd': dict(mesh=stage_mesh, rules=MEGATRON, pipeline=PipelineConfig(
+          num_stages=2, num_micro_batches=2, engine='spmd')),
+      'gpipe': dict(mesh=stage_mesh, rules=MEGATRON, pipeline=PipelineConfig(
+          num_stages=2, num_micro_batches=2)),
+      'keras': dict(mesh=mesh_2x4, model=keras_models.KerasModel(
+          build_fn=models.token_classifier), task=tasks.FirstTokenTask()),
+  }[setup]
+  full = trainer(**kwargs)
+  half = trainer(**kwargs, compute_dtype='bfloat16')
+  assert {v.dtype.name for v in half.engine.variables.values()} == {'float32'}
+  features = full.task.features(split='train', step=0, batch_size=BATCH)
+  loss_a, _, grads_a = full.engine.loss_and_gradients(full.engine.pack(features))
+  loss_b, _, grads_b = half.engine.loss_and_gradients(half.engine.pack(features))
+  assert loss_b.dtype.name == 'float32'
+  if isinstance(grads_b, tuple):
+    grads_a, grads_b = [g for s in grads_a[0] for g in s], [g for s in grads_b[0] for g in s]
+  assert {g.dtype.name for g in grads_b} == {'float32'}
+  assert float(to_numpy(loss_b)) == pytest.approx(float(to_numpy(loss_a)), rel=2e-2)
+  assert float(to_numpy(loss_b)) != float(to_numpy(loss_a))  # it did compute in bf16
+  norm = lambda gs: np.sqrt(sum(float(np.sum(to_numpy(g) ** 2)) for g in gs))
+  assert norm(grads_b) == pytest.approx(norm(grads_a), rel=5e-2)
