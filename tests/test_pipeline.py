@@ -109,7 +109,10 @@ def test_pipelined_equals_sequential_forward_loss_and_gradients(k, m, batch_dim,
   np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(loss.numpy(), ref_loss.numpy(), rtol=1e-5)
   for g, r in zip(grads, ref_grads):
-    np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-5, atol=1e-7)
+    # Summation order differs (micro-batches are summed apart), so an element
+    # that cancels to near zero is off by float32 rounding of the largest terms.
+    np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-5,
+                               atol=1e-6 * float(np.abs(r.numpy()).max()))
 
 
 def test_a_schedule_that_reads_a_bubble_slot_is_caught(devices8):
