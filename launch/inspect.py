@@ -5,7 +5,8 @@ r"""Dry-run a config: every variable's layout and the memory per device.
 Resolves the model's variables from the Params tree (nothing is allocated and
 no device is touched, so a 100B-parameter model inspects in seconds), applies
 the layout rules, and prints the layout table, how many variables each rule
-matched, and per-device bytes for parameters and Adam's two slots. It checks
+matched, and the memory estimate (parameters, optimizer state, gradients,
+activations; per device, in total, and whether it fits mesh.device_memory_gb). It checks
 the config exactly as `launch.train` does before training (the same typed
 plan), so it rejects the same configs, with the same exit 2 and message; only
 what needs the machine itself (enough devices, an existing checkpoint) is

@@ -11,7 +11,7 @@ in the `meshgin` module, so `mesh.shape` and `meshgin.mesh.shape` both work:
 
 | configurable     | builds                                    | reference |
 |------------------|-------------------------------------------|-----------|
-| `mesh`           | `layout_core.layout.mesh.MeshSpec`               | shape, device_type |
+| `mesh`           | `layout_core.layout.mesh.MeshSpec`               | shape, device_type, device_memory_gb, peak_flops_per_device |
 | `layout_rules`   | `layout_core.layout.rules.LayoutRules`           | rules, strict |
 | `transformer_lm` | the LM Params tree                        | sizes |
 | `transformer_block` | one Transformer cell's Params (for `transformer_lm.cells`) | num_heads, ffn_dim, activation |

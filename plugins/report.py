@@ -9,11 +9,57 @@ Built from the typed plan alone (nothing allocated, no device touched), so a
 from __future__ import annotations
 
 from layout_core.layout import scope as layout_scope
+from layout_core.train import memory
 from plugins.plan import RunPlan
 
 
 def _gib(num_bytes: int) -> str:
   return f'{num_bytes / 2**30:,.3f} GiB'
+
+
+def plan_memory(plan: RunPlan) -> memory.MemoryEstimate:
+  """The memory estimate of a planned run (`layout_core.train.memory`)."""
+  micro_batch = plan.train.batch_size // plan.train.grad_accum_steps
+  return memory.estimate_memory(
+      records=plan.records, params=plan.params,
+      input_shapes=[shape for shape, _ in plan.task.input_specs(micro_batch)],
+      config=plan.train, optimizer=plan.optimizer, mesh_axes=plan.mesh_spec.shape,
+      pipeline=plan.pipeline, stage_axis=plan.pipeline_config.stage_axis)
+
+
+def describe_memory(plan: RunPlan) -> list[str]:
+  """The memory table (per device and total), the peak, and whether it fits."""
+  estimate = plan_memory(plan)
+  train, spec = plan.train, plan.mesh_spec
+  optimizer = getattr(plan.optimizer, 'name', 'adam')
+  shard = getattr(plan.optimizer, 'shard_state', False)
+  micro = train.batch_size // train.grad_accum_steps
+  lines = [f'Memory (estimate: layout_core/train/memory.py; {optimizer}'
+           f'{", state sharded" if shard else ""}, compute {train.compute_dtype}, '
+           f'remat {train.remat}, {micro} examples per micro-step):',
+           f'  {"":22s} {"per device":>14s} {f"total ({estimate.num_devices} devices)":>22s}']
+  for category, per_device in estimate.per_device.items():
+    label = {'optimizer': f'optimizer ({optimizer})'}.get(category, category)
+    known = category != 'activations' or estimate.activations_known
+    lines.append(f'  {label:22s} {_gib(per_device) if known else "not known":>14s} '
+                 f'{_gib(estimate.total[category]) if known else "not known":>22s}')
+  lines.append(f'  {"peak":22s} {_gib(estimate.peak_per_device):>14s} '
+               f'{_gib(estimate.peak_total):>22s}')
+  lines += [f'  {note}' for note in estimate.notes]
+  if spec.device_type == 'CPU':
+    lines.append(f'Host process peak (CPU: every device in this process; fitted, see '
+                 f'memory.py): {_gib(estimate.host_peak)}')
+  if spec.device_memory_gb is not None:
+    capacity = int(spec.device_memory_gb * 2**30)  # GiB
+    need = estimate.peak_per_device
+    if need <= capacity:
+      lines.append(f'Fits: peak {_gib(need)} per device of mesh.device_memory_gb = '
+                   f'{spec.device_memory_gb:g} ({_gib(capacity - need)} to spare)')
+    else:
+      lines.append(f'DOES NOT FIT: peak {_gib(need)} per device is {_gib(need - capacity)} '
+                   f'({need / capacity - 1:.0%}) over mesh.device_memory_gb = '
+                   f'{spec.device_memory_gb:g}')
+  return lines
 
 
 def describe_plan(plan: RunPlan, *, max_rows: int = 0) -> str:
@@ -44,8 +90,6 @@ def describe_plan(plan: RunPlan, *, max_rows: int = 0) -> str:
                 f'({_gib(sum(r.bytes_total for r in records))} total)',
             'Forward cost of one global batch: ' + (
                 f'{plan.meta.flops:.3e} FLOPs' if plan.meta else 'not known'),
-            'Per device:',
-            f'  parameters        {_gib(param_bytes)}',
-            f'  Adam slots (m, v) {_gib(2 * param_bytes)}',
-            f'  total             {_gib(3 * param_bytes)}']
+            f'Parameters per device: {_gib(param_bytes)}', '']
+  lines += describe_memory(plan)
   return '\n'.join(lines)

@@ -35,6 +35,7 @@ from layout_core.train.config import TrainResult
 from layout_core.train.engine import check_runs
 from layout_core.train.factory import make_trainer
 from layout_core.train.loop import Trainer
+from layout_core.train.memory import model_flops_per_step
 from plugins.plan import RunPlan
 from plugins.record import checkpoint_event_recorder, record_run
 
@@ -72,11 +73,23 @@ def build_trainer(plan: RunPlan, *, watcher: PreemptionWatcher | None = None,
   trainer = make_trainer(model=plan.params, mesh=mesh, rules=plan.rules, task=plan.task,
                          optimizer=plan.optimizer, config=plan.train,
                          pipeline=plan.pipeline_config if plan.pipeline else None,
-                         pipeline_plan=plan.pipeline, writer=writer, profile_dir=profile_dir)
+                         pipeline_plan=plan.pipeline, writer=writer, profile_dir=profile_dir,
+                         **flop_figures(plan))
   variables = trainer.engine.variables
   logging.info('Model: %s parameters in %d variables',
                f'{sum(math.prod(v.shape) for v in variables.values()):,}', len(variables))
   return trainer
+
+
+def flop_figures(plan: RunPlan) -> dict[str, float | None]:
+  """The trainer's `model_flops_per_step` and `peak_flops` (the whole mesh's;
+  None unless mesh.peak_flops_per_device is declared)."""
+  spec = plan.mesh_spec
+  tokens = plan.train.batch_size * plan.task.tokens_per_example
+  peak = spec.peak_flops_per_device
+  return {'model_flops_per_step': model_flops_per_step(
+              meta=plan.meta, num_parameters=plan.num_parameters, tokens_per_step=tokens),
+          'peak_flops': peak * spec.num_devices if peak else None}
 
 
 def run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,

@@ -31,8 +31,13 @@ def test_train_writes_run_record_and_tensorboard_events(tmp_path):
   assert [s for s, _ in scalars['train/loss']] == [2, 4, 6]
   assert [s for s, _ in scalars['eval/loss']] == [0, 3, 6]
   for tag in ('train/learning_rate', 'train/steps_per_sec', 'train/tokens_per_sec',
-              'layouts/params_total', 'layouts/bytes_per_device_max'):
+              'layouts/params_total', 'layouts/bytes_per_device_max',
+              'train/model_flops_per_sec'):
     assert tag in scalars, tag
+  assert [s for s, _ in scalars['memory/host_peak_bytes']] == [2, 4, 6]
+  assert all(10e6 < peak < 64e9 for _, peak in scalars['memory/host_peak_bytes'])
+  assert 'memory/device_peak_bytes' not in scalars  # a CPU mesh: the host figure covers it
+  assert 'train/mfu' not in scalars                 # no mesh.peak_flops_per_device
   assert 'train.num_steps = 6' in texts['config/gin'][0]
   assert 'repeat : 2' in texts['config/params'][0]
   assert 'lm/stack/block_001/ffn/w_in' in texts['layouts/variables'][0]
@@ -75,7 +80,8 @@ PIPELINE = short_run('configs/experiments/lm_pipeline.gin', num_steps=4, eval_ev
 
 def test_pipelined_run_records_stages_bubble_fraction_and_checkpoints(tmp_path):
   model_dir = str(tmp_path / 'pipe')
-  result = run_module('launch.train', *PIPELINE, f'--model_dir={model_dir}')
+  result = run_module('launch.train', *PIPELINE, f'--model_dir={model_dir}',
+                      '--gin_bindings=mesh.peak_flops_per_device = 1e9')
   assert result.returncode == 0, result.stderr[-3000:]
   events = read_events(model_dir)
   scalars, texts = events['scalars'], events['text']
@@ -86,6 +92,8 @@ def test_pipelined_run_records_stages_bubble_fraction_and_checkpoints(tmp_path):
   [(_, bubble)] = scalars['pipeline/bubble_fraction']
   assert bubble == pytest.approx((num_stages - 1) / (num_micro + num_stages - 1))
   assert [s for s, _ in scalars['train/loss']] == [2, 4]
+  for (_, rate), (_, mfu) in zip(scalars['train/model_flops_per_sec'], scalars['train/mfu']):
+    assert rate > 0 and mfu == pytest.approx(rate / (8 * 1e9))  # declared peak x 8 devices
   assert '| stage1 |' in texts['layouts/variables'][0]
   assert os.path.isdir(os.path.join(model_dir, 'checkpoints', 'ckpt-4'))
 

@@ -33,6 +33,10 @@ class MeshSpec:
   shape: Mapping[str, int] = dataclasses.field(
       default_factory=lambda: {'data': 8})
   device_type: str = 'CPU'
+  # Declared per-device capacity, for `launch.inspect`'s memory report (fits or not)
+  # and the `train/mfu` scalar; None: not declared.
+  device_memory_gb: float | None = None
+  peak_flops_per_device: float | None = None  # FLOP/s of one device at peak
 
   def __post_init__(self):
     check_types(self, name='mesh')
@@ -54,6 +58,12 @@ class MeshSpec:
       raise ConfigError(f'mesh.device_type {self.device_type!r} is unknown',
                         where='mesh.device_type',
                         fix=f'use one of {", ".join(DEVICE_TYPES)}')
+    for field, example in (('device_memory_gb', '80'), ('peak_flops_per_device', '989e12')):
+      value = getattr(self, field)
+      if value is not None and not value > 0:
+        raise ConfigError(f'mesh.{field} is {value}, but it must be positive',
+                          where=f'mesh.{field}',
+                          fix=f'give the per-device figure (e.g. {example}) or None')
     object.__setattr__(self, 'shape', shape)
     object.__setattr__(self, 'device_type', self.device_type.upper())
 

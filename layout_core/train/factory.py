@@ -81,14 +81,18 @@ def make_trainer(*, model, mesh, rules: LayoutRules | None, task: Task,
                  optimizer: OptimizerConfig, config: TrainConfig,
                  pipeline: PipelineConfig | None = None,
                  pipeline_plan: PipelinePlan | None = None, writer=None,
-                 profile_dir: str | None = None, bubble_fill: float | None = None) -> Trainer:
-  """Counters, the engine (`make_engine`) and the loop around them."""
+                 profile_dir: str | None = None, bubble_fill: float | None = None,
+                 model_flops_per_step: float | None = None,
+                 peak_flops: float | None = None) -> Trainer:
+  """Counters, the engine (`make_engine`) and the loop around them (the FLOP
+  figures feed train/model_flops_per_sec and train/mfu, see `Trainer`)."""
   counters = Counters(mesh)
   engine = make_engine(model=model, mesh=mesh, rules=rules, task=task, optimizer=optimizer,
                        config=config, counters=counters, pipeline=pipeline,
                        pipeline_plan=pipeline_plan, bubble_fill=bubble_fill)
   return Trainer(engine=engine, counters=counters, task=task, config=config, writer=writer,
-                 profile_dir=profile_dir)
+                 profile_dir=profile_dir, model_flops_per_step=model_flops_per_step,
+                 peak_flops=peak_flops)
 
 
 def plan_model(model, *, rules: LayoutRules, mesh_axes: Mapping[str, int], task: Task,

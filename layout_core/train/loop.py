@@ -30,6 +30,7 @@ from layout_core.train.config import TrainConfig, TrainResult
 from layout_core.train.engine import Counters, StepEngine
 from layout_core.train.profiling import StepProfiler
 from layout_core.train.summaries import NullWriter, SummaryWriter
+from layout_core.train.usage import usage_scalars
 
 
 class Trainer:
@@ -37,8 +38,12 @@ class Trainer:
 
   def __init__(self, *, engine: StepEngine, counters: Counters, task: Task,
                config: TrainConfig, writer: SummaryWriter | NullWriter | None = None,
-               profile_dir: str | None = None):
+               profile_dir: str | None = None, model_flops_per_step: float | None = None,
+               peak_flops: float | None = None):
+    """`model_flops_per_step` (train/model_flops_per_sec) and `peak_flops`, the
+    whole mesh's peak FLOP/s (train/mfu), are left out of the scalars when None."""
     self.engine, self.counters, self.task, self.config = engine, counters, task, config
+    self.model_flops_per_step, self.peak_flops = model_flops_per_step, peak_flops
     self.writer = writer or NullWriter()
     self.profile_dir = profile_dir
     self._eval_data = None
@@ -140,7 +145,10 @@ class Trainer:
             'train/grad_norm': float(to_numpy(grad_norm)),
             'train/steps_per_sec': steps_per_sec,
             'train/tokens_per_sec': steps_per_sec * tokens_per_step,
-            **{f'train/{name}': float(to_numpy(value)) for name, value in metrics.items()}})
+            **{f'train/{name}': float(to_numpy(value)) for name, value in metrics.items()},
+            **usage_scalars(mesh=getattr(self.engine, 'mesh', None), steps_per_sec=steps_per_sec,
+                            model_flops_per_step=self.model_flops_per_step,
+                            peak_flops=self.peak_flops)})
         window_start, window_steps = time.perf_counter(), 0
       if last or (config.eval_every and done % config.eval_every == 0):
         eval_losses.append((done, self._run_eval(done)))

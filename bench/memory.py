@@ -1,0 +1,239 @@
+r"""Benchmark: peak memory of the "fit bigger models" settings, measured vs predicted.
+
+For one LM (quickstart's Markov task, 2 blocks, ffn = 4 x width, batch 32 x 64
+tokens, data-parallel on 8 virtual CPU devices), each setting
+
+    float32 | bf16 | bf16 + remat 'block' | bf16 + remat + sharded optimizer state
+
+trains `--steps` steps in a fresh `python -m launch.train` subprocess (its own
+temporary model_dir, no checkpoints). Measured: the child's peak RSS
+(`os.wait4`'s ru_maxrss; the run is killed, and counts as not fitting, as soon
+as its RSS passes `--budget_gib`) and its steps/s. Side by side, in one run:
+
+  * at `--width`: measured peak vs `launch.inspect`'s predicted host peak
+    (ratio), and steps/s of each setting vs float32;
+  * the largest width (multiples of 64) that trains within the budget: width
+    doubling from 256, then `--bisect` halvings of the gap; parameter counts and
+    the full combination's largest model vs float32's (parameter ratio).
+
+A setting the build does not support (exit 2, e.g. `optimizer.shard_state`
+before it is merged) is reported as failed with its error, and the rest go on.
+
+    python bench/memory.py [--quick] [--budget_gib 4] [--out bench/results/memory.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BF16 = ["train.compute_dtype = 'bfloat16'"]
+SETTINGS = {
+    'float32': [],
+    'bf16': BF16,
+    'bf16+remat': BF16 + ["train.remat = 'block'"],
+    'bf16+remat+zero': BF16 + ["train.remat = 'block'", 'optimizer.shard_state = True'],
+}
+ENV = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
+
+
+def lm_bindings(width: int, steps: int) -> list[str]:
+  return [f'transformer_lm.model_dim = {width}', f'transformer_lm.ffn_dim = {4 * width}',
+          f'train.num_steps = {steps}', 'train.log_every = 1', 'train.eval_every = 0',
+          'train.eval_batches = 1', 'checkpoint.every_steps = 0',
+          'checkpoint.save_at_end = False']
+
+
+def flags(bindings: list[str]) -> list[str]:
+  return ['--gin_file=configs/experiments/quickstart.gin',
+          *[f'--gin_bindings={b}' for b in bindings]]
+
+
+def _rss(pid: int) -> int:
+  try:
+    with open(f'/proc/{pid}/status') as f:
+      for line in f:
+        if line.startswith('VmRSS:'):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return 0
+
+
+def train(bindings: list[str], *, budget: int) -> dict:
+  """One launch.train child: {ok, fits, peak_bytes, steps_per_sec, seconds, error}."""
+  model_dir = tempfile.mkdtemp(prefix='meshgin_mem_')
+  start = time.perf_counter()
+  child = subprocess.Popen([sys.executable, '-m', 'launch.train', f'--model_dir={model_dir}',
+                            *flags(bindings)], cwd=REPO_ROOT, env=ENV,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  err_file = tempfile.TemporaryFile()
+  over = False  # the pipe is drained while we watch, so the child never blocks
+  drain = threading.Thread(target=lambda: shutil.copyfileobj(child.stderr, err_file),
+                           daemon=True)
+  drain.start()
+  while True:  # wait4 (not poll) so that the child's rusage is ours to read
+    pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+    if pid:
+      break
+    if _rss(child.pid) > budget:
+      over = True
+      child.kill()
+      _, status, usage = os.wait4(child.pid, 0)
+      break
+    time.sleep(0.05)
+  code = child.returncode = os.waitstatus_to_exitcode(status)
+  drain.join(5)
+  peak = usage.ru_maxrss * 1024
+  err_file.seek(0)
+  stderr = err_file.read().decode(errors='replace')
+  rate = 0.0
+  try:
+    with open(os.path.join(model_dir, 'run_status.json')) as f:
+      rate = float(json.load(f).get('metrics', {}).get('steps_per_sec', 0.0))
+  except (OSError, ValueError):
+    pass
+  shutil.rmtree(model_dir, ignore_errors=True)
+  error = ''
+  if code and not over:
+    lines = [l for l in stderr.splitlines() if l.startswith(('Configuration error', 'Training'))
+             or 'Error' in l]
+    error = (lines[0] if lines else (stderr.strip().splitlines() or ['?'])[-1])[:300]
+  return {'ok': code == 0, 'fits': code == 0 and not over and peak <= budget,
+          'killed_over_budget': over, 'exit': code, 'peak_bytes': peak,
+          'steps_per_sec': rate, 'seconds': time.perf_counter() - start, 'error': error}
+
+
+def inspect(bindings: list[str]) -> dict:
+  """launch.inspect's predicted host peak and parameter count."""
+  done = subprocess.run([sys.executable, '-m', 'launch.inspect', '--max_rows=1',
+                         *flags(bindings)], cwd=REPO_ROOT, env=ENV, capture_output=True,
+                        text=True)
+  if done.returncode:
+    return {'predicted_bytes': None, 'parameters': None}
+  peak = re.search(r'Host process peak[^:]*:[^:]*: ([\d.,]+) GiB', done.stdout)
+  params = re.search(r'Parameters: ([\d,]+)', done.stdout)
+  return {'predicted_bytes': float(peak.group(1).replace(',', '')) * 2**30 if peak else None,
+          'parameters': int(params.group(1).replace(',', '')) if params else None}
+
+
+def largest(setting: list[str], *, budget: int, steps: int, bisect: int, start: int,
+            cache: dict) -> tuple[int | None, dict]:
+  """The largest width (multiple of 64) within budget: doubling, then bisection."""
+  def fits(width):
+    key = (tuple(setting), width)
+    if key not in cache:
+      cache[key] = train(setting + lm_bindings(width, steps), budget=budget)
+      print(f'    width {width}: {"fits" if cache[key]["fits"] else "no"} '
+            f'({cache[key]["peak_bytes"] / 2**30:.2f} GiB, {cache[key]["seconds"]:.0f} s)',
+            flush=True)
+    return cache[key]['fits']
+  good = bad = None
+  width = start
+  while True:
+    if fits(width):
+      good = width
+      if bad is not None:
+        break
+      width *= 2
+    else:
+      bad = width
+      if good is not None:
+        break
+      width //= 2
+      if width < 64:
+        return None, {}
+  for _ in range(bisect):
+    middle = (good + bad) // 2 // 64 * 64
+    if middle in (good, bad):
+      break
+    good, bad = (middle, bad) if fits(middle) else (good, middle)
+  return good, cache[(tuple(setting), good)]
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--quick', action='store_true',
+                      help='smoke run: width 128 side by side only, no largest-model search')
+  parser.add_argument('--budget_gib', type=float, default=4.0)
+  parser.add_argument('--width', type=int, default=512, help='the width compared side by side')
+  parser.add_argument('--steps', type=int, default=3)
+  parser.add_argument('--bisect', type=int, default=1)
+  parser.add_argument('--settings', nargs='*', default=list(SETTINGS))
+  parser.add_argument('--out', default=os.path.join(REPO_ROOT, 'bench', 'results', 'memory.json'))
+  args = parser.parse_args()
+  if args.quick:
+    args.width = 128
+  budget = int(args.budget_gib * 2**30)
+  start = min(256, args.width)
+  cache: dict = {}
+  results = {'budget_gib': args.budget_gib, 'width': args.width, 'steps': args.steps,
+             'settings': {}}
+  print(f'LM: 2 blocks, ffn 4 x width, batch 32 x 64 tokens, 8 CPU devices (data), '
+        f'{args.steps} steps; budget {args.budget_gib} GiB', flush=True)
+  for name in args.settings:
+    setting = SETTINGS[name]
+    print(f'{name}:', flush=True)
+    at_width = train(setting + lm_bindings(args.width, args.steps), budget=2**62)
+    cache[(tuple(setting), args.width)] = dict(at_width, fits=at_width['fits']
+                                               and at_width['peak_bytes'] <= budget)
+    predicted = inspect(setting + lm_bindings(args.width, args.steps))
+    entry = {'bindings': setting, 'at_width': at_width, **predicted}
+    if not at_width['ok']:
+      print(f'  FAILED (exit {at_width["exit"]}): {at_width["error"]}', flush=True)
+      results['settings'][name] = entry
+      continue
+    if args.quick:
+      results['settings'][name] = entry
+      continue
+    width, run = largest(setting, budget=budget, steps=args.steps, bisect=args.bisect,
+                         start=start, cache=cache)
+    entry['largest_width'] = width
+    entry['largest_parameters'] = inspect(setting + lm_bindings(width, args.steps))[
+        'parameters'] if width else None
+    entry['largest_run'] = run
+    results['settings'][name] = entry
+  report(results)
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(args.out, 'w') as f:
+    json.dump(results, f, indent=1)
+  print(f'wrote {args.out}')
+
+
+def report(results: dict) -> None:
+  settings = results['settings']
+  base = settings.get('float32', {})
+  base_rate = base.get('at_width', {}).get('steps_per_sec') or 0
+  base_params = base.get('largest_parameters')
+  print(f'\nat width {results["width"]}:')
+  print(f'{"setting":18s} {"measured GiB":>12s} {"predicted GiB":>13s} {"pred/meas":>9s} '
+        f'{"steps/s":>8s} {"vs f32":>7s} {"largest width":>13s} {"params":>12s} '
+        f'{"vs f32":>7s}')
+  for name, e in settings.items():
+    run = e['at_width']
+    if not run['ok']:
+      print(f'{name:18s} FAILED: {run["error"][:100]}')
+      continue
+    meas, pred = run['peak_bytes'], e.get('predicted_bytes')
+    rate = run['steps_per_sec']
+    params = e.get('largest_parameters')
+    print(f'{name:18s} {meas / 2**30:12.3f} {pred / 2**30 if pred else float("nan"):13.3f} '
+          f'{pred / meas if pred else float("nan"):9.3f} {rate:8.2f} '
+          f'{rate / base_rate if base_rate else float("nan"):7.2f} '
+          f'{e.get("largest_width") or "-":>13} {params or 0:12,d} '
+          f'{params / base_params if params and base_params else float("nan"):7.2f}')
+  print('(a setting that measures the same as float32 may not be implemented in this build)')
+
+
+if __name__ == '__main__':
+  main()

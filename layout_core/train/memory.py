@@ -1,0 +1,339 @@
+"""Memory you can predict, and model FLOPs: estimated from the plan alone.
+
+    estimate = estimate_memory(records=plan.records, params=plan.params,
+                               input_shapes=[(4, 64)], config=plan.train,
+                               optimizer=plan.optimizer, mesh_axes={'data': 8})
+    estimate.per_device['optimizer'], estimate.peak_per_device, estimate.host_peak
+
+TensorFlow-free (`launch.inspect` runs it on a 100B model in seconds). The
+model, per device (the fullest one) and in total (summed over the devices):
+
+  * parameters: the layout records' `bytes_per_device` (float32 variables);
+  * optimizer state: Adam keeps two float32 slots (m, v) per parameter;
+    Adafactor keeps, for a parameter of rank >= 2 whose last two dims are both
+    >= 128, a row statistic shape[:-1] and a column statistic
+    shape[:-2] + shape[-1:] (each laid out as the parameter's dims it keeps),
+    and a full second moment for the others (no first moment). With
+    `optimizer.shard_state` (ZeRO-1) each slot is also split over the data
+    axis (True: `train.batch_axis`; a string: that axis) on the first dim the
+    parameter leaves unsharded and the axis size divides; other slots stay;
+  * gradients: float32, laid out like their parameters (the step's gradient
+    function returns all of them before the update runs);
+  * activations of one (micro-)step, `train.batch_size / grad_accum_steps`
+    examples split over the batch axis, at `train.compute_dtype` (4 or 2 bytes
+    an element; the logits and the loss in float32). Walked leaf by leaf
+    (`leaf_layers`) from the layers' declared output shapes (`fprop_meta`);
+    what each keeps for its backward pass (`kept`, outputs included):
+      - TransformerBlock on x [b, t, d], h heads, ffn width f:
+        8 [b, t, d] (per layer norm its centred input, normed value and output;
+        the residual after attention; the block output), 4 [b, t, d] split
+        with the heads (q, k, v, attention context), the probabilities
+        [b, h, t, t] split with the heads, the ffn hidden [b, t, f] split with
+        the ffn (2 for gelu, which also keeps its input), + 2 [b, t, d] dropout
+        masks when dropout is on;
+      - LayerNorm: 3 x its output; FeedForward: hidden (x2 for gelu) + output;
+        MultiHeadAttention: 4 [b, t, d] + probabilities + output; Dropout
+        (rate > 0): mask + output; Embedding: its output;
+      - Softmax: the logits and the loss's saved softmax, 2 x [b, t, V] float32
+        (kept whatever the remat policy: they are the loss's input);
+      - any other layer: its declared outputs (a lower bound; said so).
+    A tensor sharded over a model axis (heads, ffn, logits: by the layer's
+    weight's spec) counts 1/n per device.
+    Remat ('none' | 'block' | 'full', `train.remat`): a rematerialised layer
+    keeps only its output (the next layer's input); 'block' applies to each
+    TransformerBlock and each cell of a repeated Sequential, 'full' to every
+    layer but the softmax. The peak adds the largest rematerialised layer's
+    internals (recomputed during its backward) and a backward working set
+    of one layer's kept tensors (the gradients of the layer being
+    differentiated): the largest `kept` of any layer;
+  * bf16 weight copies (compute_dtype 'bfloat16'): 2 bytes per parameter
+    element per device, cast in the forward and kept for the backward;
+  * pipelined runs: each stage keeps the activations of its own layers for
+    every micro-batch (GPipe), i.e. the step's batch on the stage's devices;
+    layers outside the SPMD stack run on every stage. Approximate.
+
+The peak per device is the sum of these categories (what the devices hold).
+`host_peak` is the process's peak resident memory when every device lives in
+it (CPU meshes), fitted to measured peak RSS of `launch.train` (3 steps,
+8 virtual CPU devices, 2-core x86, TF 2.21; 6 LMs from 0.1M to 13M
+parameters, 2 to 8 blocks, activation- and state-heavy; every fit within 4%):
+
+    host_peak = 550 MiB                  Python, TensorFlow, 8 devices at start
+              + 59 MiB x leaf layers     the traced step functions (SPMD-expanded)
+              + 2.58 x (parameters + optimizer + gradients + weight copies), total
+              + 0.26 x activations, total
+
+State costs more than its bytes (initializer and update temporaries, and
+glibc's per-thread arenas keep freed blocks: RSS still grows over the first
+steps); activations cost less than the model says, since the backward frees
+them while the gradients are made (grads and activations peak at different
+moments) and the CPU runtime fuses some ops. Keras models: parameters,
+optimizer state and gradients from the records; activations are not
+declared, so not known.
+
+Model FLOPs per step (`model_flops_per_step`): 3 x the forward matmul FLOPs
+the layers declare for the step's batch (`LayerMeta.matmul_flops`: the
+forward, and a backward of twice the forward), rematerialisation not counted;
+without declared FLOPs (Keras), 6 x parameters x tokens per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+from layout_core.model.base import LayerMeta, Sequential, leaf_layers
+from layout_core.model.layers import (Dropout, Embedding, FeedForward, LayerNorm,
+                                      MultiHeadAttention, Softmax, TransformerBlock)
+from layout_core.params import Params
+
+UNSHARDED = 'unsharded'
+MIB = 2**20
+# The host-process fit of the module docstring (least squares over 6 measured runs).
+HOST_BASE_BYTES = 550 * MIB
+HOST_PER_LAYER_BYTES = 59 * MIB
+HOST_STATE_FACTOR = 2.58
+HOST_ACTIVATION_FACTOR = 0.26
+CATEGORIES = ('parameters', 'optimizer', 'gradients', 'weight copies', 'activations')
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+  """Bytes per category on the fullest device and summed over all devices."""
+  num_devices: int
+  per_device: dict[str, int]
+  total: dict[str, int]
+  activations_known: bool
+  num_layers: int = 0     # leaf layers (Keras: layers with weights)
+  notes: tuple[str, ...] = ()
+
+  @property
+  def peak_per_device(self) -> int:
+    return sum(self.per_device.values())
+
+  @property
+  def peak_total(self) -> int:
+    return sum(self.total.values())
+
+  @property
+  def host_peak(self) -> int:
+    """The whole process when every device is in its memory (CPU meshes)."""
+    return int(HOST_BASE_BYTES + HOST_PER_LAYER_BYTES * self.num_layers
+               + HOST_ACTIVATION_FACTOR * self.total.get('activations', 0)
+               + HOST_STATE_FACTOR * (self.peak_total - self.total.get('activations', 0)))
+
+
+def estimate_memory(*, records: Sequence[Any], params: Any,
+                    input_shapes: Sequence[tuple[int, ...]], config: Any, optimizer: Any,
+                    mesh_axes: Mapping[str, int], pipeline: Any = None,
+                    stage_axis: str = 'stage') -> MemoryEstimate:
+  """The memory model of the module docstring. `records`: the plan's layout
+  records; `params`: the Params tree (anything else: a Keras model);
+  `input_shapes`: the model's input shapes for one micro-step's global batch;
+  `config`/`optimizer`: TrainConfig / OptimizerConfig; `pipeline`: the
+  pipeline plan, if any."""
+  num_devices = math.prod(mesh_axes.values())
+  stage_devices = num_devices // mesh_axes.get(stage_axis, 1) if pipeline else num_devices
+  devices_of = {r.mesh: stage_devices if r.mesh else num_devices for r in records}
+  slot_axis = _slot_axis(optimizer, config, mesh_axes)
+  per_mesh: dict[str, dict[str, int]] = {}
+  for r in records:
+    held = per_mesh.setdefault(r.mesh, dict.fromkeys(CATEGORIES, 0))
+    held['parameters'] += r.bytes_per_device
+    held['gradients'] += r.bytes_per_device
+    held['optimizer'] += _slot_bytes(r, optimizer, mesh_axes, slot_axis)
+    if config.compute_dtype == 'bfloat16':
+      held['weight copies'] += r.bytes_per_device // 2
+  if not per_mesh:
+    per_mesh[''] = dict.fromkeys(CATEGORIES, 0)
+  notes = []
+  known = isinstance(params, Params)
+  if known:
+    by_stage, shared, notes = _activations(params, records, input_shapes, config, mesh_axes,
+                                           pipeline, stage_axis)
+    for name, held in per_mesh.items():
+      held['activations'] = shared + by_stage.get(name, 0)
+  else:
+    notes.append('activations: not known for a Keras model (its layers declare no '
+                 'shapes); the peak leaves them out')
+  fullest = max(per_mesh, key=lambda name: sum(per_mesh[name].values()))
+  total = {c: sum(held[c] * devices_of.get(name, num_devices)
+                  for name, held in per_mesh.items()) for c in CATEGORIES}
+  keep = [c for c in CATEGORIES if c != 'weight copies' or config.compute_dtype == 'bfloat16']
+  layers = (len(leaf_layers(params)) if known
+            else len({r.path.rsplit('/', 1)[0] for r in records}))
+  return MemoryEstimate(num_devices=num_devices,
+                        per_device={c: per_mesh[fullest][c] for c in keep},
+                        total={c: total[c] for c in keep}, activations_known=known,
+                        num_layers=layers, notes=tuple(notes))
+
+
+def model_flops_per_step(*, meta: LayerMeta | None, num_parameters: int,
+                         tokens_per_step: int) -> float:
+  """Training FLOPs of one optimizer step (see the module docstring); `meta` is
+  the forward cost of the step's global batch."""
+  if meta is not None:
+    return 3.0 * meta.matmul_flops
+  return 6.0 * num_parameters * tokens_per_step
+
+
+# -- optimizer state ------------------------------------------------------------
+def _slot_axis(optimizer, config, mesh_axes) -> str | None:
+  shard = getattr(optimizer, 'shard_state', False)
+  axis = shard if isinstance(shard, str) else (config.batch_axis if shard else None)
+  return axis if axis and mesh_axes.get(axis, 1) > 1 else None
+
+
+def _slot_bytes(record, optimizer, mesh_axes, slot_axis) -> int:
+  """One parameter's optimizer state on one device."""
+  shape, spec = tuple(record.shape), tuple(record.spec)
+  if getattr(optimizer, 'name', 'adam') == 'adafactor':
+    if len(shape) >= 2 and min(shape[-2:]) >= 128:
+      slots = [(shape[:-1], spec[:-1]), (shape[:-2] + shape[-1:], spec[:-2] + spec[-1:])]
+    else:
+      slots = [(shape, spec)]
+  else:
+    slots = [(shape, spec), (shape, spec)]
+  return sum(_slot_on_device(s, sp, mesh_axes, slot_axis) for s, sp in slots)
+
+
+def _slot_on_device(shape, spec, mesh_axes, slot_axis) -> int:
+  shards = math.prod(mesh_axes.get(a, 1) for a in spec if a != UNSHARDED)
+  if slot_axis and slot_axis not in spec:
+    size = mesh_axes[slot_axis]
+    if any(a == UNSHARDED and n % size == 0 for a, n in zip(spec, shape)):
+      shards *= size
+  return 4 * math.prod(shape) // shards
+
+
+# -- activations ----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+  path: str
+  kept: int        # bytes kept for the backward, outputs included (no remat)
+  out: int         # bytes of its outputs
+  remat: bool      # rematerialised under the run's policy
+  fixed: bool = False  # the logits: kept whatever the policy
+
+
+def _activations(params, records, input_shapes, config, mesh_axes, pipeline, stage_axis):
+  """({stage mesh name: bytes per device}, bytes on every device, notes)."""
+  splits = {r.path: (tuple(r.spec), mesh_axes) for r in records}
+  batch_split = mesh_axes.get(config.batch_axis, 1) if config.batch_axis else 1
+  width = 2 if config.compute_dtype == 'bfloat16' else 4
+  leaves, notes = [], []
+  shapes = tuple(tuple(s) for s in input_shapes)
+  repeated = _repeated_cells(params)
+  for path, p in leaf_layers(params):
+    meta = p.cls.fprop_meta(p, *shapes)
+    block = p.cls is TransformerBlock or path in repeated
+    remat = config.remat == 'full' or (config.remat == 'block' and block)
+    leaves.append(_leaf(path, p, shapes, meta.out_shapes, splits, batch_split, width, remat,
+                        notes))
+    shapes = meta.out_shapes
+  stage_of = dict(getattr(pipeline, 'layer_stages', None) or {}) if pipeline else {}
+  engine = getattr(pipeline, 'engine', '')
+  by_stage: dict[str, list[_Leaf]] = {}
+  shared: list[_Leaf] = []
+  for leaf in leaves:
+    stage = _stage(leaf.path, stage_of)
+    if stage is None:
+      shared.append(leaf)
+    else:
+      by_stage.setdefault(f'stage{stage}', []).append(leaf)
+  if engine == 'submesh':  # every leaf lives on one stage's sub-mesh
+    return ({name: _peak(group) for name, group in by_stage.items()}, 0, notes)
+  if engine == 'spmd':  # cells stacked over the stage axis: 1/S of the stack each
+    cells = [l for group in by_stage.values() for l in group]
+    stages = mesh_axes.get(stage_axis, 1)
+    per_stage = [dataclasses.replace(l, kept=l.kept // stages, out=l.out // stages)
+                 for l in cells]
+    return {'': 0}, _peak(shared + per_stage), notes
+  return {}, _peak(leaves), notes
+
+
+def _stage(path: str, stage_of: Mapping[str, int]) -> int | None:
+  if path in stage_of:
+    return stage_of[path]
+  for cell, stage in stage_of.items():
+    if path.startswith(cell + '/'):
+      return stage
+  return None
+
+
+def _peak(leaves: Sequence[_Leaf]) -> int:
+  """Kept tensors + the largest recomputed layer + one layer's backward working set."""
+  if not leaves:
+    return 0
+  stored = sum(l.out if l.remat and not l.fixed else l.kept for l in leaves)
+  recomputed = max((l.kept - l.out for l in leaves if l.remat and not l.fixed), default=0)
+  working = max(l.kept for l in leaves)
+  return stored + recomputed + working
+
+
+def _repeated_cells(params: Params) -> set[str]:
+  """Leaf paths that are cells of a Sequential with repeat > 1."""
+  found: set[str] = set()
+
+  def walk(p, parent):
+    path = f'{parent}/{p.name}' if parent else p.name
+    if p.cls is not Sequential:
+      return
+    for child in Sequential.child_params(p).values():
+      if p.repeat > 1 and child.cls is not Sequential:
+        found.add(f'{path}/{child.name}')
+      walk(child, path)
+  walk(params, '')
+  return found
+
+
+def _split(splits, variable: str, dim: int) -> int:
+  """How many ways a tensor laid out like `variable`'s dim `dim` is split."""
+  if variable not in splits:
+    return 1
+  spec, mesh_axes = splits[variable]
+  if dim >= len(spec) or spec[dim] == UNSHARDED:
+    return 1
+  return mesh_axes.get(spec[dim], 1)
+
+
+def _leaf(path, p, in_shapes, out_shapes, splits, batch_split, width, remat, notes) -> _Leaf:
+  """What one leaf layer keeps per device (see the module docstring)."""
+  def size(shape):  # elements per device of a batch-major tensor
+    return math.prod(shape) // batch_split
+
+  out = sum(size(s) for s in out_shapes) * width
+  cls = p.cls
+  if cls is TransformerBlock:
+    b, t, d = in_shapes[0]
+    resid = size((b, t, d))
+    heads = _split(splits, f'{path}/attn/wq', 1)
+    ffn = _split(splits, f'{path}/ffn/w_in', 1)
+    hidden = size((b, t, p.ffn_dim)) // ffn * (2 if p.activation == 'gelu' else 1)
+    elements = (8 * resid + (4 * resid + size((b, p.num_heads, t, t))) // heads + hidden
+                + (2 * resid if p.dropout_rate else 0))
+    return _Leaf(path, elements * width, out, remat)
+  if cls is LayerNorm:
+    return _Leaf(path, 3 * out, out, remat)
+  if cls is FeedForward:
+    shape = tuple(in_shapes[0][:-1]) + (p.hidden_dim,)
+    hidden = size(shape) // _split(splits, f'{path}/w_in', 1)
+    factor = 2 if p.activation == 'gelu' else 1
+    return _Leaf(path, factor * hidden * width + out, out, remat)
+  if cls is MultiHeadAttention:
+    b, t, _ = in_shapes[0]
+    heads = _split(splits, f'{path}/wq', 1)
+    elements = (4 * size(in_shapes[0]) + size((b, p.num_heads, t, t))) // heads
+    return _Leaf(path, elements * width + out, out, remat)
+  if cls is Dropout:
+    return _Leaf(path, 2 * out if p.rate else 0, out if p.rate else 0, remat)
+  if cls is Embedding:
+    out //= _split(splits, f'{path}/table', 1)
+    return _Leaf(path, out, out, remat)
+  if cls is Softmax:
+    logits = sum(size(s) for s in out_shapes) * 4 // _split(splits, f'{path}/w', 1)
+    return _Leaf(path, 2 * logits, logits, remat, fixed=True)
+  notes.append(f'activations of {path} ({cls.__name__}): its declared outputs only '
+               '(a lower bound)')
+  return _Leaf(path, out, out, remat)
