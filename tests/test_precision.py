@@ -1,6 +1,7 @@
 """Memory and precision: gradient accumulation, rematerialization and bfloat16
 compute, each against the same run without it (the independent reference)."""
 
+import json
 import os
 import sys
 
@@ -17,7 +18,7 @@ from layout_core.tasks.lm import MarkovTask
 from layout_core.train.config import TrainConfig
 from layout_core.train.factory import make_trainer
 from layout_core.train.optimizer import OptimizerConfig
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, run_module
 from tests.test_layout_scope import MEGATRON
 
 sys.path.insert(0, os.path.join(REPO_ROOT, 'tests', 'fixtures'))
@@ -49,23 +50,39 @@ def stage_mesh(devices8):
   return build_mesh(MeshSpec(shape={'stage': 2, 'data': 2, 'model': 2}))
 
 
-@pytest.mark.parametrize('setup', ['plain', '2d', 'spmd', 'gpipe'])
-def test_accumulated_micro_steps_equal_one_step_on_the_whole_batch(
-    setup, mesh_data8, mesh_2x4, stage_mesh):
+SETUPS = {  # name -> (mesh fixture, rules, pipeline)
+    '2d': ('mesh_2x4', MEGATRON, None),
+    'spmd': ('stage_mesh', MEGATRON, PipelineConfig(num_stages=2, num_micro_batches=2,
+                                                    engine='spmd')),
+    'gpipe': ('stage_mesh', MEGATRON, PipelineConfig(num_stages=2, num_micro_batches=2)),
+}
+
+
+@pytest.fixture(scope='module')
+def float32_runs(request):
+  """setup -> the float32, keep-everything trainer (built once; tests read its
+  gradients and never step it)."""
+  cache = {}
+
+  def get(setup):
+    if setup not in cache:
+      mesh, rules, pipeline = SETUPS[setup]
+      cache[setup] = trainer(request.getfixturevalue(mesh), rules=rules, pipeline=pipeline)
+    return cache[setup]
+  return get
+
+
+@pytest.mark.parametrize('setup', ['2d', 'spmd', 'gpipe'])
+def test_accumulated_micro_steps_equal_one_step_on_the_whole_batch(setup, request):
   """grad_accum_steps=2 (2 x 4 rows) against 1 (8 rows), with dropout (each
   row keeps its mask): the same loss, metrics, gradient norm and updated
-  parameters, for a data-parallel, a 2-D sharded and both pipelined meshes."""
-  mesh, rules, pipeline = {
-      'plain': (mesh_data8, (), None),
-      '2d': (mesh_2x4, MEGATRON, None),
-      'spmd': (stage_mesh, MEGATRON, PipelineConfig(num_stages=2, num_micro_batches=2,
-                                                    engine='spmd')),
-      'gpipe': (stage_mesh, MEGATRON, PipelineConfig(num_stages=2, num_micro_batches=2)),
-  }[setup]
-  if setup == 'plain':  # 8 rows / 2 micro-steps over 8 devices does not split
-    mesh = mesh_2x4
+  parameters, for a 2-D sharded mesh (data x model, Megatron rules) and both
+  pipelined meshes."""
+  mesh_name, rules, pipeline = SETUPS[setup]
+  mesh = request.getfixturevalue(mesh_name)
   whole = trainer(mesh, rules=rules, pipeline=pipeline)
   accumulated = trainer(mesh, rules=rules, pipeline=pipeline, grad_accum_steps=2)
+  assert_same_gradients(gradients(whole), gradients(accumulated), atol=1e-5)
   batch = {'tokens': whole.task.batch(step=0, batch_size=BATCH)}
   loss_a, _, norm_a, metrics_a = whole.train_step(batch)
   loss_b, _, norm_b, metrics_b = accumulated.train_step(batch)
@@ -89,24 +106,24 @@ def gradients(t):
 
 
 def assert_same_gradients(reference, other, atol=1e-6):
-  assert other[0] == pytest.approx(reference[0], abs=1e-6)
+  assert other[0] == pytest.approx(reference[0], abs=atol)
   assert len(other[1]) == len(reference[1])
   for a, b in zip(reference[1], other[1]):
     np.testing.assert_allclose(b, a, atol=atol)
 
 
-@pytest.mark.parametrize('setup', ['plain', 'spmd'])
-def test_remat_gradients_equal_kept_activation_gradients(setup, mesh_2x4, stage_mesh):
+@pytest.mark.parametrize('setup,policies', [('2d', ('block', 'full')), ('spmd', ('block',))])
+def test_remat_gradients_equal_kept_activation_gradients(setup, policies, request,
+                                                         float32_runs):
   """Recomputed blocks ('block') and layers ('full') give the gradients of
   the run that keeps every activation, dropout masks included (a recomputed
   block re-enters its forward pass's random context); for the SPMD engine the
   recomputed cells get their stacked weights as inputs."""
-  mesh, pipeline = ((mesh_2x4, None) if setup == 'plain' else
-                    (stage_mesh, PipelineConfig(num_stages=2, num_micro_batches=2,
-                                                engine='spmd')))
-  reference = gradients(trainer(mesh, rules=MEGATRON, pipeline=pipeline))
-  for policy in ('block', 'full'):
-    remat = trainer(mesh, rules=MEGATRON, pipeline=pipeline, remat=policy)
+  mesh_name, rules, pipeline = SETUPS[setup]
+  reference = gradients(float32_runs(setup))
+  for policy in policies:
+    remat = trainer(request.getfixturevalue(mesh_name), rules=rules, pipeline=pipeline,
+                    remat=policy)
     assert_same_gradients(reference, gradients(remat))
 
 
@@ -125,21 +142,20 @@ def test_remat_keras_model_gradients_equal(mesh_2x4):
   assert_same_gradients(reference, keras_gradients(remat))
 
 
-@pytest.mark.parametrize('setup', ['plain', 'spmd', 'gpipe', 'keras'])
-def test_bfloat16_computes_in_bfloat16_and_keeps_float32_variables(
-    setup, mesh_2x4, stage_mesh):
-  """bf16 math, float32 master weights and gradients, float32 loss: one step
-  stays close to the float32 step (bf16 has 8 bits of mantissa)."""
-  kwargs = {
-      'plain': dict(mesh=mesh_2x4, rules=MEGATRON),
-      'spmd': dict(mesh=stage_mesh, rules=MEGATRON, pipeline=PipelineConfig(
-          num_stages=2, num_micro_batches=2, engine='spmd')),
-      'gpipe': dict(mesh=stage_mesh, rules=MEGATRON, pipeline=PipelineConfig(
-          num_stages=2, num_micro_batches=2)),
-      'keras': dict(mesh=mesh_2x4, model=keras_models.KerasModel(
-          build_fn=models.token_classifier), task=tasks.FirstTokenTask()),
-  }[setup]
-  full = trainer(**kwargs)
+@pytest.mark.parametrize('setup', ['2d', 'spmd', 'gpipe', 'keras'])
+def test_bfloat16_computes_in_bfloat16_and_keeps_float32_variables(setup, request,
+                                                                   float32_runs):
+  """bf16 math, float32 master weights and gradients, float32 loss: the loss
+  and gradient norm stay close to the float32 run's (bf16 keeps 8 bits of
+  mantissa)."""
+  if setup == 'keras':
+    kwargs = dict(mesh=request.getfixturevalue('mesh_2x4'), task=tasks.FirstTokenTask(),
+                  model=keras_models.KerasModel(build_fn=models.token_classifier))
+    full = trainer(**kwargs)
+  else:
+    mesh_name, rules, pipeline = SETUPS[setup]
+    kwargs = dict(mesh=request.getfixturevalue(mesh_name), rules=rules, pipeline=pipeline)
+    full = float32_runs(setup)
   half = trainer(**kwargs, compute_dtype='bfloat16')
   assert {v.dtype.name for v in half.engine.variables.values()} == {'float32'}
   features = full.task.features(split='train', step=0, batch_size=BATCH)
@@ -153,3 +169,23 @@ def test_bfloat16_computes_in_bfloat16_and_keeps_float32_variables(
   assert float(to_numpy(loss_b)) != float(to_numpy(loss_a))  # it did compute in bf16
   norm = lambda gs: np.sqrt(sum(float(np.sum(to_numpy(g) ** 2)) for g in gs))
   assert norm(grads_b) == pytest.approx(norm(grads_a), rel=5e-2)
+
+
+def test_bfloat16_quickstart_tracks_float32_and_its_checkpoint_resumes_in_float32(tmp_path):
+  """200 quickstart steps in bf16 against float32 (real launch.train runs):
+  the final eval loss within 5%; then a float32 run resumes the bf16 run's
+  checkpoint (float32 variables, the same keys) and goes on learning."""
+  def run(model_dir, *bindings):
+    result = run_module('launch.train', '--gin_file=configs/experiments/quickstart.gin',
+                        f'--model_dir={model_dir}', '--gin_bindings=train.eval_every = 0',
+                        '--gin_bindings=checkpoint.every_steps = 0',
+                        *[f'--gin_bindings={b}' for b in bindings])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.load(open(os.path.join(model_dir, 'run_status.json')))
+  full = run(tmp_path / 'f32', 'train.num_steps = 200')
+  half = run(tmp_path / 'bf16', 'train.num_steps = 200', "train.compute_dtype = 'bfloat16'")
+  assert half['metrics']['eval_loss'] == pytest.approx(full['metrics']['eval_loss'], rel=0.05)
+  assert half['metrics']['eval_loss'] < 2.0  # it learned (uniform: ~4.16)
+  resumed = run(tmp_path / 'bf16', 'train.num_steps = 220')
+  assert resumed['step'] == 220 and resumed['status'] == 'completed'
+  assert resumed['metrics']['eval_loss'] < 2.0
