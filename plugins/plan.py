@@ -28,7 +28,7 @@ from layout_core.checkpoint.manager import CheckpointConfig
 from layout_core.errors import ConfigError
 from layout_core.model.base import LayerMeta
 from layout_core.layout.mesh import MeshSpec
-from layout_core.train.optimizer import OptimizerConfig
+from layout_core.train.optimizer import OptimizerConfig, state_axis
 from layout_core.params import Params
 from layout_core.pipeline.plan import PipelinePlan, check_pipelinable, plan_pipeline
 from layout_core.layout.rules import LayoutRules
@@ -70,6 +70,7 @@ def make_plan() -> RunPlan:
   checkpoint = configurables.checkpoint()
   pipeline_config = configurables.pipeline()
   batch_axis_for(train, mesh_spec.shape)  # the batch splits over its axis
+  state_axis(optimizer, batch_axis=train.batch_axis, mesh_axes=mesh_spec.shape)
   pipeline = None
   if pipeline_config.enabled:
     check_pipelinable(params, task)

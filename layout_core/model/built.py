@@ -27,6 +27,8 @@ class BuiltModel:
   records: list[LayoutRecord]              # every variable's layout
   checkpoint_root: Any                     # what a checkpoint holds as 'model'
   description: str                         # params.txt: the Params tree, or the model's
+  # path -> leading dims stacking several layers' copies (SPMD cells: 2)
+  lead_dims: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def build_params_model(params: Params, *, mesh, rules: LayoutRules | None,

@@ -50,7 +50,7 @@ from layout_core.pipeline.submesh import GPipe
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig
 from layout_core.train.engine import Counters, SingleProgramEngine, split_rows
-from layout_core.train.optimizer import Adam, OptimizerConfig, squared_norm
+from layout_core.train.optimizer import OptimizerConfig, make_optimizer, squared_norm
 
 
 def plan_summaries(plan: PipelinePlan, stages_markdown: str):
@@ -85,8 +85,10 @@ class GPipeEngine:
     self.variables, self.layout_records = staged.scope.variables, staged.scope.records
     self.model_state, self.description = staged.model, params.ToText()
     trainable = {p: v for p, v in self.variables.items() if v.trainable}
-    self.optimizer = Adam(optimizer, variables=list(trainable.values()),
-                          paths=list(trainable), total_steps=config.num_steps)
+    self.optimizer = make_optimizer(optimizer, variables=list(trainable.values()),
+                                    paths=list(trainable), total_steps=config.num_steps,
+                                    mesh_axes=mesh_lib.mesh_axes(mesh),
+                                    batch_axis=config.batch_axis)
     path_of = {id(v): p for p, v in self.variables.items()}
     self._stage_paths = [[path_of[id(v)] for v in variables]
                          for variables in self.gpipe.variables]
@@ -224,7 +226,8 @@ def build_spmd_model(params: Params, *, plan: PipelinePlan, stage_axis: str, mes
   before = [m for _, m in built[:plan.stack_index]]
   after = [m for _, m in built[plan.stack_index + 1:]]
   return (BuiltModel(module=model, call=None, variables=variables, records=records,
-                     checkpoint_root=model, description=params.ToText()),
+                     checkpoint_root=model, description=params.ToText(),
+                     lead_dims={path: 2 for path in stack.stacked_variables}),
           stack, before, after)
 
 
@@ -315,7 +318,7 @@ def spmd_engine(*, optimizer: OptimizerConfig, config: TrainConfig, counters: Co
   program = SpmdProgram(config=config, **program_kwargs)
   engine = SingleProgramEngine(program=program, mesh=program.mesh, optimizer=optimizer,
                                config=config, counters=counters)
-  adam = engine.optimizer
-  program.stack.tag_slots({p: (adam.m[p], adam.v[p])
-                           for p in program.stack.stacked_variables if p in adam.m})
+  trained = set(engine.optimizer.paths)
+  program.stack.tag_slots({p: engine.optimizer.slots_for(p)
+                           for p in program.stack.stacked_variables if p in trained})
   return engine

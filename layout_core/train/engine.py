@@ -38,7 +38,7 @@ from layout_core.model.built import BuiltModel
 from layout_core.model.random import random_context, step_seed
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig
-from layout_core.train.optimizer import Adam, OptimizerConfig
+from layout_core.train.optimizer import Optimizer, OptimizerConfig, make_optimizer
 
 
 class StepEngine(Protocol):
@@ -46,7 +46,7 @@ class StepEngine(Protocol):
   mesh: Any                                 # the whole mesh (counters live on it)
   variables: Mapping[str, Any]              # path -> variable
   layout_records: Sequence[LayoutRecord]
-  optimizer: Adam
+  optimizer: Optimizer
   model_state: Any                          # what a checkpoint holds as 'model'
   description: str                          # the model as text (params.txt)
 
@@ -138,8 +138,10 @@ class SingleProgramEngine:
     self.model_state, self.description = model.checkpoint_root, model.description
     trainable = {p: v for p, v in model.variables.items() if v.trainable}
     self.trainable = list(trainable.values())
-    self.optimizer = Adam(optimizer, variables=self.trainable, paths=list(trainable),
-                          total_steps=config.num_steps)
+    self.optimizer = make_optimizer(optimizer, variables=self.trainable, paths=list(trainable),
+                                    total_steps=config.num_steps,
+                                    mesh_axes=mesh_lib.mesh_axes(mesh),
+                                    batch_axis=config.batch_axis, lead_dims=model.lead_dims)
     self._gradients = tf.function(self._gradients_fn)
     self._apply = tf.function(self._apply_fn)
     self._evaluate = tf.function(self._evaluate_fn)
