@@ -67,7 +67,8 @@ def test_registered_layer_takes_exactly_its_params_keys():
   assert [p.cls.__name__ for p in tree.sub] == ['GatedDense', 'Softmax']
   assert tree.sub[0].output_dim == 24 and tree.sub[0].input_dim == 8  # bound / default
   with pytest.raises(ConfigError, match="Did you mean 'output_dim'.*takes: name, dtype, "
-                                        'input_dim, output_dim, init_stddev'):
+                                        'fprop_dtype, remat, input_dim, output_dim, '
+                                        'init_stddev'):
     gin_setup.parse_gin(files=['my_project/gated.gin'], search_paths=[fixtures],
                         bindings=['gated_dense.output_dimm = 3'])
   assert snake_case('GatedDense') == 'gated_dense' and snake_case('MLPBlock') == 'mlp_block'
