@@ -49,7 +49,7 @@ from layout_core.pipeline.stages import build_staged_model
 from layout_core.pipeline.submesh import GPipe
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig
-from layout_core.train.engine import Counters, SingleProgramEngine, split_rows
+from layout_core.train.engine import Counters, SingleProgramEngine, add_share, split_rows
 from layout_core.train.optimizer import OptimizerConfig, make_optimizer, squared_norm
 
 
@@ -133,11 +133,7 @@ class GPipeEngine:
     for i, part in enumerate(packed):
       loss, metrics, grads, _ = self.gpipe.loss_metrics_and_gradients(
           *part, seeds=seeds, first_row=i * rows)
-      share = (loss / k, {n: v / k for n, v in metrics.items()},
-               [[g / k for g in stage] for stage in grads])
-      total = share if total is None else (
-          total[0] + share[0], {n: total[1][n] + v for n, v in share[1].items()},
-          [[a + b for a, b in zip(x, y)] for x, y in zip(total[2], share[2])])
+      total = add_share(total, (loss, metrics, grads), k)
     loss, metrics, grads = total
     return loss, metrics, (grads, [squared_norm(stage) if stage else None for stage in grads])
 
@@ -162,10 +158,10 @@ class GPipeEngine:
   def evaluate(self, packed):
     if self.config.grad_accum_steps == 1:
       return self.gpipe.loss_and_metrics(*packed)
-    results = [self.gpipe.loss_and_metrics(*part) for part in packed]
-    k = len(results)
-    return (sum(loss for loss, _ in results) / k,
-            {n: sum(m[n] for _, m in results) / k for n in results[0][1]})
+    total = None
+    for part in packed:
+      total = add_share(total, self.gpipe.loss_and_metrics(*part), len(packed))
+    return total
 
   def describe_stages(self) -> str:
     """Markdown table: per stage its sub-mesh, FLOPs share and layers."""

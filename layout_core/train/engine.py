@@ -171,11 +171,7 @@ class SingleProgramEngine:
       if total is not None:
         with tf.control_dependencies(total[2]):
           part = {name: tf.identity(value) for name, value in part.items()}
-      loss, metrics, grads = self._micro_step(part, seed=seed, first_row=i * rows)
-      share = (loss / k, {n: v / k for n, v in metrics.items()}, [g / k for g in grads])
-      total = share if total is None else (
-          total[0] + share[0], {n: total[1][n] + v for n, v in share[1].items()},
-          [a + b for a, b in zip(total[2], share[2])])
+      total = add_share(total, self._micro_step(part, seed=seed, first_row=i * rows), k)
     return total
 
   def _micro_step(self, batch, *, seed, first_row: int):
@@ -194,10 +190,10 @@ class SingleProgramEngine:
   def _evaluate_fn(self, packed):
     if self.config.grad_accum_steps == 1:
       return self.program.loss_and_metrics(packed)
-    results = [self.program.loss_and_metrics(part) for part in packed]
-    k = len(results)
-    return (tf.add_n([loss for loss, _ in results]) / k,
-            {n: tf.add_n([m[n] for _, m in results]) / k for n in results[0][1]})
+    total = None
+    for part in packed:
+      total = add_share(total, self.program.loss_and_metrics(part), len(packed))
+    return total
 
   def loss_and_gradients(self, packed):
     return self._gradients(packed)
@@ -210,6 +206,13 @@ class SingleProgramEngine:
 
   def summaries(self):
     return self.program.summaries()
+
+
+def add_share(total, result, parts: int):
+  """`total` (None at first) plus `result` / `parts`, structure by structure:
+  summing the results of `parts` equal micro-steps gives the batch's means."""
+  share = tf.nest.map_structure(lambda x: x / parts, result)
+  return share if total is None else tf.nest.map_structure(lambda a, b: a + b, total, share)
 
 
 def split_rows(batch: Mapping[str, np.ndarray], parts: int) -> list[dict]:
