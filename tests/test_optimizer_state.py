@@ -139,29 +139,30 @@ def test_sharded_state_trains_as_unsharded_state_and_checkpoints_move_both_ways(
   move(fresh_plain, fresh_sharded, tmp_path / 'back')
 
 
-@pytest.mark.parametrize('setup', ['spmd', 'gpipe'])
-def test_pipelines_train_with_adafactor_and_sharded_state(setup, request):
+def test_pipelines_train_with_adafactor_and_sharded_state(request, mesh_2x4):
   """Both pipeline engines with Adafactor (factored matrices) and ZeRO-1
   state: two steps equal the 2-D sharded run's with the same optimizer."""
   adafactor = dict(name='adafactor', adafactor_min_dim_to_factor=16)
-  mesh_name, rules, pipeline = SETUPS[setup]
-  piped = optimizer_trainer(request.getfixturevalue(mesh_name), rules, pipeline,
-                            shard_state=True, **adafactor)
-  plain = optimizer_trainer(request.getfixturevalue('mesh_2x4'), rules, None, **adafactor)
-  assert piped.engine.optimizer.v_row and piped.engine.optimizer.v
-  assert any('data' in slot.layout.sharding_specs
-             for p in piped.engine.optimizer.paths
-             for slot in piped.engine.optimizer.slots_for(p))
+  plain = optimizer_trainer(mesh_2x4, MEGATRON, None, **adafactor)
+  piped = {setup: optimizer_trainer(request.getfixturevalue(SETUPS[setup][0]), SETUPS[setup][1],
+                                    SETUPS[setup][2], shard_state=True, **adafactor)
+           for setup in ('spmd', 'gpipe')}
+  for t in piped.values():
+    optimizer = t.engine.optimizer
+    assert optimizer.v_row and optimizer.v
+    assert any('data' in slot.layout.sharding_specs
+               for p in optimizer.paths for slot in optimizer.slots_for(p))
   for step in range(2):
     batch = {'tokens': plain.task.batch(step=step, batch_size=8)}
-    loss_a = float(to_numpy(piped.train_step(batch)[0]))
-    loss_b = float(to_numpy(plain.train_step(batch)[0]))
-    assert loss_a == pytest.approx(loss_b, rel=1e-5), step
+    loss = float(to_numpy(plain.train_step(batch)[0]))
+    for setup, t in piped.items():
+      assert float(to_numpy(t.train_step(batch)[0])) == pytest.approx(loss, rel=1e-5), setup
   after = values(plain.engine.variables)
-  piped_values = (piped.engine.program.stack.unstacked_values() if setup == 'spmd' else {})
-  piped_values.update(values(piped.engine.variables))
-  for path, value in after.items():
-    np.testing.assert_allclose(piped_values[path], value, atol=1e-5, err_msg=path)
+  for setup, t in piped.items():
+    piped_values = t.engine.program.stack.unstacked_values() if setup == 'spmd' else {}
+    piped_values.update(values(t.engine.variables))
+    for path, value in after.items():
+      np.testing.assert_allclose(piped_values[path], value, atol=1e-5, err_msg=f'{setup} {path}')
 
 
 def optimizer_trainer(mesh, rules, pipeline, **optimizer):
