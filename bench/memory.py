@@ -170,6 +170,8 @@ def main() -> None:
   parser.add_argument('--steps', type=int, default=3)
   parser.add_argument('--bisect', type=int, default=1)
   parser.add_argument('--settings', nargs='*', default=list(SETTINGS))
+  parser.add_argument('--search', nargs='*', default=None,
+                      help='settings whose largest model is searched (default: all of --settings)')
   parser.add_argument('--out', default=os.path.join(REPO_ROOT, 'bench', 'results', 'memory.json'))
   args = parser.parse_args()
   if args.quick:
@@ -193,7 +195,7 @@ def main() -> None:
       print(f'  FAILED (exit {at_width["exit"]}): {at_width["error"]}', flush=True)
       results['settings'][name] = entry
       continue
-    if args.quick:
+    if args.quick or (args.search is not None and name not in args.search):
       results['settings'][name] = entry
       continue
     width, run = largest(setting, budget=budget, steps=args.steps, bisect=args.bisect,
