@@ -34,6 +34,10 @@ NUM_CLIENTS = flags.DEFINE_integer('num_clients', 2, 'Clients to start.')
 DEVICES_PER_CLIENT = flags.DEFINE_integer(
     'devices_per_client', 4, 'Virtual CPU devices per client; the config\'s mesh '
     'must have num_clients x devices_per_client devices.')
+CLIENT_ARGS = flags.DEFINE_multi_string(
+    'client_arg', [], 'K:ARG gives launch.train the extra argument ARG on client K only '
+    '(e.g. 1:--gin_bindings=optimizer.learning_rate = 0.1, to see clients that '
+    'disagree refused). Repeatable.')
 GRACE_SECONDS = flags.DEFINE_float(
     'grace_seconds', 60.0, 'After a client fails, how long the others get to exit on '
     'their own before they are killed.')
@@ -64,7 +68,8 @@ def exit_status(code: int) -> int:
 class LocalCluster:
   """The client processes, their log pumps and signal forwarding."""
 
-  def __init__(self, train_args: list[str], *, num_clients: int, devices_per_client: int):
+  def __init__(self, train_args: list[str], *, num_clients: int, devices_per_client: int,
+               client_args: dict[int, list[str]] | None = None):
     ports = free_ports(num_clients)
     cluster = ','.join(f'localhost:{p}' for p in ports)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,7 +83,7 @@ class LocalCluster:
           flush=True)
     for client in range(num_clients):
       command = [sys.executable, '-u', '-m', 'launch.train', *train_args,
-                 f'--cluster={cluster}', f'--client_id={client}',
+                 *(client_args or {}).get(client, []), f'--cluster={cluster}', f'--client_id={client}',
                  f'--devices_per_client={devices_per_client}']
       process = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, start_new_session=True)
@@ -129,8 +134,15 @@ class LocalCluster:
 
 def main(argv):
   train_args = argv[1:]
+  client_args: dict[int, list[str]] = {}
+  for text in CLIENT_ARGS.value:
+    client, _, arg = text.partition(':')
+    if not client.isdigit() or not 0 <= int(client) < NUM_CLIENTS.value or not arg:
+      raise app.UsageError(f'--client_arg={text!r} is not K:ARG with K in '
+                           f'0..{NUM_CLIENTS.value - 1}')
+    client_args.setdefault(int(client), []).append(arg)
   cluster = LocalCluster(train_args, num_clients=NUM_CLIENTS.value,
-                         devices_per_client=DEVICES_PER_CLIENT.value)
+                         devices_per_client=DEVICES_PER_CLIENT.value, client_args=client_args)
   forward = lambda signum, frame: cluster.signal_all(signum)  # noqa: E731
   signal.signal(signal.SIGTERM, forward)
   signal.signal(signal.SIGINT, forward)

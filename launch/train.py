@@ -103,9 +103,21 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   logging.set_verbosity(logging.INFO)
 
+  held = []  # the model_dir lock, released however the run ends
+
+  def release_lock():
+    while held:
+      held.pop().release()
+
+  def leave(cluster, error):
+    release_lock()
+    exit_client(cluster, error)
+
   def body(watcher):
-    from layout_core.errors import ConfigError  # pylint: disable=g-import-not-at-top
-    from plugins import plan, run_status, training  # pylint: disable=g-import-not-at-top
+    # pylint: disable=g-import-not-at-top
+    from layout_core.checkpoint.lock import DirectoryLock, LockedError
+    from layout_core.errors import ConfigError
+    from plugins import plan, run_status, training
     record = run_status.RunStatusFile(MODEL_DIR.value)
     try:
       with gin_flags.parsed_config():
@@ -113,16 +125,23 @@ def main(argv):
         record = run_status.RunStatusFile(MODEL_DIR.value, enabled=cluster.client_id == 0)
         run_plan = plan.make_plan()
         plan.check_model_dir(MODEL_DIR.value)
+        if cluster.client_id == 0:  # one writer per model_dir, before anything else
+          held.append(DirectoryLock.acquire(MODEL_DIR.value, purpose='launch.train'))
         training.join_cluster(run_plan, cluster, devices_per_client=DEVICES_PER_CLIENT.value)
         result = train(run_plan, cluster, watcher, record)
+        final = run_status.PREEMPTED if result.stopped_early else run_status.COMPLETED
+        record.write(final, step=result.final_step, exit_code=run_status.EXIT_OK,
+                     metrics=final_metrics(result))
+        if cluster.is_multi_client:
+          leave(cluster, None)
+    except LockedError:
+      raise  # the directory is another run's: write nothing into it
     except ConfigError as e:
+      release_lock()  # first: a directory the lock created goes with it
       record.write_rejection(e)
       raise
-    final = run_status.PREEMPTED if result.stopped_early else run_status.COMPLETED
-    record.write(final, step=result.final_step, exit_code=run_status.EXIT_OK,
-                 metrics=final_metrics(result))
-    if cluster.is_multi_client:
-      exit_client(cluster, None)
+    finally:
+      release_lock()
 
   def train(run_plan, cluster, watcher, record):
     from layout_core.errors import ConfigError  # pylint: disable=g-import-not-at-top
@@ -134,7 +153,7 @@ def main(argv):
     except FloatingPointError as e:  # raised by the trainer on a non-finite loss
       record.write(run_status.DIVERGED, exit_code=run_status.EXIT_DIVERGED, error=str(e))
       if cluster.is_multi_client:
-        exit_client(cluster, e)
+        leave(cluster, e)
       logging.error('Training diverged: %s', e)
       print(f'\nTraining diverged: {e}', file=sys.stderr)
       sys.exit(run_status.EXIT_DIVERGED)
@@ -144,7 +163,7 @@ def main(argv):
       record.write(run_status.CRASHED, exit_code=1, error=f'{type(e).__name__}: {e}')
       if not cluster.is_multi_client:
         raise
-      exit_client(cluster, e)
+      leave(cluster, e)
 
   gin_flags.run_guarded(body)
 

@@ -99,6 +99,13 @@ def check_model_dir(path: str) -> None:
                       fix='give a directory path (a new one is created)')
   existing = os.path.abspath(path)
   while not os.path.exists(existing):
+    if os.path.islink(existing):  # a dangling link: its target may be an unmounted disk
+      raise ConfigError(
+          f'--model_dir {path!r} goes through the symbolic link {existing!r}, whose target '
+          f'{os.readlink(existing)!r} does not exist', where=where,
+          fix='create the target (mkdir -p it, or mount its filesystem), or give a path '
+              'without the broken link; meshgin does not create a missing link target, '
+              'since it is often a filesystem that is not mounted')
     existing = os.path.dirname(existing)
   if not os.path.isdir(existing):
     raise ConfigError(f'--model_dir {path!r} cannot be created: {existing!r} is a file',

@@ -36,6 +36,7 @@ from layout_core.train.engine import check_runs
 from layout_core.train.factory import make_trainer
 from layout_core.train.loop import Trainer
 from layout_core.train.memory import model_flops_per_step
+from plugins.agreement import check_clients_agree
 from plugins.plan import RunPlan
 from plugins.record import checkpoint_event_recorder, record_run
 
@@ -44,7 +45,9 @@ def join_cluster(plan: RunPlan, cluster: cluster_lib.ClusterSpec, *,
                  devices_per_client: int | None = None) -> None:
   """Makes this process one client of the global mesh (no-op for one client).
 
-  Each client brings mesh.num_devices / num_clients devices of its own."""
+  Each client brings mesh.num_devices / num_clients devices of its own; once
+  joined, the clients check that they all resolved the same run
+  (`plugins.agreement`)."""
   if not cluster.is_multi_client:
     return
   spec = plan.mesh_spec
@@ -59,6 +62,7 @@ def join_cluster(plan: RunPlan, cluster: cluster_lib.ClusterSpec, *,
                       where='pipeline.num_stages', fix='run the pipelined config with one client')
   logging.info('Joining the cluster as %s', cluster.describe())
   cluster_lib.connect(cluster, device_type=spec.device_type, num_local_devices=per_client)
+  check_clients_agree(plan, cluster)  # before any client builds, steps or saves
 
 
 def build_trainer(plan: RunPlan, *, watcher: PreemptionWatcher | None = None,
@@ -112,7 +116,8 @@ def run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
   checkpointer = Checkpointer(
       directory=os.path.join(model_dir, 'checkpoints'), state=trainer.state(),
       config=plan.checkpoint, extra_files={'config.gin': plan.operative_config},
-      on_event=checkpoint_event_recorder(writer), coordinator=coordinator)
+      on_event=checkpoint_event_recorder(writer), coordinator=coordinator,
+      check_state=trainer.check_finite)
   checkpointer.check_latest_fits()
   check_runs(trainer.engine, plan.task, plan.train)
 

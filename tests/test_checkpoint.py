@@ -4,6 +4,7 @@ saves, init_from (also from a TF1 name-based checkpoint), bad input."""
 import json
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -85,6 +86,53 @@ def test_async_save_writes_the_same_checkpoint(tmp_path, trained):
   assert ra.get_variable_to_shape_map() == rb.get_variable_to_shape_map()
   for key in ra.get_variable_to_shape_map():
     np.testing.assert_array_equal(ra.get_tensor(key), rb.get_tensor(key), err_msg=key)
+
+
+def test_saves_recreate_what_was_removed_underneath_them(tmp_path, trained, monkeypatch,
+                                                         caplog):
+  """checkpoints/ removed between saves, the newest checkpoint removed, and
+  checkpoints/ removed in the middle of a save: every next save works, and the
+  state file names only checkpoints that exist."""
+  checkpointer, _ = saved(tmp_path, trained, keep=5)
+  directory = tmp_path / 'checkpoints'
+  checkpointer.save(1, reason='periodic')
+  shutil.rmtree(directory)
+  checkpointer.save(2, reason='periodic')
+  checkpointer.save(3, reason='periodic')
+  shutil.rmtree(directory / 'ckpt-3')
+  checkpointer.save(4, reason='periodic')
+  assert f'{directory / "ckpt-3"}, listed in' in caplog.text
+  assert 'was removed by something else' in caplog.text
+  state = tf.train.get_checkpoint_state(str(directory))
+  assert [os.path.basename(os.path.dirname(p)) for p in state.all_model_checkpoint_paths] == [
+      'ckpt-2', 'ckpt-4']
+
+  write_shards = shard_io.write_shards
+  cleaned = []
+
+  def cleaner_strikes_mid_save(writes, *, directory, client_id):
+    if not cleaned:
+      cleaned.append(directory)
+      shutil.rmtree(os.path.dirname(directory))  # all of checkpoints/, temporary included
+    return write_shards(writes, directory=directory, client_id=client_id)
+  monkeypatch.setattr(shard_io, 'write_shards', cleaner_strikes_mid_save)
+  path = checkpointer.save(5, reason='periodic')
+  assert 'was removed while checkpoint 5 was being written' in caplog.text
+  assert sorted(os.listdir(directory)) == ['checkpoint', 'ckpt-5']
+  assert tf.train.latest_checkpoint(str(directory)) == path
+  reader = tf.train.load_checkpoint(path)
+  for key, value in values(trained).items():
+    np.testing.assert_array_equal(reader.get_tensor(key), value, err_msg=key)
+
+
+def test_a_save_the_state_check_refuses_writes_nothing(tmp_path, trained):
+  def diverged():
+    raise FloatingPointError('train loss is nan at step 3')
+  checkpointer = Checkpointer(directory=str(tmp_path / 'checkpoints'), state=trained.state(),
+                              config=CheckpointConfig(), check_state=diverged)
+  with pytest.raises(FloatingPointError, match='at step 3'):
+    checkpointer.save(3, reason='preemption')
+  assert not (tmp_path / 'checkpoints').exists()
 
 
 def test_keep_prunes_old_checkpoints_and_state_file_names_latest(tmp_path, trained):

@@ -132,15 +132,18 @@ class Checkpointer:
   def __init__(self, *, directory: str, state: Mapping[str, tf.Module],
                config: CheckpointConfig, extra_files: Mapping[str, str] | None = None,
                on_event: Callable[[CheckpointEvent], None] | None = None,
-               coordinator=None):
+               coordinator=None, check_state: Callable[[], None] | None = None):
     """`coordinator` (layout_core.layout.cluster) makes the clients of a multi-client
-    run agree; only its client 0 renames, prunes and writes the manifest."""
+    run agree; only its client 0 renames, prunes and writes the manifest.
+    `check_state()` runs before every save and raises to refuse it (the
+    trainer's finiteness check: a diverged state is never committed)."""
     self.directory = directory
     self.config = config
     self.state = dict(state)
     self.extra_files = dict(extra_files or {})
     self.on_event = on_event or (lambda event: None)
     self.coordinator = coordinator or SingleClient()
+    self.check_state = check_state or (lambda: None)
     self.is_chief = self.coordinator.client_id == 0
     self.entries = shard_io.checkpoint_entries(self.state)
     self._object_graph = shard_io.object_graph(self.state) if self.is_chief else None
@@ -148,6 +151,7 @@ class Checkpointer:
     self._last_saved_step: int | None = None
     self._thread: threading.Thread | None = None
     self._thread_error: BaseException | None = None
+    self._removed: set[str] = set()  # ckpt-N names this checkpointer moved or pruned
 
   def prepare_directory(self) -> None:
     """Creates the directory, removes what saves killed before their commit
@@ -258,6 +262,7 @@ class Checkpointer:
       logging.error('Checkpoint %s is unusable: %s. Moved it to %s and trying the '
                     'previous one.', path, problem, aside)
       if self.is_chief and os.path.exists(path):
+        self._removed.add(os.path.basename(path))
         os.rename(path, aside)
         self._update_state_file()
     return None
@@ -325,6 +330,7 @@ class Checkpointer:
     self.wait()
     if step == self._last_saved_step:
       return None
+    self.check_state()
     self._last_saved_step = step
     self._last_save_time = time.monotonic()
     final = os.path.join(self.directory, f'ckpt-{step}')
@@ -361,6 +367,23 @@ class Checkpointer:
 
   def _write(self, writes, temporary: str, final: str, step: int, reason: str,
              start: float) -> None:
+    """Writes and commits; a single client whose temporary directory is
+    removed underneath it (a disk cleaner, a user freeing space) writes the
+    checkpoint again, once, from the same snapshot."""
+    try:
+      self._write_once(writes, temporary, final, step, reason, start)
+    except (OSError, tf.errors.OpError) as e:
+      if (self.coordinator.num_clients > 1 or os.path.isdir(temporary)
+          or os.path.isdir(final)):
+        raise
+      logging.warning('%s was removed while checkpoint %d was being written (%s: %s); '
+                      'writing it again', temporary, step, type(e).__name__,
+                      str(e).splitlines()[0] if str(e) else '')
+      os.makedirs(temporary, exist_ok=True)
+      self._write_once(writes, temporary, final, step, reason, start)
+
+  def _write_once(self, writes, temporary: str, final: str, step: int, reason: str,
+                  start: float) -> None:
     client_id = self.coordinator.client_id
     parts = shard_io.write_shards(writes, directory=temporary, client_id=client_id)
     written = self.coordinator.gather(len(parts))  # every client's parts are on disk
@@ -423,6 +446,18 @@ class Checkpointer:
         f'all_model_checkpoint_paths: "{path}"\n' for path in valid)
 
   def _update_state_file(self) -> None:
+    """Writes the state file anew from the checkpoints on disk; one it listed
+    that is gone (removed by something else) is dropped, with a warning."""
+    path = os.path.join(self.directory, 'checkpoint')
+    try:
+      with open(path) as f:
+        listed = re.findall(r'all_model_checkpoint_paths: "(ckpt-\d+)/ckpt"', f.read())
+    except OSError:
+      listed = []
+    for name in listed:
+      if name not in self._removed and not os.path.isdir(os.path.join(self.directory, name)):
+        logging.warning('Checkpoint %s, listed in %s, was removed by something else; '
+                        'dropped it from the list', os.path.join(self.directory, name), path)
     text = self._state_file_text()
     if text:  # replaced atomically
       temporary = os.path.join(self.directory, 'checkpoint.tmp')
@@ -430,9 +465,12 @@ class Checkpointer:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-      os.replace(temporary, os.path.join(self.directory, 'checkpoint'))
+      os.replace(temporary, path)
+    elif listed:  # every checkpoint it named is gone
+      os.remove(path)
 
   def _prune(self) -> None:
     valid = [(s, p) for s, p in checkpoint_dirs(self.directory) if validate(p) is None]
     for _, path in valid[self.config.keep:]:
+      self._removed.add(os.path.basename(path))
       shutil.rmtree(path, ignore_errors=True)

@@ -6,7 +6,8 @@ client 0) makes their devices one global mesh, and the collectives DTensor
 inserts run across processes. This module only sets that runtime up and adds
 what it lacks: a bounded start (TF's own start blocks forever, holding the
 GIL and ignoring SIGTERM, when a peer never comes up) and two small
-collectives the checkpointer needs.
+collectives the checkpointer needs, plus `exchange` (strings between the
+clients, through the coordination service's key-value store).
 
     spec = ClusterSpec(client_id=1, addresses=('h0:9000', 'h1:9000'))
     connect(spec, device_type='CPU', num_local_devices=4)   # returns once all joined
@@ -152,6 +153,27 @@ def connect(spec: ClusterSpec, *, device_type: str, num_local_devices: int) -> N
     watchdog.stdin.write(b'ok')
     watchdog.stdin.close()
     watchdog.wait()
+
+
+def exchange(spec: ClusterSpec, *, key: str, value: str, timeout: float) -> list[str]:
+  """Every client's `value` for `key`, in client order, through the key-value
+  store of TF's coordination service (which DTensor's multi-client start
+  runs on client 0). Call after `connect`, with the same key on every client;
+  a peer that never posts its value is a TimeoutError after `timeout` s."""
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  if not spec.is_multi_client:
+    return [value]
+  runtime = context.context()
+  runtime.set_config_key_value(f'meshgin/{key}/{spec.client_id}', value)
+  values = []
+  for client in range(spec.num_clients):
+    try:
+      values.append(runtime.get_config_key_value(f'meshgin/{key}/{client}',
+                                                 timeout_in_ms=int(timeout * 1000)))
+    except tf.errors.OpError as e:
+      raise TimeoutError(f'client {client} did not post {key!r} within {timeout:g} s: '
+                         f'{str(e).splitlines()[0]}') from None
+  return values
 
 
 class SingleClient:

@@ -48,6 +48,7 @@ class Trainer:
     self.profile_dir = profile_dir
     self._eval_data = None
     self.last_eval_metrics: dict[str, float] = {}
+    self._unchecked: list[tuple[int, object, object]] = []  # (step, loss, grad norm)
 
   def state(self) -> dict:
     """Everything a checkpoint must hold to continue exactly.
@@ -56,6 +57,20 @@ class Trainer:
     of (seed, path) and (seed, step)."""
     return {'model': self.engine.model_state, 'optimizer': self.engine.optimizer,
             'counters': self.counters.module}
+
+  def check_finite(self) -> None:
+    """FloatingPointError naming the first step since the last check whose
+    loss or gradient norm is not finite. Every step's pair stays on the
+    device until a log step or a save asks (no host sync per step); a state
+    whose steps all passed is finite, since finite gradients make a finite
+    update. Called before every checkpoint, so none holds a diverged model."""
+    unchecked, self._unchecked = self._unchecked, []
+    for step, loss, grad_norm in unchecked:
+      for name, tensor in (('train loss', loss), ('gradient norm', grad_norm)):
+        value = float(to_numpy(tensor))
+        if not np.isfinite(value):
+          raise FloatingPointError(f'{name} is {value} at step {step}; lower '
+                                   'optimizer.learning_rate, clip harder or check the data')
 
   @property
   def current_step(self) -> int:
@@ -127,11 +142,10 @@ class Trainer:
       window_steps += 1
       done = step + 1
       last = done == config.num_steps
+      self._unchecked.append((done, loss, grad_norm))
       if done % config.log_every == 0 or last:
+        self.check_finite()
         loss_value = float(to_numpy(loss))
-        if not np.isfinite(loss_value):
-          raise FloatingPointError(f'train loss is {loss_value} at step {done}; '
-                                   'lower optimizer.learning_rate or clip harder')
         elapsed = time.perf_counter() - window_start
         steps_per_sec = window_steps / max(elapsed, 1e-9)
         eta = (config.num_steps - done) / max(steps_per_sec, 1e-9)

@@ -46,6 +46,7 @@ import threading
 import time
 from typing import Any, Sequence, TextIO
 
+from layout_core.checkpoint.lock import DirectoryLock
 from layout_core.errors import ConfigError
 from plugins.sweep import board as sweep_board
 from plugins import run_status
@@ -340,22 +341,24 @@ class SweepRunner:
 
   def run(self) -> list[dict[str, Any]]:
     """Runs every unfinished trial; returns one record per trial (sweep order)."""
-    os.makedirs(self.sweep.root, exist_ok=True)
-    check_config(self.sweep, self.trials)
-    sweep_board.write_experiment(self.sweep.root, self.sweep.axes)
-    waiting = self._unfinished_trials()
-    self.write_sweep_json()
-    handlers = {}
-    if threading.current_thread() is threading.main_thread():
-      for signum in (signal.SIGTERM, signal.SIGINT):
-        handlers[signum] = signal.signal(signum, self._handle_signal)
-    try:
-      self._run_trials(waiting)
-    finally:
-      for signum, handler in handlers.items():
-        signal.signal(signum, handler)
-    self.write_sweep_json()
-    return self._write_results()
+    # One driver per sweep root (a second one exits 2 naming this one); a
+    # root this run created is removed again if the config is rejected.
+    with DirectoryLock.acquire(self.sweep.root, purpose='launch.sweep'):
+      check_config(self.sweep, self.trials)
+      sweep_board.write_experiment(self.sweep.root, self.sweep.axes)
+      waiting = self._unfinished_trials()
+      self.write_sweep_json()
+      handlers = {}
+      if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+          handlers[signum] = signal.signal(signum, self._handle_signal)
+      try:
+        self._run_trials(waiting)
+      finally:
+        for signum, handler in handlers.items():
+          signal.signal(signum, handler)
+      self.write_sweep_json()
+      return self._write_results()
 
   def _unfinished_trials(self) -> list[Trial]:
     """Trials to run now: all but those that succeeded before (their records kept)."""
