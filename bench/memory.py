@@ -126,6 +126,57 @@ def inspect(bindings: list[str]) -> dict:
           'parameters': int(params.group(1).replace(',', '')) if params else None}
 
 
+def components(bindings: list[str]) -> dict:
+  """The estimator's totals (all devices) for the quickstart LM with `bindings`,
+  computed in this process (no TensorFlow: the plan and the memory model)."""
+  sys.path.insert(0, REPO_ROOT)
+  from plugins import gin_setup, plan as plan_lib, report  # pylint: disable=g-import-not-at-top
+  with gin_setup.parsed_config(files=['configs/experiments/quickstart.gin'], bindings=bindings,
+                               search_paths=[]):
+    estimate = report.plan_memory(plan_lib.make_plan())
+  return {'layers': estimate.num_layers, **estimate.total, 'host_peak': estimate.host_peak}
+
+
+FIT_GRID = [(name, width, layers) for name in SETTINGS for width, layers in
+            ((256, 2), (768, 2), (384, 6))] + [('float32', 1024, 2), ('float32', 128, 8)]
+
+
+def fit(steps: int) -> dict:
+  """Measured peak RSS of a grid of runs and the least-squares host model
+  peak = base + per_layer x leaf layers + state_factor x (parameters +
+  optimizer + gradients) + copies_factor x weight copies + activation_factor
+  x activations (the constants of layout_core/train/memory.py)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rows = []
+  for name, width, layers in FIT_GRID:
+    bindings = SETTINGS[name] + lm_bindings(width, steps) + [
+        f'transformer_lm.num_layers = {layers}']
+    parts = components(bindings)
+    run = train(bindings, budget=2**62)
+    rows.append({'setting': name, 'width': width, 'layers': layers, **parts,
+                 'measured': run['peak_bytes'], 'ok': run['ok']})
+    print(f'  {name:16s} width {width:4d} x {layers} layers: measured '
+          f'{run["peak_bytes"] / 2**30:.3f} GiB, model now {parts["host_peak"] / 2**30:.3f}',
+          flush=True)
+  good = [r for r in rows if r['ok']]
+  features = np.array([[1.0, r['layers'], r['parameters'] + r['optimizer'] + r['gradients'],
+                        r.get('weight copies', 0), r.get('activations', 0)] for r in good])
+  measured = np.array([r['measured'] for r in good], dtype=float)
+  coefficients, *_ = np.linalg.lstsq(features, measured, rcond=None)
+  predicted = features @ coefficients
+  for r, p in zip(good, predicted):
+    r['fitted'] = float(p)
+  names = ['base_bytes', 'per_layer_bytes', 'state_factor', 'copies_factor',
+           'activation_factor']
+  result = {'coefficients': dict(zip(names, map(float, coefficients))), 'runs': rows,
+            'worst_fit_ratio': float(max(abs(p / m - 1) for p, m in zip(predicted, measured)))}
+  print('fit: ' + ', '.join(f'{k} {v / 2**20 if k.endswith("bytes") else v:.3f}'
+                            f'{" MiB" if k.endswith("bytes") else ""}'
+                            for k, v in result['coefficients'].items())
+        + f'; worst |fitted / measured - 1| {result["worst_fit_ratio"]:.3f}')
+  return result
+
+
 def largest(setting: list[str], *, budget: int, steps: int, bisect: int, start: int,
             cache: dict) -> tuple[int | None, dict]:
   """The largest width (multiple of 64) within budget: doubling, then bisection."""
@@ -172,8 +223,19 @@ def main() -> None:
   parser.add_argument('--settings', nargs='*', default=list(SETTINGS))
   parser.add_argument('--search', nargs='*', default=None,
                       help='settings whose largest model is searched (default: all of --settings)')
+  parser.add_argument('--fit', action='store_true',
+                      help='refit the host-memory model of layout_core/train/memory.py '
+                           'on a grid of runs (writes bench/results/memory_fit.json)')
   parser.add_argument('--out', default=os.path.join(REPO_ROOT, 'bench', 'results', 'memory.json'))
   args = parser.parse_args()
+  if args.fit:
+    result = fit(args.steps)
+    out = os.path.join(os.path.dirname(args.out), 'memory_fit.json')
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, 'w') as f:
+      json.dump(result, f, indent=1)
+    print(f'wrote {out}')
+    return
   if args.quick:
     args.width = 128
   budget = int(args.budget_gib * 2**30)

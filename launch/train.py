@@ -13,7 +13,9 @@ step finishes and a checkpoint is saved); 2 on a configuration error, with a
 one-paragraph message saying what, where (gin file and line) and how to fix
 it; 3 when the loss became NaN or infinite (one line: 'Training diverged: ...').
 Nothing in --model_dir is created or changed before the config, the machine
-and any existing checkpoint have been checked.
+and any existing checkpoint have been checked, except its lock file: one run
+per --model_dir (a second one exits 2 naming the first), and no checkpoint
+holding a NaN or Inf is ever committed (exit 3 names the first bad step).
 
 Several processes or hosts train one model as the clients of one global mesh
 (every client: same flags, its own --client_id; see launch/local_cluster.py):
@@ -71,7 +73,7 @@ def cluster_from_flags():
                                   init_timeout=CLUSTER_INIT_TIMEOUT.value)
 
 
-def exit_client(cluster, error: BaseException | None) -> None:
+def exit_client(cluster, error: BaseException | None, code: int | None = None) -> None:
   """Ends a multi-client process at once: TF's runtime can hang at interpreter
   exit once a peer is gone, so the client says why and leaves with os._exit."""
   if error is not None:
@@ -83,7 +85,9 @@ def exit_client(cluster, error: BaseException | None) -> None:
   logging.flush()
   sys.stdout.flush()
   sys.stderr.flush()
-  os._exit(1 if error is not None else 0)  # pylint: disable=protected-access
+  if code is None:
+    code = 1 if error is not None else 0
+  os._exit(code)  # pylint: disable=protected-access
 
 
 def final_metrics(result) -> dict[str, float]:
@@ -109,9 +113,9 @@ def main(argv):
     while held:
       held.pop().release()
 
-  def leave(cluster, error):
+  def leave(cluster, error, code=None):
     release_lock()
-    exit_client(cluster, error)
+    exit_client(cluster, error, code)
 
   def body(watcher):
     # pylint: disable=g-import-not-at-top
@@ -153,7 +157,8 @@ def main(argv):
     except FloatingPointError as e:  # raised by the trainer on a non-finite loss
       record.write(run_status.DIVERGED, exit_code=run_status.EXIT_DIVERGED, error=str(e))
       if cluster.is_multi_client:
-        leave(cluster, e)
+        print(f'\nTraining diverged: {e}', file=sys.stderr)
+        leave(cluster, None, run_status.EXIT_DIVERGED)
       logging.error('Training diverged: %s', e)
       print(f'\nTraining diverged: {e}', file=sys.stderr)
       sys.exit(run_status.EXIT_DIVERGED)

@@ -2,10 +2,12 @@
 complete, readable and finite: two writers on one model_dir (trainers and
 sweeps, real processes), a diverged model at a save, clients started with
 different settings, a model_dir that changes underneath a run, and broken
-paths. (Saves that recreate what they need: tests/test_checkpoint.py.)"""
+paths. (A removal in the middle of a save: tests/test_checkpoint.py.)"""
 
 import json
 import os
+import re
+import shutil
 import signal
 import time
 
@@ -41,11 +43,33 @@ def assert_checkpoints_sound(model_dir):
   return [step for step, _ in found]
 
 
+def remove(path):
+  """rm -rf, retried: a save may be writing into it at that moment."""
+  for _ in range(50):
+    shutil.rmtree(path, ignore_errors=True)
+    if not os.path.exists(path):
+      return
+    time.sleep(0.05)
+  raise AssertionError(f'could not remove {path}')
+
+
+def wait_after(launched, pattern, timeout=120):
+  """The first match of `pattern` in what `launched` prints from now on."""
+  mark, deadline = len(launched.output), time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    match = re.search(pattern, launched.output[mark:])
+    if match:
+      return match
+    assert launched.process.poll() is None, launched.output[-3000:]
+    time.sleep(0.05)
+  raise AssertionError(f'no {pattern!r} within {timeout} s:\n{launched.output[-3000:]}')
+
+
 # -- 1. one writer per model_dir ---------------------------------------------------------
 def test_two_trainers_at_once_one_refused_and_a_killed_ones_lock_taken_over(tmp_path):
   model_dir = str(tmp_path / 'run')
   args = [*QUICK, steps(100000), '--gin_bindings=checkpoint.every_steps = 2',
-          f'--model_dir={model_dir}']
+          '--gin_bindings=checkpoint.keep = 1000', f'--model_dir={model_dir}']
   first, second = (Launched('launch.train', *args, label=f'trainer {k}') for k in (1, 2))
   try:
     deadline = time.monotonic() + 120
@@ -60,19 +84,26 @@ def test_two_trainers_at_once_one_refused_and_a_killed_ones_lock_taken_over(tmp_
     assert 'launch.train' in message and 'another --model_dir' in message
     assert 'Traceback' not in output
 
+    # 4. the model_dir changing underneath the survivor: a cleaner removes
+    # checkpoints/, then the newest checkpoint; the next saves carry on.
     running.wait_for(r'Saved checkpoint .*ckpt-4/ckpt', timeout=300)
+    remove(os.path.join(model_dir, 'checkpoints'))
+    step = int(wait_after(running, r'Saved checkpoint .*ckpt-(\d+)/ckpt').group(1))
+    remove(os.path.join(model_dir, 'checkpoints', f'ckpt-{step}'))
+    wait_after(running, f'ckpt-{step}, listed in .* was removed by something else')
     running.process.send_signal(signal.SIGKILL)
-    running.finish(timeout=30)
+    assert 'Traceback' not in running.finish(timeout=30)
   finally:
     for launched in (first, second):
       if launched.process.poll() is None:
         launched.process.kill()
-  resumed = run_module('launch.train', *QUICK, steps(6), f'--model_dir={model_dir}')
+  newest = assert_checkpoints_sound(model_dir)[0]
+  resumed = run_module('launch.train', *QUICK, steps(newest + 2), f'--model_dir={model_dir}')
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f'Took over the lock on {model_dir} left by pid {running.process.pid}' in resumed.stderr
   assert 'is no longer running' in resumed.stderr
-  assert 'Resumed from' in resumed.stderr
-  assert assert_checkpoints_sound(model_dir)[0] == 6
+  assert f'ckpt-{newest}/ckpt at step {newest}' in resumed.stderr
+  assert assert_checkpoints_sound(model_dir)[0] == newest + 2
   assert open(os.path.join(model_dir, LOCK_NAME)).read() == ''  # given back
 
 

@@ -1,6 +1,8 @@
 """Adafactor against a NumPy reference, and sharded optimizer state (ZeRO-1)
 against unsharded state: the same training, checkpoints that move both ways."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -85,13 +87,13 @@ def mesh_4x2(devices8):
   return build_mesh(MeshSpec(shape={'data': 4, 'model': 2}))
 
 
-def sharded_and_plain(mesh, **optimizer):
+def sharded_and_plain(mesh, rules=MEGATRON, **optimizer):
 
   def make(shard_state):
     return make_trainer(
         model=transformer_lm_params(vocab_size=30, model_dim=32, num_heads=4, ffn_dim=64,
                                     num_layers=2, max_len=16),
-        mesh=mesh, rules=LayoutRules(MEGATRON),
+        mesh=mesh, rules=LayoutRules(rules),
         task=MarkovTask(vocab_size=30, seq_len=16, seed=3),
         optimizer=OptimizerConfig(learning_rate=1e-2, warmup_steps=0, shard_state=shard_state,
                                   **optimizer),
@@ -172,3 +174,22 @@ def optimizer_trainer(mesh, rules, pipeline, **optimizer):
       optimizer=OptimizerConfig(learning_rate=1e-2, warmup_steps=0, **optimizer),
       config=TrainConfig(num_steps=2, batch_size=8, log_every=1, eval_every=0,
                          eval_batches=1), pipeline=pipeline)
+
+
+def test_sharded_state_on_a_one_axis_mesh_equals_unsharded_state(mesh_data8):
+  """On a one-axis mesh the update's all-gather compiles to CollectiveGatherV2
+  (`gather_lowering`, while the update first runs): same values as unsharded
+  state, and the lowering is scoped (the variable is unset afterwards)."""
+  from layout_core.layout.mesh import GATHER_LOWERING
+  sharded, plain = sharded_and_plain(mesh_data8, rules=[])
+  assert sharded.engine.optimizer.m['lm/stack/block_000/ffn/w_in'].layout.sharding_specs == [
+      'unsharded', 'data']  # [32, 64]: its largest dim
+  for step in range(3):
+    batch = {'tokens': sharded.task.batch(step=step, batch_size=8)}
+    loss_a = float(to_numpy(sharded.train_step(batch)[0]))
+    loss_b = float(to_numpy(plain.train_step(batch)[0]))
+    assert loss_a == pytest.approx(loss_b, rel=1e-5), step
+  assert GATHER_LOWERING not in os.environ
+  for path, value in values(plain.engine.variables).items():
+    np.testing.assert_allclose(to_numpy(sharded.engine.variables[path]), value, atol=1e-5,
+                               err_msg=path)

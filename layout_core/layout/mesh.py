@@ -15,9 +15,11 @@ meshes used by pipeline parallelism.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Mapping
+import os
+from typing import Iterator, Mapping
 
 from layout_core.errors import ConfigError
 from layout_core.fields import check_types
@@ -138,6 +140,29 @@ def _distributed_mesh(spec: MeshSpec) -> dtensor.Mesh:
         'the devices per client (--devices_per_client for local CPU clusters)')
   return dtensor.create_distributed_mesh(list(spec.shape.items()),
                                          device_type=spec.device_type)
+
+
+GATHER_LOWERING = 'LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2'
+
+
+@contextlib.contextmanager
+def gather_lowering(mesh: dtensor.Mesh | None) -> Iterator[None]:
+  """Functions first run (compiled) in this block on a one-axis `mesh` lower
+  their all-gathers to TF's CollectiveGatherV2 instead of DTensor's default,
+  a zero-padded all-reduce that kept 2-3 replicated copies of every gathered
+  tensor alive on CPU (`bench/all_gather_memory.py`). TF 2.21 reads the
+  variable when it compiles, so the choice sticks to each compiled function.
+  Only one-axis meshes: on a 2-D mesh the CollectiveGatherV2 lowering fails to
+  compile most relayouts (`tf.Reshape` element count errors; no wrong values
+  seen). A no-op for other meshes or when the variable is already set."""
+  if mesh is None or len(mesh.dim_names) != 1 or GATHER_LOWERING in os.environ:
+    yield
+    return
+  os.environ[GATHER_LOWERING] = '1'
+  try:
+    yield
+  finally:
+    os.environ.pop(GATHER_LOWERING, None)
 
 
 def mesh_axes(mesh: dtensor.Mesh) -> dict[str, int]:

@@ -23,6 +23,7 @@ from typing import Callable
 import numpy as np
 from absl import logging
 
+from layout_core.layout.mesh import gather_lowering
 from layout_core.layout.scope import bytes_per_device, table_markdown
 from layout_core.layout.variables import to_numpy
 from layout_core.tasks import Task
@@ -79,7 +80,8 @@ class Trainer:
   def train_step(self, batch):
     """One optimizer step on a host batch: (loss, lr, grad_norm, metrics) tensors."""
     loss, metrics, grads = self.engine.loss_and_gradients(self.engine.pack(batch))
-    lr, grad_norm = self.engine.apply_gradients(grads)
+    with gather_lowering(getattr(self.engine, 'mesh', None)):  # sharded optimizer state
+      lr, grad_norm = self.engine.apply_gradients(grads)
     return loss, lr, grad_norm, metrics
 
   def evaluate(self) -> tuple[float, dict[str, float]]:

@@ -54,22 +54,23 @@ model, per device (the fullest one) and in total (summed over the devices):
 
 The peak per device is the sum of these categories (what the devices hold).
 `host_peak` is the process's peak resident memory when every device lives in
-it (CPU meshes), fitted to measured peak RSS of `launch.train` (3 steps,
-8 virtual CPU devices, 2-core x86, TF 2.21; 6 LMs from 0.1M to 13M
-parameters, 2 to 8 blocks, activation- and state-heavy; every fit within 4%):
+it (CPU meshes), fitted by least squares to the measured peak RSS of
+`launch.train` (`python bench/memory.py --fit`: 3 steps, 8 virtual CPU devices,
+2-core x86, TF 2.21; 14 runs of the quickstart LM, float32 / bf16 / bf16 +
+remat / bf16 + remat + sharded state, widths 128 to 1024, 2 to 8 blocks, 0.8M
+to 25M parameters; every fit within 9%):
 
-    host_peak = 550 MiB                  Python, TensorFlow, 8 devices at start
-              + 59 MiB x leaf layers     the traced step functions (SPMD-expanded)
-              + 2.58 x (parameters + optimizer + gradients + weight copies), total
-              + 0.26 x activations, total
+    host_peak = 573 MiB                  Python, TensorFlow, 8 devices at start
+              + 53 MiB x leaf layers     the traced step functions (SPMD-expanded)
+              + 1.34 x (parameters + optimizer + gradients), total
+              + 1.06 x weight copies, total
+              + 2.10 x activations, total
 
-State costs more than its bytes (initializer and update temporaries, and
-glibc's per-thread arenas keep freed blocks: RSS still grows over the first
-steps); activations cost less than the model says, since the backward frees
-them while the gradients are made (grads and activations peak at different
-moments) and the CPU runtime fuses some ops. Keras models: parameters,
-optimizer state and gradients from the records; activations are not
-declared, so not known.
+State costs a third more than its bytes (initializer and update
+temporaries); activations cost about twice what the model counts, since the
+backward's working set and the CPU runtime's temporaries come on top of what
+is kept. Keras models: parameters, optimizer state and gradients from the
+records; activations are not declared, so not known.
 
 Model FLOPs per step (`model_flops_per_step`): 3 x the forward matmul FLOPs
 the layers declare for the step's batch (`LayerMeta.matmul_flops`: the
@@ -90,11 +91,12 @@ from layout_core.params import Params
 
 UNSHARDED = 'unsharded'
 MIB = 2**20
-# The host-process fit of the module docstring (least squares over 6 measured runs).
-HOST_BASE_BYTES = 550 * MIB
-HOST_PER_LAYER_BYTES = 59 * MIB
-HOST_STATE_FACTOR = 2.58
-HOST_ACTIVATION_FACTOR = 0.26
+# The host-process fit of the module docstring (bench/memory.py --fit, 14 runs).
+HOST_BASE_BYTES = 573 * MIB
+HOST_PER_LAYER_BYTES = 53 * MIB
+HOST_STATE_FACTOR = 1.34
+HOST_COPIES_FACTOR = 1.06
+HOST_ACTIVATION_FACTOR = 2.10
 CATEGORIES = ('parameters', 'optimizer', 'gradients', 'weight copies', 'activations')
 
 
@@ -119,9 +121,11 @@ class MemoryEstimate:
   @property
   def host_peak(self) -> int:
     """The whole process when every device is in its memory (CPU meshes)."""
+    activations = self.total.get('activations', 0)
+    copies = self.total.get('weight copies', 0)
     return int(HOST_BASE_BYTES + HOST_PER_LAYER_BYTES * self.num_layers
-               + HOST_ACTIVATION_FACTOR * self.total.get('activations', 0)
-               + HOST_STATE_FACTOR * (self.peak_total - self.total.get('activations', 0)))
+               + HOST_ACTIVATION_FACTOR * activations + HOST_COPIES_FACTOR * copies
+               + HOST_STATE_FACTOR * (self.peak_total - activations - copies))
 
 
 def estimate_memory(*, records: Sequence[Any], params: Any,
