@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS, run_child, write_json  # pylint: disable=wrong-import-position
 
 _CHILD = r'''
 import json, sys, time
@@ -68,8 +70,7 @@ VARIABLE = 'LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2'
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--out', default=os.path.join(
-      os.path.dirname(os.path.abspath(__file__)), 'results', 'all_gather_memory.json'))
+  parser.add_argument('--out', default=os.path.join(RESULTS, 'all_gather_memory.json'))
   args = parser.parse_args()
   results = []
   print(f'{"shape":>16s} {"dim":>3s} {"vars":>4s} {"replicated MiB":>14s} {"setting":>22s} '
@@ -77,13 +78,7 @@ def main() -> None:
   for shape, dim, count in CASES:
     checksums = set()
     for name, value in SETTINGS.items():
-      env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
-      env.pop(VARIABLE, None)
-      if value is not None:
-        env[VARIABLE] = value
-      done = subprocess.run([sys.executable, '-c', _CHILD, json.dumps(shape), str(dim),
-                             str(count)], env=env, capture_output=True, text=True, check=True)
-      row = json.loads(done.stdout.split('RESULT ', 1)[1])
+      row = run_child(_CHILD, json.dumps(shape), str(dim), str(count), env={VARIABLE: value})
       checksums.add(round(row.pop('checksum'), 2))
       size = 4 * 8 * count
       for n in shape:
@@ -94,10 +89,7 @@ def main() -> None:
             f'{row["first_call_bytes"] / 2**20:12.0f} {row["later_calls_bytes"] / 2**20:10.0f} '
             f'{1e3 * row["seconds_per_call"]:8.1f}', flush=True)
     print(f'{"":>16s} same values in both settings: {len(checksums) == 1}')
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, 'w') as f:
-    json.dump(results, f, indent=1)
-  print(f'wrote {args.out}')
+  write_json(results, args.out)
 
 
 if __name__ == '__main__':

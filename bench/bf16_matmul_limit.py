@@ -13,10 +13,11 @@ subprocess each) and intra-op threads 1 vs all cores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS, run_child, write_json  # pylint: disable=wrong-import-position
 
 _CHILD = r'''
 import json, sys, time
@@ -57,8 +58,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--sizes', type=int, nargs='*', default=[512, 1024, 2048])
-  parser.add_argument('--out', default=os.path.join(
-      os.path.dirname(os.path.abspath(__file__)), 'results', 'bf16_matmul.json'))
+  parser.add_argument('--out', default=os.path.join(RESULTS, 'bf16_matmul.json'))
   args = parser.parse_args()
   flags = open('/proc/cpuinfo').read() if os.path.exists('/proc/cpuinfo') else ''
   print(f'CPU flags: avx512_bf16={"avx512_bf16" in flags} amx_bf16={"amx_bf16" in flags}, '
@@ -68,21 +68,15 @@ def main() -> None:
         f'{"bf16 GFLOP/s":>12s} {"bf16/f32":>8s}')
   for onednn in ('1', '0'):
     for threads in (0, 1):
-      env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS=onednn, TF_CPP_MIN_LOG_LEVEL='2')
-      done = subprocess.run([sys.executable, '-c', _CHILD, str(threads),
-                             ','.join(map(str, args.sizes))], env=env, capture_output=True,
-                            text=True, check=True)
-      rows = json.loads(done.stdout.split('RESULT ', 1)[1])
+      rows = run_child(_CHILD, str(threads), ','.join(map(str, args.sizes)),
+                       env={'TF_ENABLE_ONEDNN_OPTS': onednn})
       for row in rows:
         row.update(onednn=onednn == '1', intra_op_threads=threads or os.cpu_count())
         results.append(row)
         print(f'{onednn:>6s} {row["intra_op_threads"]:7d} {row["size"]:5d} '
               f'{str(row["jit_compile"]):>5s} {row["float32_gflops"]:11.1f} '
               f'{row["bfloat16_gflops"]:12.1f} {row["bf16_speedup"]:8.2f}', flush=True)
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, 'w') as f:
-    json.dump(results, f, indent=1)
-  print(f'wrote {args.out}')
+  write_json(results, args.out)
 
 
 if __name__ == '__main__':
