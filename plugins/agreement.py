@@ -20,13 +20,12 @@ import functools
 import hashlib
 import json
 import os
-import re
 
 from layout_core.errors import ConfigError
 from layout_core.layout import cluster as cluster_lib
+from plugins.gin_setup import gin_settings
 from plugins.plan import RunPlan
 
-_BINDING = re.compile(r'^([A-Za-z_][\w./@]*) = ')
 _PACKAGES = ('layout_core', 'plugins', 'launch')
 
 
@@ -44,23 +43,6 @@ def code_digest() -> str:
         with open(path, 'rb') as f:
           digest.update(f.read() + b'\0')
   return digest.hexdigest()[:16]
-
-
-def gin_settings(operative_config: str) -> dict[str, str]:
-  """{'train.num_steps': '300', ...}: one entry per binding of a gin operative
-  config (a value spread over several lines is joined)."""
-  settings: dict[str, str] = {}
-  current = None
-  for line in operative_config.splitlines():
-    match = _BINDING.match(line)
-    if match:
-      current = match.group(1)
-      settings[current] = line[match.end():].strip()
-    elif current and line.strip() and not line.startswith('#'):
-      settings[current] += ' ' + line.strip()
-    elif not line.strip() or line.startswith('#'):
-      current = None
-  return settings
 
 
 def fingerprint(plan: RunPlan) -> dict[str, str]:

@@ -42,6 +42,7 @@ from layout_core.errors import ConfigError
 from plugins import configurables  # noqa: F401  registers the configurables
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_BINDING = re.compile(r'^([A-Za-z_][\w./@]*) = ')
 _GIN_NOISE = re.compile(r"\s*In call to configurable '.*", re.DOTALL)
 _PARAMETER = re.compile(r'\b((?:[A-Za-z_]\w*/)*[A-Za-z_]\w*)\.([A-Za-z_]\w*)\b')
 
@@ -287,3 +288,20 @@ def parsed_config(*, files: Sequence[str], bindings: Sequence[str],
     if 'Required bindings' not in str(e):
       raise
     raise sources.locate(explain_gin_error(e)) from None
+
+
+def gin_settings(operative_config: str) -> dict[str, str]:
+  """{'train.num_steps': '300', ...}: one entry per binding of a gin operative
+  config (a value spread over several lines is joined)."""
+  settings: dict[str, str] = {}
+  current = None
+  for line in operative_config.splitlines():
+    match = _BINDING.match(line)
+    if match:
+      current = match.group(1)
+      settings[current] = line[match.end():].strip()
+    elif current and line.strip() and not line.startswith('#'):
+      settings[current] += ' ' + line.strip()
+    elif not line.strip() or line.startswith('#'):
+      current = None
+  return settings

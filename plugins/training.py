@@ -38,7 +38,7 @@ from layout_core.train.loop import Trainer
 from layout_core.train.memory import model_flops_per_step
 from plugins.agreement import check_clients_agree
 from plugins.plan import RunPlan
-from plugins.record import checkpoint_event_recorder, record_run
+from plugins.record import checkpoint_event_recorder, record_resume_changes, record_run
 
 
 def join_cluster(plan: RunPlan, cluster: cluster_lib.ClusterSpec, *,
@@ -129,8 +129,12 @@ def run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
     on_start()
   if chief:
     record_run(trainer, plan, model_dir=model_dir)
-  if checkpointer.restore_latest() is None and plan.checkpoint.init_from:
+  restored = checkpointer.restore_latest()
+  if restored is None and plan.checkpoint.init_from:
     checkpointer.init_from(plan.checkpoint.init_from, trainer.engine.variables)
+  elif restored is not None and chief:
+    record_resume_changes(plan, writer=writer, step=restored, checkpoint_dir=os.path.join(
+        model_dir, 'checkpoints', f'ckpt-{restored}'))
 
   def after_step(step: int) -> bool:
     requested = watcher.requested
@@ -155,9 +159,12 @@ def run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
   finally:
     checkpointer.wait()
   if result.eval_losses:
-    first, last = result.eval_losses[0][1], result.eval_losses[-1][1]
-    logging.info('Done at step %d: eval loss %.4f (first %.4f, %.0f%%), %.2f steps/s',
-                 result.final_step, last, first, 100 * last / first, result.steps_per_sec)
+    (first_step, first), (last_step, last) = result.eval_losses[0], result.eval_losses[-1]
+    versus = (f' vs {first:.4f} at step {first_step} ({100 * last / first:.0f}%)'
+              if first_step != last_step else '')
+    logging.info('Done at step %d: eval loss %.4f at step %d%s; this process trained steps '
+                 '%d..%d at %.2f steps/s', result.final_step, last, last_step, versus,
+                 result.start_step, result.final_step, result.steps_per_sec)
   writer.close()
   if coordinator.num_clients > 1:
     logging.info('Training done; waiting for every client to finish')

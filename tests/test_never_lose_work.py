@@ -17,7 +17,8 @@ import tensorflow as tf
 
 from layout_core.checkpoint.files import checkpoint_dirs, validate
 from layout_core.checkpoint.lock import LOCK_NAME, DirectoryLock, LockedError
-from plugins.agreement import disagreement, gin_settings
+from plugins.agreement import disagreement
+from plugins.gin_setup import gin_settings
 from tests.conftest import Launched, run_module
 
 QUICK = ['--gin_file=configs/experiments/quickstart.gin',

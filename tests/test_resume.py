@@ -37,6 +37,17 @@ def test_n_plus_n_steps_equals_2n_steps_bit_exactly(tmp_path):
   for result in (a, b1, b2):
     assert result.returncode == 0, result.stderr[-2000:]
   assert re.search(r'Resumed from .*ckpt-4/ckpt at step 4', b2.stderr)
+  # The longer horizon is said, with the schedule's rate at the resumed step
+  # under both horizons (independently, from the schedule's own formula).
+  from layout_core.train.optimizer import OptimizerConfig, learning_rate
+  config = OptimizerConfig(learning_rate=3e-3, warmup_steps=30, decay='constant')  # BASE's
+  assert re.search(r'Resumed at step 4 with settings that differ from .*ckpt-4/config.gin:\n'
+                   r'  train.num_steps: 4 -> 8\n', b2.stderr), b2.stderr[-3000:]
+  assert (f'the learning-rate schedule now spans 8 steps (was 4): at step 4 the rate is '
+          f'{float(learning_rate(config, 4, 8)):.3e} ({float(learning_rate(config, 4, 4)):.3e} '
+          'under the old schedule)') in b2.stderr
+  changes = read_events(resumed)['text']['resume/changed_settings']
+  assert changes and 'train.num_steps: 4 -> 8' in changes[-1]
   expected, actual = final_values(straight), final_values(resumed)
   assert expected.keys() == actual.keys()
   for key in expected:

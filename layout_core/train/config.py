@@ -74,6 +74,7 @@ class TrainResult:
   steps_per_sec: float
   eval_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the last eval's
   stopped_early: bool = False           # `after_step` asked to stop (preemption)
+  start_step: int = 0                   # where this run started (a resume: the checkpoint's)
 
 
 def batch_axis_for(config: TrainConfig, mesh_axes: Mapping[str, int], *,

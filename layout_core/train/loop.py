@@ -179,7 +179,8 @@ class Trainer:
     overall = (done - start) / total if total > 0 else 0.0
     return TrainResult(final_step=done, train_loss=loss_value, eval_losses=eval_losses,
                        steps_per_sec=overall or steps_per_sec,
-                       eval_metrics=self.last_eval_metrics, stopped_early=stopped_early)
+                       eval_metrics=self.last_eval_metrics, stopped_early=stopped_early,
+                       start_step=start)
 
   def _run_eval(self, step: int) -> float:
     value, metrics = self.evaluate()
