@@ -133,8 +133,12 @@ def run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
   if restored is None and plan.checkpoint.init_from:
     checkpointer.init_from(plan.checkpoint.init_from, trainer.engine.variables)
   elif restored is not None and chief:
-    record_resume_changes(plan, writer=writer, step=restored, checkpoint_dir=os.path.join(
-        model_dir, 'checkpoints', f'ckpt-{restored}'))
+    try:  # a report: it must never stop the run it reports on
+      record_resume_changes(plan, writer=writer, step=restored, checkpoint_dir=os.path.join(
+          model_dir, 'checkpoints', f'ckpt-{restored}'))
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning('Could not compare the settings with the checkpoint\'s: %s: %s',
+                      type(e).__name__, e)
 
   def after_step(step: int) -> bool:
     requested = watcher.requested
