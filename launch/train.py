@@ -11,7 +11,9 @@ Running the same command again resumes from the newest checkpoint.
 Exit status: 0 on success (also when stopped by SIGTERM/SIGINT: the current
 step finishes and a checkpoint is saved); 2 on a configuration error, with a
 one-paragraph message saying what, where (gin file and line) and how to fix
-it; 3 when the loss became NaN or infinite (one line: 'Training diverged: ...').
+it; 3 when the loss became NaN or infinite (one line: 'Training diverged: ...');
+5 when a data file turned out corrupt or truncated mid-run ('Data error: data
+file F cannot be read: ...'; the checkpoints written before it stay).
 Nothing in --model_dir is created or changed before the config, the machine
 and any existing checkpoint have been checked, except its lock file: one run
 per --model_dir (a second one exits 2 naming the first), and no checkpoint
@@ -148,8 +150,10 @@ def main(argv):
       release_lock()
 
   def train(run_plan, cluster, watcher, record):
-    from layout_core.errors import ConfigError  # pylint: disable=g-import-not-at-top
-    from plugins import run_status, training  # pylint: disable=g-import-not-at-top
+    # pylint: disable=g-import-not-at-top
+    from layout_core.errors import ConfigError
+    from layout_core.tasks.streams import DataError
+    from plugins import run_status, training
     try:
       return training.run_training(run_plan, model_dir=MODEL_DIR.value, watcher=watcher,
                                    cluster=cluster,
@@ -164,6 +168,13 @@ def main(argv):
       sys.exit(run_status.EXIT_DIVERGED)
     except ConfigError:
       raise
+    except DataError as e:  # a corrupt or truncated file, named
+      record.write(run_status.DATA_ERROR, exit_code=run_status.EXIT_DATA_ERROR, error=str(e))
+      print(f'\nData error: {e}', file=sys.stderr)
+      if cluster.is_multi_client:
+        leave(cluster, None, run_status.EXIT_DATA_ERROR)
+      logging.error('Data error: %s', e)
+      sys.exit(run_status.EXIT_DATA_ERROR)
     except Exception as e:  # pylint: disable=broad-except
       record.write(run_status.CRASHED, exit_code=1, error=f'{type(e).__name__}: {e}')
       if not cluster.is_multi_client:

@@ -32,11 +32,13 @@ EXIT_CONFIG_ERROR = 2      # the config was rejected; nothing was written
 EXIT_DIVERGED = 3          # the loss became NaN or infinite
 EXIT_SWEEP_FAILED = 1      # launch.sweep: some trial failed
 EXIT_SWEEP_INTERRUPTED = 4  # launch.sweep: stopped by a signal; run it again to continue
+EXIT_DATA_ERROR = 5        # a data file could not be read mid-run; checkpoints stay
 
 STATUS_FILE = 'run_status.json'
 RUNNING, COMPLETED, PREEMPTED = 'running', 'completed', 'preempted'
 DIVERGED, CONFIG_ERROR, CRASHED = 'diverged', 'config_error', 'crashed'
-STATUSES = (RUNNING, COMPLETED, PREEMPTED, DIVERGED, CONFIG_ERROR, CRASHED)
+DATA_ERROR = 'data_error'
+STATUSES = (RUNNING, COMPLETED, PREEMPTED, DIVERGED, CONFIG_ERROR, CRASHED, DATA_ERROR)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -117,7 +117,7 @@ def run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
       directory=os.path.join(model_dir, 'checkpoints'), state=trainer.state(),
       config=plan.checkpoint, extra_files={'config.gin': plan.operative_config},
       on_event=checkpoint_event_recorder(writer), coordinator=coordinator,
-      check_state=trainer.check_finite)
+      check_state=trainer.check_finite, data_state=trainer.data_state)
   checkpointer.check_latest_fits()
   check_runs(trainer.engine, plan.task, plan.train)
 
@@ -130,6 +130,7 @@ def run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
   if chief:
     record_run(trainer, plan, model_dir=model_dir)
   restored = checkpointer.restore_latest()
+  trainer.resume_data_state = checkpointer.restored_data_state
   if restored is None and plan.checkpoint.init_from:
     checkpointer.init_from(plan.checkpoint.init_from, trainer.engine.variables)
   elif restored is not None and chief:

@@ -86,6 +86,28 @@ def is_damage(error: Exception) -> bool:
   return isinstance(error, ValueError)
 
 
+DATA_STATE_FILE = 'data_state.json'
+
+
+def merge_data_states(texts) -> dict | None:
+  """One data state from every client's (JSON text, '' for none): each
+  client reports the streams it reads; together they cover all of them."""
+  merged: dict = {}
+  for text in texts:
+    for split, streams in (json.loads(text) if text else {}).items():
+      merged.setdefault(split, {}).update(streams)
+  return merged or None
+
+
+def read_data_state(path: str) -> dict | None:
+  """A checkpoint directory's data state, None when it has none."""
+  try:
+    with open(os.path.join(path, DATA_STATE_FILE)) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
   every_steps: int = 100        # save every N steps (0: never periodically)
@@ -132,11 +154,15 @@ class Checkpointer:
   def __init__(self, *, directory: str, state: Mapping[str, tf.Module],
                config: CheckpointConfig, extra_files: Mapping[str, str] | None = None,
                on_event: Callable[[CheckpointEvent], None] | None = None,
-               coordinator=None, check_state: Callable[[], None] | None = None):
+               coordinator=None, check_state: Callable[[], None] | None = None,
+               data_state: Callable[[], dict | None] | None = None):
     """`coordinator` (layout_core.layout.cluster) makes the clients of a multi-client
     run agree; only its client 0 renames, prunes and writes the manifest.
     `check_state()` runs before every save and raises to refuse it (the
-    trainer's finiteness check: a diverged state is never committed)."""
+    trainer's finiteness check: a diverged state is never committed).
+    `data_state()` is where this client's input stands (JSON-able; merged
+    over the clients into the checkpoint's data_state.json, and read back
+    into `restored_data_state` on restore)."""
     self.directory = directory
     self.config = config
     self.state = dict(state)
@@ -144,6 +170,8 @@ class Checkpointer:
     self.on_event = on_event or (lambda event: None)
     self.coordinator = coordinator or SingleClient()
     self.check_state = check_state or (lambda: None)
+    self.data_state = data_state or (lambda: None)
+    self.restored_data_state: dict | None = None
     self.is_chief = self.coordinator.client_id == 0
     self.entries = shard_io.checkpoint_entries(self.state)
     self._object_graph = shard_io.object_graph(self.state) if self.is_chief else None
@@ -253,6 +281,7 @@ class Checkpointer:
       failed = [c for c, flag in enumerate(self.coordinator.gather(problem is not None)) if flag]
       if not failed:
         self._last_saved_step = step
+        self.restored_data_state = read_data_state(path)
         self.on_event(CheckpointEvent(step, prefix, 'resume',
                                       time.perf_counter() - start, directory_size(path)))
         logging.info('Resumed from %s at step %d', prefix, step)
@@ -341,6 +370,8 @@ class Checkpointer:
     start = time.perf_counter()
     writes = shard_io.snapshot(self.entries, client_id=self.coordinator.client_id,
                                object_graph_bytes=self._object_graph)
+    data = self.data_state()
+    writes = (writes, None if data is None else json.dumps(data, sort_keys=True))
     if self.config.async_save and self.coordinator.num_clients == 1:
       self._thread = threading.Thread(
           target=self._write_guarded, args=(writes, temporary, final, step, reason, start),
@@ -385,21 +416,27 @@ class Checkpointer:
   def _write_once(self, writes, temporary: str, final: str, step: int, reason: str,
                   start: float) -> None:
     client_id = self.coordinator.client_id
+    writes, data_text = writes
     parts = shard_io.write_shards(writes, directory=temporary, client_id=client_id)
     written = self.coordinator.gather(len(parts))  # every client's parts are on disk
+    data_texts = self.coordinator.gather_text(f'data-state-{step}', data_text or '')
     if self.is_chief:
-      self._commit(temporary, final, step, reason, start, expected_parts=int(sum(written)))
+      self._commit(temporary, final, step, reason, start, expected_parts=int(sum(written)),
+                   data_state=merge_data_states(data_texts))
     self.coordinator.barrier()  # nobody returns before the checkpoint is committed
 
   def _commit(self, temporary: str, final: str, step: int, reason: str, start: float,
-              *, expected_parts: int) -> None:
+              *, expected_parts: int, data_state: dict | None = None) -> None:
     parts = shard_io.find_parts(temporary)
     if len(parts) != expected_parts:
       raise RuntimeError(
           f'{temporary} holds {len(parts)} shard bundles but the clients wrote '
           f'{expected_parts}: the clients do not share this filesystem')
     shard_io.merge_parts(parts, prefix=os.path.join(temporary, 'ckpt'))
-    for name, text in self.extra_files.items():
+    extra = dict(self.extra_files)
+    if data_state is not None:
+      extra[DATA_STATE_FILE] = json.dumps(data_state, indent=1, sort_keys=True)
+    for name, text in extra.items():
       with open(os.path.join(temporary, name), 'w') as f:
         f.write(text)
     files = {n: os.path.getsize(os.path.join(temporary, n)) for n in os.listdir(temporary)}

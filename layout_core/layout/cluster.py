@@ -184,6 +184,10 @@ class SingleClient:
   def gather(self, value: float) -> list[float]:
     return [value]
 
+  def gather_text(self, key: str, value: str) -> list[str]:
+    del key
+    return [value]
+
   def barrier(self) -> None:
     pass
 
@@ -195,7 +199,8 @@ class MeshCoordinator:
   collectives); call them from the main thread, between training steps."""
 
   def __init__(self, mesh, spec: ClusterSpec):
-    self.mesh = mesh
+    self.mesh, self.spec = mesh, spec
+    self._text_calls = 0
     self.client_id = spec.client_id
     self.num_clients = spec.num_clients
     rank = len(mesh.dim_names)
@@ -213,6 +218,12 @@ class MeshCoordinator:
         shards.append(tf.constant(mine if number == 0 else np.zeros_like(mine)))
     total = self._reduce(dtensor.pack(shards, self._layout))
     return [float(v) for v in dtensor.unpack(total)[0].numpy()]
+
+  def gather_text(self, key: str, value: str, timeout: float = 600.0) -> list[str]:
+    """Every client's text `value`, in client order, through the coordination
+    service's key-value store (`key` names the exchange; made unique per call)."""
+    self._text_calls += 1
+    return exchange(self.spec, key=f'{key}/{self._text_calls}', value=value, timeout=timeout)
 
   def barrier(self) -> None:
     self.gather(0.0)

@@ -15,6 +15,7 @@ from layout_core.layout.variables import Normal, Ones, Zeros
 from layout_core.model.base import (BaseLayer, Declared, LayerMeta, as_float32, cast, dense,
                                     num_elements as _size)
 from layout_core.model.random import dropout
+from layout_core.model.sequence import current_sequence
 
 
 class Embedding(BaseLayer):
@@ -53,7 +54,11 @@ class Embedding(BaseLayer):
   def fprop(self, ids):
     x = cast(tf.gather(self.table, ids), self.compute_dtype)  # gather, then cast the rows
     if self.params.max_len:
-      x += cast(self.pos_table[:ids.shape[1]], self.compute_dtype)
+      sequence = current_sequence()
+      if sequence is None:
+        x += cast(self.pos_table[:ids.shape[1]], self.compute_dtype)
+      else:  # packed documents: each token's position within its own
+        x += cast(tf.gather(self.pos_table, sequence.positions), self.compute_dtype)
     return x
 
 
@@ -185,6 +190,11 @@ def attention(x, wq, wk, wv, wo, *, head_dim: int, causal: bool, lead: str = '')
   if causal:
     length = x.shape[-2]
     mask = tf.linalg.band_part(tf.ones([length, length], logits.dtype), -1, 0)
+    sequence = current_sequence()
+    if sequence is not None and not lead:  # packed documents: stay in one's own
+      segments = sequence.segments
+      same = tf.equal(segments[:, :, None], segments[:, None, :])   # [b, t, u]
+      mask = mask * tf.cast(same, logits.dtype)[:, None]           # [b, 1, t, u]
     logits += (1.0 - mask) * -1e9
   probs = cast(tf.nn.softmax(as_float32(logits), axis=-1), x.dtype)  # softmax in float32
   context = tf.einsum(f'{lead}bhtu,{lead}buhk->{lead}bthk', probs, v)

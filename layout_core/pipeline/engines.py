@@ -243,6 +243,7 @@ class SpmdProgram:
     self.pipeline = spmd_lib.SpmdPipeline(self.stack, num_micro_batches=plan.num_micro_batches,
                                           bubble_fill=bubble_fill)
     self.batch_axis = batch_axis
+    self.rows_parts = plan.num_micro_batches  # pack cuts the batch into micro-batches
     logging.info('SPMD pipeline: %d stages x %d circular repeat(s), %d micro-batches of '
                  '%d, bubble fraction %.3f', plan.num_stages, plan.circular_repeats,
                  plan.num_micro_batches, plan.micro_batch_size, plan.bubble_fraction())

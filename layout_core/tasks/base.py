@@ -40,6 +40,7 @@ import numpy as np
 
 from layout_core.errors import ConfigError
 from layout_core.lazy import tf
+from layout_core.tasks import streams
 
 SPLITS = ('train', 'eval')
 _SPLIT_INDEX = {'train': 0, 'eval': 1}
@@ -76,6 +77,35 @@ class Task:
     """Batches for steps start_step, start_step + 1, ..."""
     for step in itertools.count(start_step):
       yield self.features(split=split, step=step, batch_size=batch_size)
+
+  def reader(self, *, split: str, batch_size: int, start_step: int = 0,
+             rows: np.ndarray | None = None, state: Mapping | None = None) -> 'BatchReader':
+    """Consecutive global batches from `start_step` (or from a checkpoint's
+    `state`, as the reader's `state()` gave it). `rows`: the global batch rows
+    this client packs (None: all); a streaming task reads only those and
+    leaves the others zero. Default: `iterate`, with the step as position."""
+    del rows, state  # a function of the step reads everything and needs no state
+    return StepReader(self.iterate(start_step=start_step, batch_size=batch_size,
+                                   split=split))
+
+
+class StepReader:
+  """A reader over a task's `iterate`: its position is the step itself."""
+
+  def __init__(self, batches: Iterator[dict[str, np.ndarray]]):
+    self.batches = batches
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return next(self.batches)
+
+  def state(self) -> None:
+    return None
+
+
+BatchReader = StepReader | streams.StreamReader
 
 
 def split_rng(seed: int, split: str, step: int) -> np.random.Generator:
@@ -165,19 +195,70 @@ def read_tfrecords(files: Sequence[str], features: Mapping[str, tuple[str, tuple
           for name, chunks in parts.items()}
 
 
+def find_split_files(patterns: Mapping[str, str], *, where: str) -> dict[str, list[str]]:
+  """Each split's files (sorted glob matches); a ConfigError for a pattern
+  that matches nothing."""
+  found = {}
+  for split, pattern in patterns.items():
+    matched = sorted(glob.glob(pattern))
+    if not matched:
+      raise ConfigError(f'no file matches the {split} pattern {pattern!r}',
+                        where=f'{where}.{split}_files',
+                        fix='check the path (globs such as train-*.tfrecord work), '
+                            'or write the files first')
+    found[split] = matched
+  return found
+
+
+def count_records(spec: streams.StreamSpec) -> int:
+  """Records in one stream (reads its files through, parsing nothing)."""
+  records = tf.data.TFRecordDataset(list(spec.files), buffer_size=1 << 20)
+  if spec.every > 1:
+    records = records.shard(spec.every, spec.offset)
+  return int(records.reduce(np.int64(0), lambda count, _: count + 1))
+
+
+def _position_after(spec: streams.StreamSpec, *, records: int) -> tuple[int, int]:
+  """The (epoch, index) of a stream after `records` records (counts the
+  stream's records once when not at the start: a checkpoint without a data
+  state)."""
+  if not records:
+    return (0, 0)
+  length = count_records(spec)
+  if not length:
+    raise ConfigError(f'the data files {list(spec.files)} hold no records',
+                      fix='write records into them')
+  return (records // length, records % length)
+
+
+class _BlockSource:
+  """A RecordStream as a StreamReader source: blocks of parsed records."""
+
+  def __init__(self, stream: streams.RecordStream, finish):
+    self.stream, self.finish = stream, finish
+
+  @property
+  def position(self) -> tuple[int, int]:
+    return self.stream.position
+
+  def block(self, rows: int) -> dict[str, np.ndarray]:
+    return self.finish(self.stream.take(rows))
+
+
 class TFRecordTask(Task):
   """Classification or regression on `tf.train.Example`s (see module doc).
 
-  Each split is read into host memory once, on first use; the batch for
-  (split, step) is rows `step * batch_size ...` of an epoch-wise permutation
-  drawn from (seed, split, epoch), so it is a pure function of the step and
-  resume is exact. Data larger than host memory needs a streaming task.
+  Streamed (`layout_core.tasks.streams`): each split's files are dealt to
+  `num_streams` streams read with tf.data and shuffled within windows of
+  `shuffle_window` records, so host memory does not grow with the data; a
+  client reads only the streams its devices' rows come from. The first
+  record of every file is checked against `features` when the task is made.
   """
 
   def __init__(self, *, train_files: str, eval_files: str,
                features: Mapping[str, Sequence], inputs: Sequence[str], label: str,
                objective: str = 'classification', num_classes: int = 0,
-               seed: int = 1234):
+               seed: int = 1234, num_streams: int = 0, shuffle_window: int = 1024):
     self.features_spec = _check_feature_spec(features)
     for name in list(inputs) + [label]:
       if name not in self.features_spec:
@@ -191,42 +272,49 @@ class TFRecordTask(Task):
     if objective == 'classification' and num_classes < 2:
       raise ConfigError(f'tfrecord_task.num_classes is {num_classes}',
                         fix='set the number of classes (>= 2) for a classification task')
-    self.patterns = {'train': train_files, 'eval': eval_files}
-    self.files = {}
-    for split, pattern in self.patterns.items():
-      matched = sorted(glob.glob(pattern))
-      if not matched:
-        raise ConfigError(f'no file matches the {split} pattern {pattern!r}',
-                          where=f'tfrecord_task.{split}_files',
-                          fix='check the path (globs such as train-*.tfrecord work), '
-                              'or write the files first')
-      self.files[split] = matched
     self.inputs, self.label = tuple(inputs), label
+    self.files = find_split_files({'train': train_files, 'eval': eval_files},
+                                  where='tfrecord_task')
+    self.patterns = {'train': train_files, 'eval': eval_files}
+    used = {name: self.features_spec[name] for name in self.inputs + (label,)}
+    for split, files in self.files.items():
+      streams.check_first_records(files, used, where=f'tfrecord_task.{split}_files '
+                                  f'/ tfrecord_task.features')
     self.objective, self.num_classes, self.seed = objective, num_classes, seed
-    self._data: dict[str, dict[str, np.ndarray]] = {}
+    self.num_streams, self.shuffle_window = num_streams, shuffle_window
 
-  def split_data(self, split: str) -> dict[str, np.ndarray]:
-    if split not in self._data:
-      data = read_tfrecords(self.files[split], self.features_spec)
-      if not len(data[self.label]):
-        raise ConfigError(f'the {split} files {self.patterns[split]!r} hold no examples',
-                          where=f'tfrecord_task.{split}_files')
-      self._data[split] = data
-    return self._data[split]
+  def _parse(self, serialized):
+    spec = {name: tf.io.FixedLenFeature(self.features_spec[name][1],
+                                        tf.as_dtype(self.features_spec[name][0]))
+            for name in self.inputs + (self.label,)}
+    return tf.io.parse_example(serialized, spec)
+
+  def stream_count(self, split: str, batch_size: int) -> int:
+    return self.num_streams or streams.default_num_streams(
+        num_files=len(self.files[split]), batch_size=batch_size)
+
+  def reader(self, *, split, batch_size, start_step=0, rows=None, state=None):
+    num_streams = self.stream_count(split, batch_size)
+    specs = streams.deal_streams(files=self.files[split], num_streams=num_streams,
+                                 where='tfrecord_task')
+    block = batch_size // num_streams if batch_size % num_streams == 0 else 0
+    sources = {}
+    for k in streams.rows_to_streams(rows, batch_size=batch_size, num_streams=num_streams):
+      position = streams.saved_position(state, k, 2) or _position_after(
+          specs[k], records=start_step * block)
+      sources[k] = _BlockSource(streams.RecordStream(
+          specs[k], parse=self._parse, seed=2 * self.seed + _SPLIT_INDEX[split],
+          stream_id=k, window=self.shuffle_window, position=position), self._finish)
+    return streams.StreamReader(sources=sources, batch_size=batch_size,
+                                num_streams=num_streams)
+
+  def _finish(self, block: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    if self.objective == 'classification':
+      block[self.label] = block[self.label].astype(np.int32)
+    return block
 
   def features(self, *, split, step, batch_size):
-    data = self.split_data(split)
-    num_rows = len(data[self.label])
-    positions = step * batch_size + np.arange(batch_size)
-    epochs, offsets = positions // num_rows, positions % num_rows
-    rows = np.empty(batch_size, np.int64)
-    for epoch in np.unique(epochs):
-      order = split_rng(self.seed, split, int(epoch)).permutation(num_rows)
-      rows[epochs == epoch] = order[offsets[epochs == epoch]]
-    batch = {name: data[name][rows] for name in self.inputs + (self.label,)}
-    if self.objective == 'classification':
-      batch[self.label] = batch[self.label].astype(np.int32)
-    return batch
+    return next(self.reader(split=split, batch_size=batch_size, start_step=step))
 
   def model_inputs(self, batch):
     return tuple(batch[name] for name in self.inputs)

@@ -36,6 +36,7 @@ from layout_core.layout.variables import to_numpy
 from layout_core.model.base import as_float32
 from layout_core.model.built import BuiltModel
 from layout_core.model.random import random_context, step_seed
+from layout_core.model.sequence import sequence_context
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig
 from layout_core.train.optimizer import Optimizer, OptimizerConfig, make_optimizer
@@ -118,7 +119,12 @@ class ModelProgram:
     return pack_batch(batch, mesh=self.mesh, batch_axis=self.batch_axis)
 
   def loss_and_metrics(self, packed, training: bool = False):
-    outputs = self.model.call(self.task.model_inputs(packed), training)
+    if getattr(self.task, 'needs_segments', False):  # packed documents
+      segments, positions = self.task.sequence_inputs(packed)
+      with sequence_context(segments=segments, positions=positions):
+        outputs = self.model.call(self.task.model_inputs(packed), training)
+    else:
+      outputs = self.model.call(self.task.model_inputs(packed), training)
     return self.task.loss_and_metrics(as_float32(outputs), packed)
 
   def summaries(self):
@@ -153,6 +159,16 @@ class SingleProgramEngine:
     if k == 1:
       return self.program.pack(batch)
     return [self.program.pack(part) for part in split_rows(batch, k)]
+
+  def local_rows(self, batch_size: int) -> np.ndarray | None:
+    """The global batch rows this client's devices hold (None: all of them),
+    so a streaming task reads only those (`Task.reader(rows=...)`)."""
+    batch_axis = getattr(self.program, 'batch_axis', None)
+    if batch_axis is None:
+      return None
+    parts = self.config.grad_accum_steps * getattr(self.program, 'rows_parts', 1)
+    return local_batch_rows(self.mesh, batch_axis=batch_axis, batch_size=batch_size,
+                            parts=parts)
 
   def loss_and_metrics(self, packed, training: bool = False):
     """The program's loss and metrics, not compiled (to trace inside a caller's function)."""
@@ -221,6 +237,20 @@ def split_rows(batch: Mapping[str, np.ndarray], parts: int) -> list[dict]:
   return [{name: split[i] for name, split in pieces.items()} for i in range(parts)]
 
 
+def local_batch_rows(mesh, *, batch_axis: str, batch_size: int,
+                     parts: int = 1) -> np.ndarray | None:
+  """The rows of a global batch that this client's devices hold when the
+  batch is cut into `parts` equal consecutive parts (micro-steps, micro-batches),
+  each split over `batch_axis`; None when this client holds every device."""
+  if len(mesh.local_devices()) == mesh.size:
+    return None
+  per_part = batch_size // parts
+  shard = per_part // mesh_lib.mesh_axes(mesh)[batch_axis]
+  held = sorted({location[batch_axis] for location in mesh.local_device_locations()})
+  return np.array([part * per_part + index * shard + row for part in range(parts)
+                   for index in held for row in range(shard)], np.int64)
+
+
 def pack_batch(batch: Mapping[str, np.ndarray], *, mesh, batch_axis: str) -> dict:
   """Each feature of a host batch on `mesh`, split over `batch_axis` along its
   first dimension (each device gets only its slice)."""
@@ -237,7 +267,10 @@ def check_runs(engine: StepEngine, task: Task, config: TrainConfig) -> None:
   makes that happen before training starts, as a ConfigError naming the
   sharded variables and their rules. It compiles the function the training
   steps then use, so it costs one step, not a compile."""
-  packed = engine.pack(task.features(split='eval', step=0, batch_size=config.batch_size))
+  local_rows = getattr(engine, 'local_rows', None)
+  reader = task.reader(split='eval', batch_size=config.batch_size,
+                       rows=local_rows(config.batch_size) if local_rows else None)
+  packed = engine.pack(next(reader))
   try:
     loss = engine.loss_and_gradients(packed)[0]
     to_numpy(loss)  # DTensor errors are asynchronous: wait for the values

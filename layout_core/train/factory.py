@@ -47,6 +47,7 @@ def make_engine(*, model, mesh, rules: LayoutRules | None, task: Task,
   at config time (`plugins.plan`); a library caller may leave the plan out
   and it is made here. `bubble_fill` (tests: NaN) fills the SPMD engine's idle slots."""
   batch_axis = batch_axis_for(config, mesh_lib.mesh_axes(mesh), warn=True)
+  check_segments_supported(model, task, pipelined=pipeline is not None and pipeline.enabled)
   if isinstance(model, Params):
     model = compute_params(model, dtype=config.compute_dtype, remat=config.remat)
   if pipeline is not None and pipeline.enabled:
@@ -101,6 +102,7 @@ def plan_model(model, *, rules: LayoutRules, mesh_axes: Mapping[str, int], task:
   """Config time, nothing allocated: every variable's layout record, and the
   forward cost of one global batch (None for a Keras model: its FLOPs are not
   declared). Checks that a Params LM fits the task's vocabulary and length."""
+  check_segments_supported(model, task, pipelined=pipeline_plan is not None)
   if not isinstance(model, Params):
     from layout_core.model import keras  # pylint: disable=g-import-not-at-top
     return keras.plan(model, rules=rules, mesh_axes=mesh_axes,
@@ -113,6 +115,22 @@ def plan_model(model, *, rules: LayoutRules, mesh_axes: Mapping[str, int], task:
   else:
     records = plan_layouts(model.cls.variable_specs(model), rules, mesh_axes)
   return records, meta
+
+
+def check_segments_supported(model, task: Task, *, pipelined: bool) -> None:
+  """Packed rows (several documents each) need attention that stays inside
+  a document: the library's layers do it on the one-program engine; a Keras
+  model or a pipeline engine would attend across documents, so say so."""
+  if not getattr(task, 'needs_segments', False):
+    return
+  if pipelined or not isinstance(model, Params):
+    what = 'a pipeline engine' if pipelined else 'a Keras model'
+    raise ConfigError(f'packed documents (lm_corpus.pack = True) need attention that stays '
+                      f'within each document, which {what} does not get',
+                      where='lm_corpus.pack',
+                      fix='set lm_corpus.pack = False (one document per row, padded: '
+                          'works with every engine and model), or train a Params model '
+                          'without a pipeline')
 
 
 def _check_embedding_fits(params: Params, task: Task) -> None:

@@ -48,16 +48,31 @@ class Trainer:
     self.writer = writer or NullWriter()
     self.profile_dir = profile_dir
     self._eval_data = None
+    self.resume_data_state: dict | None = None  # a checkpoint's data_state.json
+    self._reader = None
     self.last_eval_metrics: dict[str, float] = {}
     self._unchecked: list[tuple[int, object, object]] = []  # (step, loss, grad norm)
 
   def state(self) -> dict:
-    """Everything a checkpoint must hold to continue exactly.
+    """Everything a checkpoint must hold to continue exactly, with
+    `data_state()` beside it.
 
-    Random state needs no entry: initial weights and data are pure functions
-    of (seed, path) and (seed, step)."""
+    Random state needs no entry: initial weights and dropout are pure
+    functions of (seed, path) and (seed, step)."""
     return {'model': self.engine.model_state, 'optimizer': self.engine.optimizer,
             'counters': self.counters.module}
+
+  def data_state(self) -> dict | None:
+    """Where this client's input stands after the last step it trained (the
+    reader's position per stream; None for a task whose position is the step)."""
+    if self._reader is None:
+      return self.resume_data_state
+    state = self._reader.state()
+    return None if state is None else {'train': state}
+
+  def _local_rows(self):
+    local_rows = getattr(self.engine, 'local_rows', None)
+    return local_rows(self.config.batch_size) if local_rows else None
 
   def check_finite(self) -> None:
     """FloatingPointError naming the first step since the last check whose
@@ -87,10 +102,10 @@ class Trainer:
   def evaluate(self) -> tuple[float, dict[str, float]]:
     """Mean loss and mean task metrics over `config.eval_batches` held-out batches."""
     if self._eval_data is None:
-      self._eval_data = [
-          self.engine.pack(self.task.features(split='eval', step=i,
-                                              batch_size=self.config.batch_size))
-          for i in range(self.config.eval_batches)]
+      reader = self.task.reader(split='eval', batch_size=self.config.batch_size,
+                                rows=self._local_rows())
+      self._eval_data = [self.engine.pack(next(reader))
+                         for _ in range(self.config.eval_batches)]
     losses, metrics = [], {}
     for packed in self._eval_data:
       loss, values = self.engine.evaluate(packed)
@@ -124,14 +139,18 @@ class Trainer:
     eval_losses = []
     if start == 0:
       eval_losses.append((0, self._run_eval(0)))
-    batches = self.task.iterate(start_step=int(to_numpy(self.counters.data_position)),
-                                batch_size=config.batch_size)
-    tokens_per_step = config.batch_size * self.task.tokens_per_example
+    saved = (self.resume_data_state or {}).get('train') if start else None
+    self._reader = batches = self.task.reader(
+        split='train', batch_size=config.batch_size, rows=self._local_rows(),
+        start_step=int(to_numpy(self.counters.data_position)), state=saved)
+    tokens = self.task.tokens_per_example
+    items_per_step = config.batch_size * tokens
+    unit = 'tokens' if tokens > 1 else 'examples'
     loss_value, window_start, window_steps = None, time.perf_counter(), 0
     stopped_early = False
     run_start, steps_per_sec = time.perf_counter(), 0.0
-    logging.info('Training steps %d..%d, global batch %d x %d tokens', start,
-                 config.num_steps, config.batch_size, self.task.tokens_per_example)
+    logging.info('Training steps %d..%d, global batch %d%s', start, config.num_steps,
+                 config.batch_size, f' x {tokens} tokens' if tokens > 1 else ' examples')
     if start and not self.task.deterministic:
       logging.warning('Resuming at step %d on a task whose batches are not a pure '
                       'function of the step (%s): the data continues from where its '
@@ -152,15 +171,16 @@ class Trainer:
         steps_per_sec = window_steps / max(elapsed, 1e-9)
         eta = (config.num_steps - done) / max(steps_per_sec, 1e-9)
         logging.info('step %d/%d  loss %.4f  lr %.2e  |g| %.3f  %.2f steps/s  '
-                     '%.0f tokens/s  ETA %s', done, config.num_steps, loss_value,
+                     '%.0f %s/s  ETA %s', done, config.num_steps, loss_value,
                      float(to_numpy(lr)), float(to_numpy(grad_norm)), steps_per_sec,
-                     steps_per_sec * tokens_per_step, _format_seconds(eta))
+                     steps_per_sec * items_per_step, unit, _format_seconds(eta))
         self.writer.scalars(step=done, values={
             'train/loss': loss_value,
             'train/learning_rate': float(to_numpy(lr)),
             'train/grad_norm': float(to_numpy(grad_norm)),
             'train/steps_per_sec': steps_per_sec,
-            'train/tokens_per_sec': steps_per_sec * tokens_per_step,
+            'train/examples_per_sec': steps_per_sec * config.batch_size,
+            **({'train/tokens_per_sec': steps_per_sec * items_per_step} if tokens > 1 else {}),
             **{f'train/{name}': float(to_numpy(value)) for name, value in metrics.items()},
             **usage_scalars(mesh=getattr(self.engine, 'mesh', None), steps_per_sec=steps_per_sec,
                             model_flops_per_step=self.model_flops_per_step,

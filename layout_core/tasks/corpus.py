@@ -1,0 +1,198 @@
+"""Language modelling on a tokenized corpus: documents packed into sequences.
+
+    task = LMCorpusTask(train_files='/data/corpus/train-*.tfrecord',
+                        eval_files='/data/corpus/eval-*.tfrecord',
+                        vocab_size=1024, seq_len=128)
+    batch = task.features(split='train', step=0, batch_size=8)
+    # {'tokens': [8, 129], 'segments': [8, 129], 'positions': [8, 129]}
+
+The files hold one `tf.train.Example` per document, its token ids as an
+int64 list named `tokens` (`python -m launch.prepare_data` writes them with
+a SentencePiece model). Documents are streamed (`layout_core.tasks.streams`)
+and packed, as seqio/T5X pack: each row of seq_len + 1 tokens takes whole
+documents while they fit; a document longer than a row fills rows of its own
+(split); the rest of a row is padding. `segments` numbers the documents of a
+row from 1 (0: padding) and `positions` counts tokens from 0 within each.
+The model attends only within a segment (`layout_core.model.sequence`), and
+the loss counts only targets in the same document as their input, so padding
+and document boundaries add no loss and no gradient.
+
+With `pack=False` every row holds one document (or one piece of a long one),
+padded: causal attention alone keeps padding out, so that works with every
+engine and any model (Keras models included).
+
+The input position saved with each checkpoint is, per stream, (epoch,
+document, tokens of it already used): resuming continues exactly, on any mesh
+and any number of clients.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from layout_core.errors import ConfigError
+from layout_core.fields import at_least
+from layout_core.lazy import tf
+from layout_core.tasks import streams
+from layout_core.tasks.base import find_split_files, _SPLIT_INDEX
+from layout_core.tasks.lm import LMTask
+
+FEATURE = 'tokens'
+
+
+def masked_mean(values, mask) -> 'tf.Tensor':
+  mask = tf.cast(mask, values.dtype)
+  return tf.reduce_sum(values * mask) / tf.maximum(tf.reduce_sum(mask), 1.0)
+
+
+def target_mask(segments) -> 'tf.Tensor':
+  """[B, T] True where target t (token t+1) belongs to input t's document."""
+  inputs, targets = segments[:, :-1], segments[:, 1:]
+  return tf.logical_and(tf.equal(inputs, targets), targets > 0)
+
+
+class Packer:
+  """Rows of `length` tokens from one stream of documents (see module doc).
+  Its position is (epoch, document, tokens of that document already used)."""
+
+  def __init__(self, stream: streams.RecordStream, *, length: int, pack: bool,
+               vocab_size: int, used: int = 0):
+    self.stream, self.length, self.pack, self.vocab_size = stream, length, pack, vocab_size
+    self._document: np.ndarray | None = None   # taken from the stream, not fully used
+    self._document_position = stream.position
+    self._used = used
+    if used:
+      self._document = self._take()
+
+  def _take(self) -> np.ndarray:
+    self._document_position = self.stream.position
+    document = np.asarray(self.stream.take(1)[FEATURE][0], np.int64)
+    if len(document) and (document.max() >= self.vocab_size or document.min() < 0):
+      bad = int(document.max() if document.max() >= self.vocab_size else document.min())
+      raise ConfigError(f'token id {bad} in document {self._document_position[1]} of data '
+                        f'stream {self.stream.stream_id} (files {list(self.stream.spec.files)}) '
+                        f'is outside the vocabulary 0..{self.vocab_size - 1}',
+                        where='lm_corpus.vocab_size',
+                        fix='set lm_corpus.vocab_size to the SentencePiece model\'s '
+                            'vocabulary size (corpus.json says it)')
+    return document.astype(np.int32)
+
+  @property
+  def position(self) -> tuple[int, int, int]:
+    if self._document is None:
+      return self.stream.position + (0,)
+    return self._document_position + (self._used,)
+
+  def block(self, rows: int) -> dict[str, np.ndarray]:
+    out = {name: np.zeros((rows, self.length), np.int32)
+           for name in ('tokens', 'segments', 'positions')}
+    for row in range(rows):
+      filled, segment = 0, 0
+      while filled < self.length:
+        if self._document is None:
+          self._document, self._used = self._take(), 0
+        rest = self._document[self._used:]
+        space = self.length - filled
+        if len(rest) > space and filled:
+          break  # starts the next row whole
+        piece = rest[:space]
+        segment += 1
+        out['tokens'][row, filled:filled + len(piece)] = piece
+        out['segments'][row, filled:filled + len(piece)] = segment
+        out['positions'][row, filled:filled + len(piece)] = np.arange(len(piece))
+        filled += len(piece)
+        self._used += len(piece)
+        if self._used >= len(self._document):
+          self._document = None
+        if not self.pack:
+          break
+    return out
+
+
+class LMCorpusTask(LMTask):
+  """Next-token prediction on packed documents of token ids (see module doc)."""
+
+  def __init__(self, *, train_files: str, eval_files: str, vocab_size: int,
+               seq_len: int = 128, pack: bool = True, seed: int = 1234,
+               num_streams: int = 0, shuffle_window: int = 256):
+    at_least(dict(vocab_size=vocab_size, seq_len=seq_len), 'lm_corpus', vocab_size=2,
+             seq_len=1)
+    self.files = find_split_files({'train': train_files, 'eval': eval_files},
+                                  where='lm_corpus')
+    self.patterns = {'train': train_files, 'eval': eval_files}
+    for split, files in self.files.items():
+      streams.check_first_records(files, {FEATURE: ('int64', ())},
+                                  where=f'lm_corpus.{split}_files', varlen=(FEATURE,))
+    self.vocab_size, self.seq_len, self.pack, self.seed = vocab_size, seq_len, pack, seed
+    self.num_streams, self.shuffle_window = num_streams, shuffle_window
+
+  @property
+  def tokens_per_example(self) -> int:  # type: ignore[override]
+    return self.seq_len
+
+  @property
+  def needs_segments(self) -> bool:
+    """Packed rows need a model that attends within segments only."""
+    return self.pack
+
+  @staticmethod
+  def _parse(serialized):
+    return tf.io.parse_example(serialized, {FEATURE: tf.io.RaggedFeature(tf.int64)})
+
+  def reader(self, *, split, batch_size, start_step=0, rows=None, state=None):
+    num_streams = self.num_streams or streams.default_num_streams(
+        num_files=len(self.files[split]), batch_size=batch_size)
+    specs = streams.deal_streams(files=self.files[split], num_streams=num_streams,
+                                 where='lm_corpus')
+    if start_step and not state:
+      raise ConfigError(f'resuming at step {start_step} needs the data position saved with '
+                        'the checkpoint (data_state.json), and this checkpoint has none',
+                        where='lm_corpus', fix='resume from a checkpoint written by this '
+                        'version, or start a new model_dir')
+    sources = {}
+    for k in streams.rows_to_streams(rows, batch_size=batch_size, num_streams=num_streams):
+      epoch, document, used = streams.saved_position(state, k, 3) or (0, 0, 0)
+      if state and str(k) not in state:
+        raise ConfigError(f'the checkpoint\'s data position has no stream {k} (it has '
+                          f'{sorted(state, key=int)})', where='lm_corpus.num_streams',
+                          fix='resume with the number of streams and files of the run '
+                              'that wrote it')
+      stream = streams.RecordStream(specs[k], parse=self._parse,
+                                    seed=2 * self.seed + _SPLIT_INDEX[split], stream_id=k,
+                                    window=self.shuffle_window, position=(epoch, document))
+      sources[k] = Packer(stream, length=self.seq_len + 1, pack=self.pack,
+                          vocab_size=self.vocab_size, used=used)
+    return streams.StreamReader(sources=sources, batch_size=batch_size,
+                                num_streams=num_streams)
+
+  def features(self, *, split, step, batch_size):
+    reader = self.reader(split=split, batch_size=batch_size)
+    for _ in range(step):
+      next(reader)
+    return next(reader)
+
+  def model_inputs(self, batch):
+    return (batch['tokens'][:, :-1],)
+
+  def sequence_inputs(self, batch):
+    """(segments, positions) of the model's inputs, for segment-aware attention."""
+    return batch['segments'][:, :-1], batch['positions'][:, :-1]
+
+  def loss_and_metrics(self, outputs, batch):
+    labels = tf.cast(batch['tokens'][:, 1:], tf.int32)
+    mask = target_mask(batch['segments'])
+    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=outputs)
+    correct = tf.equal(tf.argmax(outputs, axis=-1, output_type=tf.int32), labels)
+    return masked_mean(losses, mask), {
+        'accuracy': masked_mean(tf.cast(correct, tf.float32), mask),
+        'target_fraction': tf.reduce_mean(tf.cast(mask, tf.float32))}
+
+  def input_specs(self, batch_size):
+    return (((batch_size, self.seq_len), 'int32'),)
+
+  def describe(self) -> str:
+    counts = ', '.join(f'{split} {len(files)} file(s) {self.patterns[split]}'
+                       for split, files in self.files.items())
+    packing = 'packed' if self.pack else 'one document per row'
+    return (f'token corpus, vocab {self.vocab_size}, seq_len {self.seq_len}, '
+            f'{packing}: {counts}')

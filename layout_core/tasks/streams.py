@@ -1,0 +1,296 @@
+"""Streamed record files: shuffled, dealt to streams, resumable to the record.
+
+A split's files are dealt to `num_streams` streams, and every global batch is
+the streams' blocks side by side: with batch size B and K streams, rows
+[k*B/K, (k+1)*B/K) of every batch come from stream k. K depends on the data
+and the batch size only, never on the mesh or the number of clients, so the
+batches are the same on any mesh; a client reads only the streams whose rows
+its devices hold (`reader(rows=...)`), so it opens only their files.
+
+    streams = deal_streams(files=sorted(glob.glob('/data/train-*')), num_streams=8)
+    stream = RecordStream(streams[3], parse=parse_fn, seed=1, stream_id=3, window=1024)
+    block = stream.take(4)       # {'x': [4, 16], 'label': [4]}, parsed
+    stream.position              # (epoch, index): where the next record comes from
+
+A stream reads its files one after another with `tf.data` (never a whole split
+in host memory): each epoch in an order drawn from (seed, stream, epoch), its
+records shuffled within windows of `window` consecutive records (a
+permutation drawn from (seed, stream, epoch, window)). The position (epoch,
+records taken in it) fixes everything that follows, so a stream restarted
+from a saved position yields exactly the records the uninterrupted one would
+have: the reader skips the window's earlier records without parsing them.
+
+When there are fewer files than streams, K must be a multiple of the number
+of files F, and stream k reads every (K/F)-th record of file k mod F.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+from absl import logging
+
+from layout_core.errors import ConfigError
+from layout_core.lazy import tf
+
+Position = tuple[int, int]           # (epoch, records taken in that epoch)
+Window = dict[str, np.ndarray]       # parsed records: name -> [n, ...] (object for ragged)
+
+
+class DataError(RuntimeError):
+  """A data file that cannot be read mid-run (corrupt or truncated record).
+
+  The launchers exit with code 4 on it; checkpoints written before stay."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSpec:
+  files: tuple[str, ...]
+  every: int = 1        # read every `every`-th record ...
+  offset: int = 0       # ... starting with this one
+
+
+def default_num_streams(*, num_files: int, batch_size: int) -> int:
+  """The largest divisor of `batch_size` that is at most the number of files,
+  or a multiple of it up to 8 (so even one file splits over up to 8 clients)."""
+  divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+  return max(d for d in divisors if d <= num_files or (d % num_files == 0 and d <= 8))
+
+
+def deal_streams(*, files: Sequence[str], num_streams: int, where: str = 'data') -> list[StreamSpec]:
+  """Deals `files` to `num_streams` streams (see module docstring)."""
+  files, count = tuple(files), len(files)
+  if num_streams >= count:
+    if num_streams % count:
+      raise ConfigError(f'{num_streams} streams cannot share {count} files evenly',
+                        where=f'{where}.num_streams',
+                        fix=f'use at most {count} streams or a multiple of {count} '
+                            '(0 chooses one)')
+    every = num_streams // count
+    return [StreamSpec((files[k % count],), every, k // count) for k in range(num_streams)]
+  return [StreamSpec(files[k::num_streams]) for k in range(num_streams)]
+
+
+class RecordStream:
+  """The records of one stream, parsed, epoch after epoch (see module docstring).
+
+  `parse(serialized [n]) -> {name: tensor [n, ...]}` runs inside tf.data on a
+  window at a time; a ragged result is handed over as an object array of
+  rows."""
+
+  def __init__(self, spec: StreamSpec, *, parse: Callable[[tf.Tensor], Mapping[str, tf.Tensor]],
+               seed: int, stream_id: int, window: int, position: Position = (0, 0)):
+    self.spec, self.parse, self.seed, self.stream_id = spec, parse, seed, stream_id
+    self.window = max(1, window)
+    self.epoch, self.index = position
+    self._buffer: Window | None = None   # the current window, permuted
+    self._buffer_start = 0               # its first record's index in the epoch
+    self._iterator = None
+
+  @property
+  def position(self) -> Position:
+    return (self.epoch, self.index)
+
+  def epoch_files(self, epoch: int) -> list[str]:
+    files = list(self.spec.files)
+    order = np.random.default_rng([self.seed, self.stream_id, epoch, 0]).permutation(len(files))
+    return [files[i] for i in order]
+
+  def _open(self) -> None:
+    """Starts reading the current epoch at the window holding `index`."""
+    first_window = self.index // self.window
+    files = self.epoch_files(self.epoch)
+    logging.vlog(1, 'stream %d epoch %d opens %s', self.stream_id, self.epoch, files)
+    records = tf.data.TFRecordDataset(files, buffer_size=1 << 20)
+    if self.spec.every > 1:
+      records = records.shard(self.spec.every, self.spec.offset)
+    windows = records.skip(first_window * self.window).batch(self.window).map(
+        self.parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    self._iterator = iter(windows.prefetch(1))
+    self._window_number = first_window
+    self._buffer = None
+
+  def _next_window(self) -> bool:
+    """Loads and permutes the next window of this epoch; False at its end."""
+    if self._iterator is None:
+      self._open()
+    try:
+      window = next(self._iterator)
+    except StopIteration:
+      return False
+    except tf.errors.DataLossError as e:
+      raise self._locate_fault(e) from None
+    window = {name: _to_numpy(value) for name, value in window.items()}
+    size = len(next(iter(window.values())))
+    order = np.random.default_rng(
+        [self.seed, self.stream_id, self.epoch, self._window_number + 1]).permutation(size)
+    self._buffer = {name: value[order] for name, value in window.items()}
+    self._buffer_start = self._window_number * self.window
+    self._window_number += 1
+    return True
+
+  def take(self, count: int) -> Window:
+    """The next `count` records, parsed, continuing into the next epoch."""
+    parts: list[Window] = []
+    empty_epochs = 0
+    while count:
+      buffered = 0 if self._buffer is None else (
+          self._buffer_start + len(next(iter(self._buffer.values()))) - self.index)
+      if buffered <= 0:
+        if self._next_window():
+          empty_epochs = 0
+          continue
+        if self.index == 0:
+          empty_epochs += 1
+          if empty_epochs > 1:
+            raise ConfigError(f'data stream {self.stream_id} holds no records',
+                              where=f'files {list(self.spec.files)}',
+                              fix='write records into these files, or use fewer '
+                                  'streams (data num_streams)')
+        self.epoch, self.index, self._iterator, self._buffer = self.epoch + 1, 0, None, None
+        continue
+      start = self.index - self._buffer_start
+      n = min(count, buffered)
+      parts.append({name: value[start:start + n] for name, value in self._buffer.items()})
+      self.index += n
+      count -= n
+    return concatenate(parts)
+
+  def _locate_fault(self, error: Exception) -> DataError:
+    """The DataError naming the first file of this epoch that cannot be read."""
+    detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+    for path in self.epoch_files(self.epoch):
+      try:
+        for _ in tf.data.TFRecordDataset(path, buffer_size=1 << 20).batch(4096):
+          pass
+      except tf.errors.OpError as e:
+        found = str(e).splitlines()[0]
+        return DataError(f'data file {path} cannot be read: {found} (TFRecord, stream '
+                         f'{self.stream_id}, epoch {self.epoch}). Replace or remove the '
+                         'file and run the same command: training resumes from the last '
+                         'checkpoint')
+    return DataError(f'reading stream {self.stream_id} failed: {detail}')
+
+
+def _to_numpy(value) -> np.ndarray:
+  if isinstance(value, tf.RaggedTensor):
+    rows = value.numpy()
+    out = np.empty(len(rows), object)
+    out[:] = list(rows)
+    return out
+  return value.numpy()
+
+
+def concatenate(parts: Sequence[Window]) -> Window:
+  if len(parts) == 1:
+    return parts[0]
+  return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+
+def rows_to_streams(rows: np.ndarray | None, *, batch_size: int, num_streams: int) -> list[int]:
+  """The streams whose blocks hold any of `rows` (all for None)."""
+  if rows is None:
+    return list(range(num_streams))
+  block = batch_size // num_streams
+  return sorted({int(r) // block for r in rows})
+
+
+def first_record(path: str) -> bytes | None:
+  """The first record of a TFRecord file, read in Python (this runs while
+  the plan is made, before TensorFlow's runtime may start); None if empty."""
+  with open(path, 'rb') as f:
+    header = f.read(12)   # uint64 length, uint32 masked CRC of the length
+    if not header:
+      return None
+    if len(header) < 12:
+      raise ValueError(f'it ends after {len(header)} bytes, inside the first record\'s header')
+    length = int.from_bytes(header[:8], 'little')
+    data = f.read(min(length, 1 << 30))
+    if len(data) < length:
+      raise ValueError(f'its first record declares {length} bytes but the file holds '
+                       f'{len(data)} after the header (truncated, or not a TFRecord file)')
+    return data
+
+
+def check_first_records(files: Sequence[str], features: Mapping[str, tuple[str, tuple[int, ...]]],
+                        *, where: str, varlen: Sequence[str] = ()) -> None:
+  """Parses the first record of every file against the declared features:
+  a ConfigError names the file, the feature, the declared and the found
+  shape (a wrong spec, a corrupt file) before anything is written."""
+  kinds = {'float32': 'float_list', 'int64': 'int64_list'}
+  for path in files:
+    try:
+      first = first_record(path)
+    except (OSError, ValueError) as e:
+      raise ConfigError(f'data file {path} cannot be read: {e}', where=where,
+                        fix='replace the file, or leave it out of the pattern') from None
+    if first is None:
+      continue  # an empty shard is allowed; an empty split is caught by its task
+    try:
+      example = tf.train.Example.FromString(first)
+    except Exception:  # pylint: disable=broad-except  # protobuf's DecodeError
+      raise ConfigError(f'the first record of {path} is not a tf.train.Example',
+                        where=where, fix='write the files with tf.train.Example records '
+                                         '(layout_core.tasks.write_tfrecords)') from None
+    stored = example.features.feature
+    for name, (dtype, shape) in features.items():
+      if name not in stored:
+        raise ConfigError(f'feature {name!r} is not in {path} (its first record has '
+                          f'{", ".join(sorted(stored)) or "no features"})', where=where,
+                          fix='name a stored feature, or rewrite the files')
+      kind = stored[name].WhichOneof('kind')
+      found = len(getattr(stored[name], kind).value) if kind else 0
+      if kind != kinds[dtype]:
+        raise ConfigError(f'feature {name!r} of {path} holds {kind or "nothing"} but is '
+                          f'declared {dtype}', where=where,
+                          fix=f"declare it as {'float32' if kind == 'float_list' else 'int64'}")
+      if name not in varlen and found != math.prod(shape):
+        raise ConfigError(f'feature {name!r} of {path} holds {found} values per record, '
+                          f'but is declared with shape {list(shape)} '
+                          f'({math.prod(shape)} values)', where=where,
+                          fix=f'declare a shape of {found} values, e.g. [{found}]')
+
+
+class StreamReader:
+  """Global batches of `batch_size` rows from `num_streams` streams: rows
+  [k*R, (k+1)*R) of each batch (R = batch_size / num_streams) are the next
+  block of stream k. Only the streams in `sources` are read; the rows of the
+  others stay zero (a client packs only the rows its devices hold).
+
+  `sources[k]` has `block(rows) -> {name: [rows, ...]}` and `position`
+  (a tuple of ints), which `state()` reports for the checkpoint."""
+
+  def __init__(self, *, sources: Mapping[int, object], batch_size: int, num_streams: int):
+    if batch_size % num_streams:
+      raise ConfigError(f'the batch of {batch_size} rows does not split into '
+                        f'{num_streams} streams', where='data num_streams',
+                        fix=f'use a number of streams that divides {batch_size} (0 chooses one)')
+    self.sources, self.batch_size, self.num_streams = dict(sources), batch_size, num_streams
+    self.block = batch_size // num_streams
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    batch: dict[str, np.ndarray] = {}
+    for k, source in self.sources.items():
+      for name, value in source.block(self.block).items():
+        if name not in batch:
+          batch[name] = np.zeros((self.batch_size,) + value.shape[1:], value.dtype)
+        batch[name][k * self.block:(k + 1) * self.block] = value
+    return batch
+
+  def state(self) -> dict[str, list[int]]:
+    return {str(k): list(source.position) for k, source in self.sources.items()}
+
+
+def saved_position(state: Mapping[str, Sequence[int]] | None, stream: int,
+                   length: int) -> tuple[int, ...] | None:
+  """Stream `stream`'s position in a checkpoint's data state, or None."""
+  if not state or str(stream) not in state:
+    return None
+  position = tuple(int(v) for v in state[str(stream)])
+  return position + (0,) * (length - len(position))
