@@ -193,8 +193,8 @@ def attention(x, wq, wk, wv, wo, *, head_dim: int, causal: bool, lead: str = '')
     sequence = current_sequence()
     if sequence is not None and not lead:  # packed documents: stay in one's own
       segments = sequence.segments
-      same = tf.equal(segments[:, :, None], segments[:, None, :])   # [b, t, u]
-      mask = mask * tf.cast(same, logits.dtype)[:, None]           # [b, 1, t, u]
+      same = tf.equal(tf.expand_dims(segments, 2), tf.expand_dims(segments, 1))  # [b, t, u]
+      mask = mask * tf.expand_dims(tf.cast(same, logits.dtype), 1)  # [b, 1, t, u]
     logits += (1.0 - mask) * -1e9
   probs = cast(tf.nn.softmax(as_float32(logits), axis=-1), x.dtype)  # softmax in float32
   context = tf.einsum(f'{lead}bhtu,{lead}buhk->{lead}bthk', probs, v)

@@ -28,6 +28,8 @@ and any number of clients.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from layout_core.errors import ConfigError
@@ -196,3 +198,22 @@ class LMCorpusTask(LMTask):
     packing = 'packed' if self.pack else 'one document per row'
     return (f'token corpus, vocab {self.vocab_size}, seq_len {self.seq_len}, '
             f'{packing}: {counts}')
+
+
+def write_documents(pattern: str, documents, *, num_shards: int = 1) -> list[str]:
+  """Writes each document (a sequence of token ids) as one Example with an
+  int64 `tokens` list, dealt round-robin over `num_shards` files named by
+  `pattern.format(shard=k, num_shards=n)`; returns the paths."""
+  paths = [pattern.format(shard=k, num_shards=num_shards) for k in range(num_shards)]
+  for path in paths:
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  writers = [tf.io.TFRecordWriter(path) for path in paths]
+  try:
+    for i, document in enumerate(documents):
+      example = tf.train.Example(features=tf.train.Features(feature={
+          FEATURE: tf.train.Feature(int64_list=tf.train.Int64List(value=list(document)))}))
+      writers[i % num_shards].write(example.SerializeToString())
+  finally:
+    for writer in writers:
+      writer.close()
+  return paths
