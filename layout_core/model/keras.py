@@ -92,6 +92,27 @@ def _fresh_keras(seed: int):
   return keras
 
 
+def _input_mismatch(model: KerasModel, input_specs, detail: str) -> ConfigError:
+  shapes = ', '.join(str(list(shape)) for shape, _ in input_specs)
+  return ConfigError(f'{model.describe()} cannot take the task\'s inputs of shape {shapes}: '
+                     f'{detail}', where='keras_model.build_fn / the task\'s features',
+                     fix='make the model\'s input shape match the data\'s feature shape')
+
+
+def _check_declared_inputs(model: KerasModel, built, input_specs) -> None:
+  """A functional model's declared input shapes against the task's, by name
+  of both shapes (not discovered later as an error deep inside a step)."""
+  declared = getattr(built, 'inputs', None)
+  if not declared or len(declared) != len(input_specs):
+    return
+  for tensor, (shape, _) in zip(declared, input_specs):
+    want = tuple(tensor.shape)[1:]
+    if len(want) != len(shape) - 1 or any(w is not None and w != g
+                                          for w, g in zip(want, shape[1:])):
+      raise _input_mismatch(model, input_specs, f'the model declares inputs of shape '
+                            f'{[None, *want]} (batch first)')
+
+
 def _stateless_build(model: KerasModel, keras, input_specs, *, compute_dtype: str = 'float32',
                      remat: str = 'none'):
   """`model.build_fn()` in Keras' stateless scope: every weight exists with its
@@ -117,7 +138,11 @@ def _stateless_build(model: KerasModel, keras, input_specs, *, compute_dtype: st
                           where='keras_model.build_fn', fix='return a keras.Model')
       if not built.built:
         symbolic = [keras.KerasTensor(shape, dtype=dtype) for shape, dtype in input_specs]
-        built(symbolic[0] if len(symbolic) == 1 else symbolic)
+        try:
+          built(symbolic[0] if len(symbolic) == 1 else symbolic)
+        except ValueError as e:
+          raise _input_mismatch(model, input_specs, str(e).strip().splitlines()[0]) from None
+      _check_declared_inputs(model, built, input_specs)
   except ValueError as e:
     if 'stateless scope' not in str(e):
       raise

@@ -18,6 +18,18 @@ from layout_core.model.random import dropout
 from layout_core.model.sequence import current_sequence
 
 
+def check_width(p, x_shape, dim: str) -> None:
+  """A ConfigError naming both shapes when x's last dimension is not p.<dim>
+  (the model's width against the data's, or the previous layer's)."""
+  if x_shape and x_shape[-1] != getattr(p, dim):
+    raise ConfigError(f'layer {p.name!r} ({p.cls.__name__}) takes inputs of width '
+                      f'{p.name}.{dim} = {getattr(p, dim)}, but its input has shape '
+                      f'{list(x_shape)} (from the data or the layer before it)',
+                      where=f'{p.name}.{dim}',
+                      fix=f'set {dim} to {x_shape[-1]}, or change the feature shape '
+                          'or the layer before')
+
+
 class Embedding(BaseLayer):
   """Token ids [B, T] -> vectors [B, T, D], plus learned positions."""
 
@@ -115,6 +127,7 @@ class FeedForward(BaseLayer):
 
   @classmethod
   def fprop_meta(cls, p, x_shape):
+    check_width(p, x_shape, 'input_dim')
     tokens = _size(x_shape[:-1])
     matmul = 2 * tokens * p.input_dim * p.hidden_dim * 2
     elementwise = tokens * (2 * p.hidden_dim + p.input_dim)  # bias, act, bias
@@ -298,6 +311,7 @@ class Softmax(BaseLayer):
 
   @classmethod
   def fprop_meta(cls, p, x_shape):
+    check_width(p, x_shape, 'input_dim')
     tokens = _size(x_shape[:-1])
     matmul = 2 * tokens * p.input_dim * p.num_classes
     return LayerMeta(out_shapes=(tuple(x_shape[:-1]) + (p.num_classes,),),

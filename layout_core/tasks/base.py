@@ -242,7 +242,7 @@ class _BlockSource:
     return self.stream.position
 
   def block(self, rows: int) -> dict[str, np.ndarray]:
-    return self.finish(self.stream.take(rows))
+    return self.finish(self.stream.take(rows), self.stream.spec.files)
 
 
 class TFRecordTask(Task):
@@ -308,9 +308,19 @@ class TFRecordTask(Task):
     return streams.StreamReader(sources=sources, batch_size=batch_size,
                                 num_streams=num_streams)
 
-  def _finish(self, block: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  def _finish(self, block: dict[str, np.ndarray], files: Sequence[str] = ()
+              ) -> dict[str, np.ndarray]:
     if self.objective == 'classification':
-      block[self.label] = block[self.label].astype(np.int32)
+      labels = block[self.label]
+      bad = labels[(labels < 0) | (labels >= self.num_classes)]
+      if bad.size:
+        raise ConfigError(f'label {self.label!r} is {int(bad[0])} in a record of '
+                          f'{", ".join(files) or "the data"}, outside the '
+                          f'{self.num_classes} classes 0..{self.num_classes - 1}',
+                          where='tfrecord_task.num_classes',
+                          fix=f'set tfrecord_task.num_classes above the largest label '
+                              f'(at least {int(bad.max()) + 1}), or fix the labels')
+      block[self.label] = labels.astype(np.int32)
     return block
 
   def features(self, *, split, step, batch_size):

@@ -286,6 +286,12 @@ class StreamReader:
   def state(self) -> dict[str, list[int]]:
     return {str(k): list(source.position) for k, source in self.sources.items()}
 
+  def describe(self) -> str:
+    """Which streams and files this reader reads (a client: only its own)."""
+    files = sorted({f for source in self.sources.values() for f in source.stream.spec.files})
+    return (f'streams {sorted(self.sources)} of {self.num_streams}, {len(files)} file(s): '
+            f'{", ".join(files)}')
+
 
 def saved_position(state: Mapping[str, Sequence[int]] | None, stream: int,
                    length: int) -> tuple[int, ...] | None:

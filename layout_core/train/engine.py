@@ -282,8 +282,16 @@ def unrunnable_layout_error(error: Exception, records) -> ConfigError:
   """A ConfigError for a model DTensor could not run with its layouts."""
   lines = [line.strip() for line in str(error).splitlines() if line.strip()]
   reason = next((line.split('error:', 1)[1].strip() for line in lines if 'error:' in line),
-                lines[0] if lines else type(error).__name__)
+                None)
+  if reason is None:  # a traced function's message: its last line says what failed
+    said = [line for line in lines if not line.startswith(('File ', 'in user code', '"'))]
+    reason = said[-1] if said else type(error).__name__
   sharded = [r for r in records if any(a != UNSHARDED for a in r.spec)]
+  if not sharded:  # nothing is sharded: the layouts cannot be the cause
+    return ConfigError(f'the first training step failed: {reason}',
+                       where='the model, the task and the data together',
+                       fix='check that the model takes the data\'s shapes and dtypes '
+                           '(run with --verbose for the traceback)')
   listing = '; '.join(f"'{r.path}' {r.spec} by rule {r.source}" for r in sharded[:8])
   more = f'; ... {len(sharded) - 8} more' if len(sharded) > 8 else ''
   return ConfigError(

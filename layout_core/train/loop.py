@@ -143,6 +143,8 @@ class Trainer:
     self._reader = batches = self.task.reader(
         split='train', batch_size=config.batch_size, rows=self._local_rows(),
         start_step=int(to_numpy(self.counters.data_position)), state=saved)
+    if hasattr(batches, 'describe'):
+      logging.info('Training data: %s', batches.describe())
     tokens = self.task.tokens_per_example
     items_per_step = config.batch_size * tokens
     unit = 'tokens' if tokens > 1 else 'examples'
