@@ -62,6 +62,8 @@ def join_cluster(plan: RunPlan, cluster: cluster_lib.ClusterSpec, *,
                       where='pipeline.num_stages', fix='run the pipelined config with one client')
   logging.info('Joining the cluster as %s', cluster.describe())
   cluster_lib.connect(cluster, device_type=spec.device_type, num_local_devices=per_client)
+  logging.info('Joined: client %d of %d, with %d of the mesh\'s %d devices',
+               cluster.client_id, cluster.num_clients, per_client, spec.num_devices)
   check_clients_agree(plan, cluster)  # before any client builds, steps or saves
 
 

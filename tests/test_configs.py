@@ -48,6 +48,12 @@ def test_config_parses_and_builds(path, tmp_path):
     write_blobs(str(tmp_path), num_train=64, num_eval=16)
     bindings += [f"tfrecord_task.train_files = '{tmp_path}/train-*.tfrecord'",
                  f"tfrecord_task.eval_files = '{tmp_path}/eval-*.tfrecord'"]
+  if path.endswith('lm_corpus.gin'):  # a few token documents in place of prepare_data's
+    from layout_core.tasks.corpus import write_documents  # pylint: disable=g-import-not-at-top
+    write_documents(str(tmp_path / 'train-{shard}.tfrecord'), [[5, 6, 7, 1]] * 8, num_shards=2)
+    write_documents(str(tmp_path / 'eval-{shard}.tfrecord'), [[5, 6, 1]] * 2)
+    bindings += [f"lm_corpus.train_files = '{tmp_path}/train-*.tfrecord'",
+                 f"lm_corpus.eval_files = '{tmp_path}/eval-*.tfrecord'"]
   if path.endswith('lm_small.gin'):
     bindings.append('data.vocab_size = 256')  # a byte-sized vocabulary
   if 'layouts' in path:

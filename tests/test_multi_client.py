@@ -140,7 +140,7 @@ def test_two_clients_equal_one_process_and_only_client_0_records(reference, two_
   events = read_events(model_dir)  # one writer: each step logged once
   logged = [s for s, _ in events['scalars']['train/loss']]
   assert logged == list(range(1, len(logged) + 1)) and len(logged) >= 4
-  assert re.search(r'\[client 1\].*This is client 1 of 2', output)
+  assert re.search(r'\[client 1\].*Joined: client 1 of 2, with 4 of', output)
 
 
 def test_sigterm_stops_every_client_at_the_same_step_and_saves(two_clients):

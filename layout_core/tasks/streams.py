@@ -84,6 +84,8 @@ class RecordStream:
   def __init__(self, spec: StreamSpec, *, parse: Callable[[tf.Tensor], Mapping[str, tf.Tensor]],
                seed: int, stream_id: int, window: int, position: Position = (0, 0)):
     self.spec, self.parse, self.seed, self.stream_id = spec, parse, seed, stream_id
+    # Traced once, not once per epoch's pipeline.
+    self._parse = tf.function(parse, input_signature=[tf.TensorSpec([None], tf.string)])
     self.window = max(1, window)
     self.epoch, self.index = position
     self._buffer: Window | None = None   # the current window, permuted
@@ -108,7 +110,7 @@ class RecordStream:
     if self.spec.every > 1:
       records = records.shard(self.spec.every, self.spec.offset)
     windows = records.skip(first_window * self.window).batch(self.window).map(
-        self.parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        self._parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     self._iterator = iter(windows.prefetch(1))
     self._window_number = first_window
     self._buffer = None
