@@ -145,7 +145,8 @@ def connect(spec: ClusterSpec, *, device_type: str, num_local_devices: int) -> N
   os.environ.pop('DTENSOR_NUM_CLIENTS', None)
   watchdog = subprocess.Popen(
       [sys.executable, '-c', _WATCHDOG, str(os.getpid()), str(spec.init_timeout),
-       str(spec.client_id), ','.join(spec.addresses)], stdin=subprocess.PIPE)
+       str(spec.client_id), ','.join(spec.addresses)], stdin=subprocess.PIPE,
+      stderr=sys.stderr)  # Python's stderr: it outlives this process (a filtered fd 2 may not)
   try:
     kwargs = {'num_logical_cpu_devices': num_local_devices} if device_type == 'CPU' else {}
     dtensor.initialize_accelerator_system(device_type, **kwargs)
