@@ -37,6 +37,7 @@ from layout_core.errors import ConfigError
 from layout_core.lazy import tf
 
 Position = tuple[int, int]           # (epoch, records taken in that epoch)
+_EPOCHS_AHEAD = 16  # how far a stream's epochs may run ahead of its reader
 Window = dict[str, np.ndarray]       # parsed records: name -> [n, ...] (object for ragged)
 
 
@@ -102,57 +103,68 @@ class RecordStream:
     return [files[i] for i in order]
 
   def _open(self) -> None:
-    """Starts reading the current epoch at the window holding `index`."""
-    first_window = self.index // self.window
-    files = self.epoch_files(self.epoch)
-    logging.vlog(1, 'stream %d epoch %d opens %s', self.stream_id, self.epoch, files)
-    records = tf.data.TFRecordDataset(files, buffer_size=1 << 20)
-    if self.spec.every > 1:
-      records = records.shard(self.spec.every, self.spec.offset)
-    windows = records.skip(first_window * self.window).batch(self.window).map(
-        self._parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    self._iterator = iter(windows.prefetch(1))
-    self._window_number = first_window
+    """One tf.data pipeline from the current epoch on, starting at the window
+    that holds `index`; windows never straddle epochs."""
+    first_epoch, first_window, size = self.epoch, self.index // self.window, self.window
+    self._last_epoch = first_epoch
+
+    def files_of(epoch):  # the epoch's file order, drawn in Python (epoch_files)
+      files = tf.py_function(lambda e: tf.constant(self.epoch_files(int(e))), [epoch], tf.string)
+      files.set_shape([None])
+      return epoch, files
+
+    def wanted(epoch):  # epochs run ahead of the reader only by what tf.data prefetches
+      return tf.py_function(lambda e: bool(e <= self._last_epoch + _EPOCHS_AHEAD),
+                            [epoch], tf.bool)  # false: the stream holds no records
+
+    def windows_of(epoch, files):
+      records = tf.data.TFRecordDataset(files, buffer_size=1 << 20)
+      if self.spec.every > 1:
+        records = records.shard(self.spec.every, self.spec.offset)
+      skipped = tf.where(tf.equal(epoch, first_epoch), np.int64(first_window), np.int64(0))
+      windows = records.skip(skipped * size).batch(size).enumerate()
+      return windows.map(lambda number, window: (epoch, number + skipped, window))
+
+    logging.vlog(1, 'stream %d opens at epoch %d window %d: %s', self.stream_id, first_epoch,
+                 first_window, list(self.spec.files))
+    pipeline = tf.data.Dataset.range(first_epoch, 2**62).take_while(wanted).map(files_of)
+    pipeline = pipeline.flat_map(windows_of).map(
+        lambda epoch, number, window: (epoch, number, self._parse(window)),
+        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    self._iterator = iter(pipeline.prefetch(2))
     self._buffer = None
 
-  def _next_window(self) -> bool:
-    """Loads and permutes the next window of this epoch; False at its end."""
+  def _next_window(self) -> None:
+    """Loads and permutes the next window (of this epoch or, at its end, the next)."""
     if self._iterator is None:
       self._open()
     try:
-      window = next(self._iterator)
+      epoch, number, window = next(self._iterator)
     except StopIteration:
-      return False
+      raise ConfigError(f'data stream {self.stream_id} holds no records',
+                        where=f'files {list(self.spec.files)}',
+                        fix='write records into these files, or use fewer streams '
+                            '(num_streams)') from None
     except tf.errors.DataLossError as e:
       raise self._locate_fault(e) from None
+    epoch, number = int(epoch), int(number)
+    if epoch != self.epoch:  # the previous epoch is used up
+      self.epoch, self.index = epoch, 0
+    self._last_epoch = epoch
     window = {name: _to_numpy(value) for name, value in window.items()}
-    size = len(next(iter(window.values())))
-    order = np.random.default_rng(
-        [self.seed, self.stream_id, self.epoch, self._window_number + 1]).permutation(size)
+    count = len(next(iter(window.values())))
+    order = np.random.default_rng([self.seed, self.stream_id, epoch, number + 1]).permutation(count)
     self._buffer = {name: value[order] for name, value in window.items()}
-    self._buffer_start = self._window_number * self.window
-    self._window_number += 1
-    return True
+    self._buffer_start = number * self.window
 
   def take(self, count: int) -> Window:
     """The next `count` records, parsed, continuing into the next epoch."""
     parts: list[Window] = []
-    empty_epochs = 0
     while count:
       buffered = 0 if self._buffer is None else (
           self._buffer_start + len(next(iter(self._buffer.values()))) - self.index)
       if buffered <= 0:
-        if self._next_window():
-          empty_epochs = 0
-          continue
-        if self.index == 0:
-          empty_epochs += 1
-          if empty_epochs > 1:
-            raise ConfigError(f'data stream {self.stream_id} holds no records',
-                              where=f'files {list(self.spec.files)}',
-                              fix='write records into these files, or use fewer '
-                                  'streams (data num_streams)')
-        self.epoch, self.index, self._iterator, self._buffer = self.epoch + 1, 0, None, None
+        self._next_window()
         continue
       start = self.index - self._buffer_start
       n = min(count, buffered)
