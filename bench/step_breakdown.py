@@ -23,9 +23,10 @@ from bench.common import RESULTS, run_child, write_json  # noqa: E402
 CHILD = r'''
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
-shape, steps = json.loads(sys.argv[2]), int(sys.argv[3])
+shape, steps, options = json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
 from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus
-configure_virtual_cpus(8)
+import math
+configure_virtual_cpus(math.prod(shape.values()))  # a one-device mesh: one device (threads)
 mesh = build_mesh(MeshSpec(shape=shape))
 from layout_core.layout.rules import LayoutRules
 from layout_core.layout.variables import to_numpy
@@ -42,7 +43,7 @@ lm = transformer_lm_params(vocab_size=256, model_dim=256, num_heads=8, ffn_dim=1
                            num_layers=4, max_len=64)
 task = MarkovTask(vocab_size=256, seq_len=64)
 trainer = make_trainer(model=lm, mesh=mesh, rules=LayoutRules(MEGATRON if 'model' in shape else []),
-                       task=task, optimizer=OptimizerConfig(),
+                       task=task, optimizer=OptimizerConfig(**options.get('optimizer', {})),
                        config=TrainConfig(batch_size=32, num_steps=10**6))
 engine = trainer.engine
 phases = {'batch': 0.0, 'pack': 0.0, 'gradients': 0.0, 'update': 0.0}
@@ -77,11 +78,16 @@ def main():
   args = parser.parse_args()
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   results = {}
-  for name, shape in (('1 device', {'data': 1}), ('data=8', {'data': 8}),
-                      ('data=2 x model=4', {'data': 2, 'model': 4})):
-    results[name] = run_child(CHILD, repo, json.dumps(shape), str(args.steps))
+  sharded = {'optimizer': {'shard_state': True}}
+  for name, shape, options in (
+      ('1 device', {'data': 1}, {}), ('data=8', {'data': 8}, {}),
+      ('data=8, sharded state', {'data': 8}, sharded),
+      ('data=2 x model=4', {'data': 2, 'model': 4}, {}),
+      ('data=2 x model=4, sharded state', {'data': 2, 'model': 4}, sharded)):
+    results[name] = run_child(CHILD, repo, json.dumps(shape), str(args.steps),
+                              json.dumps(options))
     phases = results[name]['ms']
-    print(f"{name:18s} loop step {results[name]['loop_step_ms']:6.1f} ms | "
+    print(f"{name:32s} loop step {results[name]['loop_step_ms']:6.1f} ms | "
           + '  '.join(f'{k} {v:6.1f}' for k, v in phases.items()))
   write_json(results, args.out)
 

@@ -113,3 +113,23 @@ def test_pipeline_errors_exit_2_with_the_knob(tmp_path):
                         '--gin_bindings=layout_rules.rules = []')
   assert too_many.returncode == 2
   assert 'num_stages=8 is more than the 7 layers' in too_many.stderr
+
+
+@pytest.mark.parametrize('devices, env, expected', [
+    (8, {}, 'share'), (1, {}, 'default'),
+    (8, {'TF_NUM_INTRAOP_THREADS': '3'}, 'default')])  # the user's setting is left to TF
+def test_several_cpu_devices_share_the_cores_between_them(devices, env, expected):
+  """One intra-op pool serves every logical CPU device: N devices get
+  cores // N threads each (bench/step_breakdown.py measures why)."""
+  import subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
+  from tests.conftest import REPO_ROOT  # pylint: disable=import-outside-toplevel
+  code = ('import os, tensorflow as tf\n'
+          'from layout_core.layout.mesh import configure_virtual_cpus\n'
+          f'configure_virtual_cpus({devices}); tf.constant(1)\n'
+          'print("THREADS", tf.config.threading.get_intra_op_parallelism_threads(),'
+          ' len(os.sched_getaffinity(0)))')
+  done = subprocess.run([sys.executable, '-c', code], cwd=REPO_ROOT, capture_output=True,
+                        text=True, env={**os.environ, 'PYTHONPATH': REPO_ROOT, **env}, check=True)
+  threads, cores = map(int, done.stdout.split('THREADS')[1].split())
+  want = {'share': max(1, cores // devices), 'default': 0}[expected]  # 0: TF's own choice
+  assert threads == want, done.stdout

@@ -147,6 +147,9 @@ def connect(spec: ClusterSpec, *, device_type: str, num_local_devices: int) -> N
       [sys.executable, '-c', _WATCHDOG, str(os.getpid()), str(spec.init_timeout),
        str(spec.client_id), ','.join(spec.addresses)], stdin=subprocess.PIPE,
       stderr=sys.stderr)  # Python's stderr: it outlives this process (a filtered fd 2 may not)
+  if device_type == 'CPU':
+    from layout_core.layout.mesh import configure_cpu_threads  # pylint: disable=g-import-not-at-top
+    configure_cpu_threads(num_local_devices)
   try:
     kwargs = {'num_logical_cpu_devices': num_local_devices} if device_type == 'CPU' else {}
     dtensor.initialize_accelerator_system(device_type, **kwargs)
