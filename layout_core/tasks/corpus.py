@@ -200,6 +200,13 @@ class LMCorpusTask(LMTask):
             f'{packing}: {counts}')
 
 
+def token_example(ids) -> bytes:
+  """One document as a serialized `tf.train.Example`: its ids as the int64 `tokens`."""
+  feature = tf.train.Feature(int64_list=tf.train.Int64List(value=list(ids)))
+  return tf.train.Example(features=tf.train.Features(
+      feature={FEATURE: feature})).SerializeToString()
+
+
 def write_documents(pattern: str, documents, *, num_shards: int = 1) -> list[str]:
   """Writes each document (a sequence of token ids) as one Example with an
   int64 `tokens` list, dealt round-robin over `num_shards` files named by
@@ -210,9 +217,7 @@ def write_documents(pattern: str, documents, *, num_shards: int = 1) -> list[str
   writers = [tf.io.TFRecordWriter(path) for path in paths]
   try:
     for i, document in enumerate(documents):
-      example = tf.train.Example(features=tf.train.Features(feature={
-          FEATURE: tf.train.Feature(int64_list=tf.train.Int64List(value=list(document)))}))
-      writers[i % num_shards].write(example.SerializeToString())
+      writers[i % num_shards].write(token_example(document))
   finally:
     for writer in writers:
       writer.close()

@@ -42,13 +42,13 @@ import sentencepiece
 
 from layout_core.errors import ConfigError
 from layout_core.lazy import tf
+from layout_core.tasks.corpus import FEATURE as TOKENS_FEATURE, token_example
 
 DEFAULT_SUFFIXES = ('.py', '.md', '.rst', '.txt')
 MIN_FILE_BYTES = 200      # smaller files are mostly boilerplate (empty __init__.py)
 MAX_FILE_BYTES = 200_000  # larger ones are mostly data tables, not prose or code
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
-TOKENS_FEATURE = 'tokens'
 SPLITS = ('train', 'eval')
 SPM_MODEL_NAME = 'spm.model'
 SUMMARY_NAME = 'corpus.json'
@@ -205,9 +205,7 @@ def write_token_records(*, documents: Iterable[str], model_path: str, output_pat
       counts['unknown_tokens'] += ids.count(UNK_ID)
       if add_eos:
         ids.append(EOS_ID)
-      tokens = tf.train.Feature(int64_list=tf.train.Int64List(value=ids))
-      example = tf.train.Example(features=tf.train.Features(feature={TOKENS_FEATURE: tokens}))
-      writers[counts['documents'] % num_shards].write(example.SerializeToString())
+      writers[counts['documents'] % num_shards].write(token_example(ids))
       counts['documents'] += 1
       counts['tokens'] += len(ids)
     while writers:

@@ -156,13 +156,13 @@ class RecordStream:
     order = np.random.default_rng([self.seed, self.stream_id, epoch, number + 1]).permutation(count)
     self._buffer = {name: value[order] for name, value in window.items()}
     self._buffer_start = number * self.window
+    self._buffer_end = self._buffer_start + count
 
   def take(self, count: int) -> Window:
     """The next `count` records, parsed, continuing into the next epoch."""
     parts: list[Window] = []
     while count:
-      buffered = 0 if self._buffer is None else (
-          self._buffer_start + len(next(iter(self._buffer.values()))) - self.index)
+      buffered = 0 if self._buffer is None else self._buffer_end - self.index
       if buffered <= 0:
         self._next_window()
         continue

@@ -237,6 +237,12 @@ def split_rows(batch: Mapping[str, np.ndarray], parts: int) -> list[dict]:
   return [{name: split[i] for name, split in pieces.items()} for i in range(parts)]
 
 
+def engine_local_rows(engine, batch_size: int) -> np.ndarray | None:
+  """The batch rows this client packs, for engines that can say (None: all)."""
+  local_rows = getattr(engine, 'local_rows', None)
+  return local_rows(batch_size) if local_rows else None
+
+
 def local_batch_rows(mesh, *, batch_axis: str, batch_size: int,
                      parts: int = 1) -> np.ndarray | None:
   """The rows of a global batch that this client's devices hold when the
@@ -267,9 +273,8 @@ def check_runs(engine: StepEngine, task: Task, config: TrainConfig) -> None:
   makes that happen before training starts, as a ConfigError naming the
   sharded variables and their rules. It compiles the function the training
   steps then use, so it costs one step, not a compile."""
-  local_rows = getattr(engine, 'local_rows', None)
   reader = task.reader(split='eval', batch_size=config.batch_size,
-                       rows=local_rows(config.batch_size) if local_rows else None)
+                       rows=engine_local_rows(engine, config.batch_size))
   packed = engine.pack(next(reader))
   try:
     loss = engine.loss_and_gradients(packed)[0]

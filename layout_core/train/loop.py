@@ -28,7 +28,7 @@ from layout_core.layout.scope import bytes_per_device, table_markdown
 from layout_core.layout.variables import to_numpy
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig, TrainResult
-from layout_core.train.engine import Counters, StepEngine
+from layout_core.train.engine import Counters, StepEngine, engine_local_rows
 from layout_core.train.profiling import StepProfiler
 from layout_core.train.summaries import NullWriter, SummaryWriter
 from layout_core.train.usage import usage_scalars
@@ -71,8 +71,7 @@ class Trainer:
     return None if state is None else {'train': state}
 
   def _local_rows(self):
-    local_rows = getattr(self.engine, 'local_rows', None)
-    return local_rows(self.config.batch_size) if local_rows else None
+    return engine_local_rows(self.engine, self.config.batch_size)
 
   def check_finite(self) -> None:
     """FloatingPointError naming the first step since the last check whose
