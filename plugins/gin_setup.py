@@ -290,6 +290,13 @@ def parsed_config(*, files: Sequence[str], bindings: Sequence[str],
     raise sources.locate(explain_gin_error(e)) from None
 
 
+def without_settings(operative_config: str, names: Sequence[str]) -> str:
+  """The operative config without the bindings of `names` (one-line values)."""
+  starts = tuple(f'{name} = ' for name in names)
+  return ''.join(line for line in operative_config.splitlines(keepends=True)
+                 if not line.startswith(starts))
+
+
 def gin_settings(operative_config: str) -> dict[str, str]:
   """{'train.num_steps': '300', ...}: one entry per binding of a gin operative
   config (a value spread over several lines is joined)."""

@@ -15,9 +15,14 @@ before anything is written.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import inspect
 import math
 import os
+import pprint
+import types
 
 import gin
 
@@ -35,7 +40,9 @@ from layout_core.layout.rules import LayoutRules
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig, batch_axis_for
 from layout_core.train.factory import plan_model
+from layout_core.tasks import lm as lm_tasks
 from plugins import configurables
+from plugins.gin_setup import without_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +92,38 @@ def make_plan() -> RunPlan:
   return RunPlan(mesh_spec=mesh_spec, params=params, rules=rules, task=task,
                  optimizer=optimizer, train=train, checkpoint=checkpoint,
                  pipeline_config=pipeline_config, records=records, meta=meta,
-                 pipeline=pipeline, operative_config=gin.operative_config_str())
+                 pipeline=pipeline, operative_config=operative_config())
+
+
+def operative_config() -> str:
+  """gin's operative config, dicts in their written order, less the built-in
+  LM task's knobs (`data.vocab_size`, ...) when `data.task` names the task:
+  that run never used them."""
+  with dicts_in_written_order():
+    text = gin.operative_config_str()
+  try:
+    task = gin.query_parameter(f'{configurables.MODULE}.data.task')
+  except ValueError:  # not bound
+    task = None
+  if task is None:
+    return text
+  knobs = [f'data.{name}' for name in inspect.signature(lm_tasks.make_task).parameters
+           if name != 'task']
+  return without_settings(text, knobs)
+
+
+@contextlib.contextmanager
+def dicts_in_written_order():
+  """gin formats values with `pprint.pformat`, which sorts dict keys: a
+  `mesh.shape = {'stage': 2, 'data': 4}` would come back from config.gin as
+  another axis order (another mesh). This keeps the order as written."""
+  formatting = gin.config.pprint
+  gin.config.pprint = types.SimpleNamespace(
+      pformat=functools.partial(pprint.pformat, sort_dicts=False))
+  try:
+    yield
+  finally:
+    gin.config.pprint = formatting
 
 
 def check_model_dir(path: str) -> None:

@@ -3,10 +3,12 @@
     record_run(trainer, plan, model_dir='/tmp/run')
 
 `model_dir` gets `config.gin` (the operative gin config: every value the run
-used), `params.txt` (the Params tree) and `layouts.txt` (every variable's
-layout), each written atomically; TensorBoard gets the same as text
+used), `params.txt` (the Params tree), `layouts.txt` (every variable's
+layout) and `mesh.json` (where every slice lives, for TensorBoard's Mesh tab:
+`mesh_document`), each written atomically; TensorBoard gets the same as text
 (`config/gin`, `config/params`, `layouts/variables`) plus the layout scalars.
-Checkpoint saves and restores become `checkpoint/*` events
+Checkpoint saves and restores become `checkpoint/saves` and
+`checkpoint/restores` lines and `usage/checkpoint_*` scalars
 (`checkpoint_event_recorder`); a resume with settings other than the
 checkpoint's is said, with what it does to the learning rate
 (`record_resume_changes`). Only called once the plan is valid and an
@@ -15,16 +17,20 @@ existing checkpoint is known to fit, so a rejected config changes nothing.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from typing import Callable
 
 from absl import logging
 
 from layout_core.checkpoint.manager import CheckpointEvent
+from layout_core.layout import device_map
 from layout_core.train.optimizer import learning_rate
 from layout_core.train.summaries import code_block
 from layout_core.train.loop import Trainer
 from plugins.gin_setup import gin_settings
+from plugins.mesh_tab import MESH_JSON, MESH_JSON_FORMAT
 from plugins.plan import RunPlan
 
 
@@ -43,21 +49,96 @@ def record_run(trainer: Trainer, plan: RunPlan, *, model_dir: str) -> None:
   write_text(model_dir, 'config.gin', plan.operative_config)
   write_text(model_dir, 'params.txt', params_text)
   write_text(model_dir, 'layouts.txt', trainer.write_layouts())
+  try:  # a report: it must never stop the run it reports on
+    write_text(model_dir, MESH_JSON, json.dumps(mesh_document(trainer, plan),
+                                                separators=(',', ':')))
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning('Could not write %s: %s: %s', MESH_JSON, type(e).__name__, e)
   trainer.writer.text(step=0, tag='config/gin', markdown=code_block(plan.operative_config))
   trainer.writer.text(step=0, tag='config/params', markdown=code_block(params_text))
   trainer.writer.flush()
   logging.info('Operative config:\n%s', plan.operative_config)
 
 
+def mesh_document(trainer: Trainer, plan: RunPlan) -> dict:
+  """mesh.json: the mesh and its devices (id, coordinates, client, pipeline
+  stage, parameter and optimizer-state bytes held), the layout rules in order
+  (variables decided, unused, shadowed), and every variable with its layout
+  and the slices each device holds, all read from the built variables'
+  DTensor layouts (`layout_core.layout.device_map`)."""
+  engine = trainer.engine
+  mesh = engine.mesh
+  stage_axis = plan.pipeline_config.stage_axis if plan.pipeline is not None else None
+  devices = device_map.mesh_devices(mesh, stage_axis=stage_axis)
+  held = {d['id']: {'parameters': 0, 'optimizer': 0} for d in devices}
+  optimizer = engine.optimizer
+  trained = set(optimizer.paths)
+  variables = []
+  for record in engine.layout_records:
+    variable = engine.variables[record.path]
+    slices = device_map.variable_slices(variable, mesh=mesh)
+    for device_id, size in device_map.bytes_by_device(
+        slices, itemsize=variable.dtype.size).items():
+      held[device_id]['parameters'] += size
+    state = []
+    for slot in optimizer.slots_for(record.path) if record.path in trained else []:
+      slot_bytes = device_map.bytes_by_device(device_map.variable_slices(slot, mesh=mesh),
+                                              itemsize=slot.dtype.size)
+      for device_id, size in slot_bytes.items():
+        held[device_id]['optimizer'] += size
+      state.append({'shape': slot.shape.as_list(), 'spec': list(slot.layout.sharding_specs),
+                    'bytes_per_device': max(slot_bytes.values())})
+    variables.append({
+        'path': record.path, 'shape': list(record.shape), 'dtype': record.dtype,
+        'spec': list(record.spec), 'mesh': record.mesh, 'rule_index': record.rule_index,
+        'source': record.source, 'bytes_total': record.bytes_total,
+        'bytes_per_device': record.bytes_per_device, 'optimizer_state': state,
+        'slices': [{'index': [list(r) for r in s.index], 'devices': list(s.devices)}
+                   for s in slices]})
+  for device in devices:
+    device['bytes'] = held[device['id']]
+  fullest = max(devices, key=lambda d: sum(d['bytes'].values()))
+  uses = plan.rules.rule_uses([r.path for r in engine.layout_records],
+                              [r.rule_index for r in engine.layout_records])
+  return {
+      'format': MESH_JSON_FORMAT,
+      'mesh': {'axes': [[name, size] for name, size in plan.mesh_spec.shape.items()],
+               'device_type': plan.mesh_spec.device_type,
+               'num_devices': plan.mesh_spec.num_devices,
+               'num_clients': devices[-1]['client'] + 1, 'stage_axis': stage_axis},
+      'optimizer': getattr(plan.optimizer, 'name', 'adam'),
+      'devices': devices, 'fullest_device': fullest['id'],
+      'rules': [{'index': u.rule.index, 'pattern': u.rule.pattern, 'spec': list(u.rule.spec),
+                 'matched': u.matched, 'unused': u.unused, 'shadowed': u.shadowed,
+                 'fits': u.fits, 'shadowed_by': list(u.shadowed_by), 'note': u.describe()}
+                for u in uses],
+      'replicated_by_default': sum(r.rule_index is None for r in engine.layout_records),
+      'variables': variables}
+
+
+def two_significant_digits(value: float) -> float:
+  """`value` rounded to 2 significant digits: TensorBoard labels axis ticks
+  with 3-4, so a series that varies by a few bytes no longer draws a row of
+  identical labels."""
+  if value <= 0:
+    return 0.0
+  return round(value, 1 - math.floor(math.log10(value)))
+
+
 def checkpoint_event_recorder(writer) -> Callable[[CheckpointEvent], None]:
+  """Saves and restores as lines under separate tags (a resume restores at
+  the step of the last save; under one tag TensorBoard keeps one line per
+  step) and as `usage/checkpoint_*` scalars."""
   def record(event: CheckpointEvent) -> None:
     if event.reason in ('resume', 'init_from'):
-      values = {'checkpoint/restore_seconds': event.seconds}
+      values = {'usage/checkpoint_restore_seconds': event.seconds}
+      tag = 'checkpoint/restores'
     else:
-      values = {'checkpoint/save_seconds': event.seconds,
-                'checkpoint/size_bytes': event.size_bytes}
+      values = {'usage/checkpoint_save_seconds': event.seconds,
+                'usage/checkpoint_size_mib': two_significant_digits(event.size_bytes / 2**20)}
+      tag = 'checkpoint/saves'
     writer.scalars(step=event.step, values=values)
-    writer.text(step=event.step, tag='checkpoint/events', markdown=event.line())
+    writer.text(step=event.step, tag=tag, markdown=event.line())
     writer.flush()
   return record
 

@@ -202,7 +202,7 @@ def test_host_memory_does_not_grow_with_the_corpus(tmp_path):
     model_dir = str(tmp_path / f'run{rows}')
     result = run_module('launch.train', *classifier_args(root), f'--model_dir={model_dir}')
     assert result.returncode == 0, result.stderr[-3000:]
-    peaks[rows] = read_events(model_dir)['scalars']['memory/host_peak_bytes'][-1][1]
+    peaks[rows] = read_events(model_dir)['scalars']['usage/host_peak_bytes'][-1][1]
   growth = (peaks[200_000] - peaks[20_000]) / 2**20
   assert growth < 64, f'peak host memory grew {growth:.0f} MiB with 10x the data: {peaks}'
 

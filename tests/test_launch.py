@@ -31,12 +31,12 @@ def test_train_writes_run_record_and_tensorboard_events(tmp_path):
   assert [s for s, _ in scalars['train/loss']] == [2, 4, 6]
   assert [s for s, _ in scalars['eval/loss']] == [0, 3, 6]
   for tag in ('train/learning_rate', 'train/steps_per_sec', 'train/tokens_per_sec',
-              'layouts/params_total', 'layouts/bytes_per_device_max',
+              'usage/params_total', 'usage/param_bytes_per_device_max',
               'train/model_flops_per_sec'):
     assert tag in scalars, tag
-  assert [s for s, _ in scalars['memory/host_peak_bytes']] == [2, 4, 6]
-  assert all(10e6 < peak < 64e9 for _, peak in scalars['memory/host_peak_bytes'])
-  assert 'memory/device_peak_bytes' not in scalars  # a CPU mesh: the host figure covers it
+  assert [s for s, _ in scalars['usage/host_peak_bytes']] == [2, 4, 6]
+  assert all(10e6 < peak < 64e9 for _, peak in scalars['usage/host_peak_bytes'])
+  assert 'usage/device_peak_bytes' not in scalars  # a CPU mesh: the host figure covers it
   assert 'train/mfu' not in scalars                 # no mesh.peak_flops_per_device
   assert 'train.num_steps = 6' in texts['config/gin'][0]
   assert 'repeat : 2' in texts['config/params'][0]

@@ -55,11 +55,12 @@ def test_n_plus_n_steps_equals_2n_steps_bit_exactly(tmp_path):
   assert expected['counters/step/.ATTRIBUTES/VARIABLE_VALUE'] == 8
 
   events = read_events(resumed)
-  assert [s for s, _ in events['scalars']['checkpoint/restore_seconds']] == [4]
-  assert [s for s, _ in events['scalars']['checkpoint/save_seconds']] == [4, 8]
-  assert all(v > 0 for _, v in events['scalars']['checkpoint/size_bytes'])
-  lines = events['text']['checkpoint/events']
-  assert any('(final' in line for line in lines) and any('(resume' in line for line in lines)
+  assert [s for s, _ in events['scalars']['usage/checkpoint_restore_seconds']] == [4]
+  assert [s for s, _ in events['scalars']['usage/checkpoint_save_seconds']] == [4, 8]
+  assert all(v > 0 for _, v in events['scalars']['usage/checkpoint_size_mib'])
+  saves, restores = events['text']['checkpoint/saves'], events['text']['checkpoint/restores']
+  assert all('(final' in line for line in saves) and len(saves) == 2
+  assert len(restores) == 1 and '(resume' in restores[0] and 'ckpt-4' in restores[0]
 
 
 _STARTED: list[subprocess.Popen] = []

@@ -109,3 +109,32 @@ def test_plan_bytes_per_device_is_total_over_shards():
   assert w_in.bytes_per_device == w_in.bytes_total // 8 == 64 * 256 * 4 // 8
   ln = records['lm/final_ln/scale']
   assert ln.bytes_per_device == ln.bytes_total and ln.source == 'default: replicated'
+
+
+def test_a_rule_whose_variables_all_went_to_earlier_rules_is_shadowed():
+  lm = transformer_lm_params(num_layers=2)
+  rules = LayoutRules([(r'.*/ffn/w_in', ('unsharded', 'model')),
+                       (r'.*/ffn/w_out', ('model', 'unsharded')),
+                       (r'.*/ffn/w_(in|out)', ('model', 'unsharded')),  # shadowed by 0 and 1
+                       (r'.*/ffn/b_.*', ('unsharded',)),                # partly shadowed: used
+                       (r'.*/ffn/b_in', ('model',)),                    # shadowed by 3
+                       (r'.*/nothing', ('model',))])                    # fits nothing
+  records = plan_layouts(lm.cls.variable_specs(lm), rules, AXES)
+  paths = [r.path for r in records]
+  uses = rules.rule_uses(paths, [r.rule_index for r in records])
+  # Reference: try every rule on every path, first match wins (naive_first_match).
+  compiled = [re.compile(r.pattern) for r in rules.rules]
+  winners = [naive_first_match(compiled, p) for p in paths]
+  for use, pattern in zip(uses, compiled):
+    fitted = [w for p, w in zip(paths, winners) if pattern.fullmatch(p)]
+    assert use.matched == winners.count(use.rule.index)
+    assert use.shadowed == (use.matched == 0 and bool(fitted))
+    if use.unused:
+      assert (use.fits, use.shadowed_by) == (len(fitted), tuple(sorted(set(fitted))))
+  assert [(u.matched, u.unused, u.shadowed) for u in uses] == [
+      (2, False, False), (2, False, False), (0, True, True), (4, False, False),
+      (0, True, True), (0, True, False)]
+  assert uses[2].shadowed_by == (0, 1) and uses[4].shadowed_by == (3,)
+  assert uses[2].describe() == ('shadowed: the 4 variable(s) it fits were taken by '
+                                'rule 0, rule 1')
+  assert uses[5].describe() == 'matched nothing'

@@ -170,8 +170,8 @@ class TensorBoard:
             'allowedStatuses': ['STATUS_UNKNOWN', 'STATUS_SUCCESS', 'STATUS_FAILURE',
                                 'STATUS_RUNNING']})['sessionGroups']
         ended = [g for g in groups if g['sessions'][0].get('endTimeSecs')]
-        if len(ended) >= num_sessions:
-          return experiment, {g['name']: g for g in groups}
+        if len(ended) >= num_sessions:  # keyed by the session's run: the trial's name
+          return experiment, {g['sessions'][0]['name']: g for g in groups}
       except (OSError, KeyError, ValueError):
         pass  # not serving yet, or still loading
       assert time.monotonic() < give_up, 'TensorBoard did not show the sessions in time'
@@ -202,15 +202,17 @@ def test_sweep_isolates_the_invalid_trial_and_fills_the_hparams_dashboard(zip_sw
   assert sorted(hparams['data.vocab_size']['domainDiscrete']) == [48, 64, 128]
   metric_names = {m['name']['tag']: m['displayName'] for m in experiment['metricInfos']}
   assert set(metric_names) == {'eval/loss', 'train/tokens_per_sec',
-                               'layouts/bytes_per_device_max', 'sweep/wall_seconds'}
+                               'usage/param_bytes_per_device_max', 'usage/sweep_wall_seconds'}
   assert all(metric_names.values())
 
   with open(os.path.join(root, 'sweep.json')) as f:
     planned = json.load(f)['trials']
   assert set(groups) == {t['name'] for t in planned} and len(groups) == 4
   rows = {row['trial']: row for row in read_tsv(root)}
-  for trial in planned:
+  for number, trial in enumerate(planned, 1):
     group, name = groups[trial['name']], trial['name']
+    # The Trial ID column (about 16 characters) shows the number and the values.
+    assert group['name'] == f"{number}: {' '.join(trial['values'].values())}"
     assert group['hparams'] == {key: float(text) for key, text in trial['values'].items()}
     status = group['sessions'][0]['status']
     shown = {m['name']['tag']: m['value'] for m in group['metricValues']}
@@ -231,13 +233,13 @@ def test_sweep_isolates_the_invalid_trial_and_fills_the_hparams_dashboard(zip_sw
     assert outcome.metrics['eval_loss'] == pytest.approx(scalars['eval/loss'][-1][1], rel=1e-6)
     assert outcome.metrics['eval_accuracy'] == pytest.approx(
         scalars['eval/accuracy'][-1][1], rel=1e-6)
-    for tag in ('eval/loss', 'train/tokens_per_sec', 'layouts/bytes_per_device_max'):
+    for tag in ('eval/loss', 'train/tokens_per_sec', 'usage/param_bytes_per_device_max'):
       assert shown[tag] == pytest.approx(scalars[tag][-1][1], rel=1e-6), tag
     assert float(rows[name]['eval_loss']) == pytest.approx(scalars['eval/loss'][-1][1],
                                                            abs=1e-4)
-    assert shown['sweep/wall_seconds'] == pytest.approx(float(rows[name]['wall_seconds']),
-                                                        abs=0.1)
-    assert 0 < shown['sweep/wall_seconds'] < 600
+    assert shown['usage/sweep_wall_seconds'] == pytest.approx(
+        float(rows[name]['wall_seconds']), abs=0.1)
+    assert 0 < shown['usage/sweep_wall_seconds'] < 600
   losses = [float(r['eval_loss']) for r in read_tsv(root) if r['status'] == 'SUCCESS']
   assert losses == sorted(losses) and read_tsv(root)[-1]['trial'] == INVALID
   assert 'FAILURE' in result.stdout and INVALID in result.stdout  # the printed table

@@ -12,7 +12,8 @@
 Semantics: a rule whose pattern equals the path exactly wins first; otherwise
 the first rule (declared order) whose pattern `re.fullmatch`es the path; no
 match means fully replicated. Every spec entry is a mesh axis name or
-'unsharded'.
+'unsharded'. A rule that decides no variable although its pattern fits some
+is *shadowed*: earlier rules took every one of them (`rule_uses`).
 
 Matching is fast for large models and rule sets, with the same answers as
 trying every rule in order (tested and benchmarked against that):
@@ -54,6 +55,32 @@ class Rule:
 
   def describe(self) -> str:
     return f'rule {self.index} ({self.pattern!r} -> {self.spec})'
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleUse:
+  """What one rule did to a model's variables (`LayoutRules.rule_uses`)."""
+  rule: Rule
+  matched: int                    # variables this rule decided
+  fits: int                       # variables its pattern fits (counted for unused rules)
+  shadowed_by: tuple[int, ...]    # the rules that decided those variables instead
+
+  @property
+  def unused(self) -> bool:
+    return self.matched == 0
+
+  @property
+  def shadowed(self) -> bool:
+    """Fits some variables, decides none: first match wins, and others came first."""
+    return self.matched == 0 and self.fits > 0
+
+  def describe(self) -> str:
+    if not self.unused:
+      return f'{self.matched} variable(s)'
+    if not self.shadowed:
+      return 'matched nothing'
+    return (f'shadowed: the {self.fits} variable(s) it fits were taken by '
+            + ', '.join(f'rule {i}' for i in self.shadowed_by))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +199,7 @@ class LayoutRules:
     self.strict = strict
     self.rules: list[Rule] = []
     compiled: list[tuple[int, re.Pattern]] = []
+    self._compiled = compiled
     for index, item in enumerate(items):
       if not (isinstance(item, (tuple, list)) and len(item) == 2):
         raise ConfigError(f'layout rule {index} is {item!r}',
@@ -286,6 +314,26 @@ class LayoutRules:
   def unused_rules(self, rule_indices: Iterable[int | None]) -> list[Rule]:
     """The rules that decided none of the given resolutions."""
     return [r for r, n in zip(self.rules, self.match_counts(rule_indices)) if n == 0]
+
+  def rule_uses(self, paths: Sequence[str],
+                rule_indices: Sequence[int | None]) -> list[RuleUse]:
+    """Per rule, in order: how many variables it decided (`rule_indices[i]`
+    decided `paths[i]`) and, for a rule that decided none, which rules took the
+    variables its pattern fits. Only unused rules are tried against the paths,
+    so this stays cheap for large rule sets."""
+    uses = []
+    for rule, count in zip(self.rules, self.match_counts(rule_indices)):
+      takers: set[int] = set()
+      fits = 0
+      if count == 0:
+        fullmatch = self._compiled[rule.index][1].fullmatch
+        for path, index in zip(paths, rule_indices):
+          if path == rule.pattern or fullmatch(path):
+            fits += 1
+            takers.add(index)
+      uses.append(RuleUse(rule=rule, matched=count, fits=fits,
+                          shadowed_by=tuple(sorted(i for i in takers if i is not None))))
+    return uses
 
 
 def naive_first_match(compiled: Sequence[re.Pattern], path: str) -> int | None:

@@ -77,10 +77,11 @@ def _record(spec: VariableSpec, rules: LayoutRules,
 def report_unused_rules(rules: LayoutRules, records: Sequence[LayoutRecord]) -> None:
   """Warns about (or, with strict rules, rejects) rules that decided none of
   the variables in `records`."""
-  unused = rules.unused_rules(r.rule_index for r in records)
+  unused = [use for use in rules.rule_uses([r.path for r in records],
+                                           [r.rule_index for r in records]) if use.unused]
   if not unused:
     return
-  listing = '; '.join(r.describe() for r in unused)
+  listing = '; '.join(f'{use.rule.describe()} ({use.describe()})' for use in unused)
   if rules.strict:
     raise ConfigError(f'{len(unused)} layout rule(s) matched no variable: {listing}',
                       where='layout_rules.rules',

@@ -119,8 +119,8 @@ class Trainer:
     table = table_markdown(records)
     self.writer.text(step=0, tag='layouts/variables', markdown=table)
     self.writer.scalars(step=0, values={
-        'layouts/params_total': sum(math.prod(r.shape) for r in records),
-        'layouts/bytes_per_device_max': bytes_per_device(records)})
+        'usage/params_total': sum(math.prod(r.shape) for r in records),
+        'usage/param_bytes_per_device_max': bytes_per_device(records)})
     texts, scalars = self.engine.summaries()
     for tag, markdown in texts.items():
       self.writer.text(step=0, tag=tag, markdown=markdown)

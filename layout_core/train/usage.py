@@ -2,7 +2,7 @@
 
     scalars = usage_scalars(mesh=mesh, steps_per_sec=2.0, model_flops_per_step=1e12,
                             peak_flops=8 * 1e11)
-    # {'memory/host_peak_bytes': ..., 'train/model_flops_per_sec': 2e12, 'train/mfu': 2.5}
+    # {'usage/host_peak_bytes': ..., 'train/model_flops_per_sec': 2e12, 'train/mfu': 2.5}
 
 The training loop writes these at its logging steps (README, TensorBoard tags).
 """
@@ -39,12 +39,12 @@ def device_peak_bytes(mesh) -> int | None:
 
 def usage_scalars(*, mesh, steps_per_sec: float, model_flops_per_step: float | None,
                   peak_flops: float | None) -> dict[str, float]:
-  """The memory/* and FLOP-rate scalars of a logging step; `peak_flops` is the
+  """The peak-memory (usage/*) and FLOP-rate scalars of a logging step; `peak_flops` is the
   whole mesh's (mesh.peak_flops_per_device x devices), None when not declared."""
-  values: dict[str, float] = {'memory/host_peak_bytes': host_peak_bytes()}
+  values: dict[str, float] = {'usage/host_peak_bytes': host_peak_bytes()}
   device = device_peak_bytes(mesh)
   if device is not None:
-    values['memory/device_peak_bytes'] = device
+    values['usage/device_peak_bytes'] = device
   if model_flops_per_step:
     rate = model_flops_per_step * steps_per_sec
     values['train/model_flops_per_sec'] = rate

@@ -1,7 +1,7 @@
 """A sweep in TensorBoard's HParams dashboard, and the metrics read back from it.
 
     write_experiment(root, axes)                     # once, in the sweep root
-    write_session_start(trial_dir, trial, axes)      # before the trial runs
+    write_session_start(trial_dir, trial, axes, trial_id='1: 3e-3')  # before it runs
     write_session_end(trial_dir, status='SUCCESS', wall_seconds=42.0)
     final_metrics(trial_dir)   # {'eval/loss': 1.02, 'train/tokens_per_sec': ...}
 
@@ -10,8 +10,9 @@ binding, named by its gin key, with its domain (Discrete for a list,
 RealInterval / IntInterval for a range), and the METRICS below. Each trial's
 directory is one run, i.e. one session: `launch.train` writes its scalars there
 and the sweep driver adds a small event file (suffix `.sweep`) with the session
-start (swept values, trial id = the trial's name) and, when the trial exits,
-`sweep/wall_seconds` and the session end (SUCCESS or FAILURE). The driver, not
+start (swept values, and a trial id short enough for the dashboard's Trial ID
+column: `trial_id`) and, when the trial exits,
+`usage/sweep_wall_seconds` and the session end (SUCCESS or FAILURE). The driver, not
 the trial, writes them because only the driver sees crashes and timeouts.
 
 Written with TensorBoard's own protos and event-file writer (no TensorFlow ops).
@@ -21,16 +22,17 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import time
 from typing import Sequence
 
 from plugins.sweep.spec import Axis, Trial, literal
 
-WALL_SECONDS_TAG = 'sweep/wall_seconds'
+WALL_SECONDS_TAG = 'usage/sweep_wall_seconds'
 METRICS = (  # (tag, display name): each trial's last value is what the dashboard shows
     ('eval/loss', 'eval loss (final)'),
     ('train/tokens_per_sec', 'tokens/s (last window)'),
-    ('layouts/bytes_per_device_max', 'parameter bytes / device'),
+    ('usage/param_bytes_per_device_max', 'parameter bytes / device'),
     (WALL_SECONDS_TAG, 'wall seconds'),
 )
 SWEEP_EVENTS_SUFFIX = '.sweep'  # the driver's event files in a trial directory
@@ -99,10 +101,21 @@ def clear_sessions(trial_dir: str) -> None:
     os.remove(old)
 
 
-def write_session_start(trial_dir: str, trial: Trial, axes: Sequence[Axis]) -> str:
+def trial_id(trial: Trial, *, number: int, count: int) -> str:
+  """The HParams trial id: the trial's number (1-based, zero-padded to sort),
+  then its swept values as written, without spaces and quotes (`03: 3e-4 64`).
+  The dashboard's Trial ID column shows about 16 characters, so the trial's
+  name (`learning_rate=0.0003,...`, its run and directory) would show only
+  its first key there."""
+  values = ' '.join(re.sub(r'[\s\'"]', '', text) for text in trial.values.values())
+  return f'{number:0{len(str(count))}d}: {values}'
+
+
+def write_session_start(trial_dir: str, trial: Trial, axes: Sequence[Axis], *,
+                        trial_id: str) -> str:
   from tensorboard.plugins.hparams import api as hp  # pylint: disable=g-import-not-at-top
   hparams = {a.key: hparam_value(a, trial.values[a.key]) for a in axes}
-  return _write(trial_dir, [hp.hparams_pb(hparams, trial_id=trial.name)])
+  return _write(trial_dir, [hp.hparams_pb(hparams, trial_id=trial_id)])
 
 
 def write_session_end(trial_dir: str, *, status: str, wall_seconds: float,

@@ -218,6 +218,10 @@ class SweepRunner:
   def trial_dir(self, trial: Trial) -> str:
     return os.path.join(self.sweep.root, trial.name)
 
+  def trial_id(self, trial: Trial) -> str:
+    return sweep_board.trial_id(trial, number=self.trials.index(trial) + 1,
+                                count=len(self.trials))
+
   def threads_per_trial(self) -> int:
     return max(1, (os.cpu_count() or 1) // self.parallel)
 
@@ -239,7 +243,7 @@ class SweepRunner:
     for trial in self.trials:
       entry = trial.to_json()
       entry.update(self.records.get(trial.name) or {'status': 'PENDING'})
-      entry['name'] = trial.name
+      entry['name'], entry['trial_id'] = trial.name, self.trial_id(trial)
       trials.append(entry)
     _write_json(os.path.join(self.sweep.root, 'sweep.json'), {
         'command': self.command_line, **self.sweep.base(), 'mode': self.sweep.mode,
@@ -254,7 +258,8 @@ class SweepRunner:
     previous = read_status(directory) or {}
     run_status.remove_run_status(directory)  # this attempt's outcome is its own
     sweep_board.clear_sessions(directory)
-    sweep_board.write_session_start(directory, trial, self.sweep.axes)
+    sweep_board.write_session_start(directory, trial, self.sweep.axes,
+                                    trial_id=self.trial_id(trial))
     command = self.sweep.train_command(trial, self.python)
     log = open(os.path.join(directory, LOG_FILE), 'a')
     attempt = previous.get('attempts', 0) + 1
@@ -436,7 +441,7 @@ class SweepRunner:
 # -- results table -------------------------------------------------------------------
 TABLE_METRICS = (('eval/loss', 'eval_loss', '{:.4f}'),
                  ('train/tokens_per_sec', 'tokens_per_sec', '{:.0f}'),
-                 ('layouts/bytes_per_device_max', 'bytes_per_device', '{:.0f}'))
+                 ('usage/param_bytes_per_device_max', 'bytes_per_device', '{:.0f}'))
 
 
 def results_table(records: Sequence[dict[str, Any]],

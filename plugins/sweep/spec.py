@@ -72,7 +72,7 @@ class Axis:
 @dataclasses.dataclass(frozen=True)
 class Trial:
   """One run of the sweep: a value (gin text) per axis key, and its directory name."""
-  name: str                         # directory under the sweep root; also the trial id
+  name: str                         # directory under the sweep root and TensorBoard run
   values: dict[str, str]            # axis key -> gin text of the value
 
   @property
