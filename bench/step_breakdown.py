@@ -4,7 +4,11 @@ For lm_small (3.3M parameters, batch 32 x 64) on `data=1` (one device), `data=8`
 and `data=2 x model=4` (Megatron rules), each phase timed on its own, with a
 sync after it (so phases do not overlap, unlike the training loop):
 the host batch, packing it onto the mesh, the gradients function, the update
-function. Then the whole step as the loop runs it (no syncs between phases).
+function. Then the whole step as the loop runs it (no syncs between phases),
+and a TensorFlow profiler trace of two such steps: CPU time per op type on the
+devices' compute threads (all devices together; 2 cores give at most 2 ms of
+it per ms of wall time), the ops run per step, and the CPU time DTensor spends
+packing gradients into its combined all-reduce.
 
     python bench/step_breakdown.py [--steps 20 --out bench/results/step_breakdown.json]
 """
@@ -24,7 +28,7 @@ CHILD = r'''
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 shape, steps, options = json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
-from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus
+from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus, gather_lowering
 import math
 configure_virtual_cpus(math.prod(shape.values()))  # a one-device mesh: one device (threads)
 mesh = build_mesh(MeshSpec(shape=shape))
@@ -60,14 +64,47 @@ for step in range(3 + steps):
     to_numpy(loss), to_numpy(grads[0])  # the embedding's: the backward pass's last
     return grads
   grads = timed('gradients', gradients)
-  timed('update', lambda: to_numpy(engine.apply_gradients(grads)[0]))
+  with gather_lowering(mesh):  # as the loop compiles it (sharded state: CollectiveGatherV2)
+    timed('update', lambda: to_numpy(engine.apply_gradients(grads)[0]))
 start = time.perf_counter()
 for step in range(steps):
   loss = trainer.train_step(task.features(split='train', step=step, batch_size=32))[0]
 to_numpy(loss)
 whole = (time.perf_counter() - start) / steps
+# The profiler over 2 loop steps: CPU time per op type on the devices' compute
+# threads (all devices together), per step.
+import collections, glob, tempfile
+import tensorflow as tf
+from tensorflow.tsl.profiler.protobuf import xplane_pb2
+logdir = tempfile.mkdtemp()
+tf.profiler.experimental.start(logdir)
+for step in range(2):
+  loss = trainer.train_step(task.features(split='train', step=step, batch_size=32))[0]
+to_numpy(loss)
+tf.profiler.experimental.stop()
+space = xplane_pb2.XSpace()
+with open(glob.glob(logdir + '/**/*.xplane.pb', recursive=True)[0], 'rb') as f:
+  space.ParseFromString(f.read())
+cpu_ms, count = collections.Counter(), collections.Counter()
+for plane in space.planes:
+  names = {k: v.name for k, v in plane.event_metadata.items()}
+  for line in plane.lines:
+    if not line.name.startswith('tf_Compute'):
+      continue
+    for event in line.events:
+      name = names.get(event.metadata_id, '?')
+      if name.startswith('Executor'):
+        continue
+      kind = name.rsplit(':', 1)[-1]
+      if 'DTensorAllReduceOp' in name:
+        kind = 'all-reduce packing (' + kind + ')'
+      cpu_ms[kind] += event.duration_ps / 1e9 / 2
+      count[kind] += 1
 print('RESULT ' + json.dumps({'ms': {k: 1e3 * v / steps for k, v in phases.items()},
-                              'loop_step_ms': 1e3 * whole}))
+                              'loop_step_ms': 1e3 * whole,
+                              'op_cpu_ms': dict(cpu_ms.most_common(10)),
+                              'op_cpu_ms_total': sum(cpu_ms.values()),
+                              'ops_per_step': sum(count.values()) // 2}))
 '''
 
 
@@ -89,6 +126,9 @@ def main():
     phases = results[name]['ms']
     print(f"{name:32s} loop step {results[name]['loop_step_ms']:6.1f} ms | "
           + '  '.join(f'{k} {v:6.1f}' for k, v in phases.items()))
+    print(f"{'':32s} op CPU time {results[name]['op_cpu_ms_total']:6.1f} ms in "
+          f"{results[name]['ops_per_step']} ops: " + ', '.join(
+              f'{k} {v:.1f}' for k, v in results[name]['op_cpu_ms'].items()))
   write_json(results, args.out)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from layout_core.layout import scope as layout_scope
 from layout_core.train import memory
+from layout_core.train.optimizer import state_axis
 from plugins.plan import RunPlan
 
 
@@ -32,10 +33,10 @@ def describe_memory(plan: RunPlan) -> list[str]:
   estimate = plan_memory(plan)
   train, spec = plan.train, plan.mesh_spec
   optimizer = getattr(plan.optimizer, 'name', 'adam')
-  shard = getattr(plan.optimizer, 'shard_state', False)
+  shard = state_axis(plan.optimizer, batch_axis=train.batch_axis, mesh_axes=spec.shape)
   micro = train.batch_size // train.grad_accum_steps
   lines = [f'Memory (estimate: layout_core/train/memory.py; {optimizer}'
-           f'{", state sharded" if shard else ""}, compute {train.compute_dtype}, '
+           f'{f", state sharded over {shard!r}" if shard else ""}, compute {train.compute_dtype}, '
            f'remat {train.remat}, {micro} examples per micro-step):',
            f'  {"":22s} {"per device":>14s} {f"total ({estimate.num_devices} devices)":>22s}']
   for category, per_device in estimate.per_device.items():
@@ -74,11 +75,11 @@ def describe_plan(plan: RunPlan, *, max_rows: int = 0) -> str:
   lines += [layout_scope.table_markdown(rows).rstrip()]
   if len(rows) < len(records):
     lines.append(f'... {len(records) - len(rows)} more rows (--max_rows=0 shows all)')
-  lines += ['', 'Rule matches:']
-  counts = plan.rules.match_counts(r.rule_index for r in records)
-  for rule, count in zip(plan.rules.rules, counts):
-    note = '' if count else '   <- matched nothing'
-    lines.append(f'  {count:6d}  rule {rule.index}: {rule.pattern} -> {rule.spec}{note}')
+  lines += ['', 'Rule matches (first match wins):']
+  for use in plan.rules.rule_uses([r.path for r in records], [r.rule_index for r in records]):
+    rule = use.rule
+    note = f'   <- {use.describe()}' if use.unused else ''
+    lines.append(f'  {use.matched:6d}  rule {rule.index}: {rule.pattern} -> {rule.spec}{note}')
   unmatched = sum(r.rule_index is None for r in records)
   lines.append(f'  {unmatched:6d}  default: replicated')
   param_bytes = layout_scope.bytes_per_device(records)

@@ -13,9 +13,10 @@ the clock order of `schedule.clock_order`:
 * `GPipe`: loss and gradients in two functions (what pipelined training runs
   with pipeline.engine = 'submesh').
 
-On DTensor sub-meshes the stages of one function do not run at the same time
-(TF 2.21), so this engine splits memory but not time there; the SPMD engine
-(`layout_core.pipeline.spmd`) is the one whose stages overlap on DTensor.
+The sub-meshes of one function do run at the same time (measured with no
+pipeline: `bench/devices_concurrent.py`); this engine's step is slower than
+serial on CPU because of its per-micro-batch dispatch, relayouts and
+recomputation (`bench/step.py`).
 """
 
 from __future__ import annotations

@@ -88,6 +88,7 @@ from layout_core.model.base import LayerMeta, Sequential, leaf_layers
 from layout_core.model.layers import (Dropout, Embedding, FeedForward, LayerNorm,
                                       MultiHeadAttention, Softmax, TransformerBlock)
 from layout_core.params import Params
+from layout_core.train.optimizer import OptimizerConfig, state_axis
 
 UNSHARDED = 'unsharded'
 MIB = 2**20
@@ -184,8 +185,9 @@ def model_flops_per_step(*, meta: LayerMeta | None, num_parameters: int,
 
 # -- optimizer state ------------------------------------------------------------
 def _slot_axis(optimizer, config, mesh_axes) -> str | None:
-  shard = getattr(optimizer, 'shard_state', False)
-  axis = shard if isinstance(shard, str) else (config.batch_axis if shard else None)
+  if not isinstance(optimizer, OptimizerConfig):
+    return None
+  axis = state_axis(optimizer, batch_axis=config.batch_axis, mesh_axes=mesh_axes)
   return axis if axis and mesh_axes.get(axis, 1) > 1 else None
 
 
