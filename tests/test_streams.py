@@ -2,6 +2,10 @@
 epoch, positions that resume exactly, clients that read only their rows, and
 packing whose attention and loss never cross a document boundary."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -16,6 +20,7 @@ from layout_core.tasks.corpus import LMCorpusTask, target_mask, write_documents
 from layout_core.train.config import TrainConfig
 from layout_core.train.factory import make_trainer
 from layout_core.train.optimizer import OptimizerConfig
+from tests.conftest import REPO_ROOT
 
 VOCAB = 64
 
@@ -248,3 +253,39 @@ def test_padding_and_boundaries_add_no_loss_and_no_gradient(packed_lm):
   mask = to_numpy(target_mask(tf.constant(batch['segments'])))
   assert 0 < mask.sum() < mask.size
   np.testing.assert_allclose(loss, losses[mask].mean(), rtol=1e-5)
+
+
+EXIT_CHECK = r'''
+import atexit, sys
+def after_close():  # registered first, so it runs after close_data_iterators (LIFO)
+  from layout_core.tasks.streams import _OPEN_ITERATORS
+  held = list(_OPEN_ITERATORS)  # the LM task's and the stream's, still referenced
+  print(len(held), 'closed' if all(i._iterator is None for i in held) else 'open', flush=True)
+  print('exhausted' if next(batches, None) is None else 'LM batches go on', flush=True)
+atexit.register(after_close)
+from layout_core.tasks import TFRecordTask, write_tfrecords
+from layout_core.tasks.lm import MarkovTask
+batches = MarkovTask(vocab_size=16, seq_len=8).iterate(start_step=0, batch_size=4)
+next(batches)  # its tf.data thread runs Python (numpy_function)
+import numpy as np
+write_tfrecords(sys.argv[1] + '/r.tfrecord', {'x': np.zeros((64, 2), np.float32),
+                                               'label': np.zeros(64, np.int64)})
+task = TFRecordTask(train_files=sys.argv[1] + '/r.tfrecord', eval_files=sys.argv[1] + '/r.tfrecord',
+                    features={'x': ('float32', [2]), 'label': ('int64', [])}, inputs=['x'],
+                    label='label', num_classes=2)
+records = task.reader(split='train', batch_size=4)
+next(records)  # a stream: a py_function in its pipeline
+'''
+
+
+def test_open_data_iterators_are_let_go_before_the_interpreter_finalizes(tmp_path):
+  """tf.data iterators running Python, destroyed while Python finalizes, can
+  hang the process at exit (tensorflow#21277; a pytest run here printed its
+  summary and never exited). At exit they are closed first."""
+  done = subprocess.run([sys.executable, '-c', EXIT_CHECK, str(tmp_path)], cwd=REPO_ROOT,
+                        capture_output=True, text=True, timeout=120,
+                        env={**os.environ, 'PYTHONPATH': REPO_ROOT})
+  assert done.returncode == 0, done.stderr[-2000:]
+  count, closed = done.stdout.strip().splitlines()[-2].split()
+  assert int(count) >= 2 and closed == 'closed', done.stdout  # the LM task's and the streams'
+  assert done.stdout.strip().splitlines()[-1] == 'exhausted', done.stdout

@@ -30,6 +30,7 @@ from layout_core.errors import ConfigError
 from layout_core.lazy import tf
 from layout_core.fields import at_least, check_arguments
 from layout_core.tasks import Task, accuracy, softmax_cross_entropy, split_rng
+from layout_core.tasks.streams import DataIterator
 
 
 class LMTask(Task):
@@ -72,8 +73,8 @@ class LMTask(Task):
   def iterate(self, *, start_step: int, batch_size: int,
               split: str = 'train') -> Iterator[dict[str, np.ndarray]]:
     """`features` for consecutive steps, made ahead on a tf.data thread."""
-    for value in self.dataset(start_step=start_step, batch_size=batch_size,
-                              split=split).as_numpy_iterator():
+    for value in DataIterator(self.dataset(start_step=start_step, batch_size=batch_size,
+                                           split=split).as_numpy_iterator()):
       yield {'tokens': value}
 
   def _rng(self, seed: int, split: str, step: int) -> np.random.Generator:

@@ -26,9 +26,12 @@ of files F, and stream k reads every (K/F)-th record of file k mod F.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import gc
 import math
-from typing import Callable, Mapping, Sequence
+import weakref
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 from absl import logging
@@ -39,6 +42,44 @@ from layout_core.lazy import tf
 Position = tuple[int, int]           # (epoch, records taken in that epoch)
 _EPOCHS_AHEAD = 16  # how far a stream's epochs may run ahead of its reader
 Window = dict[str, np.ndarray]       # parsed records: name -> [n, ...] (object for ragged)
+
+
+class DataIterator:
+  """Iterates `iterable` (a tf.data dataset or its numpy iterator) until the
+  interpreter starts to exit, then lets it go.
+
+  A tf.data iterator whose threads run Python (`py_function`, `numpy_function`)
+  and that is destroyed while Python finalizes waits forever for those
+  threads (tensorflow#21277): seen here as a pytest process that printed its
+  summary and never exited. `close_data_iterators` runs at exit, before
+  finalization, and drops every open one."""
+
+  def __init__(self, iterable: Iterable):
+    self._iterator = iter(iterable)
+    _OPEN_ITERATORS.add(self)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> Any:
+    if self._iterator is None:
+      raise StopIteration
+    return next(self._iterator)
+
+  def close(self) -> None:
+    self._iterator = None
+
+
+_OPEN_ITERATORS: 'weakref.WeakSet[DataIterator]' = weakref.WeakSet()
+
+
+@atexit.register
+def close_data_iterators() -> None:
+  """Drops every open `DataIterator` and collects what held them, while the
+  interpreter can still run their threads' Python to the end."""
+  for iterator in list(_OPEN_ITERATORS):
+    iterator.close()
+  gc.collect()
 
 
 class DataError(RuntimeError):
@@ -131,7 +172,7 @@ class RecordStream:
     pipeline = pipeline.flat_map(windows_of).map(
         lambda epoch, number, window: (epoch, number, self._parse(window)),
         num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    self._iterator = iter(pipeline.prefetch(2))
+    self._iterator = DataIterator(pipeline.prefetch(2))
     self._buffer = None
 
   def _next_window(self) -> None:
