@@ -30,7 +30,7 @@ from layout_core.errors import ConfigError
 from layout_core.lazy import tf
 from layout_core.fields import at_least, check_arguments
 from layout_core.tasks import Task, accuracy, softmax_cross_entropy, split_rng
-from layout_core.tasks.streams import DataIterator
+from layout_core.tasks.streams import DataIterator, without_autotune
 
 
 class LMTask(Task):
@@ -68,7 +68,7 @@ class LMTask(Task):
     ds = tf.data.Dataset.range(start_step, 2**62)
     ds = ds.map(lambda s: tf.numpy_function(make, [s], tf.int32),
                 num_parallel_calls=1, deterministic=True)
-    return ds.prefetch(2)
+    return without_autotune(ds.prefetch(2))
 
   def iterate(self, *, start_step: int, batch_size: int,
               split: str = 'train') -> Iterator[dict[str, np.ndarray]]:

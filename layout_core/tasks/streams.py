@@ -44,6 +44,9 @@ _EPOCHS_AHEAD = 16  # how far a stream's epochs may run ahead of its reader
 Window = dict[str, np.ndarray]       # parsed records: name -> [n, ...] (object for ragged)
 
 
+PARSE_THREADS = 2  # windows parsed at once per stream (no autotuning: without_autotune)
+
+
 class DataIterator:
   """Iterates `iterable` (a tf.data dataset or its numpy iterator) until the
   interpreter starts to exit, then lets it go.
@@ -68,6 +71,19 @@ class DataIterator:
 
   def close(self) -> None:
     self._iterator = None
+
+
+def without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
+  """`dataset` with no tf.data autotuning thread.
+
+  A full test run hung twice after its last test, in an iterator's destructor
+  joining that thread (`RootDataset::Iterator` waiting on `Model::OptimizeLoop`,
+  which never saw the cancellation; TF 2.21), once at finalization and once in
+  `close_data_iterators`. These pipelines set their parallelism themselves, and
+  their input is ~0.1% of a step (bench/input.py), so autotuning buys nothing."""
+  options = tf.data.Options()
+  options.autotune.enabled = False
+  return dataset.with_options(options)
 
 
 _OPEN_ITERATORS: 'weakref.WeakSet[DataIterator]' = weakref.WeakSet()
@@ -171,8 +187,8 @@ class RecordStream:
     pipeline = tf.data.Dataset.range(first_epoch, 2**62).take_while(wanted).map(files_of)
     pipeline = pipeline.flat_map(windows_of).map(
         lambda epoch, number, window: (epoch, number, self._parse(window)),
-        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    self._iterator = DataIterator(pipeline.prefetch(2))
+        num_parallel_calls=PARSE_THREADS, deterministic=True)
+    self._iterator = DataIterator(without_autotune(pipeline.prefetch(2)))
     self._buffer = None
 
   def _next_window(self) -> None:
