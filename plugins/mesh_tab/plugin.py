@@ -56,9 +56,10 @@ class MeshPlugin(base_plugin.TBPlugin):
   @wrappers.Request.application
   def _serve_runs(self, request):
     listed = []
-    for run in runs_lib.find_runs(self._logdir) if self._logdir else []:
+    runs = runs_lib.find_runs(self._logdir) if self._logdir else []
+    for run in runs:  # one walk of the logdir, not one per run
       try:
-        runs_lib.read_mesh(self._logdir, run)
+        runs_lib.read_mesh(self._logdir, run, runs=runs)
         listed.append({'run': run, 'mesh': True, 'problem': None})
       except runs_lib.MeshDataError as e:
         listed.append({'run': run, 'mesh': False, 'problem': str(e)})

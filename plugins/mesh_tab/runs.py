@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from plugins.mesh_tab import MESH_JSON, MESH_JSON_FORMAT
 
@@ -37,9 +37,10 @@ def find_runs(logdir: str) -> list[str]:
   return sorted(runs)
 
 
-def run_dir(logdir: str, run: str) -> str:
-  """The directory of `run`; MeshDataError unless it is one of `find_runs`."""
-  if run not in find_runs(logdir):
+def run_dir(logdir: str, run: str, *, runs: Sequence[str] | None = None) -> str:
+  """The directory of `run`; MeshDataError unless it is one of `runs` (by
+  default `find_runs(logdir)`, a walk of the logdir)."""
+  if run not in (find_runs(logdir) if runs is None else runs):
     raise MeshDataError(f"no run '{run}' under {logdir}")
   return os.path.join(logdir, run)
 
@@ -60,9 +61,10 @@ def _why_missing(directory: str, run: str) -> str:
           'to write one)')
 
 
-def read_mesh(logdir: str, run: str) -> dict[str, Any]:
-  """The run's mesh.json, checked to be one this tab can draw."""
-  directory = run_dir(logdir, run)
+def read_mesh(logdir: str, run: str, *, runs: Sequence[str] | None = None) -> dict[str, Any]:
+  """The run's mesh.json, checked to be one this tab can draw (`runs`: the
+  logdir's runs when the caller has walked it already)."""
+  directory = run_dir(logdir, run, runs=runs)
   path = os.path.join(directory, MESH_JSON)
   try:
     with open(path) as f:
