@@ -52,10 +52,10 @@ class DataIterator:
   interpreter starts to exit, then lets it go.
 
   A tf.data iterator whose threads run Python (`py_function`, `numpy_function`)
-  and that is destroyed while Python finalizes waits forever for those
-  threads (tensorflow#21277): seen here as a pytest process that printed its
-  summary and never exited. `close_data_iterators` runs at exit, before
-  finalization, and drops every open one."""
+  can wait forever for them when destroyed while Python finalizes
+  (tensorflow#21277). `close_data_iterators` runs at exit, before
+  finalization, and drops every open one. (The exit hang this suite met was
+  the autotune thread's: `without_autotune`.)"""
 
   def __init__(self, iterable: Iterable):
     self._iterator = iter(iterable)
