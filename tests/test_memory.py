@@ -72,9 +72,15 @@ def test_bf16_halves_activations_and_remat_lowers_them():
 
 def test_sharded_state_divides_splittable_slots_by_the_data_axis():
   axes = {'data': 8}
-  plain = estimate(axes=axes, rules=LayoutRules([]))
+  plain = estimate(axes=axes, rules=LayoutRules([]),
+                   optimizer=_with(OptimizerConfig(), shard_state=False))
   sharded = estimate(axes=axes, rules=LayoutRules([]),
                      optimizer=_with(OptimizerConfig(), shard_state=True))
+  # The default, 'auto', shards on a one-axis mesh only.
+  assert estimate(axes=axes, rules=LayoutRules([])).per_device == sharded.per_device
+  assert estimate(axes={'data': 2, 'model': 4}, rules=LayoutRules([])).per_device == estimate(
+      axes={'data': 2, 'model': 4}, rules=LayoutRules([]),
+      optimizer=_with(OptimizerConfig(), shard_state=False)).per_device
   records = plan_layouts(LM.cls.variable_specs(LM), LayoutRules([]), axes)
   splittable = sum(r.bytes_total for r in records if any(n % 8 == 0 for n in r.shape))
   rest = sum(r.bytes_total for r in records) - splittable
@@ -86,7 +92,7 @@ def test_adafactor_keeps_factored_second_moments():
   wide = transformer_lm_params(vocab_size=256, model_dim=128, num_heads=4, ffn_dim=256,
                                num_layers=1, max_len=16)
   got = estimate(wide, axes={'data': 8}, rules=LayoutRules([]),
-                 optimizer=_with(OptimizerConfig(), name='adafactor'))
+                 optimizer=_with(OptimizerConfig(), name='adafactor', shard_state=False))
   expected = 0
   for spec in wide.cls.variable_specs(wide):
     shape = spec.shape

@@ -183,7 +183,7 @@ def test_sharded_state_on_a_one_axis_mesh_equals_unsharded_state(mesh_data8):
   from layout_core.layout.mesh import GATHER_LOWERING
   sharded, plain = sharded_and_plain(mesh_data8, rules=[])
   assert sharded.engine.optimizer.m['lm/stack/block_000/ffn/w_in'].layout.sharding_specs == [
-      'unsharded', 'data']  # [32, 64]: its largest dim
+      'data', 'unsharded']  # [32, 64]: its first dim 8 divides
   for step in range(3):
     batch = {'tokens': sharded.task.batch(step=step, batch_size=8)}
     loss_a = float(to_numpy(sharded.train_step(batch)[0]))

@@ -196,7 +196,7 @@ class SingleProgramEngine:
     # Dense gradients: an embedding's IndexedSlices gradient passed on to the
     # update function arrives with a wrong shape under DTensor (TF 2.21).
     grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, self.trainable)]
-    return loss, metrics, grads
+    return loss, metrics, self.optimizer.sliced_gradients(grads)
 
   def _apply_fn(self, grads):
     lr, grad_norm = self.optimizer.apply(grads, self.counters.step.read_value())

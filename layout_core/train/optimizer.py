@@ -36,10 +36,12 @@ from absl import logging
 from layout_core.lazy import Module, tf, dtensor
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least, check_types, in_range
+from layout_core.layout.gather import gather_together
 from layout_core.layout.variables import quiet_one_shot_traces
 from layout_core.train.config import UNSHARDED
 
 DECAYS = ('cosine', 'linear', 'constant')
+AUTO = 'auto'
 NAMES = ('adam', 'adafactor')
 
 
@@ -55,8 +57,10 @@ class OptimizerConfig:
   epsilon: float = 1e-8
   weight_decay: float = 0.0         # decoupled (AdamW), on every parameter
   clip_norm: float = 1.0            # global-norm clipping; 0 disables
-  # ZeRO-1: False; True (the batch axis); or a mesh axis name.
-  shard_state: bool | str = False
+  # ZeRO-1: 'auto' (the batch axis on a one-axis mesh, else off: measured
+  # faster there, slower on 2-D meshes; bench/step_breakdown.py); False; True
+  # (the batch axis); or a mesh axis name.
+  shard_state: bool | str = 'auto'
   # Adafactor (Shazeer & Stern 2018), with T5X's defaults.
   adafactor_decay_rate: float = 0.8           # second-moment decay 1 - t^-rate
   adafactor_beta1: float = 0.0                # first moment; 0: none (T5X: None)
@@ -73,7 +77,7 @@ class OptimizerConfig:
                         fix=f"use one of {', '.join(map(repr, NAMES))}")
     if self.shard_state == '':
       raise ConfigError("optimizer.shard_state is ''", where='optimizer.shard_state',
-                        fix='use False, True (the batch axis) or a mesh axis name')
+                        fix="use 'auto', False, True (the batch axis) or a mesh axis name")
     in_range(self.adafactor_decay_rate, parameter='optimizer.adafactor_decay_rate', low=0,
              high=1, low_open=True)
     in_range(self.adafactor_beta1, parameter='optimizer.adafactor_beta1', low=0, high=1,
@@ -129,6 +133,13 @@ def state_axis(config: OptimizerConfig, *, batch_axis: str,
   """The mesh axis `shard_state` splits optimizer state over, or None."""
   if config.shard_state is False:
     return None
+  if config.shard_state == AUTO:
+    # One axis, the batch axis: there the gather back compiles to a real
+    # all-gather (`gather_lowering`) and sharded state is the faster update
+    # (lm_small `data=8`: 369 -> 310 ms a step). On 2-D meshes DTensor's
+    # padded all-reduce made it slower (393 -> 407 ms on `data=2 x model=4`).
+    one_axis = list(mesh_axes) == [batch_axis] and mesh_axes[batch_axis] > 1
+    return batch_axis if one_axis else None
   axis = batch_axis if config.shard_state is True else config.shard_state
   if axis not in mesh_axes:
     if config.shard_state is True:
@@ -143,15 +154,17 @@ def state_axis(config: OptimizerConfig, *, batch_axis: str,
 
 def add_axis(spec: Sequence[str], shape: Sequence[int], axis: str | None,
              axis_size: int) -> list[str]:
-  """`spec` with `axis` on the largest unsharded dimension of `shape` that
-  `axis_size` divides (the later one on a tie); `spec` itself when there is
-  none, or when `axis` is None or already in it."""
+  """`spec` with `axis` on the first unsharded dimension of `shape` that
+  `axis_size` divides; `spec` itself when there is none, or when `axis` is
+  None or already in it. Any such dimension splits the bytes evenly; the
+  first makes each device's slice one contiguous block, which the gather
+  back lays beside the others without a transpose (`gather_together`)."""
   spec = list(spec)
   if axis is None or axis in spec or axis_size < 2:
     return spec
   free = [i for i, (a, n) in enumerate(zip(spec, shape)) if a == UNSHARDED and n % axis_size == 0]
   if free:
-    spec[max(free, key=lambda i: (shape[i], i))] = axis
+    spec[free[0]] = axis
   return spec
 
 
@@ -239,39 +252,70 @@ class Optimizer(Module):
   def apply(self, grads: Sequence[tf.Tensor], step: tf.Tensor):
     """One update of every parameter (all on one mesh) at 0-based `step`;
     returns (learning_rate, pre-clip global grad norm)."""
-    grads = [tf.convert_to_tensor(g) for g in grads]
+    grads = self._update_layouts(list(self._targets.variables), grads)
     norm = global_norm(grads)
     return self.update(list(self._targets.variables), grads, step=step, norm=norm), norm
+
+  def _update_layouts(self, paths: Sequence[str], grads: Sequence[tf.Tensor]) -> list:
+    """The gradients in the layouts their updates run in: the state layout
+    (sharded state: each device keeps its slice, no data moves), else the
+    parameter's. The norm of the sliced gradients costs each device its
+    slice's share, not the whole model's."""
+    out = []
+    for path, grad in zip(paths, grads):
+      grad = tf.convert_to_tensor(grad)
+      layout = (self._targets.state_layouts[path]
+                or getattr(self._targets.variables[path], 'layout', None))
+      out.append(grad if layout is None else dtensor.relayout(grad, layout))
+    return out
+
+  def sliced_gradients(self, grads: Sequence[tf.Tensor]) -> list:
+    """For the function that makes the gradients (of every parameter, in
+    order), with sharded state: each gradient in its state layout, so DTensor
+    sums over the batch axis only the slice each device updates (lm_small,
+    `data=8`: the gradients function 280 -> 267 ms). Each is first pinned to
+    its parameter's layout: left free, DTensor's layout propagation pulled
+    the slicing back into the backward pass and failed to compile (TF 2.21).
+    Without sharded state, the gradients as they are."""
+    if self.shard_axis is None:
+      return list(grads)
+    pinned = []
+    for variable, grad in zip(self._targets.variables.values(), grads):
+      layout = getattr(variable, 'layout', None)
+      grad = tf.convert_to_tensor(grad)
+      pinned.append(grad if layout is None else dtensor.relayout(grad, layout))
+    return self._update_layouts(self.paths, pinned)
 
   def update(self, paths: Sequence[str], grads: Sequence[tf.Tensor], *, step: tf.Tensor,
              norm: tf.Tensor) -> tf.Tensor:
     """Updates the parameters at `paths`; `norm` is the global (all-parameter)
-    gradient norm used for clipping. Returns the learning rate."""
+    gradient norm used for clipping. Returns the learning rate.
+
+    With sharded state the new parameters' slices are gathered back
+    together, a bucket per collective (`gather_together`), not one by one."""
     config = self.config
     lr = learning_rate(config, step, self.total_steps)
     scale = tf.minimum(1.0, config.clip_norm / (norm + 1e-12)) if config.clip_norm else None
-    for path, grad in zip(paths, grads):
+    gathered, sources, targets = [], [], []
+    for path, grad in zip(paths, self._update_layouts(paths, grads)):
       variable = self._targets.variables[path]
-      grad = tf.convert_to_tensor(grad)
-      layout = getattr(variable, 'layout', None)
-      if layout is not None:
-        grad = dtensor.relayout(grad, layout)
       if scale is not None:
         grad = grad * scale
       state_layout = self._targets.state_layouts[path]
-      if state_layout is None:
-        delta, assigns = self._delta(path, grad, variable, lr=lr, step=step)
-        for slot, value in assigns:
-          slot.assign(value)
-        variable.assign_sub(delta)
-        continue
-      # Sharded state: the update on the state axis's shards, then gathered back.
-      param = dtensor.relayout(variable.read_value(), state_layout)
-      delta, assigns = self._delta(path, dtensor.relayout(grad, state_layout), param,
-                                   lr=lr, step=step)
+      param = (variable if state_layout is None
+               else dtensor.relayout(variable.read_value(), state_layout))
+      delta, assigns = self._delta(path, grad, param, lr=lr, step=step)
       for slot, value in assigns:
-        slot.assign(dtensor.relayout(value, slot.layout))
-      variable.assign(dtensor.relayout(param - delta, layout))
+        slot.assign(value if state_layout is None else dtensor.relayout(value, slot.layout))
+      if state_layout is None:
+        variable.assign_sub(delta)
+      else:
+        gathered.append((variable, param - delta))
+        sources.append(state_layout)
+        targets.append(variable.layout)
+    new_values = gather_together([value for _, value in gathered], sources, targets)
+    for (variable, _), value in zip(gathered, new_values):
+      variable.assign(value)
     return lr
 
 
