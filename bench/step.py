@@ -11,9 +11,10 @@ only one child runs at a time. Each figure is the best round's steps/s.
 Groups (each contender's gin bindings are printed with its figure):
 
 * `split`: lm_small (3.3M parameters, batch 32 x 64) on 1 device, `data=8`
-  and `data=2 x model=4` (Megatron rules), each with and without
-  `optimizer.shard_state`, and with a fused step (gradients and update in
-  one function; with XLA); the plain TF loop (graph, XLA) of the same model.
+  and `data=2 x model=4` (Megatron rules), each as configured by default and
+  with the other `optimizer.shard_state`, with a fused step (gradients and
+  update in one function; with XLA), and on 2x4 with the residual stream
+  left to DTensor; the plain TF loop (graph, XLA) of the same model.
 * `pipeline`: lm_small on `stage=2 x data=2 x model=2` with M=8 micro-batches,
   the SPMD engine against the same model unpipelined on `data=2 x model=4`,
   and the sub-mesh engine against serial (unpipelined on one stage's
@@ -64,13 +65,14 @@ def contenders(group: str) -> dict[str, dict]:
         'plain TF (graph)': {'kind': 'plain', 'jit': False, 'width': 1},
         'plain TF (XLA)': {'kind': 'plain', 'jit': True, 'width': 1},
         'meshgin 1 device': one,
-        'meshgin data=8': meshgin(LM_SMALL, *MESHES['data=8'], *NO_SHARD),
-        'meshgin data=8, shard_state': meshgin(LM_SMALL, *MESHES['data=8'], *SHARD),
-        'meshgin data=8, shard_state, fused step': {
-            **meshgin(LM_SMALL, *MESHES['data=8'], *SHARD), 'fused': True},
-        'meshgin data=8, shard_state, fused step, XLA': {
-            **meshgin(LM_SMALL, *MESHES['data=8'], *SHARD), 'fused': True, 'jit': True},
+        'meshgin data=8': meshgin(LM_SMALL, *MESHES['data=8']),
+        'meshgin data=8, unsharded state': meshgin(LM_SMALL, *MESHES['data=8'], *NO_SHARD),
+        'meshgin data=8, fused step': {**meshgin(LM_SMALL, *MESHES['data=8']), 'fused': True},
+        'meshgin data=8, fused step, XLA': {
+            **meshgin(LM_SMALL, *MESHES['data=8']), 'fused': True, 'jit': True},
         'meshgin 2x4': meshgin(LM_SMALL + [MEGATRON], *MESHES['2x4']),
+        'meshgin 2x4, residual left to DTensor': {
+            **meshgin(LM_SMALL + [MEGATRON], *MESHES['2x4']), 'free_residual': True},
         'meshgin 2x4, fused step': {**meshgin(LM_SMALL + [MEGATRON], *MESHES['2x4']),
                                     'fused': True},
         'meshgin 2x4, shard_state': meshgin(LM_SMALL + [MEGATRON], *MESHES['2x4'], *SHARD),
@@ -196,12 +198,16 @@ def meshgin_step(spec: dict):
   """The trainer `launch.train` would build for the gin files and bindings;
   with `fused`, a candidate measured here, not built into meshgin: the
   engine's gradients and update traced into one function (`jit`: compiled
-  with XLA)."""
+  with XLA); with `free_residual`, the transformer blocks' residual stream
+  not pinned (`layout_core.model.activations`), as before it was."""
   from plugins import registry  # noqa: F401  (registers the configurables)
   from plugins.gin_setup import parsed_config
   from plugins.plan import make_plan
   from plugins.training import build_trainer
   from layout_core.layout.variables import to_numpy
+  if spec.get('free_residual'):  # the residual stream's layout left to DTensor, as before
+    from layout_core.model import layers
+    layers.residual = lambda x: x
   with parsed_config(files=spec['gin'], bindings=spec['bindings']):
     plan = make_plan()
   trainer = build_trainer(plan)

@@ -14,6 +14,7 @@ from layout_core.errors import ConfigError
 from layout_core.layout.variables import Normal, Ones, Zeros
 from layout_core.model.base import (BaseLayer, Declared, LayerMeta, as_float32, cast, dense,
                                     num_elements as _size)
+from layout_core.model.activations import residual
 from layout_core.model.random import dropout
 from layout_core.model.sequence import current_sequence
 
@@ -282,14 +283,15 @@ class TransformerBlock(BaseLayer):
     def run(name, value):
       child = children[name]
       return child.cls.apply(child, w.child(name), value)
+    x = residual(x)
     attn = run('attn', run('ln_attn', x))
     if p.dropout_rate:
       attn = run('attn_dropout', attn)
-    x = x + attn
+    x = x + residual(attn)
     ffn = run('ffn', run('ln_ffn', x))
     if p.dropout_rate:
       ffn = run('ffn_dropout', ffn)
-    return x + ffn
+    return residual(x + residual(ffn))
 
 
 class Softmax(BaseLayer):

@@ -48,6 +48,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from layout_core.lazy import Module, tf, dtensor
+from layout_core.model.activations import residual_context
 from layout_core.model.random import current_random
 from layout_core.layout import mesh as mesh_lib
 from layout_core.checkpoint.shard_io import set_unstacked
@@ -376,7 +377,9 @@ class SpmdPipeline:
 
         def run_cell(x, *picked, random=random):
           by_name = dict(zip(names, picked))
-          return cell.cls.apply(cell, SlotWeights(by_name.__getitem__, random, dtype=dtype), x)
+          with residual_context(mesh=stack.mesh, batch_axis=stack.batch_axis,
+                                lead_axes=(stack.stage_axis,)):
+            return cell.cls.apply(cell, SlotWeights(by_name.__getitem__, random, dtype=dtype), x)
         # The picked weights are inputs, not captures: a recomputed cell's
         # gradients reach only its inputs and the variables it reads itself.
         x = rematerialized(run_cell, x, *picked) if cell.remat else run_cell(x, *picked)

@@ -23,6 +23,7 @@ checkpoints, preemption and summaries from the one loop. Implementations:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -33,6 +34,7 @@ from layout_core.layout import mesh as mesh_lib
 from layout_core.layout.rules import UNSHARDED
 from layout_core.layout.scope import LayoutRecord
 from layout_core.layout.variables import to_numpy
+from layout_core.model.activations import residual_context
 from layout_core.model.base import as_float32
 from layout_core.model.built import BuiltModel
 from layout_core.model.random import random_context, step_seed
@@ -119,11 +121,11 @@ class ModelProgram:
     return pack_batch(batch, mesh=self.mesh, batch_axis=self.batch_axis)
 
   def loss_and_metrics(self, packed, training: bool = False):
-    if getattr(self.task, 'needs_segments', False):  # packed documents
-      segments, positions = self.task.sequence_inputs(packed)
-      with sequence_context(segments=segments, positions=positions):
-        outputs = self.model.call(self.task.model_inputs(packed), training)
-    else:
+    with contextlib.ExitStack() as contexts:
+      contexts.enter_context(residual_context(mesh=self.mesh, batch_axis=self.batch_axis))
+      if getattr(self.task, 'needs_segments', False):  # packed documents
+        segments, positions = self.task.sequence_inputs(packed)
+        contexts.enter_context(sequence_context(segments=segments, positions=positions))
       outputs = self.model.call(self.task.model_inputs(packed), training)
     return self.task.loss_and_metrics(as_float32(outputs), packed)
 

@@ -1,0 +1,57 @@
+"""Where a transformer's residual stream lives on a mesh of several axes.
+
+DTensor gives every activation a layout by propagating the weights' layouts
+through the graph. Between Megatron-sharded blocks that left parts of the
+residual stream (layer norms, residual adds, dropout) split over the model
+axis in layouts that cost extra collectives, or whole but computed in other
+layouts than the next matmul wants. Megatron's choice is simpler: the stream
+is split over the batch axis only, whole on every model shard; a block's
+row-parallel output is summed into it once. Inside
+
+    with residual_context(mesh=mesh, batch_axis='data'):
+      outputs = model.call(inputs, training)
+
+`residual(x)` relays `x` ([batch, ...]) to that layout; outside one, and on a
+mesh whose only axis is the batch axis, it returns `x` as it is. Measured on
+lm_small, `data=2 x model=4` with Megatron rules, 2 cores: a step 412-439 ms
+-> 392-396 ms (`bench/step_breakdown.py`); the values are the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator, Sequence
+
+from layout_core.lazy import dtensor
+
+UNSHARDED = 'unsharded'
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def residual_context(*, mesh, batch_axis: str, lead_axes: Sequence[str] = ()) -> Iterator[None]:
+  """`lead_axes`: the axes of leading dims before the batch dim (the SPMD
+  pipeline's stage slots: `('stage',)`)."""
+  previous = getattr(_state, 'value', None)
+  axes = dict(zip(mesh.dim_names, mesh.shape()))
+  others = [n for n, size in axes.items() if size > 1 and n != batch_axis and n not in lead_axes]
+  batch = batch_axis if batch_axis in axes else UNSHARDED
+  _state.value = (mesh, [*lead_axes, batch]) if others else None
+  try:
+    yield
+  finally:
+    _state.value = previous
+
+
+def residual(x):
+  """`x` ([*lead, batch, ...]) split over the batch axis (and the lead
+  axes), whole elsewhere."""
+  context = getattr(_state, 'value', None)
+  if context is None:
+    return x
+  mesh, split = context
+  if x.shape.rank <= len(split):
+    return x
+  return dtensor.relayout(
+      x, dtensor.Layout(split + [UNSHARDED] * (x.shape.rank - len(split)), mesh))
