@@ -1,10 +1,11 @@
 """Where a training step's time goes, per mesh: one child process per mesh.
 
 For lm_small (3.3M parameters, batch 32 x 64) on `data=1` (one device), `data=8`
-and `data=2 x model=4` (Megatron rules), each phase timed on its own, with a
-sync after it (so phases do not overlap, unlike the training loop):
-the host batch, packing it onto the mesh, the gradients function, the update
-function. Then the whole step as the loop runs it (no syncs between phases),
+and `data=2 x model=4` (Megatron rules), each with its default optimizer state
+(`shard_state='auto'`: sharded on `data=8`, not on 2x4) and with the other,
+each phase timed on its own with a sync after it (so phases do not overlap,
+unlike the training loop): the host batch, packing it onto the mesh, the
+gradients function, the update function. Then the whole step as the loop runs it (no syncs between phases),
 and a TensorFlow profiler trace of two such steps: CPU time per op type on the
 devices' compute threads (all devices together; 2 cores give at most 2 ms of
 it per ms of wall time), the ops run per step, and the CPU time DTensor spends
@@ -117,8 +118,8 @@ def main():
   results = {}
   sharded = {'optimizer': {'shard_state': True}}
   for name, shape, options in (
-      ('1 device', {'data': 1}, {}), ('data=8', {'data': 8}, {}),
-      ('data=8, sharded state', {'data': 8}, sharded),
+      ('1 device', {'data': 1}, {}), ('data=8 (sharded state)', {'data': 8}, {}),
+      ('data=8, unsharded state', {'data': 8}, {'optimizer': {'shard_state': False}}),
       ('data=2 x model=4', {'data': 2, 'model': 4}, {}),
       ('data=2 x model=4, sharded state', {'data': 2, 'model': 4}, sharded)):
     results[name] = run_child(CHILD, repo, json.dumps(shape), str(args.steps),

@@ -33,7 +33,8 @@ def describe_memory(plan: RunPlan) -> list[str]:
   estimate = plan_memory(plan)
   train, spec = plan.train, plan.mesh_spec
   optimizer = getattr(plan.optimizer, 'name', 'adam')
-  shard = state_axis(plan.optimizer, batch_axis=train.batch_axis, mesh_axes=spec.shape)
+  shard = state_axis(plan.optimizer, batch_axis=train.batch_axis, mesh_axes=spec.shape,
+                     num_parameters=plan.num_parameters)
   micro = train.batch_size // train.grad_accum_steps
   lines = [f'Memory (estimate: layout_core/train/memory.py; {optimizer}'
            f'{f", state sharded over {shard!r}" if shard else ""}, compute {train.compute_dtype}, '

@@ -76,11 +76,8 @@ def test_sharded_state_divides_splittable_slots_by_the_data_axis():
                    optimizer=_with(OptimizerConfig(), shard_state=False))
   sharded = estimate(axes=axes, rules=LayoutRules([]),
                      optimizer=_with(OptimizerConfig(), shard_state=True))
-  # The default, 'auto', shards on a one-axis mesh only.
-  assert estimate(axes=axes, rules=LayoutRules([])).per_device == sharded.per_device
-  assert estimate(axes={'data': 2, 'model': 4}, rules=LayoutRules([])).per_device == estimate(
-      axes={'data': 2, 'model': 4}, rules=LayoutRules([]),
-      optimizer=_with(OptimizerConfig(), shard_state=False)).per_device
+  # The default, 'auto', leaves this small model's state whole.
+  assert estimate(axes=axes, rules=LayoutRules([])).per_device == plain.per_device
   records = plan_layouts(LM.cls.variable_specs(LM), LayoutRules([]), axes)
   splittable = sum(r.bytes_total for r in records if any(n % 8 == 0 for n in r.shape))
   rest = sum(r.bytes_total for r in records) - splittable
@@ -133,3 +130,17 @@ def _with(config, **fields):
       def __getattr__(self, name):
         return fields[name] if name in fields else getattr(config, name)
     return Extended()
+
+
+def test_auto_state_sharding_picks_one_axis_meshes_and_large_models():
+  from layout_core.train.optimizer import AUTO_MIN_PARAMETERS, state_axis
+  auto, large = OptimizerConfig(), AUTO_MIN_PARAMETERS
+  assert auto.shard_state == 'auto'
+  assert state_axis(auto, batch_axis='data', mesh_axes={'data': 8}, num_parameters=large) == 'data'
+  assert state_axis(auto, batch_axis='data', mesh_axes={'data': 8}, num_parameters=large - 1) is None
+  assert state_axis(auto, batch_axis='data', mesh_axes={'data': 2, 'model': 4},
+                    num_parameters=10 * large) is None
+  assert state_axis(auto, batch_axis='data', mesh_axes={'data': 1}, num_parameters=large) is None
+  forced = _with(auto, shard_state=True)
+  assert state_axis(forced, batch_axis='data', mesh_axes={'data': 2, 'model': 4},
+                    num_parameters=1) == 'data'

@@ -141,7 +141,8 @@ def estimate_memory(*, records: Sequence[Any], params: Any,
   num_devices = math.prod(mesh_axes.values())
   stage_devices = num_devices // mesh_axes.get(stage_axis, 1) if pipeline else num_devices
   devices_of = {r.mesh: stage_devices if r.mesh else num_devices for r in records}
-  slot_axis = _slot_axis(optimizer, config, mesh_axes)
+  slot_axis = _slot_axis(optimizer, config, mesh_axes,
+                         num_parameters=sum(math.prod(r.shape) for r in records))
   per_mesh: dict[str, dict[str, int]] = {}
   for r in records:
     held = per_mesh.setdefault(r.mesh, dict.fromkeys(CATEGORIES, 0))
@@ -184,10 +185,11 @@ def model_flops_per_step(*, meta: LayerMeta | None, num_parameters: int,
 
 
 # -- optimizer state ------------------------------------------------------------
-def _slot_axis(optimizer, config, mesh_axes) -> str | None:
+def _slot_axis(optimizer, config, mesh_axes, *, num_parameters: int) -> str | None:
   if not isinstance(optimizer, OptimizerConfig):
     return None
-  axis = state_axis(optimizer, batch_axis=config.batch_axis, mesh_axes=mesh_axes)
+  axis = state_axis(optimizer, batch_axis=config.batch_axis, mesh_axes=mesh_axes,
+                    num_parameters=num_parameters)
   return axis if axis and mesh_axes.get(axis, 1) > 1 else None
 
 

@@ -42,6 +42,7 @@ from layout_core.train.config import UNSHARDED
 
 DECAYS = ('cosine', 'linear', 'constant')
 AUTO = 'auto'
+AUTO_MIN_PARAMETERS = 1_200_000  # 'auto' shards state from this model size (`state_axis`)
 NAMES = ('adam', 'adafactor')
 
 
@@ -57,9 +58,9 @@ class OptimizerConfig:
   epsilon: float = 1e-8
   weight_decay: float = 0.0         # decoupled (AdamW), on every parameter
   clip_norm: float = 1.0            # global-norm clipping; 0 disables
-  # ZeRO-1: 'auto' (the batch axis on a one-axis mesh, else off: measured
-  # faster there, slower on 2-D meshes; bench/step_breakdown.py); False; True
-  # (the batch axis); or a mesh axis name.
+  # ZeRO-1: 'auto' (the batch axis on a one-axis mesh for models of at
+  # least 1.2M parameters, else off: `state_axis`); False; True (the batch
+  # axis); or a mesh axis name.
   shard_state: bool | str = 'auto'
   # Adafactor (Shazeer & Stern 2018), with T5X's defaults.
   adafactor_decay_rate: float = 0.8           # second-moment decay 1 - t^-rate
@@ -128,18 +129,25 @@ def global_norm(grads: Sequence[tf.Tensor]) -> tf.Tensor:
   return tf.sqrt(squared_norm(grads))
 
 
-def state_axis(config: OptimizerConfig, *, batch_axis: str,
-               mesh_axes: Mapping[str, int]) -> str | None:
-  """The mesh axis `shard_state` splits optimizer state over, or None."""
+def state_axis(config: OptimizerConfig, *, batch_axis: str, mesh_axes: Mapping[str, int],
+               num_parameters: int | None = None) -> str | None:
+  """The mesh axis `shard_state` splits optimizer state over, or None.
+
+  'auto' picks the batch axis where sharded state measured faster as well as
+  smaller (`bench/step.py`, 2 cores): a one-axis mesh, where the gather back
+  compiles to a real all-gather (`gather_lowering`), and a model of at least
+  AUTO_MIN_PARAMETERS (`num_parameters`; None: assumed that large). On
+  `data=8`, sharded vs unsharded: lm_tiny (0.11M parameters) 43 vs 30 ms a
+  step, lm_small at width 128 (0.87M) 134 vs 128, at width 192 (1.9M) 206 vs
+  225, lm_small (3.3M) 305 vs 364: below ~1.2M the collectives' fixed cost
+  outweighs the smaller update. On 2-D meshes DTensor's padded all-reduce made
+  it slower (lm_small 2x4: 401 vs 373 ms)."""
   if config.shard_state is False:
     return None
   if config.shard_state == AUTO:
-    # One axis, the batch axis: there the gather back compiles to a real
-    # all-gather (`gather_lowering`) and sharded state is the faster update
-    # (lm_small `data=8`: 369 -> 310 ms a step). On 2-D meshes DTensor's
-    # padded all-reduce made it slower (393 -> 407 ms on `data=2 x model=4`).
     one_axis = list(mesh_axes) == [batch_axis] and mesh_axes[batch_axis] > 1
-    return batch_axis if one_axis else None
+    large = num_parameters is None or num_parameters >= AUTO_MIN_PARAMETERS
+    return batch_axis if one_axis and large else None
   axis = batch_axis if config.shard_state is True else config.shard_state
   if axis not in mesh_axes:
     if config.shard_state is True:
@@ -351,7 +359,8 @@ def make_optimizer(config: OptimizerConfig, *, variables: Sequence[tf.Variable],
                    batch_axis: str = 'data',
                    lead_dims: Mapping[str, int] | None = None) -> Optimizer:
   """The optimizer `config.name` names, its state split as `shard_state` says."""
-  axis = state_axis(config, batch_axis=batch_axis, mesh_axes=mesh_axes or {})
+  axis = state_axis(config, batch_axis=batch_axis, mesh_axes=mesh_axes or {},
+                    num_parameters=sum(v.shape.num_elements() for v in variables))
   if config.name == 'adafactor':
     from layout_core.train.adafactor import Adafactor  # pylint: disable=g-import-not-at-top
     cls = Adafactor
