@@ -15,8 +15,9 @@ of lm_small's four transformer blocks' matmuls and attention, on a batch of
 * `DTensor data=8`: the batch split over an 8-device mesh, weights
   replicated (DTensor adds the weight gradients' all-reduce);
 
-each 8-device form under two thread settings (meshgin's: intra-op
-cores // 8 = 1; and TF's defaults), each in its own process. Steps are timed
+each 8-device form under four thread settings (meshgin's: intra-op
+cores // 8 = 1; TF's defaults; intra-op 1 with inter-op 8; intra-op 2 with
+inter-op 2), each in its own process. Steps are timed
 in rounds, best of 3. If `8 tf.devices` is as slow as `DTensor data=8`, the
 cost is the split itself (smaller matmuls), not DTensor's.
 
@@ -47,6 +48,8 @@ if threads == 'meshgin':
 else:
   if threads:
     tf.config.threading.set_intra_op_parallelism_threads(threads[0])
+    if len(threads) > 1:
+      tf.config.threading.set_inter_op_parallelism_threads(threads[1])
   cpu = tf.config.list_physical_devices('CPU')[0]
   tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * N)
 B, T, D, H, F, LAYERS = 32, 64, 256, 8, 1024, 4
@@ -115,8 +118,10 @@ print('RESULT ' + json.dumps({'ms': 1e3 * best}))
 '''
 
 FORMS = (('one device, B=32', 'meshgin'), ('one device, B=32, 1 thread', [1]),
-         ('8 tf.devices', 'meshgin'), ('8 tf.devices', None),
-         ('DTensor data=8', 'meshgin'), ('DTensor data=8', None))
+         ('8 tf.devices', 'meshgin'), ('8 tf.devices', None), ('8 tf.devices', [1, 8]),
+         ('8 tf.devices', [2, 2]),
+         ('DTensor data=8', 'meshgin'), ('DTensor data=8', None), ('DTensor data=8', [1, 8]),
+         ('DTensor data=8', [2, 2]))
 
 
 def main():

@@ -12,7 +12,11 @@ row-parallel output is summed into it once. Inside
       outputs = model.call(inputs, training)
 
 `residual(x)` relays `x` ([batch, ...]) to that layout; outside one, and on a
-mesh whose only axis is the batch axis, it returns `x` as it is. Measured on
+mesh whose only axis is the batch axis, it returns `x` as it is. The one-program
+engine and the SPMD pipeline's stage slots run their blocks in a context; the
+sub-mesh pipeline's stages do not: there the relayout inside a stage broke the
+backward pass's crossing between meshes ("CopyToMeshOp must be used to send
+data across mesh", TF 2.21). Measured on
 lm_small, `data=2 x model=4` with Megatron rules, 2 cores: a step 412-439 ms
 -> 392-396 ms (`bench/step_breakdown.py`); the values are the same.
 """

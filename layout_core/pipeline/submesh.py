@@ -21,14 +21,12 @@ recomputation (`bench/step.py`).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Sequence
 
 from absl import logging
 
 from layout_core.lazy import Module, tf, dtensor
 from layout_core.errors import ConfigError
-from layout_core.model.activations import residual_context
 from layout_core.model.random import random_context
 from layout_core.train.optimizer import squared_norm
 from layout_core.pipeline import schedule as schedule_lib
@@ -220,13 +218,10 @@ class GPipe:
     """Stage k on one micro-batch. With `random` = (step seed, first row), random
     layers (dropout) draw that micro-batch's masks, in the forward and in its
     re-computation alike."""
-    with contextlib.ExitStack() as contexts:
-      meshes = getattr(self.placement, 'meshes', None)  # DTensor sub-meshes
-      if meshes is not None:
-        contexts.enter_context(residual_context(mesh=meshes[k],
-                                                batch_axis=self.placement.batch_axis))
-      if random is not None:
-        contexts.enter_context(random_context(seed=random[0], batch_offset=random[1]))
+    if random is not None:
+      with random_context(seed=random[0], batch_offset=random[1]):
+        outputs = as_tuple(self.placement.run(k, self.stages[k], *inputs))
+    else:
       outputs = as_tuple(self.placement.run(k, self.stages[k], *inputs))
     if k < self.num_stages - 1:
       for y in outputs:
