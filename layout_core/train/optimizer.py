@@ -9,10 +9,13 @@ mapped by name:
                                paths=paths, total_steps=1000, mesh_axes={'data': 8})
     lr, grad_norm = optimizer.apply(grads, step)   # inside a tf.function
 
-With `shard_state` (ZeRO-1), every slot is also split over the data axis on
-the largest dimension its parameter leaves unsharded and the axis divides;
-the update runs on those shards (the gradient and the parameter relaid to the
-slot's layout) and the new parameter is relaid back to its own layout. A
+With `shard_state` (ZeRO-1; 'auto', the default, picks it where it measured
+faster: `state_axis`), every slot is also split over the data axis on the
+first dimension its parameter leaves unsharded and the axis divides. The
+gradients function cuts each gradient to its slot's layout
+(`sliced_gradients`: DTensor then reduces only each device's slice), the
+update runs on those slices, and the new parameters are gathered back to
+their own layouts together, a bucket per collective (`gather_together`). A
 parameter with no such dimension keeps its layout (`unsharded_state` lists
 them). Checkpoints hold the same keys either way, so state moves between
 sharded and unsharded runs and meshes.
