@@ -275,8 +275,9 @@ class Optimizer(Module):
     out = []
     for path, grad in zip(paths, grads):
       grad = tf.convert_to_tensor(grad)
-      layout = (self._targets.state_layouts[path]
-                or getattr(self._targets.variables[path], 'layout', None))
+      layout = self._targets.state_layouts[path]
+      if layout is None:
+        layout = getattr(self._targets.variables[path], 'layout', None)
       out.append(grad if layout is None else dtensor.relayout(grad, layout))
     return out
 
