@@ -61,7 +61,7 @@ def gather_together(values: Sequence[tf.Tensor], layouts: Sequence, targets: Seq
   in `layouts`, the simple all-gathers (module docstring) done a bucket at a
   time. Call inside a `tf.function` (where layouts cannot be fetched)."""
   values, out = list(values), [None] * len(values)
-  buckets: dict[tuple, list[list[int]]] = {}
+  buckets: dict[tuple, list[list[tuple[int, int]]]] = {}  # key -> buckets of (index, dim)
   sizes: dict[tuple, int] = {}
   for i, (value, layout, target) in enumerate(zip(values, layouts, targets)):
     value = values[i] = dtensor.relayout(value, layout)
@@ -74,18 +74,17 @@ def gather_together(values: Sequence[tf.Tensor], layouts: Sequence, targets: Seq
     if key not in buckets or sizes[key] + nbytes > bucket_bytes:
       buckets.setdefault(key, []).append([])
       sizes[key] = 0
-    buckets[key][-1].append(i)
+    buckets[key][-1].append((i, dim))
     sizes[key] += nbytes
   for (_, axis, _), groups in buckets.items():
     for group in groups:
-      mesh = targets[group[0]].mesh
+      mesh = targets[group[0][0]].mesh
       parts = dict(zip(mesh.dim_names, mesh.shape()))[axis]
-      dims = [_split_dim(layouts[i], targets[i]) for i in group]
-      rows = [_rows(values[i], dim, parts) for i, dim in zip(group, dims)]
+      rows = [_rows(values[i], dim, parts) for i, dim in group]
       gathered = dtensor.relayout(rows[0] if len(rows) == 1 else tf.concat(rows, axis=1),
                                   dtensor.Layout.replicated(mesh, 2))
       start = 0
-      for i, dim, row in zip(group, dims, rows):
+      for (i, dim), row in zip(group, rows):
         width = row.shape[1]
         out[i] = _unrows(gathered[:, start:start + width], values[i].shape.as_list(), dim)
         start += width

@@ -62,8 +62,8 @@ class OptimizerConfig:
   weight_decay: float = 0.0         # decoupled (AdamW), on every parameter
   clip_norm: float = 1.0            # global-norm clipping; 0 disables
   # ZeRO-1: 'auto' (the batch axis on a one-axis mesh for models of at
-  # least 1.2M parameters, else off: `state_axis`); False; True (the batch
-  # axis); or a mesh axis name.
+  # least AUTO_MIN_PARAMETERS, else off: `state_axis`); False; True (the
+  # batch axis); or a mesh axis name.
   shard_state: bool | str = 'auto'
   # Adafactor (Shazeer & Stern 2018), with T5X's defaults.
   adafactor_decay_rate: float = 0.8           # second-moment decay 1 - t^-rate
@@ -263,21 +263,25 @@ class Optimizer(Module):
   def apply(self, grads: Sequence[tf.Tensor], step: tf.Tensor):
     """One update of every parameter (all on one mesh) at 0-based `step`;
     returns (learning_rate, pre-clip global grad norm)."""
-    grads = self._update_layouts(list(self._targets.variables), grads)
+    grads = self._update_layouts(self.paths, grads)
     norm = global_norm(grads)
-    return self.update(list(self._targets.variables), grads, step=step, norm=norm), norm
+    return self.update(self.paths, grads, step=step, norm=norm), norm
 
-  def _update_layouts(self, paths: Sequence[str], grads: Sequence[tf.Tensor]) -> list:
+  def _update_layouts(self, paths: Sequence[str], grads: Sequence[tf.Tensor], *,
+                      pinned: bool = False) -> list:
     """The gradients in the layouts their updates run in: the state layout
     (sharded state: each device keeps its slice, no data moves), else the
     parameter's. The norm of the sliced gradients costs each device its
-    slice's share, not the whole model's."""
+    slice's share, not the whole model's. `pinned`: relaid to the parameter's
+    layout first (`sliced_gradients`)."""
     out = []
     for path, grad in zip(paths, grads):
       grad = tf.convert_to_tensor(grad)
-      layout = self._targets.state_layouts[path]
-      if layout is None:
-        layout = getattr(self._targets.variables[path], 'layout', None)
+      own = getattr(self._targets.variables[path], 'layout', None)
+      state = self._targets.state_layouts[path]
+      if pinned and state is not None:
+        grad = dtensor.relayout(grad, own)
+      layout = own if state is None else state
       out.append(grad if layout is None else dtensor.relayout(grad, layout))
     return out
 
@@ -291,12 +295,7 @@ class Optimizer(Module):
     Without sharded state, the gradients as they are."""
     if self.shard_axis is None:
       return list(grads)
-    pinned = []
-    for variable, grad in zip(self._targets.variables.values(), grads):
-      layout = getattr(variable, 'layout', None)
-      grad = tf.convert_to_tensor(grad)
-      pinned.append(grad if layout is None else dtensor.relayout(grad, layout))
-    return self._update_layouts(self.paths, pinned)
+    return self._update_layouts(self.paths, grads, pinned=True)
 
   def update(self, paths: Sequence[str], grads: Sequence[tf.Tensor], *, step: tf.Tensor,
              norm: tf.Tensor) -> tf.Tensor:
