@@ -37,10 +37,11 @@ import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BF16 = ["train.compute_dtype = 'bfloat16'"]
+WHOLE_STATE = ['optimizer.shard_state = False']  # not 'auto': these settings compare with zero
 SETTINGS = {
-    'float32': [],
-    'bf16': BF16,
-    'bf16+remat': BF16 + ["train.remat = 'block'"],
+    'float32': WHOLE_STATE,
+    'bf16': BF16 + WHOLE_STATE,
+    'bf16+remat': BF16 + ["train.remat = 'block'"] + WHOLE_STATE,
     'bf16+remat+zero': BF16 + ["train.remat = 'block'", 'optimizer.shard_state = True'],
 }
 ENV = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
