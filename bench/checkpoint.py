@@ -42,10 +42,10 @@ from tensorflow.experimental import dtensor  # noqa: E402
 from layout_core.checkpoint.manager import CheckpointConfig, Checkpointer  # noqa: E402
 from layout_core.tasks.lm import MarkovTask  # noqa: E402
 from layout_core.model.lm import transformer_lm_params  # noqa: E402
-from layout_core.train.optimizer import OptimizerConfig  # noqa: E402
+from layout_core.optim import OptimizerConfig  # noqa: E402
 from layout_core.layout.rules import LayoutRules  # noqa: E402
 from layout_core.train.config import TrainConfig
-from layout_core.train.factory import make_trainer  # noqa: E402
+from layout_core.run import make_trainer  # noqa: E402
 
 
 def timed(fn):

@@ -37,8 +37,8 @@ from layout_core.model.lm import transformer_lm_params  # noqa: E402
 from layout_core.tasks import TFRecordTask, write_tfrecords  # noqa: E402
 from layout_core.tasks.corpus import LMCorpusTask, write_documents  # noqa: E402
 from layout_core.train.config import TrainConfig  # noqa: E402
-from layout_core.train.factory import make_trainer  # noqa: E402
-from layout_core.train.optimizer import OptimizerConfig  # noqa: E402
+from layout_core.run import make_trainer  # noqa: E402
+from layout_core.optim import OptimizerConfig  # noqa: E402
 
 WIDTH, BATCH = 256, 256
 

@@ -38,8 +38,8 @@ from layout_core.layout.variables import to_numpy
 from layout_core.model.lm import transformer_lm_params
 from layout_core.tasks.lm import MarkovTask
 from layout_core.train.config import TrainConfig
-from layout_core.train.factory import make_trainer
-from layout_core.train.optimizer import OptimizerConfig
+from layout_core.run import make_trainer
+from layout_core.optim import OptimizerConfig
 MEGATRON = [(r'.*/attn/w[qkv]', ('unsharded', 'model', 'unsharded')),
             (r'.*/attn/wo', ('model', 'unsharded', 'unsharded')),
             (r'.*/ffn/w_in', ('unsharded', 'model')), (r'.*/ffn/b_in', ('model',)),

@@ -3,16 +3,17 @@
 Flags are defined here and in the launchers' own modules only; library code
 receives plain values. `run_guarded` gives every launcher the same endings:
 exit 2 with one paragraph for a configuration error, exit 0 with a message
-for a stop signal during start-up.
+for a stop signal during start-up, and a quiet console (TensorFlow's info
+lines filtered out unless --verbose; see `quiet_tensorflow`).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging as python_logging
 import os
-import re
+import subprocess
 import sys
-import threading
 import traceback
 from typing import Callable
 
@@ -20,6 +21,7 @@ from absl import flags
 from absl import logging
 
 import launch
+from launch import stderr_filter
 
 from layout_core.errors import ConfigError
 from plugins import run_status
@@ -46,38 +48,69 @@ def parsed_config():
                                  search_paths=GIN_SEARCH_PATHS.value)
 
 
-def quiet_tensorflow(*, verbose: bool) -> None:
+def quiet_tensorflow(*, verbose: bool) -> subprocess.Popen | None:
   """Keeps TensorFlow's and DTensor's own log lines (C++ start-up notes,
   compile-cache misses, mesh listings) off the console unless --verbose.
-  Called before TensorFlow is imported: its C++ side reads the variable once."""
+  Called before TensorFlow is imported: its C++ side reads the variable once.
+
+  TF 2.21 logs through Abseil, before any setting can reach it, straight to
+  file descriptor 2, so fd 2 becomes a pipe into a filter process
+  (launch/stderr_filter.py says why a process, not a thread) that copies all
+  but the info noise to the real stderr. Python's own stderr keeps the real
+  descriptor: tracebacks and our messages never depend on the filter. Returns
+  the filter process (None: --verbose, or it could not start and the console
+  stays unfiltered)."""
   if verbose:
-    return
-  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')  # older TensorFlow's C++ logging
+    return None
+  if 'TF_CPP_MIN_LOG_LEVEL' not in os.environ:  # older TensorFlow's C++ logging
+    os.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'
+    _SET_BY_QUIETING.add('TF_CPP_MIN_LOG_LEVEL')
   logging.get_absl_handler().addFilter(_drop_tensorflow_info)
-  # TF 2.21 logs through Abseil, before any setting can reach it, straight to
-  # file descriptor 2: C-level writes go through a filter thread; Python's own
-  # stderr keeps the real descriptor (tracebacks and our messages never wait).
+  sys.stderr.flush()
   real = os.dup(2)
   read_end, write_end = os.pipe()
+  try:
+    # Its own session: a Ctrl-C or a sweep's signal to the launcher's process
+    # group does not end it before the launcher's last lines are out.
+    filter_process = subprocess.Popen(
+        [sys.executable, '-I', '-S', stderr_filter.__file__], stdin=read_end,
+        stdout=real, stderr=real, close_fds=True, start_new_session=True)
+  except OSError as error:
+    for descriptor in (real, read_end, write_end):
+      os.close(descriptor)
+    logging.warning('TensorFlow\'s log stays unfiltered: the stderr filter did not '
+                    'start (%s)', error)
+    return None
+  os.close(read_end)  # the filter's alone: if it dies, writers get EPIPE, never block
   os.dup2(write_end, 2)
   os.close(write_end)
-  sys.stderr.flush()
   sys.stderr = os.fdopen(real, 'w', buffering=1, closefd=False)
   logging.get_absl_handler().python_handler.stream = sys.stderr
-
-  def copy_lines():
-    with os.fdopen(read_end, 'rb') as lines:
-      for line in lines:
-        if not _TF_NOISE.match(line):
-          os.write(real, line)
-
-  threading.Thread(target=copy_lines, name='stderr-filter', daemon=True).start()
+  atexit.register(_finish_filtering, filter_process=filter_process, real=real)
+  return filter_process
 
 
-# Info lines of TensorFlow's C++ side ('I0000 00:00:... port.cc:153] ...') and
-# its fixed start-up notes; warnings and errors pass.
-_TF_NOISE = re.compile(rb'I\d{4} [^\]]*\.cc:\d+\] |WARNING: All log messages before absl::InitializeLog|'
-                       rb'To enable the following instructions|E\d{4} .*failed call to cuInit')
+def _finish_filtering(*, filter_process: subprocess.Popen, real: int) -> None:
+  """At a normal exit: fd 2 back to the real stderr (closing this process's
+  end of the pipe), then a short wait until the filter has copied the last
+  lines, so whoever reads this process's output sees them before it ends. An
+  abort skips this; the filter still drains the pipe on its own."""
+  os.dup2(real, 2)
+  try:
+    filter_process.wait(timeout=5)
+  except subprocess.TimeoutExpired:
+    pass  # a child of this process still holds the pipe: the filter stays for it
+
+
+# The variables quiet_tensorflow set for this process's TensorFlow only; a
+# launcher's children (sweep trials) quiet themselves, or not, as they are asked.
+_SET_BY_QUIETING: set[str] = set()
+
+
+def environment_for_children() -> dict[str, str]:
+  """This process's environment without what quiet_tensorflow added to it."""
+  return {name: value for name, value in os.environ.items()
+          if name not in _SET_BY_QUIETING}
 
 
 def _drop_tensorflow_info(record) -> bool:

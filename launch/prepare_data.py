@@ -14,10 +14,13 @@ trains a SentencePiece model on the rest (or copies --spm_model) and writes to
   eval-00000-of-00008.tfrecord, ...        feature 'tokens', ending in eos (1)
   corpus.json                            counts, vocab size, file names
 
-The same inputs give byte-identical files; a killed run leaves no
-half-written file under a final name. Exit status: 0 on success, 2 on a bad
-setting (a missing file, a vocab too large for the text), with one paragraph
-saying what and how to fix it.
+A split with fewer documents than --num_shards gets one file per document
+(never an empty file). --output_dir becomes a link to a complete version of
+the corpus (in --output_dir.versions/), switched in one rename: a run stopped
+at any point leaves the previous corpus as it was. The same inputs give
+byte-identical files. Exit status: 0 on success, 2 on a bad setting (a missing
+file, a vocab too large for the text, an --output_dir that holds other files),
+with one paragraph saying what and how to fix it.
 """
 
 from __future__ import annotations
@@ -96,6 +99,9 @@ def describe(summary: dict, *, output_dir: str, seconds: float) -> str:
     counts = summary[split]
     lines.append(f'  {split + ":":6} {counts["documents"]:6,} documents {counts["tokens"]:10,} '
                  f'tokens ({counts["unknown_tokens"]:,} unk) in {len(counts["files"])} files')
+  if not summary['eval']['files']:
+    lines.append('  No eval files (--eval_fraction=0): point lm_corpus.eval_files at the '
+                 'train files, or hold out a fraction')
   return '\n'.join(lines)
 
 

@@ -8,7 +8,9 @@ r"""Sweep gin bindings: one `launch.train` run per trial, compared in TensorBoar
 
 Each trial trains in `--model_dir/<trial-name>` (named from its swept values).
 Running the same command again skips the trials that succeeded, retries the
-failed ones and continues interrupted ones from their checkpoints.
+failed ones and continues interrupted ones from their checkpoints. --verbose
+is passed on: the trials then show TensorFlow's own log lines in their
+trial.log; without it each trial keeps them out, as launch.train does.
 Exit status: 0 every trial succeeded; 1 some trial failed (see the table and
 sweep.tsv); 2 the sweep itself is misconfigured; 4 interrupted by a signal
 (run the same command to continue).
@@ -84,10 +86,14 @@ def main(argv):
         gin_bindings=values['gin_bindings'],
         gin_search_paths=list(gin_flags.GIN_SEARCH_PATHS.value),
         axes=[sweep_spec.parse_axis(spec) for spec in values['sweep']],
-        mode=values['sweep_mode'], num_trials=values['num_trials'], seed=values['seed'])
+        mode=values['sweep_mode'], num_trials=values['num_trials'], seed=values['seed'],
+        train_flags=['--verbose'] if gin_flags.VERBOSE.value else [])
+    # Trials get the environment as the user gave it: each quiets its own
+    # console unless --verbose, never by this process's setting.
     runner = sweep_lib.SweepRunner(sweep, parallel=values['parallel'],
                                    trial_timeout=values['trial_timeout'],
-                                   command_line=sys.argv)
+                                   command_line=sys.argv,
+                                   environment=gin_flags.environment_for_children())
     records = runner.run()
     outcome['interrupted'] = runner.stop_signal is not None
     outcome['failed'] = any(r['status'] != sweep_lib.SUCCESS for r in records)

@@ -10,9 +10,12 @@ Subpackages, each owning one part:
   layout/      mesh, layout rules, the layout scope, variables, multi-client cluster
   model/       the Params layer framework, layers, LM recipes, Keras 3 adapter
   tasks/       the Task interface, TFRecord files, the LM tasks
-  train/       the training loop, step engines, optimizer, summaries, profiling,
-               preemption
+  train/       the training loop, step engines, memory estimate, summaries,
+               profiling, preemption
+  optim/       the optimizers (Adam, Adafactor), their schedule and state sharding
   pipeline/    pipeline planning and engines (GPipe on sub-meshes, SPMD stage axis)
+  run/         putting a run together: the config-time plan and the engine factory
+               (above train/ and pipeline/: imports run one way)
   checkpoint/  sharded checkpoints (atomic, sliced per device) and resume
   compat/      the seed-compatibility APIs: Keras' LayoutMap, the TPU
                ReplicatedVariable

@@ -23,7 +23,7 @@ in the `meshgin` module, so `mesh.shape` and `meshgin.mesh.shape` both work:
 | `lm_corpus`      | `layout_core.tasks.corpus.LMCorpusTask`: token-id documents, packed | train_files, eval_files, vocab_size, seq_len, pack, ... |
 | `keras_model`    | `layout_core.model.keras.KerasModel`, for `model.params` | build_fn, name |
 | `sequential`, `feed_forward`, `softmax`, `layer_norm`, `embedding` | library layers' Params (via `plugins.registry.register_layer`) | their Params keys |
-| `optimizer`      | `layout_core.train.optimizer.OptimizerConfig`   | learning_rate, warmup_steps, ... |
+| `optimizer`      | `layout_core.optim.OptimizerConfig`            | learning_rate, warmup_steps, ... |
 | `train`          | `layout_core.train.config.TrainConfig`         | num_steps, batch_size, ... |
 | `checkpoint`     | `layout_core.checkpoint.manager.CheckpointConfig` | every_steps, keep, async_save, init_from, ... |
 """
@@ -39,7 +39,7 @@ from layout_core.tasks import lm as data_lib
 from layout_core.model import keras as keras_models
 from layout_core import model as model_lib
 from layout_core.layout import mesh as mesh_lib
-from layout_core.train import optimizer as optimizer_lib
+from layout_core import optim as optimizer_lib
 from layout_core import pipeline as pipeline_lib
 from layout_core.layout import rules as rules_lib
 from layout_core import tasks as tasks_lib

@@ -15,14 +15,11 @@ before anything is written.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import inspect
-import math
 import os
 import pprint
-import types
+import re
 
 import gin
 
@@ -33,13 +30,13 @@ from layout_core.checkpoint.manager import CheckpointConfig
 from layout_core.errors import ConfigError
 from layout_core.model.base import LayerMeta
 from layout_core.layout.mesh import MeshSpec
-from layout_core.train.optimizer import OptimizerConfig, state_axis
+from layout_core.optim import OptimizerConfig, check_shard_state, count_parameters
 from layout_core.params import Params
-from layout_core.pipeline.plan import PipelinePlan, check_pipelinable, plan_pipeline
+from layout_core.pipeline.plan import PipelinePlan
 from layout_core.layout.rules import LayoutRules
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig, batch_axis_for
-from layout_core.train.factory import plan_model
+from layout_core.run.planning import plan_model, plan_pipeline_run
 from layout_core.tasks import lm as lm_tasks
 from plugins import configurables
 from plugins.gin_setup import without_settings
@@ -63,7 +60,7 @@ class RunPlan:
 
   @property
   def num_parameters(self) -> int:
-    return sum(math.prod(r.shape) for r in self.records)
+    return count_parameters(r.shape for r in self.records)
 
 
 def make_plan() -> RunPlan:
@@ -76,15 +73,10 @@ def make_plan() -> RunPlan:
   train = configurables.train()
   checkpoint = configurables.checkpoint()
   pipeline_config = configurables.pipeline()
-  batch_axis_for(train, mesh_spec.shape)  # the batch splits over its axis
-  state_axis(optimizer, batch_axis=train.batch_axis, mesh_axes=mesh_spec.shape)
-  pipeline = None
-  if pipeline_config.enabled:
-    check_pipelinable(params, task)
-    pipeline = plan_pipeline(pipeline_config, params=params, mesh_axes=mesh_spec.shape,
-                             batch_size=train.batch_size // train.grad_accum_steps,
-                             seq_len=task.seq_len,
-                             batch_axis=train.batch_axis)
+  batch_axis = batch_axis_for(train, mesh_spec.shape)  # the batch splits over its axis
+  check_shard_state(optimizer, batch_axis=batch_axis, mesh_axes=mesh_spec.shape)
+  pipeline = plan_pipeline_run(pipeline_config, model=params, task=task, config=train,
+                               mesh_axes=mesh_spec.shape, batch_axis=batch_axis)
   records, meta = plan_model(params, rules=rules, mesh_axes=mesh_spec.shape, task=task,
                              config=train, pipeline_plan=pipeline,
                              stage_axis=pipeline_config.stage_axis)
@@ -99,8 +91,7 @@ def operative_config() -> str:
   """gin's operative config, dicts in their written order, less the built-in
   LM task's knobs (`data.vocab_size`, ...) when `data.task` names the task:
   that run never used them."""
-  with dicts_in_written_order():
-    text = gin.operative_config_str()
+  text = dicts_in_written_order(gin.operative_config_str())
   try:
     task = gin.query_parameter(f'{configurables.MODULE}.data.task')
   except ValueError:  # not bound
@@ -112,18 +103,62 @@ def operative_config() -> str:
   return without_settings(text, knobs)
 
 
-@contextlib.contextmanager
-def dicts_in_written_order():
-  """gin formats values with `pprint.pformat`, which sorts dict keys: a
-  `mesh.shape = {'stage': 2, 'data': 4}` would come back from config.gin as
-  another axis order (another mesh). This keeps the order as written."""
-  formatting = gin.config.pprint
-  gin.config.pprint = types.SimpleNamespace(
-      pformat=functools.partial(pprint.pformat, sort_dicts=False))
+def dicts_in_written_order(text: str) -> str:
+  """`text` (a gin config string) with every bound dict's keys in the order
+  they were written. gin formats values with `pprint.pformat`, which sorts
+  dict keys: `mesh.shape = {'stage': 2, 'data': 4}` would come back from
+  config.gin as another axis order (another mesh). Each binding is written
+  again from its bound value (`gin.query_parameter`, a macro's too) unsorted,
+  where gin's sorted rendering of that value is exactly the binding's text;
+  gin's own formatting is left alone (nothing in gin is patched)."""
+  lines, out, statement = text.split('\n'), [], []
+
+  def flush():
+    if statement:
+      out.append(_unsorted_binding('\n'.join(statement)))
+      statement.clear()
+
+  for line in lines:
+    if _BINDING_START.match(line):
+      flush()
+      statement.append(line)
+    elif statement and line.startswith(' ' * _CONTINUATION_INDENT):
+      statement.append(line)
+    else:
+      flush()
+      out.append(line)
+  flush()
+  return '\n'.join(out)
+
+
+_BINDING_START = re.compile(r'^([A-Za-z_][\w./]*) = ')
+_MAX_LINE_LENGTH, _CONTINUATION_INDENT = 80, 4  # gin.operative_config_str's defaults
+
+
+def _unsorted_binding(statement: str) -> str:
+  """One `key = value` statement of gin's, its dicts unsorted (see above)."""
+  key = _BINDING_START.match(statement).group(1)
+  # A macro (`SHAPE = {...}`) is bound as `SHAPE/gin.macro.value`.
+  query = key if '.' in key.rsplit('/', 1)[-1] else f'{key}/gin.macro.value'
   try:
-    yield
-  finally:
-    gin.config.pprint = formatting
+    value = gin.query_parameter(query)
+  except ValueError:  # a default gin printed from the signature: nothing was written
+    return statement
+  if _format_binding(key, value, sort_dicts=True) != statement:
+    return statement  # not the value gin printed here: keep gin's text
+  return _format_binding(key, value, sort_dicts=False)
+
+
+def _format_binding(key: str, value, *, sort_dicts: bool) -> str:
+  """A binding as gin's `operative_config_str` formats it (its layout rules),
+  with or without sorting dicts."""
+  formatted = pprint.pformat(value, width=_MAX_LINE_LENGTH - _CONTINUATION_INDENT,
+                             sort_dicts=sort_dicts)
+  value_lines = formatted.split('\n')
+  if len(value_lines) == 1 and len(key + formatted) <= _MAX_LINE_LENGTH:
+    return f'{key} = {formatted}'
+  indented = '\n'.join(' ' * _CONTINUATION_INDENT + line for line in value_lines)
+  return f'{key} = \\\n{indented}'
 
 
 def check_model_dir(path: str) -> None:

@@ -26,7 +26,7 @@ from absl import logging
 
 from layout_core.checkpoint.manager import CheckpointEvent
 from layout_core.layout import device_map
-from layout_core.train.optimizer import learning_rate
+from layout_core.optim import learning_rate
 from layout_core.train.summaries import code_block
 from layout_core.train.loop import Trainer
 from plugins.gin_setup import gin_settings

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from layout_core.layout import scope as layout_scope
 from layout_core.train import memory
-from layout_core.train.optimizer import state_axis
 from plugins.plan import RunPlan
 
 
@@ -32,9 +31,7 @@ def describe_memory(plan: RunPlan) -> list[str]:
   """The memory table (per device and total), the peak, and whether it fits."""
   estimate = plan_memory(plan)
   train, spec = plan.train, plan.mesh_spec
-  optimizer = getattr(plan.optimizer, 'name', 'adam')
-  shard = state_axis(plan.optimizer, batch_axis=train.batch_axis, mesh_axes=spec.shape,
-                     num_parameters=plan.num_parameters)
+  optimizer, shard = plan.optimizer.name, estimate.state_axis
   micro = train.batch_size // train.grad_accum_steps
   lines = [f'Memory (estimate: layout_core/train/memory.py; {optimizer}'
            f'{f", state sharded over {shard!r}" if shard else ""}, compute {train.compute_dtype}, '

@@ -32,8 +32,8 @@ from layout_core.errors import ConfigError
 from layout_core.train.preemption import PreemptionWatcher
 from layout_core.train.summaries import NullWriter, SummaryWriter
 from layout_core.train.config import TrainResult
-from layout_core.train.engine import check_runs
-from layout_core.train.factory import make_trainer
+from layout_core.train.engine import check_step_compiles
+from layout_core.run import make_trainer
 from layout_core.train.loop import Trainer
 from layout_core.train.memory import model_flops_per_step
 from plugins.agreement import check_clients_agree
@@ -121,7 +121,7 @@ def run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
       on_event=checkpoint_event_recorder(writer), coordinator=coordinator,
       check_state=trainer.check_finite, data_state=trainer.data_state)
   checkpointer.check_latest_fits()
-  check_runs(trainer.engine, plan.task, plan.train)
+  check_step_compiles(trainer.engine, plan.task, plan.train)
 
   watcher.reinstall()
   watcher.defer()  # writing starts: a signal now finishes the step and saves

@@ -7,12 +7,14 @@ device count run in a subprocess (see `run_module`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import subprocess
 import sys
 import threading
 import time
+from typing import Sequence
 
 import gin
 import pytest
@@ -48,11 +50,25 @@ def clean_gin():
 
 def run_module(module: str, *args: str, timeout: float = 300,
                env: dict | None = None) -> subprocess.CompletedProcess:
-  """Runs `python -m module args...` from the repo root, capturing output."""
+  """Runs `python -m module args...` from the repo root, capturing output.
+  A None in `env` removes that variable (TF_CPP_MIN_LOG_LEVEL=None: the
+  console a user gets, quieted by the launcher itself)."""
   full_env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
   full_env.update(env or {})
+  full_env = {name: value for name, value in full_env.items() if value is not None}
   return subprocess.run([sys.executable, '-m', module, *args], cwd=REPO_ROOT,
                         capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def run_modules(calls: Sequence[tuple[str, ...]], *, workers: int = 2,
+                timeout: float = 300) -> list[subprocess.CompletedProcess]:
+  """`run_module(*call)` for each call, `workers` at a time, in order.
+
+  A launcher spends most of its start-up on one core (imports, parsing,
+  tracing), so two at a time keep both cores busy: test modules that check
+  many independent runs start them together in a module fixture."""
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    return list(pool.map(lambda call: run_module(*call, timeout=timeout), calls))
 
 
 class Launched:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import time
+import shutil
 
 import numpy as np
 import pytest
 
-from tests.conftest import run_module
+from tests.conftest import run_module, run_modules
 
 QUICK = ['--gin_file=configs/experiments/quickstart.gin', '--gin_bindings=train.num_steps = 2',
          '--gin_bindings=train.eval_batches = 1', '--gin_bindings=train.log_every = 1']
@@ -185,15 +185,38 @@ def test_the_catalogue_is_large_and_distinct():
   assert len({c.name for c in CASES}) == len({c.args for c in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize('case', CASES, ids=[c.name for c in CASES])
-def test_bad_input_exits_2_clearly_and_changes_nothing(case, existing_run):
-  tmp, model_dir, before = existing_run
+def case_args(case: Case, tmp: str, model_dir: str) -> list[str]:
   args = [a.replace('{tmp}', tmp) for a in case.base + case.args]
   if not any(a.startswith('--model_dir') for a in args):
     args.append(f'--model_dir={model_dir}')
-  start = time.perf_counter()
-  result = run_module('launch.train', *args)
-  seconds = time.perf_counter() - start
+  return args
+
+
+@pytest.fixture(scope='module')
+def outcomes(existing_run):
+  """{case name: (train's result, inspect's result, the run it was pointed at)}.
+
+  Every case's two runs are started two at a time (independent processes);
+  each case gets its own copy of the finished run, so no two trainers ever
+  meet at one model_dir's lock."""
+  tmp, model_dir, _ = existing_run
+  calls, runs = [], []
+  for i, case in enumerate(CASES):
+    run = os.path.join(tmp, 'runs', str(i))
+    shutil.copytree(model_dir, run)
+    runs.append(run)
+    args = case_args(case, tmp, run)
+    calls.append(('launch.train', *args))
+    calls.append(('launch.inspect', *[a for a in args if not a.startswith('--model_dir')]))
+  results = run_modules(calls)
+  return {case.name: (results[2 * i], results[2 * i + 1], runs[i])
+          for i, case in enumerate(CASES)}
+
+
+@pytest.mark.parametrize('case', CASES, ids=[c.name for c in CASES])
+def test_bad_input_exits_2_clearly_and_changes_nothing(case, existing_run, outcomes):
+  _, _, before = existing_run
+  result, inspected, model_dir = outcomes[case.name]
   assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
   assert 'Traceback' not in result.stderr
   assert 'In call to configurable' not in result.stderr  # gin's noise is dropped
@@ -201,9 +224,7 @@ def test_bad_input_exits_2_clearly_and_changes_nothing(case, existing_run):
   for expected in case.expected:
     assert expected in ' '.join(message.split()), (expected, message)
   assert tree_digest(model_dir) == before, 'the existing run was changed'
-  print(f'{case.name}: exit 2 after {seconds:.2f} s')
 
-  inspected = run_module('launch.inspect', *[a for a in args if not a.startswith('--model_dir')])
   if case.train_only:
     assert inspected.returncode == 0, inspected.stderr[-2000:]
   else:
@@ -230,11 +251,11 @@ def test_a_layout_dtensor_cannot_run_fails_before_training_and_updates_nothing(m
   from layout_core.model.base import Declared
   from layout_core.model.layers import Embedding
   from layout_core.model.lm import transformer_lm_params
-  from layout_core.train.optimizer import OptimizerConfig
+  from layout_core.optim import OptimizerConfig
   from layout_core.layout.rules import LayoutRules
   from layout_core.train.config import TrainConfig
-  from layout_core.train.engine import check_runs
-  from layout_core.train.factory import make_trainer
+  from layout_core.train.engine import check_step_compiles
+  from layout_core.run import make_trainer
   from layout_core.layout.variables import Normal, to_numpy
 
   class UndeclaredEmbedding(Embedding):
@@ -251,7 +272,7 @@ def test_a_layout_dtensor_cannot_run_fails_before_training_and_updates_nothing(m
                     config=TrainConfig(batch_size=8, num_steps=2))
   before = {p: to_numpy(v) for p, v in trainer.engine.variables.items()}
   with pytest.raises(ConfigError) as raised:
-    check_runs(trainer.engine, trainer.task, trainer.config)
+    check_step_compiles(trainer.engine, trainer.task, trainer.config)
   message = str(raised.value)
   assert 'DTensor cannot run this model with these layouts' in message
   assert 'ResourceGather' in message or 'sharded 0th dimension' in message, message

@@ -18,10 +18,10 @@ from layout_core.tasks.lm import MarkovTask
 from layout_core.errors import ConfigError
 from layout_core.model.lm import transformer_lm_params
 from layout_core.layout.mesh import MeshSpec, build_mesh, pack_global_array
-from layout_core.train.optimizer import OptimizerConfig
+from layout_core.optim import OptimizerConfig
 from layout_core.layout.rules import LayoutRules
 from layout_core.train.config import TrainConfig
-from layout_core.train.factory import make_trainer
+from layout_core.run import make_trainer
 from layout_core.layout.variables import to_numpy
 from tests.test_layout_scope import MEGATRON
 

@@ -87,7 +87,9 @@ def stopped(corpus, tmp_path_factory):
                   if n.startswith('ckpt-')).split('-')[1])
   assert 5 <= step < NUM_STEPS, output[-2000:]
   with open(os.path.join(model_dir, 'checkpoints', f'ckpt-{step}', 'data_state.json')) as f:
-    assert sorted(json.load(f)['train'], key=int) == [str(k) for k in range(8)]
+    state = json.load(f)['train']
+  assert sorted((k for k in state if k != 'files'), key=int) == [str(k) for k in range(8)]
+  assert [name for name, _ in state['files']] == [f'train-{k}.tfrecord' for k in range(8)]
   return model_dir, step
 
 
@@ -144,6 +146,24 @@ def test_two_clients_resume_reading_only_their_own_files(corpus, stopped, uninte
   assert sorted(curve) == list(range(step + 1, NUM_STEPS + 1))
   np.testing.assert_allclose([curve[s] for s in sorted(curve)],
                              [uninterrupted[s] for s in sorted(curve)], rtol=1e-5)
+
+
+def test_a_resume_over_added_files_exits_2_naming_them(corpus, stopped, tmp_path):
+  """The train pattern matched 8 files when the checkpoint was taken and 10
+  now: the saved positions belong to another dealing of files to streams."""
+  grown = tmp_path / 'grown'
+  shutil.copytree(corpus, grown)
+  for k in (8, 9):
+    shutil.copy(grown / 'train-0.tfrecord', grown / f'train-{k}.tfrecord')
+  target = str(tmp_path / 'resumed')
+  resumed_copy(stopped, target)
+  result = run_module('launch.train', *corpus_args(grown), f'--model_dir={target}')
+  assert result.returncode == 2, result.stderr[-3000:]
+  message = result.stderr.split('Configuration error:')[1]
+  assert 'taken over 8 file(s)' in message and 'now matches 10' in message, message
+  assert 'added train-8.tfrecord, train-9.tfrecord' in message, message
+  assert 'lm_corpus.train_files' in message and 'init_from' in message, message
+  assert 'Traceback' not in result.stderr
 
 
 def test_packed_documents_on_a_pipeline_engine_exit_2_saying_what_works(corpus, tmp_path):

@@ -10,10 +10,10 @@ import tensorflow as tf
 from layout_core.checkpoint import manager as checkpoint_lib
 from layout_core.model import keras as keras_models
 from layout_core.checkpoint.manager import CheckpointConfig, Checkpointer
-from layout_core.train.optimizer import OptimizerConfig
+from layout_core.optim import OptimizerConfig
 from layout_core.layout.rules import LayoutRules
 from layout_core.train.config import TrainConfig
-from layout_core.train.factory import make_trainer
+from layout_core.run import make_trainer
 from layout_core.layout.variables import to_numpy
 from tests.conftest import REPO_ROOT
 

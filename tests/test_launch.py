@@ -1,6 +1,7 @@
 """launch.train end to end in real subprocesses, read back from real event files."""
 
 import os
+import re
 
 import pytest
 
@@ -19,8 +20,15 @@ QUICK = short_run('configs/experiments/quickstart.gin', num_steps=6, eval_every=
 
 def test_train_writes_run_record_and_tensorboard_events(tmp_path):
   model_dir = str(tmp_path / 'run')
-  result = run_module('launch.train', *QUICK, f'--model_dir={model_dir}')
+  # As a user runs it (no TF_CPP_MIN_LOG_LEVEL): the launcher quiets its own console.
+  result = run_module('launch.train', *QUICK, f'--model_dir={model_dir}',
+                      env={'TF_CPP_MIN_LOG_LEVEL': None})
   assert result.returncode == 0, result.stderr[-3000:]
+  # TensorFlow's C++ info lines (shown with --verbose: see test_sweep's verbose
+  # trials) stay off the console; the run's own log lines do not.
+  tensorflow_info = re.search(r'^I\d{4} [^\]]*\.cc:\d+\] .*', result.stderr, re.M)
+  assert not tensorflow_info, tensorflow_info.group(0)
+  assert 'Done at step 6' in result.stderr, result.stderr[-3000:]
   for name in ('config.gin', 'params.txt', 'layouts.txt'):
     assert os.path.getsize(os.path.join(model_dir, name)) > 0, name
   assert 'train.num_steps = 6' in open(os.path.join(model_dir, 'config.gin')).read()

@@ -8,10 +8,10 @@ from tensorflow.experimental import dtensor
 from layout_core.tasks.lm import MarkovTask
 from layout_core.model.lm import transformer_lm_params
 from layout_core.layout.scope import LayoutScope
-from layout_core.train.optimizer import OptimizerConfig
+from layout_core.optim import OptimizerConfig
 from layout_core.layout.rules import LayoutRules
 from layout_core.train.config import TrainConfig
-from layout_core.train.factory import make_trainer
+from layout_core.run import make_trainer
 from layout_core.layout.variables import to_numpy
 
 MEGATRON = [

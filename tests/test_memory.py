@@ -1,17 +1,18 @@
 """The memory estimator against independent references, and inspect's verdict."""
 
 import dataclasses
-import math
 
 import numpy as np
+import pytest
 
 from layout_core.layout.rules import LayoutRules
 from layout_core.layout.scope import plan_layouts
 from layout_core.model.lm import transformer_lm_params
 from layout_core.tasks.lm import MarkovTask
 from layout_core.train.config import TrainConfig
+from layout_core.optim import (AUTO_MIN_PARAMETERS, OptimizerConfig, count_parameters,
+                               make_optimizer, state_axis)
 from layout_core.train.memory import estimate_memory, model_flops_per_step
-from layout_core.train.optimizer import OptimizerConfig
 from tests.conftest import run_module
 
 MEGATRON = LayoutRules([(r'.*/attn/w[qkv]', ('unsharded', 'model', 'unsharded')),
@@ -27,6 +28,10 @@ LM = transformer_lm_params(vocab_size=64, model_dim=32, num_heads=4, ffn_dim=64,
 
 def estimate(params=LM, *, optimizer=None, axes=AXES, rules=MEGATRON, **train):
   records = plan_layouts(params.cls.variable_specs(params), rules, axes)
+  return estimate_from(records, params=params, optimizer=optimizer, axes=axes, **train)
+
+
+def estimate_from(records, *, params=LM, optimizer=None, axes=AXES, **train):
   config = TrainConfig(batch_size=8, **train)
   return estimate_memory(records=records, params=params, input_shapes=[(8, 16)],
                          config=config, optimizer=optimizer or OptimizerConfig(),
@@ -41,14 +46,13 @@ def shard_bytes(variable) -> tuple[int, int]:
 
 
 def test_parameter_and_adam_bytes_equal_the_built_variables_shards(mesh_2x4):
-  from layout_core.train.factory import make_trainer
+  from layout_core.run import make_trainer
   task = MarkovTask(vocab_size=64, seq_len=16)
   trainer = make_trainer(model=LM, mesh=mesh_2x4, rules=MEGATRON, task=task,
                          optimizer=OptimizerConfig(), config=TrainConfig(batch_size=8))
   engine = trainer.engine
   params = [shard_bytes(v) for v in engine.variables.values()]
-  slots = [shard_bytes(s) for slot in (engine.optimizer.m, engine.optimizer.v)
-           for s in slot.values()]
+  slots = [shard_bytes(s) for p in engine.optimizer.paths for s in engine.optimizer.slots_for(p)]
   got = estimate()
   assert got.per_device['parameters'] == sum(p for p, _ in params)
   assert got.total['parameters'] == sum(t for _, t in params)
@@ -73,9 +77,9 @@ def test_bf16_halves_activations_and_remat_lowers_them():
 def test_sharded_state_divides_splittable_slots_by_the_data_axis():
   axes = {'data': 8}
   plain = estimate(axes=axes, rules=LayoutRules([]),
-                   optimizer=_with(OptimizerConfig(), shard_state=False))
+                   optimizer=OptimizerConfig(shard_state=False))
   sharded = estimate(axes=axes, rules=LayoutRules([]),
-                     optimizer=_with(OptimizerConfig(), shard_state=True))
+                     optimizer=OptimizerConfig(shard_state=True))
   # The default, 'auto', leaves this small model's state whole.
   assert estimate(axes=axes, rules=LayoutRules([])).per_device == plain.per_device
   records = plan_layouts(LM.cls.variable_specs(LM), LayoutRules([]), axes)
@@ -85,18 +89,48 @@ def test_sharded_state_divides_splittable_slots_by_the_data_axis():
   assert plain.per_device['optimizer'] == 2 * (splittable + rest)
 
 
-def test_adafactor_keeps_factored_second_moments():
-  wide = transformer_lm_params(vocab_size=256, model_dim=128, num_heads=4, ffn_dim=256,
-                               num_layers=1, max_len=16)
-  got = estimate(wide, axes={'data': 8}, rules=LayoutRules([]),
-                 optimizer=_with(OptimizerConfig(), name='adafactor', shard_state=False))
-  expected = 0
-  for spec in wide.cls.variable_specs(wide):
-    shape = spec.shape
-    factored = len(shape) >= 2 and min(shape[-2:]) >= 128
-    expected += 4 * (math.prod(shape[:-1]) + math.prod(shape[:-2] + shape[-1:])
-                     if factored else math.prod(shape))
-  assert got.per_device['optimizer'] == expected
+WIDE = transformer_lm_params(vocab_size=256, model_dim=128, num_heads=4, ffn_dim=256,
+                             num_layers=1, max_len=16)
+
+
+def real_variables(records, mesh) -> dict:
+  """A real DVariable (zeros) per layout record, in the record's layout."""
+  from layout_core.lazy import dtensor, tf
+  variables = {}
+  for r in records:
+    init = tf.function(lambda shape=r.shape: tf.zeros(shape), autograph=False)
+    layout = dtensor.Layout(list(r.spec), mesh)
+    variables[r.path] = dtensor.DVariable(dtensor.call_with_layout(init, layout))
+  return variables
+
+
+@pytest.mark.parametrize('fields', [
+    dict(name='adam', shard_state=False),
+    dict(name='adam', shard_state=True),
+    dict(name='adafactor', shard_state=False),                   # 128 x 128 and up factored
+    dict(name='adafactor', shard_state=False, adafactor_min_dim_to_factor=4),  # [d, h, 32] too
+    dict(name='adafactor', shard_state=False, adafactor_beta1=0.9),            # + m
+    dict(name='adafactor', shard_state=True, adafactor_beta1=0.9, adafactor_min_dim_to_factor=4),
+], ids=lambda fields: ','.join(f'{k}={v}' for k, v in fields.items()))
+def test_optimizer_bytes_equal_the_slots_a_real_optimizer_creates(mesh_2x4, fields):
+  """The estimate against the slot variables a built optimizer really makes
+  (their shards on the devices), not against a formula: a re-derivation of
+  Adafactor's slots with a fixed 128 or no first moment fails here."""
+  config = OptimizerConfig(**fields)
+  records = plan_layouts(WIDE.cls.variable_specs(WIDE), MEGATRON, AXES)
+  variables = real_variables(records, mesh_2x4)
+  optimizer = make_optimizer(config, variables=list(variables.values()), paths=list(variables),
+                             total_steps=1, mesh_axes=AXES)
+  slots = [shard_bytes(s) for p in optimizer.paths for s in optimizer.slots_for(p)]
+  if fields.get('adafactor_beta1'):
+    assert len(optimizer.m) == len(records)  # the positive control: the moment exists
+  if fields['shard_state']:
+    assert any('data' in s.layout.sharding_specs
+               for p in optimizer.paths for s in optimizer.slots_for(p))
+  got = estimate_from(records, params=WIDE, optimizer=config)
+  assert got.state_axis == optimizer.shard_axis
+  assert got.per_device['optimizer'] == sum(device for device, _ in slots)
+  assert got.total['optimizer'] == sum(total for _, total in slots)
 
 
 def test_keras_models_report_state_but_not_activations():
@@ -121,26 +155,36 @@ def test_inspect_says_whether_the_model_fits():
   assert 'Fits: peak' in big.stdout and 'to spare' in big.stdout
 
 
-def _with(config, **fields):
-  """The optimizer config with fields it may not have yet (merged by another branch)."""
-  try:
-    return dataclasses.replace(config, **fields)
-  except TypeError:
-    class Extended:
-      def __getattr__(self, name):
-        return fields[name] if name in fields else getattr(config, name)
-    return Extended()
-
-
 def test_auto_state_sharding_picks_one_axis_meshes_and_large_models():
-  from layout_core.train.optimizer import AUTO_MIN_PARAMETERS, state_axis
-  auto, large = OptimizerConfig(), AUTO_MIN_PARAMETERS
+  auto = OptimizerConfig()
   assert auto.shard_state == 'auto'
-  assert state_axis(auto, batch_axis='data', mesh_axes={'data': 8}, num_parameters=large) == 'data'
-  assert state_axis(auto, batch_axis='data', mesh_axes={'data': 8}, num_parameters=large - 1) is None
+  large = [(AUTO_MIN_PARAMETERS // 100, 100)]
+  small = [(AUTO_MIN_PARAMETERS // 100 - 1, 100)]
+  assert count_parameters(large) == AUTO_MIN_PARAMETERS
+  assert state_axis(auto, batch_axis='data', mesh_axes={'data': 8}, parameter_shapes=large) == 'data'
+  assert state_axis(auto, batch_axis='data', mesh_axes={'data': 8}, parameter_shapes=small) is None
   assert state_axis(auto, batch_axis='data', mesh_axes={'data': 2, 'model': 4},
-                    num_parameters=10 * large) is None
-  assert state_axis(auto, batch_axis='data', mesh_axes={'data': 1}, num_parameters=large) is None
-  forced = _with(auto, shard_state=True)
+                    parameter_shapes=large * 10) is None
+  assert state_axis(auto, batch_axis='data', mesh_axes={'data': 1}, parameter_shapes=large) is None
+  forced = OptimizerConfig(shard_state=True)
   assert state_axis(forced, batch_axis='data', mesh_axes={'data': 2, 'model': 4},
-                    num_parameters=1) == 'data'
+                    parameter_shapes=[(1,)]) == 'data'
+
+
+def test_the_estimate_and_the_optimizer_count_the_same_parameters_for_auto(mesh_data8):
+  """'auto' decided from the layout records (the estimate, inspect) and from
+  the built variables (the optimizer) agrees on each side of the threshold."""
+  from layout_core.layout.scope import LayoutRecord
+  axes = {'data': 8}
+  for rows, expected in ((AUTO_MIN_PARAMETERS // 100, 'data'),
+                         (AUTO_MIN_PARAMETERS // 100 - 1, None)):
+    records = [LayoutRecord(path='w', shape=(rows, 100), dtype='float32',
+                            spec=('unsharded', 'unsharded'), source='default: replicated',
+                            bytes_total=4 * rows * 100, bytes_per_device=4 * rows * 100),
+               LayoutRecord(path='b', shape=(), dtype='float32', spec=(),
+                            source='default: replicated', bytes_total=4, bytes_per_device=4)]
+    variables = real_variables(records, mesh_data8)
+    optimizer = make_optimizer(OptimizerConfig(), variables=list(variables.values()),
+                               paths=list(variables), total_steps=1, mesh_axes=axes)
+    got = estimate_from(records, params=object(), axes=axes)
+    assert optimizer.shard_axis == got.state_axis == expected

@@ -339,6 +339,7 @@ def test_saves_and_restores_of_one_step_both_show_and_train_opens_first(board):
   # The size scalar: 2 significant digits (TensorBoard labels ticks with 3-4, so
   # no longer six identical labels), within rounding of the checkpoint on disk.
   sizes = board.get(f'/data/plugin/scalars/scalars?run={run}&tag=usage/checkpoint_size_mib')
+  assert sorted(step for _, step, _ in sizes) == [2, 3], sizes  # one per save
   for _, step, mib in sizes:
     directory = os.path.join(checkpoints, f'ckpt-{step}')
     on_disk = sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory))

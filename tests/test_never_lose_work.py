@@ -2,13 +2,15 @@
 complete, readable and finite: two writers on one model_dir (trainers and
 sweeps, real processes), a diverged model at a save, clients started with
 different settings, a model_dir that changes underneath a run, and broken
-paths. (A removal in the middle of a save: tests/test_checkpoint.py.)"""
+paths. (A removal in the middle of a save: tests/test_checkpoint.py and
+tests/test_checkpoint_safety.py.)"""
 
 import json
 import os
 import re
 import shutil
 import signal
+import threading
 import time
 
 import numpy as np
@@ -144,6 +146,44 @@ def test_lock_file_records_the_holder_and_refuses_a_second_holder(tmp_path):
   stale = time.time() - 600
   os.utime(os.path.join(directory, LOCK_NAME), (stale, stale))
   DirectoryLock.acquire(directory, purpose='launch.train').release()  # stale: taken over
+
+
+def test_the_heartbeat_touches_the_lock_file_and_release_waits_for_it(tmp_path, monkeypatch):
+  """A real heartbeat (every 20 ms) moves the lock file's mtime; a release
+  that comes while a beat is under way waits for it to end before closing
+  the descriptor the beat uses (a closed one may already be another file's)."""
+  directory = str(tmp_path / 'run')
+  os.makedirs(directory)
+  path = os.path.join(directory, LOCK_NAME)
+  threads_before = set(threading.enumerate())
+  lock = DirectoryLock.acquire(directory, purpose='launch.train', heartbeat_seconds=0.02)
+  [heartbeat] = set(threading.enumerate()) - threads_before
+  long_ago = time.time() - 600
+  os.utime(path, (long_ago, long_ago))
+  deadline = time.monotonic() + 30
+  while os.stat(path).st_mtime < long_ago + 300:
+    assert time.monotonic() < deadline, 'the heartbeat never touched the lock file'
+    time.sleep(0.01)
+
+  real_utime, beating, finish_beat = os.utime, threading.Event(), threading.Event()
+
+  def held_beat(target, *args, **kwargs):
+    if threading.current_thread() is heartbeat:
+      beating.set()
+      finish_beat.wait(30)  # the beat is under way until the test lets it end
+    return real_utime(target, *args, **kwargs)
+
+  monkeypatch.setattr(os, 'utime', held_beat)
+  assert beating.wait(30)
+  releasing = threading.Thread(target=lock.release)
+  releasing.start()
+  releasing.join(0.3)
+  assert releasing.is_alive(), 'release() returned while a heartbeat was under way'
+  finish_beat.set()
+  releasing.join(30)
+  assert not releasing.is_alive() and not heartbeat.is_alive()
+  assert open(path).read() == ''  # given back
+  DirectoryLock.acquire(directory, purpose='launch.train').release()  # and free
 
 
 # -- 2. only finite checkpoints are committed -------------------------------------------

@@ -1,4 +1,8 @@
-"""Adam against its defining property on the first step."""
+"""Adam against its defining property on the first step; the optimizer
+package's TensorFlow-free half."""
+
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -21,3 +25,15 @@ def test_first_adam_step_moves_each_parameter_by_the_learning_rate(mesh_2x4):
     moved = np.abs(to_numpy(variable) - before[path])
     assert moved.max() == pytest.approx(lr, rel=1e-2), path
     assert np.all(moved <= lr * (1 + 1e-3)), path
+
+
+def test_the_config_and_the_memory_estimate_import_no_tensorflow():
+  """`launch.inspect` and the plan read the optimizer config, its sharding
+  policy and its slot descriptions before (or without) TensorFlow."""
+  code = ('import sys, layout_core.optim.config, layout_core.optim, layout_core.train.memory; '
+          "from layout_core.optim import OptimizerConfig, optimizer_class; "
+          "optimizer_class('adafactor').slot_specs((256, 128), OptimizerConfig()); "
+          "assert 'tensorflow' not in sys.modules, 'tensorflow imported'")
+  done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                        timeout=120, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]

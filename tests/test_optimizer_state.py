@@ -14,10 +14,10 @@ from layout_core.layout.mesh import MeshSpec, build_mesh
 from layout_core.layout.rules import LayoutRules
 from layout_core.layout.variables import to_numpy
 from layout_core.model.lm import transformer_lm_params
+from layout_core.optim import OptimizerConfig, make_optimizer
 from layout_core.tasks.lm import MarkovTask
 from layout_core.train.config import TrainConfig
-from layout_core.train.factory import make_trainer
-from layout_core.train.optimizer import OptimizerConfig, make_optimizer
+from layout_core.run import make_trainer
 from tests.test_layout_scope import MEGATRON
 from tests.test_precision import SETUPS, lm, stage_mesh, values  # noqa: F401 (a fixture)
 
@@ -79,6 +79,29 @@ def test_adafactor_matches_a_numpy_reference_over_three_steps(mesh_2x4):
   expected = numpy_adafactor(initial, grad_steps, config, lr=0.05)
   for k, variable in variables.items():
     np.testing.assert_allclose(to_numpy(variable), expected[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_slot_checkpoint_keys_stay_those_earlier_checkpoints_hold(mesh_2x4):
+  """The keys (written out, as checkpoints before the optimizer package held
+  them) of Adam's and Adafactor's slots, and that the slots are the ones
+  `slot_specs` describes: a renamed slot attribute would orphan old state."""
+  variables = {'lm/ffn/w_in': dtensor.DVariable(mesh_lib.pack_global_array(
+                   np.zeros((8, 12), np.float32), dtensor.Layout(['unsharded', 'model'], mesh_2x4))),
+               'lm/norm/b': dtensor.DVariable(mesh_lib.pack_global_array(
+                   np.zeros((8,), np.float32), dtensor.Layout(['model'], mesh_2x4)))}
+  suffix = '/.ATTRIBUTES/VARIABLE_VALUE'
+  for config, keys in (
+      (OptimizerConfig(), ['m/lm.Sffn.Sw_in', 'v/lm.Sffn.Sw_in', 'm/lm.Snorm.Sb', 'v/lm.Snorm.Sb']),
+      (OptimizerConfig(name='adafactor', adafactor_min_dim_to_factor=4, adafactor_beta1=0.5),
+       ['v_row/lm.Sffn.Sw_in', 'v_col/lm.Sffn.Sw_in', 'm/lm.Sffn.Sw_in', 'v/lm.Snorm.Sb',
+        'm/lm.Snorm.Sb'])):
+    optimizer = make_optimizer(config, variables=list(variables.values()), paths=list(variables),
+                               total_steps=1, mesh_axes={'data': 2, 'model': 4})
+    saved = checkpoint_lib.checkpoint_keys({'optimizer': optimizer})
+    assert sorted(saved) == sorted(f'optimizer/{key}{suffix}' for key in keys)
+    for path, variable in variables.items():
+      described = type(optimizer).slot_specs(variable.shape.as_list(), config)
+      assert [tuple(s.shape) for s in optimizer.slots_for(path)] == [s.shape for s in described]
 
 
 # -- sharded state -------------------------------------------------------------------

@@ -14,13 +14,13 @@ from layout_core.model.layers import FeedForward
 from layout_core.model.lm import transformer_lm_params
 from layout_core.model.random import random_context
 from layout_core.layout.mesh import MeshSpec, build_mesh
-from layout_core.train.optimizer import OptimizerConfig
+from layout_core.optim import OptimizerConfig
 from layout_core.pipeline import PipelineConfig, clock_order
 from layout_core.pipeline.spmd import STACKED, SpmdPipeline, StackedCells
 from layout_core.layout.rules import LayoutRules
 from layout_core.tasks import softmax_cross_entropy as cross_entropy
 from layout_core.train.config import TrainConfig
-from layout_core.train.factory import make_trainer
+from layout_core.run import make_trainer
 from layout_core.layout.variables import to_numpy
 from tests.test_layout_scope import MEGATRON
 

@@ -1,5 +1,10 @@
 """Memory and precision: gradient accumulation, rematerialization and bfloat16
-compute, each against the same run without it (the independent reference)."""
+compute, each against the same run without it (the independent reference),
+and each with a positive control that fails if the feature did nothing:
+accumulation must compute its losses on micro-steps of batch_size / k rows,
+remat must trace the recomputed layers' math a second time in the backward."""
+
+import collections
 
 import json
 import os
@@ -12,12 +17,13 @@ from layout_core.layout.mesh import MeshSpec, build_mesh
 from layout_core.layout.rules import LayoutRules
 from layout_core.layout.variables import to_numpy
 from layout_core.model import keras as keras_models
+from layout_core.model import layers
 from layout_core.model.lm import transformer_lm_params
 from layout_core.pipeline import PipelineConfig
 from layout_core.tasks.lm import MarkovTask
 from layout_core.train.config import TrainConfig
-from layout_core.train.factory import make_trainer
-from layout_core.train.optimizer import OptimizerConfig
+from layout_core.run import make_trainer
+from layout_core.optim import OptimizerConfig
 from tests.conftest import REPO_ROOT, run_module
 from tests.test_layout_scope import MEGATRON
 
@@ -43,6 +49,49 @@ def trainer(mesh, *, rules=(), pipeline=None, model=None, task=None, **train):
 
 def values(variables):
   return {path: to_numpy(v) for path, v in variables.items()}
+
+
+class RowRecordingTask(MarkovTask):
+  """A MarkovTask that notes how many rows each loss it computes covers. A
+  loss is computed in Python once per traced function, per micro-step and
+  per pipeline micro-batch, so the notes taken while a step function is
+  first traced show how the engine cut the batch."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.loss_rows: list[int] = []
+
+  def loss_and_metrics(self, outputs, batch):
+    self.loss_rows.append(int(outputs.shape[0]))
+    return super().loss_and_metrics(outputs, batch)
+
+
+@pytest.fixture
+def traced_layers(monkeypatch):
+  """A Counter of the layers' math run in Python, by layer ('ffn', 'softmax'):
+  once per traced forward pass, once more for every recomputation (remat).
+  The real layers run; only the counting is added."""
+  counts = collections.Counter()
+  ffn_apply = layers.FeedForward.apply.__func__
+  softmax_fprop = layers.Softmax.fprop
+
+  def counted_ffn(cls, p, w, x):
+    counts['ffn'] += 1
+    return ffn_apply(cls, p, w, x)
+
+  def counted_softmax(self, x):
+    counts['softmax'] += 1
+    return softmax_fprop(self, x)
+  monkeypatch.setattr(layers.FeedForward, 'apply', classmethod(counted_ffn))
+  monkeypatch.setattr(layers.Softmax, 'fprop', counted_softmax)
+  return counts
+
+
+def traced_counts(counts: collections.Counter, run) -> collections.Counter:
+  """What `counts` gained while `run()` ran (traced a function)."""
+  before = collections.Counter(counts)
+  run()
+  return counts - before
 
 
 @pytest.fixture(scope='module')
@@ -79,13 +128,20 @@ def test_accumulated_micro_steps_equal_one_step_on_the_whole_batch(setup, reques
   row keeps its mask): the same loss, metrics and gradients, for a 2-D
   sharded mesh (data x model, Megatron rules) and both pipelined meshes; on
   the 2-D mesh also the same updated parameters and evaluation (the update
-  and evaluation code is shared by all engines)."""
+  and evaluation code is shared by all engines).
+
+  Positive control (equal results are what ignoring grad_accum_steps would
+  give too): every loss of the accumulated step covers a micro-step of 4
+  rows (cut into the pipeline's 2 micro-batches of 2), not the whole batch."""
   mesh_name, rules, pipeline = SETUPS[setup]
   whole = float32_runs(setup) if setup != '2d' else trainer(request.getfixturevalue(mesh_name),
                                                             rules=rules)
+  task = RowRecordingTask(vocab_size=32, seq_len=16, seed=3)
   accumulated = trainer(request.getfixturevalue(mesh_name), rules=rules, pipeline=pipeline,
-                        grad_accum_steps=2)
+                        task=task, grad_accum_steps=2)
   reference, accumulated_gradients = gradients(whole), gradients(accumulated)
+  micro_batches = pipeline.num_micro_batches if pipeline else 1
+  assert task.loss_rows and set(task.loss_rows) == {BATCH // 2 // micro_batches}, task.loss_rows
   assert accumulated_gradients[2] == pytest.approx(reference[2], abs=1e-6)  # accuracy
   assert_same_gradients(reference, accumulated_gradients, atol=1e-5)
   if setup != '2d':
@@ -119,19 +175,35 @@ def assert_same_gradients(reference, other, atol=1e-6):
     np.testing.assert_allclose(b, a, atol=atol)
 
 
-@pytest.mark.parametrize('setup,policies', [('2d', ('block', 'full')), ('spmd', ('block',))])
+@pytest.mark.parametrize('setup,policies', [('2d', ('block', 'full', 'none')),
+                                             ('spmd', ('block',))])
 def test_remat_gradients_equal_kept_activation_gradients(setup, policies, request,
-                                                         float32_runs):
+                                                         float32_runs, traced_layers):
   """Recomputed blocks ('block') and layers ('full') give the gradients of
   the run that keeps every activation, dropout masks included (a recomputed
   block re-enters its forward pass's random context); for the SPMD engine the
-  recomputed cells get their stacked weights as inputs."""
+  recomputed cells get their stacked weights as inputs.
+
+  Positive control: the gradient function traces each recomputed layer's
+  math twice (forward, then again in the backward) where the evaluation
+  function, a forward pass alone, traces it once; with remat off ('none',
+  checked once) both trace it once. 'block' recomputes the blocks'
+  feed-forward layers, 'full' the softmax outside the blocks too."""
   mesh_name, rules, pipeline = SETUPS[setup]
   reference = gradients(float32_runs(setup))
   for policy in policies:
-    remat = trainer(request.getfixturevalue(mesh_name), rules=rules, pipeline=pipeline,
-                    remat=policy)
-    assert_same_gradients(reference, gradients(remat))
+    run = trainer(request.getfixturevalue(mesh_name), rules=rules, pipeline=pipeline,
+                  remat=policy)
+    in_gradients = traced_counts(traced_layers, lambda: gradients(run))
+    in_forward = traced_counts(traced_layers, lambda: to_numpy(run.evaluate()[0]))
+    recomputed = {'none': (), 'block': ('ffn',), 'full': ('ffn', 'softmax')}[policy]
+    for layer in ('ffn', 'softmax'):
+      assert in_forward[layer] > 0, (policy, layer, in_forward)
+      factor = 2 if layer in recomputed else 1
+      assert in_gradients[layer] == factor * in_forward[layer], (policy, layer, in_gradients,
+                                                                 in_forward)
+    if policy != 'none':
+      assert_same_gradients(reference, gradients(run))
 
 
 def test_remat_keras_model_gradients_equal(mesh_2x4):

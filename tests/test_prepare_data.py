@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from layout_core.errors import ConfigError
 from layout_core.tasks import prepare
+from layout_core.tasks.corpus import LMCorpusTask, write_documents
 from tests.conftest import run_module
 
 STDLIB = os.path.dirname(os.__file__)
@@ -30,6 +31,8 @@ def corpus(tmp_path_factory):
 def read_split(output_dir: str, split: str, num_shards: int) -> list[list[int]]:
   """The split's documents in the order they were dealt: shard i % n, row i // n."""
   shards = []
+  assert sorted(n for n in os.listdir(output_dir) if n.startswith(split)) == [
+      f'{split}-{k:05d}-of-{num_shards:05d}.tfrecord' for k in range(num_shards)]
   for k in range(num_shards):
     path = os.path.join(output_dir, f'{split}-{k:05d}-of-{num_shards:05d}.tfrecord')
     shards.append([tf.sparse.to_dense(tf.io.parse_single_example(record, SPEC)['tokens'])
@@ -60,7 +63,10 @@ def test_records_decode_back_to_the_source_files(corpus):
 
   exact = 0
   for split in ('train', 'eval'):
-    documents = read_split(output_dir, split, SETTINGS['num_shards'])
+    # As many files as asked, or one per document for a smaller split (eval).
+    num_shards = min(SETTINGS['num_shards'], len(expected[split]))
+    assert len(summary[split]['files']) == num_shards
+    documents = read_split(output_dir, split, num_shards)
     assert len(documents) == len(expected[split]) == summary[split]['documents'] > 0
     assert sum(map(len, documents)) == summary[split]['tokens']
     for ids, text in zip(documents, expected[split]):
@@ -119,3 +125,97 @@ def test_an_interrupted_write_leaves_no_file(corpus, tmp_path):
                                 output_pattern=str(tmp_path / 'part-{shard}.tfrecord'),
                                 num_shards=2)
   assert os.listdir(tmp_path) == []
+
+
+def test_an_interrupted_document_write_leaves_no_file(tmp_path):
+  def documents():
+    yield [5, 6, 1]
+    yield [7, 1]
+    raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    write_documents(str(tmp_path / 'docs-{shard}.tfrecord'), documents(), num_shards=2)
+  assert os.listdir(tmp_path) == []
+
+
+def test_a_small_corpus_has_no_empty_file_and_every_split_reads(corpus):
+  """400 kB in 4 shards: 2 eval documents go to 2 files (not 4, two of them
+  empty), and a batch of 8 (4 streams per eval file) reads on both splits."""
+  output_dir, summary = corpus
+  assert summary['eval']['documents'] == 2 and len(summary['eval']['files']) == 2
+  for split in ('train', 'eval'):
+    for name in summary[split]['files']:
+      assert os.path.getsize(os.path.join(output_dir, name)) > 0, name
+  task = LMCorpusTask(train_files=os.path.join(output_dir, 'train-*.tfrecord'),
+                      eval_files=os.path.join(output_dir, 'eval-*.tfrecord'),
+                      vocab_size=summary['vocab_size'], seq_len=32)
+  for split in ('train', 'eval'):
+    batch = next(task.reader(split=split, batch_size=8))
+    assert (batch['segments'] > 0).any(axis=1).all(), split  # every row holds a document
+
+
+class Killed(BaseException):
+  """Stands for a kill: not an Exception, so no `except Exception` handles it."""
+
+
+def snapshot(directory: str) -> dict[str, bytes]:
+  out = {}
+  for name in sorted(os.listdir(directory)):
+    with open(os.path.join(directory, name), 'rb') as f:
+      out[name] = f.read()
+  return out
+
+
+def test_a_run_stopped_at_any_rename_leaves_the_old_corpus_whole(tmp_path, monkeypatch):
+  """Re-preparing over a corpus, stopped at every rename in turn (each shard's,
+  the tokenizer's, corpus.json's, the version's): the old corpus reads as it
+  was, every file the one its corpus.json names. Only the last rename, the
+  link's, publishes the new corpus."""
+  output_dir = str(tmp_path / 'corpus')
+  settings = dict(text_roots=[STDLIB], max_bytes=60_000, num_shards=2, eval_fraction=0.2)
+  prepare.prepare_corpus(output_dir=output_dir, vocab_size=256, **settings)
+  old = snapshot(output_dir)
+  assert json.loads(old['corpus.json'])['vocab_size'] == 256
+
+  renames = []
+  real_replace, real_rename = os.replace, os.rename
+
+  def counted(real):
+    def rename(source, target, *args, **kwargs):
+      renames.append(target)
+      if len(renames) == stop_at:
+        raise Killed(f'stopped before renaming {source} to {target}')
+      return real(source, target, *args, **kwargs)
+    return rename
+
+  monkeypatch.setattr(os, 'replace', counted(real_replace))
+  monkeypatch.setattr(os, 'rename', counted(real_rename))
+  stop_at = 0  # count a whole run's renames first, into another directory
+  prepare.prepare_corpus(output_dir=str(tmp_path / 'count'), vocab_size=200, **settings)
+  total, renames[:] = len(renames), []
+  assert total >= 6  # tokenizer, 2 + 2 shards, corpus.json (then the version, the link)
+  for stop_at in range(1, total):
+    renames.clear()
+    with pytest.raises(Killed):
+      prepare.prepare_corpus(output_dir=output_dir, vocab_size=200, **settings)
+    assert snapshot(output_dir) == old, f'stopped at rename {stop_at} of {total}'
+  renames.clear()
+  stop_at = 0
+  summary = prepare.prepare_corpus(output_dir=output_dir, vocab_size=200, **settings)
+  new = snapshot(output_dir)
+  assert new != old and json.loads(new['corpus.json']) == summary
+  assert sorted(new) == sorted(summary['train']['files'] + summary['eval']['files']
+                               + ['corpus.json', 'spm.model'])
+  # The replaced version stays (a training may read it); the partial ones are gone.
+  published = os.path.basename(os.readlink(output_dir))
+  assert sorted(os.listdir(output_dir + '.versions')) == ['00001', published] != ['00001'] * 2
+
+
+def test_an_output_dir_holding_other_files_is_refused(tmp_path):
+  output_dir = tmp_path / 'corpus'
+  output_dir.mkdir()
+  (output_dir / 'train-00000-of-00001.tfrecord').write_bytes(b'')
+  with pytest.raises(ConfigError, match='is a directory holding files'):
+    prepare.prepare_corpus(output_dir=str(output_dir), text_roots=[STDLIB], max_bytes=1000,
+                           vocab_size=256, num_shards=1)
+  assert os.listdir(tmp_path) == ['corpus']  # nothing written

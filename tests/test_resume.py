@@ -39,7 +39,7 @@ def test_n_plus_n_steps_equals_2n_steps_bit_exactly(tmp_path):
   assert re.search(r'Resumed from .*ckpt-4/ckpt at step 4', b2.stderr)
   # The longer horizon is said, with the schedule's rate at the resumed step
   # under both horizons (independently, from the schedule's own formula).
-  from layout_core.train.optimizer import OptimizerConfig, learning_rate
+  from layout_core.optim import OptimizerConfig, learning_rate
   config = OptimizerConfig(learning_rate=3e-3, warmup_steps=30, decay='constant')  # BASE's
   assert re.search(r'Resumed at step 4 with settings that differ from .*ckpt-4/config.gin:\n'
                    r'  train.num_steps: 4 -> 8\n', b2.stderr), b2.stderr[-3000:]

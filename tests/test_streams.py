@@ -18,8 +18,8 @@ from layout_core.model.sequence import sequence_context
 from layout_core.tasks import TFRecordTask, streams, write_tfrecords
 from layout_core.tasks.corpus import LMCorpusTask, target_mask, write_documents
 from layout_core.train.config import TrainConfig
-from layout_core.train.factory import make_trainer
-from layout_core.train.optimizer import OptimizerConfig
+from layout_core.run import make_trainer
+from layout_core.optim import OptimizerConfig
 from tests.conftest import REPO_ROOT
 
 VOCAB = 64
@@ -161,7 +161,8 @@ def test_packed_reader_resumes_mid_document_on_any_rows(corpus):
   for _ in range(12):
     batches.append(next(reader))
     states.append(reader.state())
-  assert any(position[2] for state in states for position in state.values())  # mid-document
+  assert any(position[2] for state in states for key, position in state.items()
+             if key != streams.FILES_KEY)  # mid-document
   resumed = task.reader(split='train', batch_size=8, start_step=5, state=states[4],
                         rows=np.arange(4, 8))
   for step in range(5, 12):
@@ -170,6 +171,81 @@ def test_packed_reader_resumes_mid_document_on_any_rows(corpus):
       np.testing.assert_array_equal(batch[name][4:], batches[step][name][4:])
   with pytest.raises(ConfigError, match='data position'):
     task.reader(split='train', batch_size=8, start_step=5)
+
+
+def test_a_split_smaller_than_its_streams_reads_its_files_around(tmp_path):
+  """6 documents in 2 files, batch 8: 4 streams per file, so the streams
+  starting at record 3 of a 3-record file read record 3 mod 3 = 0; the
+  others read what they read before (every 4th record from their start)."""
+  documents = [document(i, 3 + i) for i in range(6)]
+  write_documents(str(tmp_path / 'eval-{shard}.tfrecord'), documents, num_shards=2)
+  write_documents(str(tmp_path / 'train-{shard}.tfrecord'), documents, num_shards=2)
+  task = LMCorpusTask(train_files=str(tmp_path / 'train-*'), eval_files=str(tmp_path / 'eval-*'),
+                      vocab_size=VOCAB, seq_len=16, pack=False, shuffle_window=1)
+  reader = task.reader(split='eval', batch_size=8)
+  in_file = {0: documents[0::2], 1: documents[1::2]}  # round-robin: file k, row r
+  for _ in range(3):  # epochs: one record per stream each
+    batch = next(reader)
+    for stream in range(8):
+      file, start = stream % 2, stream // 2
+      expected = in_file[file][start % 3]  # start 3 wraps around to record 0
+      row = batch['tokens'][stream]
+      np.testing.assert_array_equal(row[:len(expected)], expected)
+      assert not row[len(expected):].any()
+  # The same rows on a client holding only streams 6 and 7 (the wrapped ones).
+  part = next(task.reader(split='eval', batch_size=8, rows=np.array([6, 7])))
+  np.testing.assert_array_equal(part['tokens'][6:], batch['tokens'][6:])
+  # A stream whose file holds no record has nothing to wrap: named.
+  write_documents(str(tmp_path / 'none-{shard}.tfrecord'), [], num_shards=1)
+  empty = LMCorpusTask(train_files=str(tmp_path / 'none-*'), eval_files=str(tmp_path / 'eval-*'),
+                       vocab_size=VOCAB, seq_len=16)
+  with pytest.raises(ConfigError, match=r'stream 0 holds no records: its files .*none-0'):
+    next(empty.reader(split='train', batch_size=8))
+
+
+def test_resuming_over_other_files_is_refused_or_warned(records, tmp_path, caplog):
+  """The data state records the files its positions were taken over: files
+  added (3 -> 5, the same pattern) refuse the resume naming them; a file of
+  another size resumes with a warning naming it; an older state without the
+  record resumes as before."""
+  root = tmp_path / 'records'
+  root.mkdir()
+  for name in sorted(os.listdir(records)):
+    (root / name).write_bytes((records / name).read_bytes())
+  task = record_task(root, num_streams=3)
+  reader = task.reader(split='train', batch_size=6)
+  for _ in range(4):
+    next(reader)
+  state = reader.state()
+  expected = next(reader)
+
+  def resumed_batch(state):
+    return next(record_task(root, num_streams=3).reader(
+        split='train', batch_size=6, start_step=4, state=state))
+
+  for k in (3, 4):  # two more files matching the same pattern
+    (root / f'train-{k}.tfrecord').write_bytes((root / 'train-0.tfrecord').read_bytes())
+  with pytest.raises(ConfigError) as refused:
+    resumed_batch(state)
+  message = str(refused.value)
+  assert 'taken over 3 file(s)' in message and 'now matches 5' in message, message
+  assert 'added train-3.tfrecord, train-4.tfrecord' in message, message
+  assert 'tfrecord_task.train_files' in message and 'init_from' in message, message
+  for k in (3, 4):
+    os.remove(root / f'train-{k}.tfrecord')
+  np.testing.assert_array_equal(resumed_batch(state)['x'], expected['x'])  # same files
+  assert state['files'] == [[f'train-{k}.tfrecord', os.path.getsize(
+      root / f'train-{k}.tfrecord')] for k in range(3)]
+  # A file replaced by one of another size: the same dealing, a warning.
+  write_tfrecords(str(root / 'train-2.tfrecord'),
+                  {'x': np.full((40, 2), 7, np.float32), 'label': np.zeros(40, np.int64)})
+  with caplog.at_level('WARNING'):
+    resumed_batch(state)
+  assert any('train-2.tfrecord' in r.getMessage() and 'size changed' in r.getMessage()
+             for r in caplog.records), caplog.text
+  # A data state from before the record: resumed, unchecked.
+  older = {k: v for k, v in state.items() if k != 'files'}
+  np.testing.assert_array_equal(resumed_batch(older)['x'][:4], expected['x'][:4])
 
 
 @pytest.fixture(scope='module')

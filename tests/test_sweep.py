@@ -129,12 +129,24 @@ def sweep_command(root, *extra):
   return [*TINY, *ZIP_AXES, f'--model_dir={root}', *extra]
 
 
+# The environment a user has: no TF_CPP_MIN_LOG_LEVEL (run_module sets one,
+# which would decide the trials' consoles instead of their flags).
+AS_USER = {'TF_CPP_MIN_LOG_LEVEL': None}
+
+
 @pytest.fixture(scope='module')
 def zip_sweep(tmp_path_factory):
+  """The shared real sweep; --verbose, which its trials must get too."""
   root = str(tmp_path_factory.mktemp('sweep') / 'root')
   start = time.monotonic()
-  result = run_module('launch.sweep', *sweep_command(root, '--parallel=2'), timeout=600)
+  result = run_module('launch.sweep', *sweep_command(root, '--parallel=2', '--verbose'),
+                      timeout=600, env=AS_USER)
   return root, result, time.monotonic() - start
+
+
+def attempt_header(log, attempt):
+  """The driver's '===== sweep attempt N, ...: command' line in a trial log."""
+  return re.search(rf'^===== sweep attempt {attempt}, .*$', log, re.M).group(0)
 
 
 class TensorBoard:
@@ -258,8 +270,13 @@ def test_parallel_trials_complete_in_their_own_directories(zip_sweep):
     threads = max(1, os.cpu_count() // 2)  # the machine's threads, shared by two trials
     assert f'TF_NUM_INTRAOP_THREADS={threads} TF_NUM_INTEROP_THREADS={threads}' in log
     assert set(re.findall(r'--model_dir=(\S+)', log)) == {directory}
+    # The sweep's --verbose is the trial's; no log level is set for it.
+    header = attempt_header(log, 1)
+    assert ' --verbose ' in header and 'TF_CPP_MIN_LOG_LEVEL' not in header, header
     if trial['name'] == INVALID:
       continue
+    # So TensorFlow's own info lines (DTensor's compile-cache notes) are in its log.
+    assert re.search(r'^I\d{4} .*dtensor_device\.cc:\d+\] ', log, re.M), log[-3000:]
     operative = open(os.path.join(directory, 'config.gin')).read()
     for key, text in trial['values'].items():  # it trained with its own values
       assert f'{key} = {literal_value(text)}\n' in operative, (key, trial['name'])
@@ -286,14 +303,20 @@ def test_rerun_skips_finished_trials_and_retries_the_failed_one(zip_sweep, tmp_p
               and os.path.isdir(os.path.join(root, name))}
   # The failed trial needed a bigger model vocabulary: fix it in the base bindings.
   result = run_module('launch.sweep', *sweep_command(
-      root, '--gin_bindings=transformer_lm.vocab_size = 128'), timeout=600)
+      root, '--gin_bindings=transformer_lm.vocab_size = 128'), timeout=600, env=AS_USER)
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
   assert '3 already done (skipped), 1 to run' in result.stdout
   assert 'note: 3 finished trials ran with another base config' in result.stdout
   for name, mtime in finished.items():
     assert os.path.getmtime(os.path.join(root, name, 'config.gin')) == mtime, name
   retried = os.path.join(root, INVALID)
-  assert open(os.path.join(retried, sweep_lib.LOG_FILE)).read().count('sweep attempt') == 2
+  log = open(os.path.join(retried, sweep_lib.LOG_FILE)).read()
+  assert log.count('sweep attempt') == 2
+  # Not verbose this time: the trial quiets its own console, with no level set by the sweep.
+  header, second_attempt = attempt_header(log, 2), log.split('sweep attempt 2')[1]
+  assert '--verbose' not in header and 'TF_CPP_MIN_LOG_LEVEL' not in header, header
+  tensorflow_info = re.search(r'^I\d{4} [^\]]*\.cc:\d+\] .*', second_attempt, re.M)
+  assert not tensorflow_info, tensorflow_info.group(0)
   status = sweep_lib.read_status(retried)
   assert (status['status'], status['attempts'], status['exit_code']) == ('SUCCESS', 2, 0)
   assert 'transformer_lm.vocab_size = 128' in status['base']['gin_bindings']
@@ -455,6 +478,44 @@ def test_an_earlier_attempts_status_is_never_read_as_this_ones(tmp_path):
         'FAILURE', -9, 'crashed', 'crashed: killed by SIGKILL'), record
   assert run_status.read_run_status(earlier) is None
   assert run_status.read_run_status(os.path.join(sweep.root, running.name)).status == 'running'
+
+
+RECORDING_TRIAL = """#!{python}
+# Stands in for `python -m launch.train`: records the flags and environment it got.
+import json, os, sys
+model_dir = [a.split('=', 1)[1] for a in sys.argv if a.startswith('--model_dir=')][0]
+with open(os.path.join(model_dir, 'seen.json'), 'w') as f:
+  json.dump({{'flags': sys.argv[1:], 'environment': dict(os.environ)}}, f)
+"""
+
+
+def test_a_trial_gets_the_log_level_its_own_flags_ask_for(tmp_path, monkeypatch):
+  """No log level is added to a trial's environment (each launch.train
+  quiets itself unless --verbose); one the user set is passed on."""
+  fake = tmp_path / 'fake_python'
+  fake.write_text(RECORDING_TRIAL.format(python=sys.executable))
+  fake.chmod(0o755)
+  monkeypatch.delenv('TF_CPP_MIN_LOG_LEVEL', raising=False)
+
+  def trial_saw(name, **runner_arguments):
+    sweep = sweep_lib.Sweep(root=str(tmp_path / name),
+                            gin_files=['configs/experiments/quickstart.gin'],
+                            axes=[parse_axis('train.seed=[0]')],
+                            train_flags=['--verbose'] if name == 'verbose' else [])
+    sweep_lib.SweepRunner(sweep, python=str(fake), out=io.StringIO(), parallel=1,
+                          **runner_arguments).run()
+    with open(os.path.join(sweep.root, 'seed=0', 'seen.json')) as f:
+      return json.load(f)
+
+  quiet = trial_saw('quiet')
+  assert 'TF_CPP_MIN_LOG_LEVEL' not in quiet['environment']
+  assert '--verbose' not in quiet['flags']
+  verbose = trial_saw('verbose')
+  assert 'TF_CPP_MIN_LOG_LEVEL' not in verbose['environment']
+  assert '--verbose' in verbose['flags']
+  # launch.sweep passes its environment without what quieting its console set.
+  users = trial_saw('users', environment=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='1'))
+  assert users['environment']['TF_CPP_MIN_LOG_LEVEL'] == '1'
 
 
 def test_a_misconfigured_sweep_exits_2_before_any_trial_runs(tmp_path):

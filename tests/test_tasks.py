@@ -12,11 +12,11 @@ from layout_core.checkpoint.manager import CheckpointConfig, Checkpointer
 from layout_core.errors import ConfigError
 from layout_core.model.base import Sequential
 from layout_core.model.layers import FeedForward, Softmax
-from layout_core.train.optimizer import OptimizerConfig
+from layout_core.optim import OptimizerConfig
 from layout_core.layout.rules import LayoutRules
 from layout_core.tasks import TFRecordTask, read_tfrecords, write_tfrecords
 from layout_core.train.config import TrainConfig
-from layout_core.train.factory import make_trainer
+from layout_core.run import make_trainer
 from layout_core.layout.variables import to_numpy
 from tests.conftest import read_events, run_module
 
@@ -127,3 +127,43 @@ def test_classifier_example_trains_end_to_end_from_gin(tmp_path):
   assert accuracy[-1] > accuracy[0] + 0.3
   assert 'train/accuracy' in scalars
   assert 'mlp/ffn/w_in' in open(os.path.join(model_dir, 'layouts.txt')).read()
+
+
+def test_a_setting_that_does_not_fit_the_model_is_named_as_the_user_wrote_it(tmp_path):
+  """lm_corpus.seq_len = 64 against transformer_lm.max_len = 32: the message
+  names lm_corpus.seq_len and the file and line that set it, not the run
+  defaults' data.seq_len (configs/runs/train.gin), which this task never reads."""
+  from layout_core.tasks.corpus import write_documents  # pylint: disable=g-import-not-at-top
+  from plugins import gin_setup, plan as plan_lib  # pylint: disable=g-import-not-at-top
+  write_documents(str(tmp_path / 'train-{shard}.tfrecord'), [[5, 6, 7, 1]] * 4)
+  write_documents(str(tmp_path / 'eval-{shard}.tfrecord'), [[5, 6, 1]] * 2)
+  mine = tmp_path / 'mine.gin'
+  mine.write_text(f"lm_corpus.train_files = '{tmp_path}/train-*.tfrecord'\n"
+                  f"lm_corpus.eval_files = '{tmp_path}/eval-*.tfrecord'\n"
+                  'lm_corpus.seq_len = 64\n'
+                  'transformer_lm.max_len = 32\n')
+  with pytest.raises(ConfigError) as raised:
+    with gin_setup.parsed_config(files=['configs/experiments/lm_corpus.gin', str(mine)],
+                                 bindings=[]):
+      plan_lib.make_plan()
+  message = str(raised.value)
+  assert 'lm_corpus.seq_len=64' in message and 'transformer_lm.max_len=32' in message, message
+  assert 'lm_corpus.seq_len is set in' in message and 'mine.gin, line 3' in message, message
+  assert 'data.seq_len' not in message, message
+
+
+def test_every_task_declares_whether_it_needs_segments(tmp_path):
+  """`needs_segments` is a member of the Task interface: False unless a task
+  packs several documents into a row."""
+  from layout_core.tasks import Task  # pylint: disable=g-import-not-at-top
+  from layout_core.tasks.corpus import LMCorpusTask, write_documents  # pylint: disable=g-import-not-at-top
+  from layout_core.tasks.lm import MarkovTask  # pylint: disable=g-import-not-at-top
+  assert Task.needs_segments is False
+  assert MarkovTask(vocab_size=8, seq_len=4).needs_segments is False
+  write_blobs(str(tmp_path), num_train=8, num_eval=8)
+  assert make_task(str(tmp_path)).needs_segments is False
+  write_documents(str(tmp_path / 'docs-{shard}.tfrecord'), [[5, 6, 1]] * 2)
+  for pack in (True, False):
+    corpus = LMCorpusTask(train_files=str(tmp_path / 'docs-*'), eval_files=str(tmp_path / 'docs-*'),
+                          vocab_size=8, seq_len=4, pack=pack)
+    assert corpus.needs_segments is pack

@@ -10,15 +10,20 @@ The lock is `<directory>/.meshgin-lock`: an `fcntl.flock` held for the whole
 run on a small JSON file that names its holder (pid, host, start time,
 command). The kernel drops a flock when its process dies, however it dies, so
 a lock left by a SIGKILLed run on the same host is free and is taken over
-(with a warning naming the dead holder). The file is never deleted while
-held; a clean exit empties it (an empty file: free, and a directory whose
-lock was taken and given back holds the same bytes as before).
+(with a warning naming the dead holder). A clean exit empties the file (an
+empty file: free, and a directory whose lock was taken and given back holds
+the same bytes as before). Only its holder deletes the file, and only while it
+still holds the flock (`release` of a directory the lock created): a process
+that opened the file before and gets its flock after sees that the path now
+names another file, or none, and opens it anew, so two processes never both
+believe they hold the lock.
 
 Network filesystems: on NFSv4 and most cluster filesystems flock is carried
 to the server and holds across hosts; where it is not (NFSv3 without lockd,
 some FUSE mounts) each host sees only its own locks. The file's modification
-time is therefore also a heartbeat, touched every `heartbeat_seconds` by the
-holder: a record from another host whose heartbeat is younger than
+time is therefore also a heartbeat, touched every `heartbeat_seconds` by a
+thread of the holder (stopped and joined by `release` before the file is
+touched or closed): a record from another host whose heartbeat is younger than
 `stale_seconds` refuses the lock even when flock granted it, and an older one
 is taken over as stale.
 
@@ -90,8 +95,11 @@ class DirectoryLock:
     self._fd = fd
     self._created_directory = created_directory
     self._stop = threading.Event()
-    self._heartbeat = threading.Thread(target=self._beat, args=(heartbeat_seconds,),
-                                       name='model-dir-lock-heartbeat', daemon=True)
+    # The thread gets the descriptor and its stop event as arguments, never
+    # through `self`: it cannot see the descriptor change or be closed under it.
+    self._heartbeat = threading.Thread(
+        target=_beat, kwargs=dict(fd=fd, seconds=heartbeat_seconds, stop=self._stop),
+        name=f'lock-heartbeat {self.path}', daemon=True)
     self._heartbeat.start()
 
   @classmethod
@@ -156,20 +164,15 @@ class DirectoryLock:
     return cls(directory=directory, fd=fd, holder=holder, created_directory=created,
                heartbeat_seconds=heartbeat_seconds)
 
-  def _beat(self, seconds: float) -> None:
-    while not self._stop.wait(seconds):
-      try:
-        os.utime(self._fd)
-      except OSError:
-        pass  # the directory went away: the next save recreates what it needs
-
   def release(self) -> None:
-    """Empties the record and unlocks. A directory this lock created
-    that holds nothing else is removed (a run rejected at start-up leaves
-    no trace)."""
+    """Stops the heartbeat, empties the record and unlocks. A directory this
+    lock created that holds nothing else is removed (a run rejected at
+    start-up leaves no trace): the file first, while the flock is still held
+    (see the module doc), then the descriptor is closed."""
     if self._fd is None:
       return
     self._stop.set()
+    self._heartbeat.join()  # no heartbeat touches the descriptor from here on
     try:
       if self._created_directory and os.listdir(self.directory) == [LOCK_NAME]:
         os.remove(self.path)
@@ -188,6 +191,15 @@ class DirectoryLock:
 
   def __exit__(self, *exc) -> None:
     self.release()
+
+
+def _beat(*, fd: int, seconds: float, stop: threading.Event) -> None:
+  """Touches the lock file's mtime every `seconds` until `stop` is set."""
+  while not stop.wait(seconds):
+    try:
+      os.utime(fd)
+    except OSError:
+      pass  # the directory went away: the next save recreates what it needs
 
 
 def _write_holder(fd: int, holder: Holder) -> None:

@@ -12,8 +12,8 @@ On disk, `checkpoints/ckpt-<step>/` holds a standard `tf.train.Checkpoint`
 (`ckpt.index` + `ckpt.data-*`, readable by `tf.train.load_checkpoint` and
 `tf.train.Checkpoint.read`, keys such as
 `model/stack/block_000/ffn/w_in/.ATTRIBUTES/VARIABLE_VALUE`) plus
-`manifest.json` (step, reason, every file's size) and the run's `config.gin`,
-so a checkpoint always says how to rebuild its model.
+`manifest.json` (step, reason, every file's size and crc32) and the run's
+`config.gin`, so a checkpoint always says how to rebuild its model.
 
 Written where the shards live (`layout_core.checkpoint.shard_io`): every device writes
 the distinct shards it holds, as slices of the global tensors, into a bundle
@@ -29,14 +29,19 @@ Crash safety: a checkpoint is written into a temporary directory, every file
 is fsynced, and only then is the directory renamed to `ckpt-<step>` (an atomic
 rename, by client 0 after every client has written). A checkpoint is "valid"
 when its manifest exists and every file has its recorded size
-(`layout_core.checkpoint.files`); restore takes
-the newest valid one, and if reading it still fails (a corrupt shard, on any
-client) it logs the file and falls back to the next one, moving the broken one
-aside (`*.corrupt`) instead of deleting it. The TF `checkpoint` state file
-(`tf.train.latest_checkpoint`) is updated after the rename, so it never names
-a partial checkpoint either. With `async_save` the write runs in a background
-thread while training continues (single-client runs; several clients save in
-step, since the commit needs a barrier between them).
+(`layout_core.checkpoint.files`); restore takes the newest valid one whose
+files also match their checksums, and if it is damaged after all (a checksum
+or a read that fails on any client; `layout_core.checkpoint.damage` says what
+counts) it logs the file and falls back to the next one, moving the broken one
+aside (`*.corrupt-<time>`) instead of deleting it. Any other error while
+restoring (a bug, out of memory) propagates and moves nothing. The TF
+`checkpoint` state file (`layout_core.checkpoint.state_file`) is rewritten
+after the rename, so it never names a partial checkpoint either. A single
+client whose directory is removed while it writes (an `rm -rf` of
+checkpoints/ racing the save) writes the checkpoint again, from the same
+snapshot, into a fresh directory. With `async_save` the write runs in a
+background thread while training continues (single-client runs; several
+clients save in step, since the commit needs a barrier between them).
 """
 
 from __future__ import annotations
@@ -45,48 +50,34 @@ import dataclasses
 import json
 import os
 import random
-import re
 import shutil
 import threading
 import time
 from typing import Callable, Mapping, Sequence
 
-import numpy as np
 from absl import logging
 
 from layout_core.checkpoint import shard_io
-from layout_core.checkpoint.shard_io import (assign_global, checkpoint_keys, checkpoint_values,
-                                             restore_values)
-from layout_core.checkpoint.files import (checkpoint_dirs, directory_size, fsync_dir,
-                                          fsync_files, fsync_tree, latest_valid,
-                                          manifest_digest, resolve_checkpoint_path, validate)
+# Re-exported: callers read keys and values through the manager module.
+from layout_core.checkpoint.shard_io import checkpoint_keys, checkpoint_values
+from layout_core.checkpoint.damage import CheckpointDamage, aside_path, describe, is_damage
+from layout_core.checkpoint.files import (DATA_STATE_FILE, DirectoryWatch, checkpoint_dirs,
+                                          directory_size, fsync_dir, latest_valid,
+                                          read_data_state, resolve_checkpoint_path, validate,
+                                          write_manifest)
+from layout_core.checkpoint.matching import check_fits, entries_by_name
+from layout_core.checkpoint.state_file import StateFile
 from layout_core.layout.cluster import SingleClient
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least, check_types
 from layout_core.lazy import tf
 
-_VALUE_SUFFIX = shard_io.VALUE_SUFFIX
 _SHARED_CHECK = '.shared-filesystem-check'
-_STATE_FILE = re.compile(rb'model_checkpoint_path: "ckpt-\d+/ckpt"\n'
-                         rb'(all_model_checkpoint_paths: "ckpt-\d+/ckpt"\n)+')
-# Errors of the machine, not of the files: reading a checkpoint that fails
-# with one of these leaves it where it is.
-_RUNTIME_ERRORS = ('ResourceExhaustedError', 'CancelledError', 'UnavailableError',
-                   'DeadlineExceededError', 'AbortedError', 'InternalError')
+_WRITE_ATTEMPTS = 3  # a single client's tries at a save whose directory keeps vanishing
 
 
-def is_damage(error: Exception) -> bool:
-  """True if reading a checkpoint failed because of its files (truncated,
-  corrupt, a checksum mismatch), False for a runtime error (out of memory, a
-  device or peer failure) that must not condemn a good checkpoint."""
-  if isinstance(error, ConfigError):
-    return False
-  if isinstance(error, tf.errors.OpError):
-    return not any(isinstance(error, getattr(tf.errors, name)) for name in _RUNTIME_ERRORS)
-  return isinstance(error, ValueError)
-
-
-DATA_STATE_FILE = 'data_state.json'
+class _RemovedWhileWriting(Exception):
+  """The temporary directory of a save was removed before its commit."""
 
 
 def merge_data_states(texts) -> dict | None:
@@ -97,15 +88,6 @@ def merge_data_states(texts) -> dict | None:
     for split, streams in (json.loads(text) if text else {}).items():
       merged.setdefault(split, {}).update(streams)
   return merged or None
-
-
-def read_data_state(path: str) -> dict | None:
-  """A checkpoint directory's data state, None when it has none."""
-  try:
-    with open(os.path.join(path, DATA_STATE_FILE)) as f:
-      return json.load(f)
-  except FileNotFoundError:
-    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +161,7 @@ class Checkpointer:
     self._last_saved_step: int | None = None
     self._thread: threading.Thread | None = None
     self._thread_error: BaseException | None = None
-    self._removed: set[str] = set()  # ckpt-N names this checkpointer moved or pruned
+    self._state_file = StateFile(directory=directory)
 
   def prepare_directory(self) -> None:
     """Creates the directory, removes what saves killed before their commit
@@ -191,7 +173,7 @@ class Checkpointer:
       for name in os.listdir(self.directory):
         if name.startswith('tmp-'):
           shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
-      self._check_state_file()
+      self._state_file.repair()
     if self.coordinator.num_clients > 1:
       self._check_shared_directory()
 
@@ -225,75 +207,58 @@ class Checkpointer:
       if validate(path) is None:
         try:
           self.check_compatible(os.path.join(path, 'ckpt'))
-        except tf.errors.OpError:  # an unreadable index: damage, restore skips it
+        except CheckpointDamage:  # an unreadable index: restore moves it aside
           continue
         return step
     return None
 
   def check_compatible(self, prefix: str) -> None:
     """ConfigError listing every variable whose name or shape does not match."""
-    saved = dict(tf.train.list_variables(prefix))
-    expected = {e.key: list(e.shape) for e in self.entries}
-    missing, reshaped, extra = [], [], []
-    for key, shape in expected.items():
-      if key not in saved:
-        missing.append(key)
-      elif list(saved[key]) != shape:
-        reshaped.append(f'{key}: checkpoint shape {list(saved[key])}, model shape {shape}')
-    roots = tuple(_escape(name) + '/' for name in self.state)
-    extra = [k for k in saved if k.startswith(roots) and k.endswith(_VALUE_SUFFIX)
-             and k not in expected]
-    if missing or reshaped or extra:
-      def listing(items):
-        return '; '.join(items[:4]) + (f'; ... {len(items) - 4} more' if len(items) > 4 else '')
-      raise ConfigError(
-          f'the checkpoint {prefix} does not match this model: {len(reshaped)} '
-          f'variable(s) with other shapes [{listing(reshaped)}], {len(missing)} missing '
-          f'from the checkpoint [{listing(missing)}], {len(extra)} only in the '
-          f'checkpoint [{listing(extra)}]', where='model_dir',
-          fix='use a new --model_dir for a different model (the existing '
-              'checkpoint was left untouched)')
+    check_fits(prefix, self.entries, roots=[_escape(name) + '/' for name in self.state])
 
   def restore_latest(self) -> int | None:
     """Restores the newest undamaged checkpoint; returns its step or None.
 
-    A damaged one (files missing, truncated or corrupt, a manifest that does
-    not match) is reported by file and moved aside, and the previous one is
-    tried. A checkpoint that does not fit the model is a ConfigError, and a
-    runtime error while reading (out of memory, a device failure) propagates:
-    neither moves anything. Every client tries the same candidates in the same
-    order and they agree after each; only client 0 moves things."""
+    A damaged one (files missing, truncated or corrupt, a checksum or
+    manifest that does not match; `damage.is_damage`) is reported by file and
+    moved aside, and the previous one is tried. A checkpoint that does not fit
+    the model is a ConfigError, and any other error while reading (a bug, out
+    of memory, a device failure) propagates: neither moves anything. Every
+    client tries the same candidates in the same order and they agree after
+    each; only client 0 moves things, and only client 0 reads every file to
+    check its checksum (they share the filesystem)."""
     self.prepare_directory()
     candidates = checkpoint_dirs(self.directory)
     self.coordinator.barrier()  # all have listed before client 0 moves anything
     for step, path in candidates:
-      problem = validate(path)
       prefix = os.path.join(path, 'ckpt')
       start = time.perf_counter()
+      problem, data_state = validate(path, check_contents=self.is_chief), None
       if problem is None:
         try:
           self.check_compatible(prefix)
           shard_io.read_entries(prefix, self.entries)
-        except (tf.errors.OpError, ValueError) as e:
+          data_state = read_data_state(path)
+        except Exception as e:  # pylint: disable=broad-except  # all but damage re-raised
           if not is_damage(e):
             raise
-          problem = f'reading {prefix} failed: {type(e).__name__}: {str(e).splitlines()[0]}'
+          problem = f'reading {prefix} failed: {describe(e)}'
       failed = [c for c, flag in enumerate(self.coordinator.gather(problem is not None)) if flag]
       if not failed:
         self._last_saved_step = step
-        self.restored_data_state = read_data_state(path)
+        self.restored_data_state = data_state
         self.on_event(CheckpointEvent(step, prefix, 'resume',
                                       time.perf_counter() - start, directory_size(path)))
         logging.info('Resumed from %s at step %d', prefix, step)
         return step
       problem = problem or f'client(s) {failed} could not read it'
-      aside = f'{path}.corrupt-{int(time.time())}'
+      aside = aside_path(path)
       logging.error('Checkpoint %s is unusable: %s. Moved it to %s and trying the '
                     'previous one.', path, problem, aside)
       if self.is_chief and os.path.exists(path):
-        self._removed.add(os.path.basename(path))
+        self._state_file.forget(os.path.basename(path))
         os.rename(path, aside)
-        self._update_state_file()
+        self._state_file.update()
     return None
 
   def init_from(self, source: str, variables: Mapping[str, tf.Variable]) -> int:
@@ -301,46 +266,18 @@ class Checkpointer:
 
     Works for object-graph checkpoints (meshgin's, keyed 'model/...') and
     name-based TF1 checkpoints (tf.compat.v1.train.Saver, keyed by variable
-    name). Returns the number of variables read.
+    name); `config.init_from_map` maps paths to names
+    (`layout_core.checkpoint.matching`). Returns the number of variables read.
     """
     prefix = resolve_checkpoint_path(source)
     start = time.perf_counter()
-    reader = tf.train.load_checkpoint(prefix)
-    shapes = reader.get_variable_to_shape_map()
-    by_name = {k[:-len(_VALUE_SUFFIX)] if k.endswith(_VALUE_SUFFIX) else k: k
-               for k in shapes}
-    rules = [(re.compile(pattern), replacement)
-             for pattern, replacement in self.config.init_from_map]
-    missing, wrong_shape, found = [], [], []
-    for path, variable in variables.items():
-      name = path
-      for pattern, replacement in rules:
-        match = pattern.fullmatch(path)
-        if match:
-          name = match.expand(replacement)
-          break
-      root_relative = 'model/' + name.split('/', 1)[-1]
-      key = by_name.get(name) or by_name.get(root_relative)
-      if key is None:
-        missing.append(f'{path} (looked for {name!r})')
-        continue
-      if list(shapes[key]) != variable.shape.as_list():
-        wrong_shape.append(f'{path}: {list(shapes[key])} vs {variable.shape.as_list()}')
-        continue
-      found.append(shard_io.CheckpointEntry(key, variable))
-    if missing or wrong_shape:
-      raise ConfigError(
-          f'checkpoint.init_from {prefix}: {len(missing)} variable(s) not found '
-          f'[{"; ".join(missing[:8])}] and {len(wrong_shape)} with other shapes '
-          f'[{"; ".join(wrong_shape[:8])}]', where='checkpoint.init_from_map',
-          fix='add (regex, replacement) pairs mapping new paths to the names in '
-              'the checkpoint (tf.train.list_variables shows them)')
+    found, size_bytes = entries_by_name(prefix, variables,
+                                        rename_rules=self.config.init_from_map)
     shard_io.read_entries(prefix, found)
-    loaded = len(found)
     self.on_event(CheckpointEvent(0, prefix, 'init_from', time.perf_counter() - start,
-                                  sum(int(np.prod(s)) * 4 for s in shapes.values())))
-    logging.info('Initialised %d variables from %s', loaded, prefix)
-    return loaded
+                                  size_bytes))
+    logging.info('Initialised %d variables from %s', len(found), prefix)
+    return len(found)
 
   # -- save ----------------------------------------------------------------------------
   def maybe_save(self, step: int) -> bool:
@@ -357,16 +294,14 @@ class Checkpointer:
 
     In a multi-client run every client must call this at the same step."""
     self.wait()
-    if step == self._last_saved_step:
+    if step == self._last_saved_step:  # set once a save of `step` is committed
       return None
     self.check_state()
-    self._last_saved_step = step
     self._last_save_time = time.monotonic()
     final = os.path.join(self.directory, f'ckpt-{step}')
     if self.is_chief and os.path.exists(final):  # a broken one never moved aside
-      os.rename(final, f'{final}.corrupt-{int(time.time())}')
+      os.rename(final, aside_path(final))
     temporary = os.path.join(self.directory, f'tmp-ckpt-{step}')
-    os.makedirs(temporary, exist_ok=True)
     start = time.perf_counter()
     writes = shard_io.snapshot(self.entries, client_id=self.coordinator.client_id,
                                object_graph_bytes=self._object_graph)
@@ -398,23 +333,37 @@ class Checkpointer:
 
   def _write(self, writes, temporary: str, final: str, step: int, reason: str,
              start: float) -> None:
-    """Writes and commits; a single client whose temporary directory is
-    removed underneath it (a disk cleaner, a user freeing space) writes the
-    checkpoint again, once, from the same snapshot."""
-    try:
-      self._write_once(writes, temporary, final, step, reason, start)
-    except (OSError, tf.errors.OpError) as e:
-      if (self.coordinator.num_clients > 1 or os.path.isdir(temporary)
-          or os.path.isdir(final)):
-        raise
-      logging.warning('%s was removed while checkpoint %d was being written (%s: %s); '
-                      'writing it again', temporary, step, type(e).__name__,
-                      str(e).splitlines()[0] if str(e) else '')
+    """Writes and commits, then marks `step` saved. A single client whose
+    directory is removed while it writes (a disk cleaner, an `rm -rf` of
+    checkpoints/; TF may even recreate the directory for the shards still to
+    come) writes the whole checkpoint again, from the same snapshot, into a
+    fresh directory; several clients cannot redo a save alone and raise."""
+    attempts = _WRITE_ATTEMPTS if self.coordinator.num_clients == 1 else 1
+    for attempt in range(1, attempts + 1):
+      if self.coordinator.num_clients == 1:  # nobody else writes here: start clean
+        shutil.rmtree(temporary, ignore_errors=True)
       os.makedirs(temporary, exist_ok=True)
-      self._write_once(writes, temporary, final, step, reason, start)
+      watch = DirectoryWatch(temporary)
+      try:
+        self._write_once(writes, temporary, final, step, reason, start, watch=watch)
+        break
+      except (OSError, tf.errors.OpError, _RemovedWhileWriting) as e:
+        if attempts == 1 or not watch.removed():
+          raise
+        if attempt == attempts:
+          raise RuntimeError(
+              f'{temporary} was removed {attempts} times while checkpoint {step} was '
+              f'being written ({describe(e)}); stop whatever deletes {self.directory} '
+              'and run the same command again to resume from the last checkpoint '
+              'on disk') from e
+        logging.warning('%s was removed while checkpoint %d was being written (%s); '
+                        'writing it again', temporary, step, describe(e))
+      finally:
+        watch.close()
+    self._last_saved_step = step
 
   def _write_once(self, writes, temporary: str, final: str, step: int, reason: str,
-                  start: float) -> None:
+                  start: float, *, watch: DirectoryWatch) -> None:
     client_id = self.coordinator.client_id
     writes, data_text = writes
     parts = shard_io.write_shards(writes, directory=temporary, client_id=client_id)
@@ -422,11 +371,13 @@ class Checkpointer:
     data_texts = self.coordinator.gather_text(f'data-state-{step}', data_text or '')
     if self.is_chief:
       self._commit(temporary, final, step, reason, start, expected_parts=int(sum(written)),
-                   data_state=merge_data_states(data_texts))
+                   data_state=merge_data_states(data_texts), watch=watch)
     self.coordinator.barrier()  # nobody returns before the checkpoint is committed
 
   def _commit(self, temporary: str, final: str, step: int, reason: str, start: float,
-              *, expected_parts: int, data_state: dict | None = None) -> None:
+              *, expected_parts: int, data_state: dict | None, watch: DirectoryWatch) -> None:
+    if watch.removed():  # its parts may be missing, with the count made up by new ones
+      raise _RemovedWhileWriting(f'{temporary} was removed')
     parts = shard_io.find_parts(temporary)
     if len(parts) != expected_parts:
       raise RuntimeError(
@@ -439,75 +390,21 @@ class Checkpointer:
     for name, text in extra.items():
       with open(os.path.join(temporary, name), 'w') as f:
         f.write(text)
-    files = {n: os.path.getsize(os.path.join(temporary, n)) for n in os.listdir(temporary)}
-    manifest = {'step': step, 'reason': reason, 'files': files}
-    manifest['digest'] = manifest_digest(manifest)
-    with open(os.path.join(temporary, 'manifest.json'), 'w') as f:
-      json.dump(manifest, f, indent=1)
-    fsync_tree(temporary)
+    write_manifest(temporary, step=step, reason=reason)
+    if watch.removed():
+      raise _RemovedWhileWriting(f'{temporary} was removed')
     os.rename(temporary, final)  # the commit point
     fsync_dir(self.directory)
     event = CheckpointEvent(step, os.path.join(final, 'ckpt'), reason,
                             time.perf_counter() - start, directory_size(final))
     self._prune()
-    self._update_state_file()
+    self._state_file.update()
     logging.info('Saved checkpoint %s at step %d (%s, %.2f s)', event.path, step,
                  reason, event.seconds)
     self.on_event(event)
 
-  def _check_state_file(self) -> None:
-    """The `checkpoint` state file (tf.train.latest_checkpoint's) is derived
-    from the valid checkpoints: a damaged one is reported, moved aside, and
-    written anew."""
-    path = os.path.join(self.directory, 'checkpoint')
-    if not os.path.exists(path):
-      return
-    with open(path, 'rb') as f:
-      content = f.read()
-    if content == self._state_file_text().encode():
-      return
-    if not _STATE_FILE.fullmatch(content):
-      aside = f'{path}.corrupt-{int(time.time())}'
-      logging.error('Checkpoint state file %s is damaged; moved it to %s and wrote it '
-                    'anew from the valid checkpoints.', path, aside)
-      os.rename(path, aside)
-    self._update_state_file()
-
-  def _state_file_text(self) -> str:
-    """The text format tf.train.latest_checkpoint reads, for the valid checkpoints."""
-    valid = [os.path.join(os.path.basename(p), 'ckpt')
-             for _, p in reversed(checkpoint_dirs(self.directory)) if validate(p) is None]
-    if not valid:
-      return ''
-    return f'model_checkpoint_path: "{valid[-1]}"\n' + ''.join(
-        f'all_model_checkpoint_paths: "{path}"\n' for path in valid)
-
-  def _update_state_file(self) -> None:
-    """Writes the state file anew from the checkpoints on disk; one it listed
-    that is gone (removed by something else) is dropped, with a warning."""
-    path = os.path.join(self.directory, 'checkpoint')
-    try:
-      with open(path) as f:
-        listed = re.findall(r'all_model_checkpoint_paths: "(ckpt-\d+)/ckpt"', f.read())
-    except OSError:
-      listed = []
-    for name in listed:
-      if name not in self._removed and not os.path.isdir(os.path.join(self.directory, name)):
-        logging.warning('Checkpoint %s, listed in %s, was removed by something else; '
-                        'dropped it from the list', os.path.join(self.directory, name), path)
-    text = self._state_file_text()
-    if text:  # replaced atomically
-      temporary = os.path.join(self.directory, 'checkpoint.tmp')
-      with open(temporary, 'w') as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-      os.replace(temporary, path)
-    elif listed:  # every checkpoint it named is gone
-      os.remove(path)
-
   def _prune(self) -> None:
     valid = [(s, p) for s, p in checkpoint_dirs(self.directory) if validate(p) is None]
     for _, path in valid[self.config.keep:]:
-      self._removed.add(os.path.basename(path))
+      self._state_file.forget(os.path.basename(path))
       shutil.rmtree(path, ignore_errors=True)

@@ -19,8 +19,9 @@ needs, so a checkpoint restores into any mesh shape or layout.
 
 Each entry maps one checkpoint key to one variable, or to one element of a
 variable's leading dimensions (`index`): a stacked variable `[S, Q, ...]`
-(the SPMD pipeline's cells, see `set_unstacked`) is stored as S*Q keys, each
-holding `variable[s, q]`, so its checkpoint matches the unstacked model.
+(the SPMD pipeline's cells, tagged with `layout_core.layout.stacked_keys`)
+is stored as S*Q keys, each holding `variable[s, q]`, so its checkpoint
+matches the unstacked model.
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ import numpy as np
 
 from layout_core.lazy import dtensor, tf
 from layout_core.layout.mesh import pack_global_array
+from layout_core.layout.rules import UNSHARDED
+from layout_core.layout.stacked_keys import unstacked_key, unstacked_pieces
 from layout_core.layout.variables import to_numpy
 
 VALUE_SUFFIX = '/.ATTRIBUTES/VARIABLE_VALUE'
 OBJECT_GRAPH_KEY = '_CHECKPOINTABLE_OBJECT_GRAPH'
-_UNSHARDED = 'unsharded'
 _WRITERS = 4  # concurrent shard writers per client (2-4 measured best on 2 cores)
 _PART = re.compile(r'^(part-c\d+-\d+)\.index$')
 
@@ -65,29 +67,6 @@ class CheckpointEntry:
     return shape if self.index is None else shape[len(self.index):]
 
 
-_UNSTACKED = '_meshgin_unstacked'
-
-
-def set_unstacked(variable, placeholder: str,
-                  pieces: Sequence[tuple[str, tuple[int, ...]]]) -> None:
-  """Declares that `variable` stacks several checkpoint tensors: for each
-  (name, index) in `pieces`, the key of `variable` with its path component
-  `placeholder` replaced by `name` holds `variable[index]`. E.g. placeholder
-  'stacked_cells' and ('block_003', (1, 0)):
-  model/lm/stack/stacked_cells/ffn/w_in -> model/lm/stack/block_003/ffn/w_in = v[1, 0]."""
-  setattr(variable, _UNSTACKED, (placeholder, tuple((n, tuple(i)) for n, i in pieces)))
-
-
-def _replace_component(key: str, placeholder: str, name: str) -> str:
-  """`placeholder` -> `name` where it is a whole path component of `key`
-  (components are separated by '/' in keys and by '.S' inside escaped names)."""
-  pattern = re.compile(r'(^|/|\.S)' + re.escape(placeholder) + r'(?=/|\.S|$)')
-  replaced, count = pattern.subn(lambda m: m.group(1) + name, key)
-  if count != 1:
-    raise ValueError(f'{placeholder!r} is {count} components of checkpoint key {key!r}')
-  return replaced
-
-
 def escape(name: str) -> str:
   """A trackable child name as tf.train.Checkpoint spells it in keys."""
   return name.replace('.', '..').replace('/', '.S')
@@ -108,13 +87,13 @@ def checkpoint_entries(state: Mapping[str, object]) -> list[CheckpointEntry]:
     if isinstance(obj, tf.Variable):
       if id(obj) not in seen:
         seen.add(id(obj))
-        unstacked = getattr(obj, _UNSTACKED, None)
+        unstacked = unstacked_pieces(obj)
         if unstacked is None:
           entries.append(CheckpointEntry(prefix + VALUE_SUFFIX, obj))
         else:
           placeholder, pieces = unstacked
           entries.extend(
-              CheckpointEntry(_replace_component(prefix, placeholder, name) + VALUE_SUFFIX,
+              CheckpointEntry(unstacked_key(prefix, placeholder, name) + VALUE_SUFFIX,
                               obj, index) for name, index in pieces)
       return
     for name, child in _children(obj).items():
@@ -140,7 +119,7 @@ def object_graph(state: Mapping[str, object]) -> bytes:
     node_of[id(obj)] = node_id
     node = graph.nodes.add()
     if isinstance(obj, tf.Variable):
-      if hasattr(obj, _UNSTACKED):  # its keys are the unstacked ones: none to name here
+      if unstacked_pieces(obj) is not None:  # its keys are the unstacked ones: none to name here
         return node_id
       attribute = node.attributes.add()
       attribute.name = 'VARIABLE_VALUE'
@@ -176,7 +155,7 @@ def device_ranges(shape: Sequence[int], layout) -> list[Ranges]:
     location = dict(zip(mesh.dim_names, np.unravel_index(position, mesh.shape())))
     ranges = []
     for size, axis in zip(shape, layout.sharding_specs):
-      if axis == _UNSHARDED:
+      if axis == UNSHARDED:
         ranges.append((0, size))
       else:
         length = size // axes[axis]
@@ -288,24 +267,27 @@ def write_shards(writes: Sequence[_DeviceWrite], *, directory: str,
   caches an eager op's wrapper function by op, attributes and device, and
   concurrent calls sharing one (as parallel reads did) mixed their inputs."""
   prefixes = [os.path.join(directory, f'part-c{client_id}-{n}') for n in range(len(writes))]
-
-  def write(prefix: str, shard: _DeviceWrite) -> None:
-    with tf.device(shard.device):
-      tf.raw_ops.SaveV2(prefix=prefix, tensor_names=shard.names,
-                        shape_and_slices=shard.specs, tensors=shard.tensors)
-    for suffix in ('.index', '.data-00000-of-00001'):
-      with open(prefix + suffix, 'rb') as f:
-        os.fsync(f.fileno())
-
   if len(writes) <= 1:
     for prefix, shard in zip(prefixes, writes):
-      write(prefix, shard)
+      write_part(prefix, shard)
     return prefixes
+  # Leaving the pool waits for every writer, so when an error propagates no
+  # writer is still creating files (a retry may then start afresh).
   with concurrent.futures.ThreadPoolExecutor(min(len(writes), _WRITERS),
                                              thread_name_prefix='shard-write') as pool:
-    for done in [pool.submit(write, p, w) for p, w in zip(prefixes, writes)]:
+    for done in [pool.submit(write_part, p, w) for p, w in zip(prefixes, writes)]:
       done.result()  # re-raises a writer's error
   return prefixes
+
+
+def write_part(prefix: str, shard: _DeviceWrite) -> None:
+  """One device's bundle at `prefix`, written on that device and fsynced."""
+  with tf.device(shard.device):
+    tf.raw_ops.SaveV2(prefix=prefix, tensor_names=shard.names,
+                      shape_and_slices=shard.specs, tensors=shard.tensors)
+  for suffix in ('.index', '.data-00000-of-00001'):
+    with open(prefix + suffix, 'rb') as f:
+      os.fsync(f.fileno())
 
 
 def find_parts(directory: str) -> list[str]:
@@ -380,13 +362,14 @@ def _read_extent(prefix, whole, rows, shape, ranges: Ranges, dtype, device: str)
     return _restore(prefix, [whole.key], [slice_spec(shape, ranges)], [dtype], device)[0]
   depth = len(next(iter(rows)))
   lead = ranges[:depth]
-  wanted = list(itertools.product(*(range(start, start + length) for start, length in lead)))
-  missing = [i for i in wanted if i not in rows]
+  held_elements = list(itertools.product(*(range(start, start + length)
+                                            for start, length in lead)))
+  missing = [i for i in held_elements if i not in rows]
   if missing:
     raise ValueError(f'elements {missing} of a stacked variable have no checkpoint entry')
-  specs = [slice_spec(shape[depth:], ranges[depth:])] * len(wanted)
-  values = _restore(prefix, [rows[i].key for i in wanted], specs, [dtype] * len(wanted),
-                    device)
+  specs = [slice_spec(shape[depth:], ranges[depth:])] * len(held_elements)
+  values = _restore(prefix, [rows[i].key for i in held_elements], specs,
+                    [dtype] * len(held_elements), device)
   with tf.device(device):
     stacked = tf.stack(values)
     return tf.reshape(stacked, [length for _, length in lead] + stacked.shape.as_list()[1:])

@@ -3,10 +3,10 @@
 Sharded optimizer state ends each step with one all-gather per parameter:
 every parameter's updated shards back to the replicated parameter. DTensor
 emits one collective for each, and on a one-axis mesh each costs more in
-the devices meeting than in the bytes they move (`bench/gather_together.py`:
-51 lm_small parameters, `data=8`, 44 ms one by one against 25 ms in one
-collective). `gather_together` lays the shards side by side in buckets and
-gathers each bucket once:
+the devices meeting than in the bytes they move, so `gather_together` lays
+the shards side by side in buckets and gathers each bucket once (the
+sharded-state step it serves is timed by `bench/step.py`; no bench times
+the bucketing alone):
 
     values = gather_together(shards, layouts, targets)   # == [relayout(s, t) ...]
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from layout_core.lazy import dtensor, tf
+from layout_core.layout.rules import UNSHARDED
 
-UNSHARDED = 'unsharded'
 BUCKET_BYTES = 32 * 2**20
 
 

@@ -24,8 +24,8 @@ from typing import Iterator, Mapping
 from layout_core.errors import ConfigError
 from layout_core.fields import check_types
 from layout_core.lazy import dtensor, tf
+from layout_core.layout.rules import UNSHARDED  # dtensor.UNSHARDED
 
-UNSHARDED = 'unsharded'  # dtensor.UNSHARDED
 DEVICE_TYPES = ('CPU', 'GPU', 'TPU')
 
 
@@ -174,7 +174,12 @@ def gather_lowering(mesh: dtensor.Mesh | None) -> Iterator[None]:
   variable when it compiles, so the choice sticks to each compiled function.
   Only one-axis meshes: on a 2-D mesh the CollectiveGatherV2 lowering fails to
   compile most relayouts (`tf.Reshape` element count errors; no wrong values
-  seen). A no-op for other meshes or when the variable is already set."""
+  seen). A no-op for other meshes or when the variable is already set.
+
+  TensorFlow offers only this process-wide variable; it is set for the
+  length of one call: every step engine's `apply_gradients` runs its update
+  inside this block (`layout_core.train.engine`), so the update compiles the
+  same whoever calls it (the loop, a benchmark, a test)."""
   if mesh is None or len(mesh.dim_names) != 1 or GATHER_LOWERING in os.environ:
     yield
     return

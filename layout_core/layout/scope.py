@@ -5,9 +5,12 @@
       model = lm_params.Instantiate()        # variables are DVariables now
     print(table_markdown(scope.records))     # what each rule did
 
-Each variable's initializer runs under its resolved layout
-(`dtensor.call_with_layout`), so every device computes only its own shard and
-no full-size copy of a sharded tensor exists at any point. `LayoutRecord`s
+Each variable's initial value is made shard by shard (`initial_dtensor`):
+every distinct shard is computed once, eagerly, on a device that holds it, and
+the shards are packed into a DTensor, so no full-size copy of a sharded
+tensor exists at any point, and no function is traced or compiled per variable
+(30 variables of the quickstart took ~3.5 CPU-s as one DTensor function each,
+~0.2 s this way: bench/startup.py). `LayoutRecord`s
 keep the resolved spec, the rule that decided it and the bytes per device;
 `plan_layouts` produces the same records from specs alone (no allocation) for
 `launch.inspect`.
@@ -25,9 +28,11 @@ from absl import logging
 from layout_core.lazy import tf, dtensor
 from layout_core.layout import mesh as mesh_lib
 from layout_core.errors import ConfigError
+from layout_core.layout.device_map import slice_index
 from layout_core.layout.rules import UNSHARDED, LayoutRules
-from layout_core.layout.variables import (VariableSpec, creator_initial_value, initial_value,
-                                          quiet_one_shot_traces, variable_creator)
+from layout_core.layout.variables import (Initializer, VariableSpec, creator_initial_value,
+                                          flat_index, path_seed, quiet_one_shot_traces,
+                                          variable_creator)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,9 +115,9 @@ class LayoutScope:
 
   def create(self, spec: VariableSpec) -> dtensor.DVariable:
     record = _record(spec, self.rules, self.mesh_axes)  # mesh checked in __init__
-    layout = self.layout(record.spec)
-    init = tf.function(lambda: initial_value(spec, self.seed), autograph=False)
-    value = dtensor.call_with_layout(init, layout)
+    value = initial_dtensor(spec.initializer, shape=spec.shape, dtype=spec.dtype,
+                            layout=self.layout(record.spec),
+                            seed=path_seed(spec.path, self.seed))
     variable = dtensor.DVariable(value, trainable=spec.trainable,
                                  name=spec.path.replace('/', '.'))
     if spec.path in self.variables:
@@ -143,6 +148,33 @@ class LayoutScope:
   def __exit__(self, *exc) -> None:
     self._context.close()
     self._context = None
+
+
+def initial_dtensor(initializer: Initializer, *, shape: Sequence[int], dtype,
+                    layout: dtensor.Layout, seed: int) -> tf.Tensor:
+  """`initializer`'s value of a tensor of `shape` as a DTensor laid out as
+  `layout` (`seed` is the variable's own, `path_seed`).
+
+  Each distinct shard this client's devices hold is computed once, eagerly on
+  the first device holding it (`Initializer.at` on its block of positions),
+  and `dtensor.pack` places the shards: the values are the whole tensor's,
+  bit for bit, whatever the layout. Inside a traced function, or for an
+  initializer without `at`, the whole value is made under the layout instead
+  (a function traced and compiled for this one tensor)."""
+  shape, dtype = tuple(shape), tf.as_dtype(dtype)
+  if not (initializer.elementwise and tf.executing_eagerly()):
+    make = tf.function(lambda: initializer(shape, dtype, seed), autograph=False)
+    return dtensor.call_with_layout(make, layout)
+  mesh = layout.mesh
+  axes = mesh_lib.mesh_axes(mesh)
+  shards, components = {}, []
+  for device, coords in zip(mesh.local_devices(), mesh.local_device_locations()):
+    block = slice_index(shape, layout.sharding_specs, axes=axes, coords=coords)
+    if block not in shards:
+      with tf.device(device):
+        shards[block] = initializer.at(flat_index(shape, block), dtype, seed)
+    components.append(shards[block])
+  return dtensor.pack(components, layout)
 
 
 def bytes_per_device(records) -> int:

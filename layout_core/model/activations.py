@@ -29,8 +29,8 @@ import threading
 from typing import Iterator, Sequence
 
 from layout_core.lazy import dtensor
+from layout_core.layout.rules import UNSHARDED
 
-UNSHARDED = 'unsharded'
 _state = threading.local()
 
 

@@ -2,7 +2,7 @@
 
     from layout_core import pipeline
     config = pipeline.PipelineConfig(num_stages=2, num_micro_batches=8, engine='spmd')
-    trainer = make_trainer(model=lm, mesh=mesh, ..., pipeline=config)   # layout_core.train.factory
+    trainer = make_trainer(model=lm, mesh=mesh, ..., pipeline=config)   # layout_core.run
 
 What a training step runs (`pipeline.engine`):
 
@@ -18,7 +18,8 @@ What a training step runs (`pipeline.engine`):
         buffer shifts one stage along the axis (shift-matrix einsum)
       final norm + softmax + loss per micro-batch on the whole mesh
 
-  and the tape's reverse gives the backward; one function also applies Adam.
+  and the tape's reverse gives the backward, in the same compiled function;
+  the optimizer's update is a second function on the same mesh.
 * 'submesh' (any layers): leaves cut by FLOPs into stages, each on a sub-mesh;
   forward in clock order keeping stage inputs, backward in the reverse clock
   order re-computing each stage (`submesh.GPipe`); two functions per step.

@@ -5,7 +5,7 @@
                          seq_len=64, batch_axis='data')
     engine = GPipeEngine(params=lm, plan=plan, stage_axis='stage', mesh=mesh, rules=rules,
                          task=task, optimizer=OptimizerConfig(), config=config,
-                         counters=Counters(mesh))
+                         counters=Counters(mesh), batch_axis='data')
 
 Both are `layout_core.train.engine.StepEngine`s, driven by the one training
 loop, and take the plan made at config time (nothing is planned twice):
@@ -18,12 +18,16 @@ loop, and take the plan made at config time (nothing is planned twice):
 * `spmd_engine` (engine 'spmd'): a `SingleProgramEngine` running `SpmdProgram`:
   the layers before the stack of identical cells (embedding) and after it
   (final norm, softmax) run on the whole mesh; the cells are stacked on the
-  stage axis (`spmd.StackedCells`) and run by `spmd.SpmdPipeline`; one program
-  does forward, backward and update.
+  stage axis (`spmd.StackedCells`) and run by `spmd.SpmdPipeline`; forward
+  and backward are one compiled function over the whole mesh, the update
+  another, as for any `SingleProgramEngine`.
 
 Both report the task's loss and metrics as the mean over micro-batches (all of
-equal size, so the batch's), and keep the plain run's checkpoint keys, so a
-checkpoint moves between the engines and unpipelined runs.
+equal size, so the batch's: `micro_steps.share` / `add_share`), accumulate
+gradients with `micro_steps.MicroSteps` like every engine, and keep the plain
+run's checkpoint keys, so a checkpoint moves between the engines and
+unpipelined runs. `batch_axis` is the resolved batch axis
+(`layout_core.train.config.batch_axis_for`).
 """
 
 from __future__ import annotations
@@ -49,8 +53,9 @@ from layout_core.pipeline.stages import build_staged_model
 from layout_core.pipeline.submesh import GPipe
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig
-from layout_core.train.engine import Counters, SingleProgramEngine, add_share, split_rows
-from layout_core.train.optimizer import OptimizerConfig, make_optimizer, squared_norm
+from layout_core.train.engine import Counters, SingleProgramEngine
+from layout_core.train.micro_steps import MicroSteps, add_share, share, split_rows
+from layout_core.optim import OptimizerConfig, make_optimizer, squared_norm
 
 
 def plan_summaries(plan: PipelinePlan, stages_markdown: str):
@@ -69,14 +74,15 @@ class GPipeEngine:
 
   def __init__(self, *, params: Params, plan: PipelinePlan, stage_axis: str, mesh,
                rules: LayoutRules | None, task: Task, optimizer: OptimizerConfig,
-               config: TrainConfig, counters: Counters):
+               config: TrainConfig, counters: Counters, batch_axis: str):
     self.plan, self.mesh, self.task, self.config = plan, mesh, task, config
     self.counters = counters
+    self.micro_steps = MicroSteps(count=config.grad_accum_steps, batch_size=config.batch_size)
     params = params.Copy().Freeze()
     staged = build_staged_model(
         params, mesh=mesh, rules=rules, num_stages=plan.num_stages,
         input_shapes=[(plan.micro_batch_size, task.seq_len)], stage_axis=stage_axis,
-        batch_axis=config.batch_axis, seed=config.seed, partition=plan.partition)
+        batch_axis=batch_axis, seed=config.seed, partition=plan.partition)
     self.placement = staged.placement
     self.gpipe = GPipe(stages=staged.runners, placement=self.placement,
                        loss_fn=lambda outputs, batch: task.loss_and_metrics(as_float32(outputs),
@@ -88,7 +94,7 @@ class GPipeEngine:
     self.optimizer = make_optimizer(optimizer, variables=list(trainable.values()),
                                     paths=list(trainable), total_steps=config.num_steps,
                                     mesh_axes=mesh_lib.mesh_axes(mesh),
-                                    batch_axis=config.batch_axis)
+                                    batch_axis=batch_axis)
     path_of = {id(v): p for p, v in self.variables.items()}
     self._stage_paths = [[path_of[id(v)] for v in variables]
                          for variables in self.gpipe.variables]
@@ -101,10 +107,11 @@ class GPipeEngine:
     """Micro-batches of the model's inputs on stage 0's mesh, and of the whole
     batch (what the task's loss reads) on the last stage's; with
     `grad_accum_steps` k, a list of k such packs of batch_size / k rows."""
-    k = self.config.grad_accum_steps
-    if k > 1:
-      return [self._pack(part) for part in split_rows(batch, k)]
-    return self._pack(batch)
+    return self.micro_steps.pack(batch, self._pack)
+
+  def client_rows(self, batch_size: int) -> None:
+    """Every row: pipelined runs are single-client (`plugins.training` refuses more)."""
+    return None
 
   def _pack(self, batch):
     last = self.plan.num_stages - 1
@@ -117,25 +124,26 @@ class GPipeEngine:
                        for name, value in micro.items()})
     return inputs, features
 
-  def _seeds(self):
+  def _step_seeds(self):
     seed = np.int64(step_seed(self.config.seed, self.counters.current_step))
     return [self.placement.put(k, seed) for k in range(self.plan.num_stages)]
 
   def loss_and_gradients(self, packed):
-    if self.config.grad_accum_steps == 1:
-      loss, metrics, grads, squared_norms = self.gpipe.loss_metrics_and_gradients(
-          *packed, seeds=self._seeds())
-      return loss, metrics, (grads, squared_norms)
-    # k micro-steps, one after the other, each a whole pipelined pass; their
-    # per-stage gradients summed on each stage's mesh as the batch's means.
-    k, rows, seeds = len(packed), self.config.batch_size // len(packed), self._seeds()
-    total = None
-    for i, part in enumerate(packed):
-      loss, metrics, grads, _ = self.gpipe.loss_metrics_and_gradients(
-          *part, seeds=seeds, first_row=i * rows)
-      total = add_share(total, (loss, metrics, grads), k)
-    loss, metrics, grads = total
-    return loss, metrics, (grads, [squared_norm(stage) if stage else None for stage in grads])
+    """(loss, metrics, (per-stage gradients, per-stage squared norms)). Each
+    micro-step is a whole pipelined pass; with several, their per-stage
+    gradients are summed on each stage's mesh as the batch's means."""
+    seeds = self._step_seeds()
+    squared_norms = []  # each pass's own, computed inside its backward function
+
+    def micro_step(part, first_row):
+      loss, metrics, grads, norms = self.gpipe.loss_metrics_and_gradients(
+          *part, seeds=seeds, first_row=first_row)
+      squared_norms.append(norms)
+      return loss, metrics, grads
+    loss, metrics, grads = self.micro_steps.gradients(packed, micro_step)
+    if len(squared_norms) > 1:  # accumulated: the norms of the summed gradients
+      squared_norms = [[squared_norm(stage) if stage else None for stage in grads]]
+    return loss, metrics, (grads, squared_norms[0])
 
   def _apply_fn(self, grads, steps, norms):
     """Every stage's update, each on its own mesh (no crossing), then the counters."""
@@ -151,17 +159,13 @@ class GPipeEngine:
     # The clipping norm spans all stages: summed on the host, then given to each stage's mesh.
     norm = math.sqrt(sum(float(to_numpy(s)) for s in squared_norms if s is not None))
     put = self.placement.put
-    rate = self._apply(grads, [put(k, np.int64(step)) for k in range(len(grads))],
-                       [put(k, np.float32(norm)) for k in range(len(grads))])
+    with mesh_lib.gather_lowering(self.mesh):  # read when the update first compiles
+      rate = self._apply(grads, [put(k, np.int64(step)) for k in range(len(grads))],
+                         [put(k, np.float32(norm)) for k in range(len(grads))])
     return rate, tf.constant(norm)
 
   def evaluate(self, packed):
-    if self.config.grad_accum_steps == 1:
-      return self.gpipe.loss_and_metrics(*packed)
-    total = None
-    for part in packed:
-      total = add_share(total, self.gpipe.loss_and_metrics(*part), len(packed))
-    return total
+    return self.micro_steps.evaluate(packed, lambda part: self.gpipe.loss_and_metrics(*part))
 
   def describe_stages(self) -> str:
     """Markdown table: per stage its sub-mesh, FLOPs share and layers."""
@@ -195,7 +199,7 @@ class SpmdModel(Module):
 
 
 def build_spmd_model(params: Params, *, plan: PipelinePlan, stage_axis: str, mesh,
-                     rules: LayoutRules | None, config: TrainConfig):
+                     rules: LayoutRules | None, config: TrainConfig, batch_axis: str):
   """The root's children built on the whole mesh, except the cell stack, built
   as `StackedCells`; returns (BuiltModel, stack, layers before, layers after)."""
   children = list(Sequential.child_params(params).items())
@@ -209,7 +213,7 @@ def build_spmd_model(params: Params, *, plan: PipelinePlan, stage_axis: str, mes
             list(Sequential.child_params(child).values()), parent_path=params.name,
             mesh=mesh, rules=rules, num_stages=plan.num_stages,
             repeats=plan.circular_repeats, stage_axis=stage_axis,
-            batch_axis=config.batch_axis, seed=config.seed, name=name)
+            batch_axis=batch_axis, seed=config.seed, name=name)
         built.append((name, stack))
         records += stack.records
         variables.update(stack.stacked_variables)
@@ -239,7 +243,7 @@ class SpmdProgram:
     self.plan, self.task, self.mesh = plan, task, mesh
     self.model, self.stack, self.before, self.after = build_spmd_model(
         params.Copy().Freeze(), plan=plan, stage_axis=stage_axis, mesh=mesh, rules=rules,
-        config=config)
+        config=config, batch_axis=batch_axis)
     self.pipeline = spmd_lib.SpmdPipeline(self.stack, num_micro_batches=plan.num_micro_batches,
                                           bubble_fill=bubble_fill)
     self.batch_axis = batch_axis
@@ -286,13 +290,11 @@ class SpmdProgram:
       [inputs] = self.task.model_inputs(micro[m])
       hidden.append(run(self.before, inputs, m))
     outputs = self.pipeline(hidden)
-    shares, metric_shares = [], {}
+    total = None
     for m, y in enumerate(outputs):
-      loss, metrics = self.task.loss_and_metrics(as_float32(run(self.after, y, m)), micro[m])
-      shares.append(loss / num_micro)
-      for name, value in metrics.items():
-        metric_shares.setdefault(name, []).append(value / num_micro)
-    return tf.add_n(shares), {n: tf.add_n(v) for n, v in metric_shares.items()}
+      total = add_share(total, share(
+          self.task.loss_and_metrics(as_float32(run(self.after, y, m)), micro[m]), num_micro))
+    return total
 
   def describe_stages(self) -> str:
     plan = self.plan
@@ -310,7 +312,7 @@ class SpmdProgram:
 
 def spmd_engine(*, optimizer: OptimizerConfig, config: TrainConfig, counters: Counters,
                 **program_kwargs) -> SingleProgramEngine:
-  """The SPMD engine: `SpmdProgram` run as one program on the whole mesh, its
+  """The SPMD engine: `SpmdProgram` run by a `SingleProgramEngine` on the whole mesh, its
   stacked variables' optimizer slots checkpointed under per-cell keys too."""
   program = SpmdProgram(config=config, **program_kwargs)
   engine = SingleProgramEngine(program=program, mesh=program.mesh, optimizer=optimizer,

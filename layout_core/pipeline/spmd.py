@@ -51,7 +51,7 @@ from layout_core.lazy import Module, tf, dtensor
 from layout_core.model.activations import residual_context
 from layout_core.model.random import current_random
 from layout_core.layout import mesh as mesh_lib
-from layout_core.checkpoint.shard_io import set_unstacked
+from layout_core.layout.stacked_keys import set_unstacked
 from layout_core.errors import ConfigError
 from layout_core.layout.scope import LayoutRecord
 from layout_core.params import Params
@@ -103,7 +103,7 @@ class StackedCells(Module):
     by_slot = {(s.stage, s.row): l for l, s in enumerate(self.slots)}
     # A plain holder: attributes that are dicts of variables would be tracked
     # (and checkpointed) a second time.
-    self._book = _Book()
+    self._index = _StackIndex()
     cell_axes = {a: n for a, n in axes.items() if a != stage_axis}
     specs = [c.cls.variable_specs(c, self.path) for c in cells]
     root = tf.Module(name=STACKED)
@@ -152,17 +152,17 @@ class StackedCells(Module):
 
   @property
   def records(self) -> list[LayoutRecord]:
-    return self._book.records
+    return self._index.records
 
   @property
   def stacked_variables(self) -> dict[str, tf.Variable]:
     """Stacked path (lm/stack/stacked_cells/ffn/w_in) -> variable [S, Q, ...]."""
-    return self._book.variables
+    return self._index.variables
 
   @property
   def pieces(self) -> dict[str, list[tuple[str, tuple[int, int]]]]:
     """Stacked path -> [(cell name, (stage, row))] in layer order."""
-    return self._book.pieces
+    return self._index.pieces
 
   def tag_slots(self, slots_by_path: dict[str, Sequence[tf.Variable]]) -> None:
     """Marks optimizer slots of the stacked variables with the same per-cell pieces."""
@@ -185,7 +185,9 @@ class StackedCells(Module):
 
 
 @dataclasses.dataclass
-class _Book:
+class _StackIndex:
+  """The stack's layout records, stacked variables and per-cell pieces by
+  stacked path, out of tf.Module's sight (see `StackedCells.__init__`)."""
   records: list = dataclasses.field(default_factory=list)
   variables: dict = dataclasses.field(default_factory=dict)
   pieces: dict = dataclasses.field(default_factory=dict)

@@ -28,7 +28,8 @@ from absl import logging
 from layout_core.lazy import Module, tf, dtensor
 from layout_core.errors import ConfigError
 from layout_core.model.random import random_context
-from layout_core.train.optimizer import squared_norm
+from layout_core.optim import squared_norm
+from layout_core.train.micro_steps import add_share, share
 from layout_core.pipeline import schedule as schedule_lib
 from layout_core.pipeline.partitioning import PartitionPlan
 from layout_core.pipeline.placement import SubMeshPlacement
@@ -169,6 +170,10 @@ class GPipe:
   control dependencies: the same numbers without any overlap (a benchmark
   reference).
 
+  What a trace needs (the step's seeds, the first row, the previous unit's
+  outputs) travels as arguments and return values: the object holds nothing
+  that changes from one trace to the next.
+
   Why not one function with one tape: in TF 2.21 a tf.function whose backward
   crosses back to a DTensor mesh hangs whenever that gradient depends on
   activations that came from the same mesh (measured: any non-linear layer).
@@ -188,9 +193,6 @@ class GPipe:
             fix='drop `fetch` from the stages you train, or run them with '
                 'layout_core.pipeline.Pipeline, which returns fetched activations')
     self.schedule = schedule
-    self._previous = None  # last unit's outputs while tracing ('serial')
-    self._seeds = None     # per-stage step seeds while tracing
-    self._first_row = 0    # global row of micro-batch 0 while tracing (accumulation)
     self.stages = list(stages)
     self.placement = placement
     self.loss_fn = loss_fn
@@ -208,11 +210,13 @@ class GPipe:
     return schedule_lib.bubble_fraction(self.num_stages, self.num_micro_batches)
 
   # -- one stage, one micro-batch (traced inside the step functions) -------------
-  def _random(self, k: int, m: int, inputs) -> tuple | None:
-    """(seed, first global row) for stage k on micro-batch m, or None (no dropout)."""
-    if self._seeds is None:
+  @staticmethod
+  def _random(seeds, first_row: int, k: int, m: int, inputs) -> tuple | None:
+    """(seed, first global row) for stage k on micro-batch m, or None (no
+    dropout: `seeds` is None). `first_row` is micro-batch 0's global row."""
+    if seeds is None:
       return None
-    return self._seeds[k], self._first_row + m * int(inputs[0].shape[0])
+    return seeds[k], first_row + m * int(inputs[0].shape[0])
 
   def _run(self, k: int, inputs, random: tuple | None = None) -> tuple:
     """Stage k on one micro-batch. With `random` = (step seed, first row), random
@@ -235,72 +239,72 @@ class GPipe:
     return tuple(self.placement.cross(v, source, target) for v in values)
 
   def _loss_share(self, outputs: tuple, labels) -> tuple[tf.Tensor, dict]:
-    """One micro-batch's (loss / M, {metric: value / M}): the shares sum to
-    the means. `loss_fn` returns a loss, or (loss, {metric: value})."""
+    """One micro-batch's (loss / M, {metric: value / M}): the shares add up
+    to the means. `loss_fn` returns a loss, or (loss, {metric: value})."""
     result = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, labels)
-    loss, metrics = result if isinstance(result, tuple) else (result, {})
-    num_micro = self.num_micro_batches
-    return loss / num_micro, {n: v / num_micro for n, v in metrics.items()}
+    return share(result if isinstance(result, tuple) else (result, {}),
+                 self.num_micro_batches)
 
-  def _chain(self, inputs) -> tuple:
-    """In the 'serial' schedule, makes this unit of work wait for the previous one."""
-    if self.schedule != 'serial' or self._previous is None:
+  def _chain(self, inputs, previous: list | None) -> tuple:
+    """In the 'serial' schedule, makes this unit of work wait for the
+    previous unit's outputs `previous` (None: it is the first)."""
+    if self.schedule != 'serial' or previous is None:
       return tuple(inputs)
-    with tf.control_dependencies(self._previous):
+    with tf.control_dependencies(previous):
       return tuple(tf.identity(x) for x in inputs)
 
-  def _unit_gradients(self, k: int, inputs, labels=None, output_grads=None, random=None):
-    """Re-runs stage k on one micro-batch's kept input under a tape; returns
-    (loss share or None, gradients of the floating inputs, of the variables)."""
-    inputs = self._chain(inputs)
+  def _unit_gradients(self, k: int, inputs, *, previous: list | None, labels=None,
+                      output_grads=None, random=None):
+    """Re-runs stage k on one micro-batch's kept input under a tape (after
+    `previous` in the 'serial' schedule); returns ((loss share, metric shares)
+    or None, gradients of the floating inputs, of the variables, and what the
+    next unit waits for)."""
+    inputs = self._chain(inputs, previous)
     floats = [x for x in inputs if x.dtype.is_floating]
     with tf.GradientTape() as tape:
       tape.watch(floats)
       outputs = self._run(k, inputs, random)
-      share, metrics = (self._loss_share(outputs, labels) if labels is not None
-                        else (None, {}))
-    grads = tape.gradient(share if labels is not None else list(outputs),
+      shares = self._loss_share(outputs, labels) if labels is not None else None
+    grads = tape.gradient(shares[0] if labels is not None else list(outputs),
                           floats + self.variables[k],
                           output_gradients=None if labels is not None else list(output_grads),
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    self._previous = [g for g in grads if g is not None]
-    return share, metrics, tuple(grads[:len(floats)]), grads[len(floats):]
+    done = [g for g in grads if g is not None]
+    return shares, tuple(grads[:len(floats)]), grads[len(floats):], done
 
   # -- step functions --------------------------------------------------------------
   def _forward_fn(self, micro_inputs, seeds=None, first_row: int = 0):
     """Stage inputs [k][m] for stages 1..K-1, in clock order (stages 0..K-2 run)."""
-    self._seeds, self._first_row = seeds, first_row
     num_stages, num_micro = self.num_stages, self.num_micro_batches
     kept = [[None] * num_micro for _ in range(num_stages)]
     kept[0] = [as_tuple(x) for x in micro_inputs]
-    self._previous = None
+    previous = None
     for work in schedule_lib.clock_order(num_stages - 1, num_micro):
       for k, item in work:
         m = item.micro
-        outputs = self._run(k, self._chain(kept[k][m]), self._random(k, m, kept[k][m]))
-        self._previous = list(outputs)
+        outputs = self._run(k, self._chain(kept[k][m], previous),
+                            self._random(seeds, first_row, k, m, kept[k][m]))
+        previous = list(outputs)
         kept[k + 1][m] = self._cross(outputs, k, k + 1)
     return kept[1:]
 
   def _backward_fn(self, micro_inputs, kept, micro_labels, seeds=None, first_row: int = 0):
     """The forward's clock order reversed: stage k back-propagates micro-batch
     m while stage k-1 works on m-1, each re-computing its forward first."""
-    self._seeds, self._first_row = seeds, first_row
     num_stages, num_micro, last = self.num_stages, self.num_micro_batches, self.num_stages - 1
     inputs = [[as_tuple(x) for x in micro_inputs]] + [list(row) for row in kept]
     output_grads = [[None] * num_micro for _ in range(num_stages)]
     per_micro: list[list] = [[] for _ in range(num_stages)]
-    shares, metric_shares = [], []
-    self._previous = None
+    total, previous = None, None
     for work in schedule_lib.clock_order(num_stages, num_micro, reverse=True):
       for k, item in work:
         m = item.micro
-        share, metrics, input_grads, grads = self._unit_gradients(
-            k, inputs[k][m], labels=micro_labels[m] if k == last else None,
-            output_grads=output_grads[k][m], random=self._random(k, m, inputs[k][m]))
-        if share is not None:
-          shares.append(share)
-          metric_shares.append(metrics)
+        shares, input_grads, grads, previous = self._unit_gradients(
+            k, inputs[k][m], previous=previous,
+            labels=micro_labels[m] if k == last else None, output_grads=output_grads[k][m],
+            random=self._random(seeds, first_row, k, m, inputs[k][m]))
+        if shares is not None:
+          total = add_share(total, shares)
         per_micro[k].append(grads)
         if k > 0:
           output_grads[k - 1][m] = self._cross(input_grads, k, k - 1)
@@ -308,19 +312,16 @@ class GPipe:
     grads = [[tf.add_n([tf.convert_to_tensor(g) for g in column]) for column in zip(*rows)]
              for rows in per_micro]
     squared_norms = [squared_norm(stage) if stage else None for stage in grads]
-    return tf.add_n(shares), _add_up(metric_shares), grads, squared_norms
+    return total[0], total[1], grads, squared_norms
 
   def _eval_fn(self, micro_inputs, micro_labels):
     kept = self._forward_fn(micro_inputs) if self.num_stages > 1 else [micro_inputs]
-    self._seeds = None
     last = [as_tuple(x) for x in kept[-1]]
-    shares, metric_shares = [], []
+    total = None
     for m in range(self.num_micro_batches):
-      share, metrics = self._loss_share(self._run(self.num_stages - 1, last[m]),
-                                        micro_labels[m])
-      shares.append(share)
-      metric_shares.append(metrics)
-    return tf.add_n(shares), _add_up(metric_shares)
+      total = add_share(total, self._loss_share(self._run(self.num_stages - 1, last[m]),
+                                                micro_labels[m]))
+    return total
 
   # -- public --------------------------------------------------------------------------
   def loss(self, micro_inputs, micro_labels) -> tf.Tensor:
@@ -356,8 +357,3 @@ class GPipe:
       raise ValueError(f'{len(micro_inputs)} micro-batches given, '
                        f'{self.num_micro_batches} expected')
 
-
-def _add_up(per_micro: list[dict]) -> dict:
-  """{metric: sum over micro-batches} of per-micro-batch metric shares."""
-  names = per_micro[0] if per_micro else {}
-  return {name: tf.add_n([m[name] for m in per_micro]) for name in names}

@@ -1,6 +1,6 @@
 """Tasks: what a model learns from, as a small interface the trainer drives.
 
-A task answers four questions, and the trainer needs nothing else from it:
+A task answers four questions (and reads, below: `reader` has a default):
 
   * `features(split=, step=, batch_size=)`: one global batch as a dict of numpy
     arrays, each with the batch as its first dimension;
@@ -16,12 +16,22 @@ A task answers four questions, and the trainer needs nothing else from it:
                         inputs=['x'], label='label', num_classes=4)
     batch = task.features(split='train', step=0, batch_size=32)  # {'x': [32, 16], 'label': [32]}
 
-Exact resume: the trainer checkpoints the data position (the next step) and
-asks for `features(step=position)` after a restart. Every task here makes a
-batch a pure function of (seed, split, step, batch_size), so the resumed run
-sees exactly the batches it would have seen. A task that cannot promise that
-(a live stream) sets `deterministic = False`; resume then continues from
-wherever its `iterate` starts, and the loss curve is no longer bit-identical.
+How the trainer reads: `reader(split=, batch_size=, start_step=, rows=,
+state=)` gives consecutive global batches, and `reader.state()` is where it
+stands. The trainer checkpoints the step and that state (`data_state.json`
+beside the weights) and, after a restart, asks for a reader at the
+checkpoint's step with the checkpoint's state, so the resumed run sees exactly
+the batches it would have seen:
+
+  * a task whose batch is a pure function of (seed, split, step) (the LM
+    tasks of `layout_core.tasks.lm`, the default `reader` over `iterate`)
+    needs no state: its position is the step;
+  * a streamed task (`TFRecordTask`, `LMCorpusTask`) saves each stream's
+    position and the files they were taken over, and continues from them
+    (`layout_core.tasks.reading`): on any mesh and any number of clients;
+  * a task that cannot promise either (a live stream) sets
+    `deterministic = False`; resume then continues from wherever its
+    `iterate` starts, and the loss curve is no longer bit-identical.
 
 The language-model tasks (`MarkovTask`, `TextFileTask` in `layout_core.tasks.lm`)
 are implementations of this interface; `TFRecordTask` reads
@@ -40,10 +50,10 @@ import numpy as np
 
 from layout_core.errors import ConfigError
 from layout_core.lazy import tf
-from layout_core.tasks import streams
+from layout_core.tasks import reading, streams
 
 SPLITS = ('train', 'eval')
-_SPLIT_INDEX = {'train': 0, 'eval': 1}
+SPLIT_INDEX = {'train': 0, 'eval': 1}  # a split's part in its random streams' seeds
 
 Batch = Mapping[str, np.ndarray]
 
@@ -54,6 +64,13 @@ class Task:
 
   deterministic: bool = True   # features() is a pure function of (seed, split, step)
   tokens_per_example: int = 1  # for the train/tokens_per_sec scalar
+  # True when a row may hold several documents (packed): the model must attend
+  # within each document only, so the trainer passes `sequence_inputs(batch)`
+  # (segments, positions) to the model and refuses engines that cannot.
+  needs_segments: bool = False
+  # The configurable the task's settings are bound under, for messages that
+  # name a setting ('lm_corpus.seq_len'): the name the user wrote.
+  settings_name: str = 'data'
 
   def features(self, *, split: str, step: int, batch_size: int) -> dict[str, np.ndarray]:
     raise NotImplementedError
@@ -110,9 +127,9 @@ BatchReader = StepReader | streams.StreamReader
 
 def split_rng(seed: int, split: str, step: int) -> np.random.Generator:
   """The generator for one (seed, split, step): independent streams per split."""
-  if split not in _SPLIT_INDEX:
+  if split not in SPLIT_INDEX:
     raise ValueError(f'split {split!r} is not one of {SPLITS}')
-  return np.random.default_rng([seed, _SPLIT_INDEX[split], step])
+  return np.random.default_rng([seed, SPLIT_INDEX[split], step])
 
 
 # -- objectives shared by tasks --------------------------------------------------
@@ -210,27 +227,6 @@ def find_split_files(patterns: Mapping[str, str], *, where: str) -> dict[str, li
   return found
 
 
-def count_records(spec: streams.StreamSpec) -> int:
-  """Records in one stream (reads its files through, parsing nothing)."""
-  records = tf.data.TFRecordDataset(list(spec.files), buffer_size=1 << 20)
-  if spec.every > 1:
-    records = records.shard(spec.every, spec.offset)
-  return int(records.reduce(np.int64(0), lambda count, _: count + 1))
-
-
-def _position_after(spec: streams.StreamSpec, *, records: int) -> tuple[int, int]:
-  """The (epoch, index) of a stream after `records` records (counts the
-  stream's records once when not at the start: a checkpoint without a data
-  state)."""
-  if not records:
-    return (0, 0)
-  length = count_records(spec)
-  if not length:
-    raise ConfigError(f'the data files {list(spec.files)} hold no records',
-                      fix='write records into them')
-  return (records // length, records % length)
-
-
 class _BlockSource:
   """A RecordStream as a StreamReader source: blocks of parsed records."""
 
@@ -254,6 +250,8 @@ class TFRecordTask(Task):
   client reads only the streams its devices' rows come from. The first
   record of every file is checked against `features` when the task is made.
   """
+
+  settings_name = 'tfrecord_task'
 
   def __init__(self, *, train_files: str, eval_files: str,
                features: Mapping[str, Sequence], inputs: Sequence[str], label: str,
@@ -289,24 +287,18 @@ class TFRecordTask(Task):
             for name in self.inputs + (self.label,)}
     return tf.io.parse_example(serialized, spec)
 
-  def stream_count(self, split: str, batch_size: int) -> int:
-    return self.num_streams or streams.default_num_streams(
-        num_files=len(self.files[split]), batch_size=batch_size)
-
   def reader(self, *, split, batch_size, start_step=0, rows=None, state=None):
-    num_streams = self.stream_count(split, batch_size)
-    specs = streams.deal_streams(files=self.files[split], num_streams=num_streams,
-                                 where='tfrecord_task')
-    block = batch_size // num_streams if batch_size % num_streams == 0 else 0
-    sources = {}
-    for k in streams.rows_to_streams(rows, batch_size=batch_size, num_streams=num_streams):
-      position = streams.saved_position(state, k, 2) or _position_after(
-          specs[k], records=start_step * block)
-      sources[k] = _BlockSource(streams.RecordStream(
-          specs[k], parse=self._parse, seed=2 * self.seed + _SPLIT_INDEX[split],
-          stream_id=k, window=self.shuffle_window, position=position), self._finish)
-    return streams.StreamReader(sources=sources, batch_size=batch_size,
-                                num_streams=num_streams)
+    def source(stream, position):
+      del position  # a record stream's position is all of it
+      return _BlockSource(stream, self._finish)
+
+    return reading.open_stream_reader(
+        files=self.files[split], split=split, batch_size=batch_size,
+        num_streams=self.num_streams, rows=rows, state=state, start_step=start_step,
+        where=self.settings_name, parse=self._parse, seed=2 * self.seed + SPLIT_INDEX[split],
+        window=self.shuffle_window, position_length=2, source=source,
+        # A checkpoint without a data state: the position follows from the step.
+        unsaved=lambda stream, spec, records: reading.position_after(spec, records=records))
 
   def _finish(self, block: dict[str, np.ndarray], files: Sequence[str] = ()
               ) -> dict[str, np.ndarray]:

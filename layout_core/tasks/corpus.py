@@ -22,21 +22,26 @@ padded: causal attention alone keeps padding out, so that works with every
 engine and any model (Keras models included).
 
 The input position saved with each checkpoint is, per stream, (epoch,
-document, tokens of it already used): resuming continues exactly, on any mesh
-and any number of clients.
+document, tokens of it already used), with the files it was taken over
+(`layout_core.tasks.reading`): resuming continues exactly, on any mesh and any
+number of clients, and refuses files added or removed since.
+
+`write_documents` writes such files (the one writer: `prepare_data` uses it
+too), each under its name only once complete and on disk.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Iterable, Sequence
 
 import numpy as np
 
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least
 from layout_core.lazy import tf
-from layout_core.tasks import streams
-from layout_core.tasks.base import find_split_files, _SPLIT_INDEX
+from layout_core.tasks import reading, streams
+from layout_core.tasks.base import SPLIT_INDEX, find_split_files
 from layout_core.tasks.lm import LMTask
 
 FEATURE = 'tokens'
@@ -114,6 +119,8 @@ class Packer:
 class LMCorpusTask(LMTask):
   """Next-token prediction on packed documents of token ids (see module doc)."""
 
+  settings_name = 'lm_corpus'
+
   def __init__(self, *, train_files: str, eval_files: str, vocab_size: int,
                seq_len: int = 128, pack: bool = True, seed: int = 1234,
                num_streams: int = 0, shuffle_window: int = 256):
@@ -142,30 +149,31 @@ class LMCorpusTask(LMTask):
     return tf.io.parse_example(serialized, {FEATURE: tf.io.RaggedFeature(tf.int64)})
 
   def reader(self, *, split, batch_size, start_step=0, rows=None, state=None):
-    num_streams = self.num_streams or streams.default_num_streams(
-        num_files=len(self.files[split]), batch_size=batch_size)
-    specs = streams.deal_streams(files=self.files[split], num_streams=num_streams,
-                                 where='lm_corpus')
     if start_step and not state:
       raise ConfigError(f'resuming at step {start_step} needs the data position saved with '
                         'the checkpoint (data_state.json), and this checkpoint has none',
                         where='lm_corpus', fix='resume from a checkpoint written by this '
                         'version, or start a new model_dir')
-    sources = {}
-    for k in streams.rows_to_streams(rows, batch_size=batch_size, num_streams=num_streams):
-      epoch, document, used = streams.saved_position(state, k, 3) or (0, 0, 0)
-      if state and str(k) not in state:
-        raise ConfigError(f'the checkpoint\'s data position has no stream {k} (it has '
-                          f'{sorted(state, key=int)})', where='lm_corpus.num_streams',
+
+    def unsaved(stream, spec, records):
+      del spec, records  # a packed stream's position cannot follow from the step
+      if state:
+        saved = sorted((k for k in state if k != streams.FILES_KEY), key=int)
+        raise ConfigError(f'the checkpoint\'s data position has no stream {stream} (it has '
+                          f'{saved})', where='lm_corpus.num_streams',
                           fix='resume with the number of streams and files of the run '
                               'that wrote it')
-      stream = streams.RecordStream(specs[k], parse=self._parse,
-                                    seed=2 * self.seed + _SPLIT_INDEX[split], stream_id=k,
-                                    window=self.shuffle_window, position=(epoch, document))
-      sources[k] = Packer(stream, length=self.seq_len + 1, pack=self.pack,
-                          vocab_size=self.vocab_size, used=used)
-    return streams.StreamReader(sources=sources, batch_size=batch_size,
-                                num_streams=num_streams)
+      return (0, 0, 0)
+
+    def source(stream, position):
+      return Packer(stream, length=self.seq_len + 1, pack=self.pack,
+                    vocab_size=self.vocab_size, used=position[2])
+
+    return reading.open_stream_reader(
+        files=self.files[split], split=split, batch_size=batch_size,
+        num_streams=self.num_streams, rows=rows, state=state, start_step=start_step,
+        where=self.settings_name, parse=self._parse, seed=2 * self.seed + SPLIT_INDEX[split],
+        window=self.shuffle_window, position_length=3, unsaved=unsaved, source=source)
 
   def features(self, *, split, step, batch_size):
     reader = self.reader(split=split, batch_size=batch_size)
@@ -207,18 +215,59 @@ def token_example(ids) -> bytes:
       feature={FEATURE: feature})).SerializeToString()
 
 
-def write_documents(pattern: str, documents, *, num_shards: int = 1) -> list[str]:
+def write_documents(pattern: str, documents: Iterable[Sequence[int]], *,
+                    num_shards: int = 1) -> list[str]:
   """Writes each document (a sequence of token ids) as one Example with an
   int64 `tokens` list, dealt round-robin over `num_shards` files named by
-  `pattern.format(shard=k, num_shards=n)`; returns the paths."""
+  `pattern.format(shard=k, num_shards=n)`; returns the paths.
+
+  A file appears under its name only once complete and on disk (written as
+  `name.incomplete`, flushed with fsync, renamed): a run stopped by an error,
+  a signal or a kill never leaves a partial file under a final name, and an
+  error or a signal leaves no partial file at all."""
+  if num_shards < 1:
+    raise ConfigError(f'num_shards = {num_shards} must be at least 1', where='num_shards',
+                      fix='give the number of files to write, e.g. 8')
   paths = [pattern.format(shard=k, num_shards=num_shards) for k in range(num_shards)]
+  if len(set(paths)) != num_shards:
+    raise ConfigError(f'output pattern {pattern!r} names the same file for different '
+                      'shards', where='output_pattern',
+                      fix='put {shard} in the pattern, e.g. train-{shard:05d}.tfrecord')
   for path in paths:
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-  writers = [tf.io.TFRecordWriter(path) for path in paths]
+  partials = [path + '.incomplete' for path in paths]
+  writers = []
   try:
+    writers.extend(tf.io.TFRecordWriter(partial) for partial in partials)
     for i, document in enumerate(documents):
       writers[i % num_shards].write(token_example(document))
-  finally:
+    while writers:
+      writers.pop().close()
+  except BaseException:  # also a stop signal: leave no partial file behind
     for writer in writers:
       writer.close()
+    for partial in partials:
+      if os.path.exists(partial):
+        os.remove(partial)
+    raise
+  for partial, path in zip(partials, paths):
+    replace_durably(partial, path)
   return paths
+
+
+def replace_durably(partial: str, path: str) -> None:
+  """Renames the complete file `partial` to `path` once its bytes are on
+  disk, then makes the rename itself durable (fsync of the directory)."""
+  with open(partial, 'rb') as f:
+    os.fsync(f.fileno())
+  os.replace(partial, path)
+  sync_directory(os.path.dirname(path) or '.')
+
+
+def sync_directory(path: str) -> None:
+  """fsync of a directory: the names in it (renames, new files) survive a crash."""
+  descriptor = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(descriptor)
+  finally:
+    os.close(descriptor)

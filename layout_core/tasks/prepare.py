@@ -16,16 +16,27 @@ on the train documents only. `output_dir` then holds:
   * `spm.model`: the tokenizer; ids 0 = pad, 1 = eos, 2 = unk, no bos;
   * `train-KKKKK-of-NNNNN.tfrecord`, `eval-...`: one `tf.train.Example` per
     document, a single int64 VarLen feature `tokens` ending in eos (1),
-    documents dealt round-robin over the shards;
+    documents dealt round-robin over `num_shards` files, or over one file per
+    document when a split has fewer documents (a small eval split): no file
+    is empty, so every stream a trainer deals a file to has a record;
   * `corpus.json`: counts, vocab size, the source files and the record files
     (these relative to output_dir).
+
+Publishing is atomic as a whole: `output_dir` is a link to a complete version,
+`<output_dir>.versions/NNNNN`. A run writes everything into the next version
+(`NNNNN.incomplete` until complete and on disk), then switches the link with
+one rename, so a reader globbing `output_dir/train-*` sees the old corpus or
+the new one, never a mix, and a run killed at any point leaves the old corpus
+as it was (the next run removes its partial version). The version replaced
+stays for a training that may still read it; older ones are deleted. An
+`output_dir` that is a directory holding files (written by hand, or by
+prepare_data before versions) is refused rather than moved.
 
 The tokenizer keeps text as it is (no Unicode normalization, whitespace and
 newlines kept, indentation as whitespace pieces), and every printable ASCII
 character is in its vocabulary, so source code decodes back exactly; other
 characters rarer than the coverage become unk. Everything is deterministic:
-the same inputs give byte-identical files. A file appears under its final
-name only once complete, so a killed run never leaves a half-written one.
+the same inputs give byte-identical files.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import io
 import json
 import os
 import re
+import shutil
 import string
 from typing import Iterable, Iterator, Sequence
 
@@ -41,8 +53,8 @@ from absl import logging
 import sentencepiece
 
 from layout_core.errors import ConfigError
-from layout_core.lazy import tf
-from layout_core.tasks.corpus import FEATURE as TOKENS_FEATURE, token_example
+from layout_core.tasks.corpus import (FEATURE as TOKENS_FEATURE, replace_durably,
+                                      sync_directory, write_documents)
 
 DEFAULT_SUFFIXES = ('.py', '.md', '.rst', '.txt')
 MIN_FILE_BYTES = 200      # smaller files are mostly boilerplate (empty __init__.py)
@@ -52,6 +64,8 @@ PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 SPLITS = ('train', 'eval')
 SPM_MODEL_NAME = 'spm.model'
 SUMMARY_NAME = 'corpus.json'
+VERSIONS_SUFFIX = '.versions'   # <output_dir>.versions/NNNNN: the complete corpora
+INCOMPLETE_SUFFIX = '.incomplete'
 RECORD_PATTERN = '{split}-{{shard:05d}}-of-{{num_shards:05d}}.tfrecord'
 
 # Always in the vocabulary, however rare: code needs '$', '~', 'Q' to round-trip.
@@ -176,28 +190,17 @@ def write_token_records(*, documents: Iterable[str], model_path: str, output_pat
   """Tokenizes each document with the SentencePiece model at `model_path` and
   writes it as one `tf.train.Example` (int64 feature `tokens`, then eos when
   `add_eos`), documents dealt round-robin over `num_shards` files named
-  `output_pattern.format(shard=k, num_shards=num_shards)`. Documents with no
-  tokens are skipped.
+  `output_pattern.format(shard=k, num_shards=num_shards)`
+  (`corpus.write_documents`: no partial file under a final name). Documents
+  with no tokens are skipped.
 
   Returns {'documents': n, 'tokens': ids written (eos included),
   'unknown_tokens': ids that are unk, 'files': the paths}.
   """
-  if num_shards < 1:
-    raise ConfigError(f'num_shards = {num_shards} must be at least 1', where='num_shards',
-                      fix='give the number of files to write per split, e.g. 8')
-  paths = [output_pattern.format(shard=k, num_shards=num_shards) for k in range(num_shards)]
-  if len(set(paths)) != num_shards:
-    raise ConfigError(f'output pattern {output_pattern!r} names the same file for '
-                      'different shards', where='output_pattern',
-                      fix='put {shard} in the pattern, e.g. train-{shard:05d}.tfrecord')
   processor = sentencepiece.SentencePieceProcessor(model_file=model_path)
-  for path in paths:
-    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-  incomplete = [path + '.incomplete' for path in paths]
-  writers = []
   counts = {'documents': 0, 'tokens': 0, 'unknown_tokens': 0}
-  try:
-    writers.extend(tf.io.TFRecordWriter(path) for path in incomplete)
+
+  def token_ids():
     for document in documents:
       ids = processor.encode(document)
       if not ids:
@@ -205,20 +208,11 @@ def write_token_records(*, documents: Iterable[str], model_path: str, output_pat
       counts['unknown_tokens'] += ids.count(UNK_ID)
       if add_eos:
         ids.append(EOS_ID)
-      writers[counts['documents'] % num_shards].write(token_example(ids))
       counts['documents'] += 1
       counts['tokens'] += len(ids)
-    while writers:
-      writers.pop().close()
-  except BaseException:  # also a stop signal: leave no partial file behind
-    for writer in writers:
-      writer.close()
-    for path in incomplete:
-      if os.path.exists(path):
-        os.remove(path)
-    raise
-  for path, partial in zip(paths, incomplete):
-    os.replace(partial, path)
+      yield ids
+
+  paths = write_documents(output_pattern, token_ids(), num_shards=num_shards)
   return {**counts, 'files': paths}
 
 
@@ -251,10 +245,7 @@ def prepare_corpus(*, output_dir: str, text_roots: Sequence[str] = (),
   if spm_model is not None:
     _check_spm_model(spm_model, vocab_size=vocab_size)
 
-  escaped_dir = output_dir.replace('{', '{{').replace('}', '}}')
-  patterns = {split: os.path.join(escaped_dir, RECORD_PATTERN.format(split=split))
-              for split in SPLITS}
-  _check_no_other_records(output_dir, patterns, num_shards)
+  _check_output_dir(output_dir)
   paths = list(text_files)
   if text_roots:
     paths += collect_text_files(roots=text_roots, max_bytes=max_bytes)
@@ -269,13 +260,30 @@ def prepare_corpus(*, output_dir: str, text_roots: Sequence[str] = (),
   logging.info('%d files, %d documents: %d train, %d eval', len(paths), len(documents),
                len(splits['train']), len(splits['eval']))
 
-  os.makedirs(output_dir, exist_ok=True)
-  model_path = os.path.join(output_dir, SPM_MODEL_NAME)
+  version = _start_version(output_dir)
+  try:
+    summary = _write_corpus(version, splits=splits, paths=paths, text_roots=text_roots,
+                            text_files=text_files, vocab_size=vocab_size, num_shards=num_shards,
+                            spm_model=spm_model, model_type=model_type,
+                            document_count=len(documents))
+  except BaseException:  # also a stop signal: the old corpus stays as it was
+    shutil.rmtree(version, ignore_errors=True)
+    raise
+  _publish(output_dir, version)
+  return summary
+
+
+def _write_corpus(directory: str, *, splits: dict[str, list[str]], paths: list[str],
+                  text_roots: Sequence[str], text_files: Sequence[str],
+                  vocab_size: int | None, num_shards: int, spm_model: str | None,
+                  model_type: str, document_count: int) -> dict:
+  """The tokenizer, the records and corpus.json, written into `directory`."""
+  model_path = os.path.join(directory, SPM_MODEL_NAME)
   if spm_model is None:
     logging.info('Training a %d-piece SentencePiece model on the train documents', vocab_size)
     train_sentencepiece(documents=splits['train'], model_prefix=model_path[:-len('.model')],
                         vocab_size=vocab_size, model_type=model_type)
-  elif not os.path.exists(model_path) or not os.path.samefile(spm_model, model_path):
+  else:
     with open(spm_model, 'rb') as f:
       _write_atomically(model_path, f.read())
   model_vocab_size = sentencepiece.SentencePieceProcessor(model_file=model_path).vocab_size()
@@ -286,18 +294,27 @@ def prepare_corpus(*, output_dir: str, text_roots: Sequence[str] = (),
       'pad_id': PAD_ID, 'eos_id': EOS_ID, 'unk_id': UNK_ID,
       'feature': TOKENS_FEATURE,
       'sources': {'files': len(paths), 'bytes': sum(os.path.getsize(p) for p in paths),
-                  'documents': len(documents), 'text_roots': list(text_roots),
+                  'documents': document_count, 'text_roots': list(text_roots),
                   'text_files': list(text_files), 'spm_model': spm_model,
                   'paths': paths},  # what the corpus was made of, in document order
   }
+  escaped_dir = directory.replace('{', '{{').replace('}', '}}')
   for split in SPLITS:
-    counts = write_token_records(documents=splits[split], model_path=model_path,
-                                 output_pattern=patterns[split], num_shards=num_shards)
+    # An empty file would leave the streams dealt to it nothing to read.
+    shards = min(num_shards, len(splits[split]))
+    if shards < num_shards:
+      logging.info('%s: %d document(s), fewer than num_shards = %d: %d file(s), one per '
+                   'document', split, len(splits[split]), num_shards, shards)
+    counts = {'documents': 0, 'tokens': 0, 'unknown_tokens': 0, 'files': []}
+    if shards:
+      pattern = os.path.join(escaped_dir, RECORD_PATTERN.format(split=split))
+      counts = write_token_records(documents=splits[split], model_path=model_path,
+                                   output_pattern=pattern, num_shards=shards)
     logging.info('%s: %d documents, %d tokens in %d files', split, counts['documents'],
-                 counts['tokens'], num_shards)
+                 counts['tokens'], shards)
     counts['files'] = [os.path.basename(path) for path in counts['files']]
     summary[split] = counts
-  _write_atomically(os.path.join(output_dir, SUMMARY_NAME),
+  _write_atomically(os.path.join(directory, SUMMARY_NAME),
                     (json.dumps(summary, indent=2) + '\n').encode('utf-8'))
   return summary
 
@@ -318,21 +335,73 @@ def split_documents(documents: Sequence[str], *, eval_fraction: float) -> dict[s
   return splits
 
 
-def _check_no_other_records(output_dir: str, patterns: dict[str, str], num_shards: int) -> None:
-  """Record files of another sharding would be read along with ours by a glob."""
-  if not os.path.isdir(output_dir):
-    return
-  ours = {pattern.format(shard=k, num_shards=num_shards)
-          for pattern in patterns.values() for k in range(num_shards)}
-  others = sorted(os.path.join(output_dir, name) for name in os.listdir(output_dir)
-                  if name.endswith('.tfrecord') and name.startswith(SPLITS)
-                  and os.path.join(output_dir, name) not in ours)
-  if others:
+def _versions_dir(output_dir: str) -> str:
+  return os.path.abspath(output_dir) + VERSIONS_SUFFIX
+
+
+def _link_target(link: str) -> str:
+  return os.path.normpath(os.path.join(os.path.dirname(link), os.readlink(link)))
+
+
+def _check_output_dir(output_dir: str) -> None:
+  """`output_dir` must be absent, an empty directory, or a link to a version
+  of ours: anything else cannot be replaced by one rename."""
+  path = os.path.abspath(output_dir)  # also without a trailing '/', which follows a link
+  if os.path.islink(path):
+    if os.path.dirname(_link_target(path)) != _versions_dir(path):
+      raise ConfigError(f'output_dir {output_dir!r} is a link to {_link_target(path)!r}, '
+                        f'not to a corpus version in {_versions_dir(path)!r}',
+                        where='output_dir',
+                        fix='give a new output_dir (prepare_data makes the link itself)')
+  elif os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+    what = 'a directory holding files' if os.path.isdir(path) else 'a file'
     raise ConfigError(
-        f'output_dir {output_dir!r} already holds {len(others)} record file(s) of another '
-        f'run ({os.path.basename(others[0])}, ...), which a glob would read along with the '
-        f'new {num_shards} shards', where='output_dir',
-        fix='use an empty output_dir, or delete those files')
+        f'output_dir {output_dir!r} is {what}: prepare_data publishes a corpus by '
+        'switching a link to a complete version in one rename (so a stopped run never '
+        'mixes two corpora), and cannot do that over it', where='output_dir',
+        fix='give a new output_dir, or move or delete this one (a corpus written by an '
+            'older prepare_data is made again in seconds)')
+
+
+def _start_version(output_dir: str) -> str:
+  """A new, empty `<output_dir>.versions/NNNNN.incomplete`, after removing
+  the partial versions of runs that were killed."""
+  versions = _versions_dir(output_dir)
+  os.makedirs(versions, exist_ok=True)
+  numbers = [0]
+  for name in os.listdir(versions):
+    if name.endswith(INCOMPLETE_SUFFIX):
+      shutil.rmtree(os.path.join(versions, name), ignore_errors=True)
+    number = name.split('.')[0]
+    if number.isdigit():
+      numbers.append(int(number))
+  version = os.path.join(versions, f'{max(numbers) + 1:05d}{INCOMPLETE_SUFFIX}')
+  os.makedirs(version)
+  return version
+
+
+def _publish(output_dir: str, version: str) -> None:
+  """Makes the complete `version` the corpus at `output_dir` with one rename of
+  a link; keeps the version it replaces, deletes older ones."""
+  final = version[:-len(INCOMPLETE_SUFFIX)]
+  os.rename(version, final)
+  versions = os.path.dirname(final)
+  sync_directory(versions)
+  path = os.path.abspath(output_dir)
+  parent = os.path.dirname(path)
+  previous = _link_target(path) if os.path.islink(path) else None
+  link = path + '.link' + INCOMPLETE_SUFFIX
+  if os.path.lexists(link):
+    os.remove(link)
+  os.symlink(os.path.relpath(final, parent), link)  # relative: the parent may move
+  if os.path.isdir(path) and not os.path.islink(path):
+    os.rmdir(path)  # empty (_check_output_dir): a link cannot replace a directory
+  os.replace(link, path)
+  sync_directory(parent)
+  for name in os.listdir(versions):
+    path = os.path.join(versions, name)
+    if path not in (final, previous):
+      shutil.rmtree(path, ignore_errors=True)
 
 
 def _check_spm_model(spm_model: str, *, vocab_size: int | None) -> None:
@@ -361,7 +430,7 @@ def _check_spm_model(spm_model: str, *, vocab_size: int | None) -> None:
 
 def _write_atomically(path: str, data: bytes) -> None:
   os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-  partial = path + '.incomplete'
+  partial = path + INCOMPLETE_SUFFIX
   with open(partial, 'wb') as f:
     f.write(data)
-  os.replace(partial, path)
+  replace_durably(partial, path)

@@ -21,7 +21,15 @@ from a saved position yields exactly the records the uninterrupted one would
 have: the reader skips the window's earlier records without parsing them.
 
 When there are fewer files than streams, K must be a multiple of the number
-of files F, and stream k reads every (K/F)-th record of file k mod F.
+of files F, and stream k reads every (K/F)-th record of file k mod F, starting
+with record k // F. A file holding no more records than that start (a small
+eval split: 3 documents in a file read by 4 streams) is read around:
+the stream reads record (k // F) mod n of its n records (`wrap_short_file`), so
+every stream of a non-empty file has a record. That rule depends on the files
+alone, never on the mesh or the clients, and leaves every stream that had
+records before it unchanged (they start below n), so batches of data that
+trained before are the same bit for bit. A stream whose files are all empty
+still has nothing to read and says so.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import atexit
 import dataclasses
 import gc
 import math
+import os
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -101,7 +110,7 @@ def close_data_iterators() -> None:
 class DataError(RuntimeError):
   """A data file that cannot be read mid-run (corrupt or truncated record).
 
-  The launchers exit with code 4 on it; checkpoints written before stay."""
+  The launchers exit with code 5 on it; checkpoints written before stay."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +139,32 @@ def deal_streams(*, files: Sequence[str], num_streams: int, where: str = 'data')
     every = num_streams // count
     return [StreamSpec((files[k % count],), every, k // count) for k in range(num_streams)]
   return [StreamSpec(files[k::num_streams]) for k in range(num_streams)]
+
+
+def records_in(path: str, *, at_most: int) -> int:
+  """The number of records of a TFRecord file, counted up to `at_most` by
+  walking the record headers in Python (no record is read or parsed)."""
+  count = 0
+  with open(path, 'rb') as f:
+    while count < at_most:
+      header = f.read(12)   # uint64 length, uint32 masked CRC of the length
+      if len(header) < 12:
+        break
+      f.seek(int.from_bytes(header[:8], 'little') + 4, os.SEEK_CUR)  # data + its CRC
+      count += 1
+  return count
+
+
+def wrap_short_file(spec: StreamSpec) -> StreamSpec:
+  """`spec`, reading its file around when it holds no more records than the
+  stream's first one (module docstring): record offset mod n of n records."""
+  if spec.every == 1:
+    return spec  # whole files: a stream of any non-empty file has records
+  (path,) = spec.files
+  held = records_in(path, at_most=spec.offset + 1)
+  if 0 < held <= spec.offset:
+    return dataclasses.replace(spec, offset=spec.offset % held)
+  return spec
 
 
 class RecordStream:
@@ -170,7 +205,7 @@ class RecordStream:
       files.set_shape([None])
       return epoch, files
 
-    def wanted(epoch):  # epochs run ahead of the reader only by what tf.data prefetches
+    def close_enough(epoch):  # epochs run ahead of the reader only by what tf.data prefetches
       return tf.py_function(lambda e: bool(e <= self._last_epoch + _EPOCHS_AHEAD),
                             [epoch], tf.bool)  # false: the stream holds no records
 
@@ -184,7 +219,7 @@ class RecordStream:
 
     logging.vlog(1, 'stream %d opens at epoch %d window %d: %s', self.stream_id, first_epoch,
                  first_window, list(self.spec.files))
-    pipeline = tf.data.Dataset.range(first_epoch, 2**62).take_while(wanted).map(files_of)
+    pipeline = tf.data.Dataset.range(first_epoch, 2**62).take_while(close_enough).map(files_of)
     pipeline = pipeline.flat_map(windows_of).map(
         lambda epoch, number, window: (epoch, number, self._parse(window)),
         num_parallel_calls=PARSE_THREADS, deterministic=True)
@@ -198,10 +233,10 @@ class RecordStream:
     try:
       epoch, number, window = next(self._iterator)
     except StopIteration:
-      raise ConfigError(f'data stream {self.stream_id} holds no records',
-                        where=f'files {list(self.spec.files)}',
-                        fix='write records into these files, or use fewer streams '
-                            '(num_streams)') from None
+      raise ConfigError(f'data stream {self.stream_id} holds no records: its files '
+                        f'{list(self.spec.files)} are empty', where='the data files',
+                        fix='write records into these files, or leave them out of the '
+                            'pattern') from None
     except tf.errors.DataLossError as e:
       raise self._locate_fault(e) from None
     epoch, number = int(epoch), int(number)
@@ -240,9 +275,9 @@ class RecordStream:
       except tf.errors.OpError as e:
         found = str(e).splitlines()[0]
         return DataError(f'data file {path} cannot be read: {found} (TFRecord, stream '
-                         f'{self.stream_id}, epoch {self.epoch}). Replace or remove the '
-                         'file and run the same command: training resumes from the last '
-                         'checkpoint')
+                         f'{self.stream_id}, epoch {self.epoch}). Replace the file with '
+                         'a good copy and run the same command: training resumes from '
+                         'the last checkpoint')
     return DataError(f'reading stream {self.stream_id} failed: {detail}')
 
 
@@ -332,15 +367,18 @@ class StreamReader:
   others stay zero (a client packs only the rows its devices hold).
 
   `sources[k]` has `block(rows) -> {name: [rows, ...]}` and `position`
-  (a tuple of ints), which `state()` reports for the checkpoint."""
+  (a tuple of ints), which `state()` reports for the checkpoint, beside
+  `files`: what the positions were taken over (`layout_core.tasks.reading`)."""
 
-  def __init__(self, *, sources: Mapping[int, object], batch_size: int, num_streams: int):
+  def __init__(self, *, sources: Mapping[int, object], batch_size: int, num_streams: int,
+               files: list | None = None):
     if batch_size % num_streams:
       raise ConfigError(f'the batch of {batch_size} rows does not split into '
                         f'{num_streams} streams', where='data num_streams',
                         fix=f'use a number of streams that divides {batch_size} (0 chooses one)')
     self.sources, self.batch_size, self.num_streams = dict(sources), batch_size, num_streams
     self.block = batch_size // num_streams
+    self.files = files
 
   def __iter__(self):
     return self
@@ -354,14 +392,24 @@ class StreamReader:
         batch[name][k * self.block:(k + 1) * self.block] = value
     return batch
 
-  def state(self) -> dict[str, list[int]]:
-    return {str(k): list(source.position) for k, source in self.sources.items()}
+  def state(self) -> dict[str, list]:
+    """{'<stream>': position, ..., 'files': [[name, bytes], ...]}: the streams
+    share one dict so that clients' states merge by key (each reports its own
+    streams and the same files)."""
+    state: dict[str, list] = {str(k): list(source.position)
+                              for k, source in self.sources.items()}
+    if self.files is not None:
+      state[FILES_KEY] = self.files
+    return state
 
   def describe(self) -> str:
     """Which streams and files this reader reads (a client: only its own)."""
     files = sorted({f for source in self.sources.values() for f in source.stream.spec.files})
     return (f'streams {sorted(self.sources)} of {self.num_streams}, {len(files)} file(s): '
             f'{", ".join(files)}')
+
+
+FILES_KEY = 'files'  # the key of a data state that is not a stream's position
 
 
 def saved_position(state: Mapping[str, Sequence[int]] | None, stream: int,

@@ -1,2 +1,2 @@
-"""The training loop and what it drives: step engines, the optimizer,
-summaries, profiling and preemption."""
+"""The training loop and what it drives: step engines, summaries, the memory
+estimate, profiling and preemption (the optimizers: `layout_core.optim`)."""

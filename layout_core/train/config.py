@@ -16,8 +16,8 @@ from absl import logging
 
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least, check_types
+from layout_core.layout.rules import UNSHARDED
 
-UNSHARDED = 'unsharded'  # = layout_core.layout.rules.UNSHARDED, without importing TF
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 # What the backward pass recomputes instead of keeping (README "Memory and precision"):
 #   'none':  nothing; every activation is kept for the whole step;

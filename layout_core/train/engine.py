@@ -3,7 +3,7 @@
     counters = Counters(mesh)
     engine = make_engine(model=params, mesh=mesh, rules=rules, task=task,
                          optimizer=OptimizerConfig(), config=TrainConfig(),
-                         counters=counters, pipeline=None)     # layout_core.train.factory
+                         counters=counters, pipeline=None)     # layout_core.run
     packed = engine.pack(task.features(split='train', step=0, batch_size=32))
     loss, metrics, grads = engine.loss_and_gradients(packed)
     lr, grad_norm = engine.apply_gradients(grads)               # advances the counters
@@ -13,12 +13,20 @@ the compiled step functions; the training loop (`layout_core.train.loop`)
 only calls the protocol below, so every engine gets logging, evaluation,
 checkpoints, preemption and summaries from the one loop. Implementations:
 
-  * `SingleProgramEngine` (here): forward, backward and update as one program
-    on the whole mesh, running a `ModelProgram` (a Params model or a Keras 3
+  * `SingleProgramEngine` (here): every step function is one SPMD program
+    over the whole mesh (DTensor inserts the collectives): one compiled
+    function for forward and backward, one for the update, one for
+    evaluation. It runs a `ModelProgram` (a Params model or a Keras 3
     model, both arriving as a `layout_core.model.built.BuiltModel`) or the
     SPMD pipeline's `layout_core.pipeline.engines.SpmdProgram` (a stack of
     identical cells on the stage axis of one mesh);
   * `layout_core.pipeline.engines.GPipeEngine`: stages on sub-meshes.
+
+Every engine's update (`apply_gradients`) compiles under the mesh's gather
+lowering (`layout_core.layout.mesh.gather_lowering`), so a caller that
+drives an engine directly, as above, gets the same update as the loop.
+Gradient accumulation (`train.grad_accum_steps`) is `micro_steps.MicroSteps`
+for every engine.
 """
 
 from __future__ import annotations
@@ -41,7 +49,8 @@ from layout_core.model.random import random_context, step_seed
 from layout_core.model.sequence import sequence_context
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig
-from layout_core.train.optimizer import Optimizer, OptimizerConfig, make_optimizer
+from layout_core.train.micro_steps import MicroSteps, client_rows
+from layout_core.optim import Optimizer, OptimizerConfig, make_optimizer
 
 
 class StepEngine(Protocol):
@@ -56,12 +65,17 @@ class StepEngine(Protocol):
   def pack(self, batch: Mapping[str, np.ndarray]) -> Any:
     """A host batch placed on the devices, as this engine's step takes it."""
 
+  def client_rows(self, batch_size: int) -> np.ndarray | None:
+    """The global batch rows this client's devices hold (None: all of them),
+    so a streaming task reads only those (`Task.reader(rows=...)`)."""
+
   def loss_and_gradients(self, packed) -> tuple[Any, dict[str, Any], Any]:
     """(loss, task metrics, gradients) of one packed batch with this step's
     dropout masks, updating nothing (also the dry step before training)."""
 
   def apply_gradients(self, gradients) -> tuple[Any, Any]:
-    """The optimizer update; advances the counters. Returns (lr, grad norm)."""
+    """The optimizer update, compiled under the mesh's gather lowering;
+    advances the counters. Returns (lr, grad norm)."""
 
   def evaluate(self, packed) -> tuple[Any, dict[str, Any]]:
     """(loss, task metrics) of one packed batch, no dropout."""
@@ -97,8 +111,10 @@ class Counters:
 
 
 class Program(Protocol):
-  """What one program computes: a packed batch's loss and the task's metrics."""
+  """What a `SingleProgramEngine` runs: a packed batch's loss and the task's metrics."""
   model: BuiltModel
+  batch_axis: str   # the resolved batch axis (UNSHARDED: the batch is replicated)
+  rows_parts: int   # equal consecutive parts `pack` cuts a batch into (micro-batches)
 
   def pack(self, batch: Mapping[str, np.ndarray]) -> Any:
     """A host batch placed on the devices as `loss_and_metrics` takes it."""
@@ -113,6 +129,7 @@ class Program(Protocol):
 class ModelProgram:
   """The model on the whole batch, split over `batch_axis`: the task's inputs
   -> a Params or Keras model -> the task's loss and metrics."""
+  rows_parts = 1  # the batch in one piece
 
   def __init__(self, *, model: BuiltModel, task: Task, mesh, batch_axis: str):
     self.model, self.task, self.mesh, self.batch_axis = model, task, mesh, batch_axis
@@ -123,7 +140,7 @@ class ModelProgram:
   def loss_and_metrics(self, packed, training: bool = False):
     with contextlib.ExitStack() as contexts:
       contexts.enter_context(residual_context(mesh=self.mesh, batch_axis=self.batch_axis))
-      if getattr(self.task, 'needs_segments', False):  # packed documents
+      if self.task.needs_segments:  # packed documents
         segments, positions = self.task.sequence_inputs(packed)
         contexts.enter_context(sequence_context(segments=segments, positions=positions))
       outputs = self.model.call(self.task.model_inputs(packed), training)
@@ -134,9 +151,9 @@ class ModelProgram:
 
 
 class SingleProgramEngine:
-  """Forward, backward and update as one program on the whole mesh, DTensor
-  inserting the collectives: a `ModelProgram` (Params or Keras model) or the
-  SPMD pipeline's program (`layout_core.pipeline.engines.SpmdProgram`)."""
+  """Each step function one SPMD program on the whole mesh, DTensor inserting
+  the collectives (module doc): a `ModelProgram` (Params or Keras model) or
+  the SPMD pipeline's program (`layout_core.pipeline.engines.SpmdProgram`)."""
 
   def __init__(self, *, program: Program, mesh, optimizer: OptimizerConfig,
                config: TrainConfig, counters: Counters):
@@ -149,7 +166,8 @@ class SingleProgramEngine:
     self.optimizer = make_optimizer(optimizer, variables=self.trainable, paths=list(trainable),
                                     total_steps=config.num_steps,
                                     mesh_axes=mesh_lib.mesh_axes(mesh),
-                                    batch_axis=config.batch_axis, lead_dims=model.lead_dims)
+                                    batch_axis=program.batch_axis, lead_dims=model.lead_dims)
+    self.micro_steps = MicroSteps(count=config.grad_accum_steps, batch_size=config.batch_size)
     self._gradients = tf.function(self._gradients_fn)
     self._apply = tf.function(self._apply_fn)
     self._evaluate = tf.function(self._evaluate_fn)
@@ -157,40 +175,21 @@ class SingleProgramEngine:
   def pack(self, batch):
     """The program's packed batch; with `grad_accum_steps` k, a list of k
     packed micro-steps of batch_size / k rows each."""
-    k = self.config.grad_accum_steps
-    if k == 1:
-      return self.program.pack(batch)
-    return [self.program.pack(part) for part in split_rows(batch, k)]
+    return self.micro_steps.pack(batch, self.program.pack)
 
-  def local_rows(self, batch_size: int) -> np.ndarray | None:
-    """The global batch rows this client's devices hold (None: all of them),
-    so a streaming task reads only those (`Task.reader(rows=...)`)."""
-    batch_axis = getattr(self.program, 'batch_axis', None)
-    if batch_axis is None:
-      return None
-    parts = self.config.grad_accum_steps * getattr(self.program, 'rows_parts', 1)
-    return local_batch_rows(self.mesh, batch_axis=batch_axis, batch_size=batch_size,
-                            parts=parts)
+  def client_rows(self, batch_size: int) -> np.ndarray | None:
+    return client_rows(self.mesh, batch_axis=self.program.batch_axis, batch_size=batch_size,
+                       parts=self.micro_steps.count * self.program.rows_parts)
 
   def loss_and_metrics(self, packed, training: bool = False):
     """The program's loss and metrics, not compiled (to trace inside a caller's function)."""
     return self.program.loss_and_metrics(packed, training)
 
-  def _gradients_fn(self, batch):
+  def _gradients_fn(self, packed):
     seed = step_seed(self.config.seed, self.counters.step.read_value())
-    if self.config.grad_accum_steps == 1:
-      return self._micro_step(batch, seed=seed, first_row=0)
-    # k micro-steps, each after the previous one's gradients exist (so only
-    # one micro-step's activations are alive at a time), summed as the means
-    # of the whole batch: every micro-step has batch_size / k rows.
-    k, rows = len(batch), self.config.batch_size // len(batch)
-    total = None
-    for i, part in enumerate(batch):
-      if total is not None:
-        with tf.control_dependencies(total[2]):
-          part = {name: tf.identity(value) for name, value in part.items()}
-      total = add_share(total, self._micro_step(part, seed=seed, first_row=i * rows), k)
-    return total
+    return self.micro_steps.gradients(
+        packed, lambda part, first_row: self._micro_step(part, seed=seed, first_row=first_row),
+        one_at_a_time=True)
 
   def _micro_step(self, batch, *, seed, first_row: int):
     with tf.GradientTape() as tape, random_context(seed=seed, batch_offset=first_row):
@@ -206,57 +205,20 @@ class SingleProgramEngine:
     return lr, grad_norm
 
   def _evaluate_fn(self, packed):
-    if self.config.grad_accum_steps == 1:
-      return self.program.loss_and_metrics(packed)
-    total = None
-    for part in packed:
-      total = add_share(total, self.program.loss_and_metrics(part), len(packed))
-    return total
+    return self.micro_steps.evaluate(packed, self.program.loss_and_metrics)
 
   def loss_and_gradients(self, packed):
     return self._gradients(packed)
 
   def apply_gradients(self, gradients):
-    return self._apply(gradients)
+    with mesh_lib.gather_lowering(self.mesh):  # read when the update first compiles
+      return self._apply(gradients)
 
   def evaluate(self, packed):
     return self._evaluate(packed)
 
   def summaries(self):
     return self.program.summaries()
-
-
-def add_share(total, result, parts: int):
-  """`total` (None at first) plus `result` / `parts`, structure by structure:
-  summing the results of `parts` equal micro-steps gives the batch's means."""
-  share = tf.nest.map_structure(lambda x: x / parts, result)
-  return share if total is None else tf.nest.map_structure(lambda a, b: a + b, total, share)
-
-
-def split_rows(batch: Mapping[str, np.ndarray], parts: int) -> list[dict]:
-  """A host batch {name: [B, ...]} as `parts` batches {name: [B/parts, ...]}."""
-  pieces = {name: np.split(value, parts) for name, value in batch.items()}
-  return [{name: split[i] for name, split in pieces.items()} for i in range(parts)]
-
-
-def engine_local_rows(engine, batch_size: int) -> np.ndarray | None:
-  """The batch rows this client packs, for engines that can say (None: all)."""
-  local_rows = getattr(engine, 'local_rows', None)
-  return local_rows(batch_size) if local_rows else None
-
-
-def local_batch_rows(mesh, *, batch_axis: str, batch_size: int,
-                     parts: int = 1) -> np.ndarray | None:
-  """The rows of a global batch that this client's devices hold when the
-  batch is cut into `parts` equal consecutive parts (micro-steps, micro-batches),
-  each split over `batch_axis`; None when this client holds every device."""
-  if len(mesh.local_devices()) == mesh.size:
-    return None
-  per_part = batch_size // parts
-  shard = per_part // mesh_lib.mesh_axes(mesh)[batch_axis]
-  held = sorted({location[batch_axis] for location in mesh.local_device_locations()})
-  return np.array([part * per_part + index * shard + row for part in range(parts)
-                   for index in held for row in range(shard)], np.int64)
 
 
 def pack_batch(batch: Mapping[str, np.ndarray], *, mesh, batch_axis: str) -> dict:
@@ -267,7 +229,7 @@ def pack_batch(batch: Mapping[str, np.ndarray], *, mesh, batch_axis: str) -> dic
           for name, value in batch.items()}
 
 
-def check_runs(engine: StepEngine, task: Task, config: TrainConfig) -> None:
+def check_step_compiles(engine: StepEngine, task: Task, config: TrainConfig) -> None:
   """Runs forward and backward once on a real batch, updating nothing.
 
   Some layouts pass every rank/axis/divisibility check and still cannot be
@@ -276,7 +238,7 @@ def check_runs(engine: StepEngine, task: Task, config: TrainConfig) -> None:
   sharded variables and their rules. It compiles the function the training
   steps then use, so it costs one step, not a compile."""
   reader = task.reader(split='eval', batch_size=config.batch_size,
-                       rows=engine_local_rows(engine, config.batch_size))
+                       rows=engine.client_rows(config.batch_size))
   packed = engine.pack(next(reader))
   try:
     loss = engine.loss_and_gradients(packed)[0]

@@ -1,13 +1,13 @@
 """The training loop: one loop for every step engine.
 
     counters = Counters(mesh)
-    engine = make_engine(model=lm, mesh=mesh, rules=rules, task=task,   # train.factory
+    engine = make_engine(model=lm, mesh=mesh, rules=rules, task=task,   # layout_core.run
                          optimizer=OptimizerConfig(), config=config, counters=counters)
     trainer = Trainer(engine=engine, counters=counters, task=task, config=config,
                       writer=SummaryWriter(model_dir), profile_dir=model_dir)
     result = trainer.train()     # logs progress, writes train/* and eval/* scalars
 
-The engine (`layout_core.train.engine`) decides how a step runs (one program,
+The engine (`layout_core.train.engine`) decides how a step runs (the whole mesh,
 GPipe on sub-meshes, the SPMD stage axis); the loop owns everything around
 the steps: the data position, progress logging, evaluation, the task's
 metrics (`train/<name>`, `eval/<name>`), summaries, profiling, and the
@@ -23,12 +23,11 @@ from typing import Callable
 import numpy as np
 from absl import logging
 
-from layout_core.layout.mesh import gather_lowering
 from layout_core.layout.scope import bytes_per_device, table_markdown
 from layout_core.layout.variables import to_numpy
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig, TrainResult
-from layout_core.train.engine import Counters, StepEngine, engine_local_rows
+from layout_core.train.engine import Counters, StepEngine
 from layout_core.train.profiling import StepProfiler
 from layout_core.train.summaries import NullWriter, SummaryWriter
 from layout_core.train.usage import usage_scalars
@@ -70,9 +69,6 @@ class Trainer:
     state = self._reader.state()
     return None if state is None else {'train': state}
 
-  def _local_rows(self):
-    return engine_local_rows(self.engine, self.config.batch_size)
-
   def check_finite(self) -> None:
     """FloatingPointError naming the first step since the last check whose
     loss or gradient norm is not finite. Every step's pair stays on the
@@ -94,15 +90,14 @@ class Trainer:
   def train_step(self, batch):
     """One optimizer step on a host batch: (loss, lr, grad_norm, metrics) tensors."""
     loss, metrics, grads = self.engine.loss_and_gradients(self.engine.pack(batch))
-    with gather_lowering(getattr(self.engine, 'mesh', None)):  # sharded optimizer state
-      lr, grad_norm = self.engine.apply_gradients(grads)
+    lr, grad_norm = self.engine.apply_gradients(grads)
     return loss, lr, grad_norm, metrics
 
   def evaluate(self) -> tuple[float, dict[str, float]]:
     """Mean loss and mean task metrics over `config.eval_batches` held-out batches."""
     if self._eval_data is None:
       reader = self.task.reader(split='eval', batch_size=self.config.batch_size,
-                                rows=self._local_rows())
+                                rows=self.engine.client_rows(self.config.batch_size))
       self._eval_data = [self.engine.pack(next(reader))
                          for _ in range(self.config.eval_batches)]
     losses, metrics = [], {}
@@ -140,7 +135,8 @@ class Trainer:
       eval_losses.append((0, self._run_eval(0)))
     saved = (self.resume_data_state or {}).get('train') if start else None
     self._reader = batches = self.task.reader(
-        split='train', batch_size=config.batch_size, rows=self._local_rows(),
+        split='train', batch_size=config.batch_size,
+        rows=self.engine.client_rows(config.batch_size),
         start_step=int(to_numpy(self.counters.data_position)), state=saved)
     if hasattr(batches, 'describe'):
       logging.info('Training data: %s', batches.describe())
@@ -183,7 +179,7 @@ class Trainer:
             'train/examples_per_sec': steps_per_sec * config.batch_size,
             **({'train/tokens_per_sec': steps_per_sec * items_per_step} if tokens > 1 else {}),
             **{f'train/{name}': float(to_numpy(value)) for name, value in metrics.items()},
-            **usage_scalars(mesh=getattr(self.engine, 'mesh', None), steps_per_sec=steps_per_sec,
+            **usage_scalars(mesh=self.engine.mesh, steps_per_sec=steps_per_sec,
                             model_flops_per_step=self.model_flops_per_step,
                             peak_flops=self.peak_flops)})
         window_start, window_steps = time.perf_counter(), 0

@@ -9,14 +9,15 @@ TensorFlow-free (`launch.inspect` runs it on a 100B model in seconds). The
 model, per device (the fullest one) and in total (summed over the devices):
 
   * parameters: the layout records' `bytes_per_device` (float32 variables);
-  * optimizer state: Adam keeps two float32 slots (m, v) per parameter;
-    Adafactor keeps, for a parameter of rank >= 2 whose last two dims are both
-    >= 128, a row statistic shape[:-1] and a column statistic
-    shape[:-2] + shape[-1:] (each laid out as the parameter's dims it keeps),
-    and a full second moment for the others (no first moment). With
-    `optimizer.shard_state` (ZeRO-1) each slot is also split over the data
-    axis (True: `train.batch_axis`; a string: that axis) on the first dim the
-    parameter leaves unsharded and the axis size divides; other slots stay;
+  * optimizer state: the slots the optimizer itself says it creates for each
+    parameter (`slot_specs` of the class `optimizer.name` names: Adam's m and
+    v; Adafactor's factored row and column statistics, or a full second
+    moment, plus a first moment when `adafactor_beta1` is set), float32, each
+    laid out as the parameter's dims it keeps. With `optimizer.shard_state`
+    (ZeRO-1; the axis `state_axis` picks, from the same parameter count the
+    optimizer uses) each slot is also split over that axis on the first dim
+    the parameter leaves unsharded and the axis size divides (`add_axis`);
+    other slots stay;
   * gradients: float32, laid out like their parameters (the step's gradient
     function returns all of them before the update runs);
   * activations of one (micro-)step, `train.batch_size / grad_accum_steps`
@@ -87,10 +88,11 @@ from typing import Any, Mapping, Sequence
 from layout_core.model.base import LayerMeta, Sequential, leaf_layers
 from layout_core.model.layers import (Dropout, Embedding, FeedForward, LayerNorm,
                                       MultiHeadAttention, Softmax, TransformerBlock)
+from layout_core.layout.rules import UNSHARDED
+from layout_core.optim.config import OptimizerConfig, state_axis
+from layout_core.optim.make import optimizer_class
 from layout_core.params import Params
-from layout_core.train.optimizer import OptimizerConfig, state_axis
 
-UNSHARDED = 'unsharded'
 MIB = 2**20
 # The host-process fit of the module docstring (bench/memory.py --fit, 14 runs).
 HOST_BASE_BYTES = 573 * MIB
@@ -110,6 +112,7 @@ class MemoryEstimate:
   activations_known: bool
   num_layers: int = 0     # leaf layers (Keras: layers with weights)
   notes: tuple[str, ...] = ()
+  state_axis: str | None = None  # the mesh axis optimizer state is split over
 
   @property
   def peak_per_device(self) -> int:
@@ -130,7 +133,8 @@ class MemoryEstimate:
 
 
 def estimate_memory(*, records: Sequence[Any], params: Any,
-                    input_shapes: Sequence[tuple[int, ...]], config: Any, optimizer: Any,
+                    input_shapes: Sequence[tuple[int, ...]], config: Any,
+                    optimizer: OptimizerConfig,
                     mesh_axes: Mapping[str, int], pipeline: Any = None,
                     stage_axis: str = 'stage') -> MemoryEstimate:
   """The memory model of the module docstring. `records`: the plan's layout
@@ -141,8 +145,8 @@ def estimate_memory(*, records: Sequence[Any], params: Any,
   num_devices = math.prod(mesh_axes.values())
   stage_devices = num_devices // mesh_axes.get(stage_axis, 1) if pipeline else num_devices
   devices_of = {r.mesh: stage_devices if r.mesh else num_devices for r in records}
-  slot_axis = _slot_axis(optimizer, config, mesh_axes,
-                         num_parameters=sum(math.prod(r.shape) for r in records))
+  slot_axis = state_axis(optimizer, batch_axis=config.batch_axis, mesh_axes=mesh_axes,
+                         parameter_shapes=[r.shape for r in records])
   per_mesh: dict[str, dict[str, int]] = {}
   for r in records:
     held = per_mesh.setdefault(r.mesh, dict.fromkeys(CATEGORIES, 0))
@@ -172,7 +176,7 @@ def estimate_memory(*, records: Sequence[Any], params: Any,
   return MemoryEstimate(num_devices=num_devices,
                         per_device={c: per_mesh[fullest][c] for c in keep},
                         total={c: total[c] for c in keep}, activations_known=known,
-                        num_layers=layers, notes=tuple(notes))
+                        num_layers=layers, notes=tuple(notes), state_axis=slot_axis)
 
 
 def model_flops_per_step(*, meta: LayerMeta | None, num_parameters: int,
@@ -185,34 +189,16 @@ def model_flops_per_step(*, meta: LayerMeta | None, num_parameters: int,
 
 
 # -- optimizer state ------------------------------------------------------------
-def _slot_axis(optimizer, config, mesh_axes, *, num_parameters: int) -> str | None:
-  if not isinstance(optimizer, OptimizerConfig):
-    return None
-  axis = state_axis(optimizer, batch_axis=config.batch_axis, mesh_axes=mesh_axes,
-                    num_parameters=num_parameters)
-  return axis if axis and mesh_axes.get(axis, 1) > 1 else None
-
-
-def _slot_bytes(record, optimizer, mesh_axes, slot_axis) -> int:
-  """One parameter's optimizer state on one device."""
-  shape, spec = tuple(record.shape), tuple(record.spec)
-  if getattr(optimizer, 'name', 'adam') == 'adafactor':
-    if len(shape) >= 2 and min(shape[-2:]) >= 128:
-      slots = [(shape[:-1], spec[:-1]), (shape[:-2] + shape[-1:], spec[:-2] + spec[-1:])]
-    else:
-      slots = [(shape, spec)]
-  else:
-    slots = [(shape, spec), (shape, spec)]
-  return sum(_slot_on_device(s, sp, mesh_axes, slot_axis) for s, sp in slots)
-
-
-def _slot_on_device(shape, spec, mesh_axes, slot_axis) -> int:
-  shards = math.prod(mesh_axes.get(a, 1) for a in spec if a != UNSHARDED)
-  if slot_axis and slot_axis not in spec:
-    size = mesh_axes[slot_axis]
-    if any(a == UNSHARDED and n % size == 0 for a, n in zip(spec, shape)):
-      shards *= size
-  return 4 * math.prod(shape) // shards
+def _slot_bytes(record, optimizer: OptimizerConfig, mesh_axes, slot_axis) -> int:
+  """One parameter's optimizer state on one device: the slots its optimizer
+  creates (`slot_specs`), each laid out as the optimizer lays it out."""
+  axis_size = mesh_axes.get(slot_axis, 1) if slot_axis else 1
+  total = 0
+  for slot in optimizer_class(optimizer.name).slot_specs(record.shape, optimizer):
+    spec = slot.layout_spec(record.spec, axis=slot_axis, axis_size=axis_size)
+    shards = math.prod(mesh_axes.get(a, 1) for a in spec if a != UNSHARDED)
+    total += 4 * math.prod(slot.shape) // shards
+  return total
 
 
 # -- activations ----------------------------------------------------------------

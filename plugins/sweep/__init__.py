@@ -2,17 +2,19 @@
 TensorBoard's HParams dashboard. Uses neither TensorFlow nor gin itself
 (trials parse their own configs; the pre-check calls into `plugins`).
 
-  spec    the axes (`key=[...]`, ranges), the trial list, sweep files
-  driver  the runner: trial subprocesses, failure isolation, resume, results
-  board   the HParams experiment and session records
+  spec           the axes (`key=[...]`, ranges), the trial list, sweep files
+  driver         the runner: scheduling, failure isolation, resume, results
+  trial_process  one attempt of one trial: its process, log, environment, ending
+  board          the HParams experiment and session records
 
     from plugins import sweep
     records = sweep.SweepRunner(sweep.Sweep(root=..., gin_files=[...], gin_bindings=[],
                                             axes=[sweep.parse_axis('train.seed=[0, 1]')])).run()
 """
 
-from plugins.sweep.driver import (FAILURE, INTERRUPTED, LOG_FILE, STATUS_FILE, SUCCESS, Sweep,
-                                  SweepRunner, first_error_line, read_status, trial_outcome)
+from plugins.sweep.driver import Sweep, SweepRunner
+from plugins.sweep.trial_process import (FAILURE, INTERRUPTED, LOG_FILE, STATUS_FILE, SUCCESS,
+                                         first_error_line, read_status, trial_outcome)
 from plugins.sweep.spec import parse_axis
 
 __all__ = ['FAILURE', 'INTERRUPTED', 'LOG_FILE', 'STATUS_FILE', 'SUCCESS', 'Sweep',

@@ -136,12 +136,12 @@ def final_metrics(trial_dir: str) -> dict[str, float]:
   # pylint: disable=g-import-not-at-top
   from tensorboard.backend.event_processing import event_file_loader
   from tensorboard.util import tensor_util
-  wanted = {tag for tag, _ in METRICS}
+  metric_tags = {tag for tag, _ in METRICS}
   latest: dict[str, tuple[float, int, float]] = {}  # tag -> (wall time, step, value)
   for path in sorted(glob.glob(os.path.join(trial_dir, 'events.out.tfevents.*'))):
     for event in event_file_loader.EventFileLoader(path).Load():
       for value in event.summary.value:
-        if value.tag in wanted and value.HasField('tensor'):
+        if value.tag in metric_tags and value.HasField('tensor'):
           number = float(tensor_util.make_ndarray(value.tensor))
           key = (event.wall_time, event.step)
           if value.tag not in latest or key >= latest[value.tag][:2]:

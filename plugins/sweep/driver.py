@@ -26,6 +26,9 @@ What the runner guarantees:
   INTERRUPTED and exits; a re-run picks them up.
 * **Threads.** With `parallel` > 1 the machine's threads are divided between the
   trials (TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS, unless already set).
+* **Its own console.** A trial logs as its flags ask (`train_flags`, e.g.
+  --verbose from the sweep's own flag): the runner adds no log setting to its
+  environment (see `trial_process`, which starts, stops and reads each attempt).
 
 The sweep root gets `sweep.json` (the resolved trial list and each outcome),
 `sweep.tsv` (the results table, best eval loss first) and the HParams
@@ -35,29 +38,24 @@ experiment config (see `plugins/sweep/board.py`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import re
 import signal
-import subprocess
 import sys
 import threading
 import time
-from typing import Any, Sequence, TextIO
+from typing import Any, Mapping, Sequence, TextIO
 
 from layout_core.checkpoint.lock import DirectoryLock
 from layout_core.errors import ConfigError
 from plugins.sweep import board as sweep_board
 from plugins import run_status
 from plugins.sweep.spec import Axis, Trial, expand
+from plugins.sweep.trial_process import (FAILURE, INTERRUPTED, STATUS_FILE, STOPPED_AT_START_UP,
+                                         SUCCESS, TrialProcess, first_error_line, read_status,
+                                         trial_environment, trial_outcome, write_json)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STATUS_FILE = 'sweep_trial.json'  # in each trial directory: the trial's outcome
-LOG_FILE = 'trial.log'            # in each trial directory: stdout+stderr of every attempt
-SUCCESS, FAILURE, INTERRUPTED = 'SUCCESS', 'FAILURE', 'INTERRUPTED'
-# TensorFlow sizes its thread pools from these (checked: 1, 4, 8 give 5, 11, 19 threads).
-THREAD_VARIABLES = ('TF_NUM_INTRAOP_THREADS', 'TF_NUM_INTEROP_THREADS')
 
 
 @dataclasses.dataclass
@@ -71,6 +69,8 @@ class Sweep:
   mode: str = 'product'                       # product | zip | random
   num_trials: int = 0                         # random: draws; else 0 = all combinations
   seed: int = 0                               # random search seed
+  # launch.train flags every trial gets besides its config, e.g. ['--verbose']
+  train_flags: list[str] = dataclasses.field(default_factory=list)
 
   def trials(self) -> list[Trial]:
     return expand(self.axes, mode=self.mode, num_trials=self.num_trials, seed=self.seed)
@@ -86,6 +86,7 @@ class Sweep:
             + [f'--gin_bindings={b}' for b in self.gin_bindings + trial.bindings]
             + ([f'--gin_search_paths={",".join(self.gin_search_paths)}']
                if self.gin_search_paths else [])
+            + list(self.train_flags)
             + [f'--model_dir={os.path.join(self.root, trial.name)}'])
 
 
@@ -120,72 +121,11 @@ def check_config(sweep: Sweep, trials: Sequence[Trial]) -> None:
     gin.clear_config()
 
 
-STOPPED_AT_START_UP = 'stopped_at_start_up'  # a signal before the run wrote anything
-
-
-def trial_outcome(status: run_status.RunStatus | None, exit_code: int, *,
-                  pid: int | None = None) -> str:
-  """How a finished trial process ended, from its run_status.json (removed
-  before it started, and believed only from the trial's own `pid`, so never an
-  earlier attempt's): one of run_status's statuses. A process gone while its
-  status still says running (SIGKILL, a hard crash) crashed; so did one that
-  wrote nothing and exited non-zero. Exit 0 with nothing written: stopped by a
-  signal during start-up."""
-  if status is not None and pid is not None and status.pid != pid:
-    status = None
-  if status is None:
-    return STOPPED_AT_START_UP if exit_code == 0 else run_status.CRASHED
-  if status.status == run_status.RUNNING:
-    return run_status.CRASHED
-  return status.status
-
-
-def first_error_line(output: str, exit_code: int) -> str:
-  """The line that says why a trial failed, from its stdout+stderr."""
-  lines = [line.strip() for line in output.splitlines() if line.strip()]
-  for prefix in ('Configuration error:', 'Training diverged:'):
-    for line in lines:
-      if line.startswith(prefix):
-        return line
-  for line in reversed(lines):  # a traceback's last line names the exception
-    if re.match(r'^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b', line):
-      return line
-  if exit_code < 0:
-    return f'killed by {signal.Signals(-exit_code).name}'
-  return lines[-1] if lines else f'exit status {exit_code} with no output'
-
-
-def _write_json(path: str, value: Any) -> None:
-  temporary = path + '.tmp'
-  with open(temporary, 'w') as f:
-    json.dump(value, f, indent=1)
-  os.replace(temporary, path)
-
-
-def read_status(trial_dir: str) -> dict[str, Any] | None:
-  try:
-    with open(os.path.join(trial_dir, STATUS_FILE)) as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return None
-
-
 def _format_duration(seconds: float | None) -> str:
   if seconds is None:
     return '?'
   seconds = int(round(seconds))
   return f'{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
-
-
-@dataclasses.dataclass
-class _Running:
-  trial: Trial
-  process: subprocess.Popen
-  log: TextIO
-  log_start: int          # offset of this attempt's output in the log
-  started: float          # time.monotonic()
-  stop_sent: float = 0.0  # when SIGTERM was sent (0: not sent)
-  timed_out: bool = False
 
 
 class SweepRunner:
@@ -194,7 +134,8 @@ class SweepRunner:
   def __init__(self, sweep: Sweep, *, parallel: int = 1, trial_timeout: float = 0,
                stop_grace: float = 120, python: str = sys.executable,
                out: TextIO = sys.stdout, progress_every: float = 30,
-               command_line: Sequence[str] = ()):
+               command_line: Sequence[str] = (),
+               environment: Mapping[str, str] | None = None):
     if parallel < 1:
       raise ConfigError(f'--parallel is {parallel}', where='--parallel',
                         fix='run at least 1 trial at a time')
@@ -210,6 +151,11 @@ class SweepRunner:
     self.out = out
     self.progress_every = progress_every
     self.command_line = list(command_line)
+    # The trials' environment before the runner's additions (default: this
+    # process's, read at each start); launch.sweep passes its environment as
+    # the user gave it, without what quieting its own console set.
+    self.environment: Mapping[str, str] = (os.environ if environment is None
+                                           else dict(environment))
     self.stop_signal: str | None = None
     self.records: dict[str, dict[str, Any]] = {}
     self._finished_walls: list[float] = []
@@ -222,19 +168,6 @@ class SweepRunner:
     return sweep_board.trial_id(trial, number=self.trials.index(trial) + 1,
                                 count=len(self.trials))
 
-  def threads_per_trial(self) -> int:
-    return max(1, (os.cpu_count() or 1) // self.parallel)
-
-  def trial_env(self) -> dict[str, str]:
-    env = dict(os.environ)
-    env['PYTHONPATH'] = os.pathsep.join(
-        [REPO_ROOT] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p])
-    env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-    if self.parallel > 1:
-      for name in THREAD_VARIABLES:
-        env.setdefault(name, str(self.threads_per_trial()))
-    return env
-
   def _say(self, line: str) -> None:
     print(line, file=self.out, flush=True)
 
@@ -245,14 +178,15 @@ class SweepRunner:
       entry.update(self.records.get(trial.name) or {'status': 'PENDING'})
       entry['name'], entry['trial_id'] = trial.name, self.trial_id(trial)
       trials.append(entry)
-    _write_json(os.path.join(self.sweep.root, 'sweep.json'), {
+    write_json(os.path.join(self.sweep.root, 'sweep.json'), {
         'command': self.command_line, **self.sweep.base(), 'mode': self.sweep.mode,
         'num_trials': self.sweep.num_trials, 'seed': self.sweep.seed,
-        'parallel': self.parallel, 'trial_timeout': self.trial_timeout,
+        'train_flags': self.sweep.train_flags, 'parallel': self.parallel,
+        'trial_timeout': self.trial_timeout,
         'axes': [a.to_json() for a in self.sweep.axes], 'trials': trials})
 
   # -- one trial ------------------------------------------------------------------
-  def _start(self, trial: Trial) -> _Running:
+  def _start(self, trial: Trial) -> TrialProcess:
     directory = self.trial_dir(trial)
     os.makedirs(directory, exist_ok=True)
     previous = read_status(directory) or {}
@@ -260,51 +194,28 @@ class SweepRunner:
     sweep_board.clear_sessions(directory)
     sweep_board.write_session_start(directory, trial, self.sweep.axes,
                                     trial_id=self.trial_id(trial))
-    command = self.sweep.train_command(trial, self.python)
-    log = open(os.path.join(directory, LOG_FILE), 'a')
     attempt = previous.get('attempts', 0) + 1
-    env = self.trial_env()
-    threads = ' '.join(f'{name}={env[name]}' for name in THREAD_VARIABLES if name in env)
-    log.write(f'\n===== sweep attempt {attempt}, {time.strftime("%Y-%m-%d %H:%M:%S")}'
-              f'{", " + threads if threads else ""}: {subprocess.list2cmdline(command)}\n')
-    log.flush()
-    log_start = log.tell()
     self.records[trial.name] = {
         'status': 'RUNNING', 'attempts': attempt, 'base': self.sweep.base(),
         'started_at': time.time(),
         # an interrupted trial continues, so its time adds up; a failed one restarts
         'wall_seconds': previous.get('wall_seconds', 0.0) if previous.get(
             'status') in (INTERRUPTED, 'RUNNING') else 0.0}
-    _write_json(os.path.join(directory, STATUS_FILE), self.records[trial.name])
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                               start_new_session=True)
-    return _Running(trial=trial, process=process, log=log, log_start=log_start,
-                    started=time.monotonic())
+    write_json(os.path.join(directory, STATUS_FILE), self.records[trial.name])
+    environment = trial_environment(base=self.environment, repo_root=REPO_ROOT,
+                                    parallel=self.parallel)
+    return TrialProcess.launch(trial, command=self.sweep.train_command(trial, self.python),
+                               directory=directory, environment=environment,
+                               attempt=attempt)
 
-  @staticmethod
-  def _signal_trial(running: _Running, signum: int) -> None:
-    try:
-      os.killpg(running.process.pid, signum)  # the trial's own session: it and its children
-    except ProcessLookupError:
-      pass  # already gone
-
-  def _stop(self, running: _Running) -> None:
-    """SIGTERM the trial (it finishes its step, saves, then exits); once only."""
-    if not running.stop_sent:
-      running.stop_sent = time.monotonic()
-      self._signal_trial(running, signal.SIGTERM)
-
-  def _finish(self, running: _Running) -> dict[str, Any]:
-    trial, exit_code = running.trial, running.process.returncode
-    running.log.close()
+  def _finish(self, running: TrialProcess) -> dict[str, Any]:
+    trial, exit_code = running.trial, running.exit_code
+    output = running.output()
     directory = self.trial_dir(trial)
-    with open(os.path.join(directory, LOG_FILE), errors='replace') as f:
-      f.seek(running.log_start)
-      output = f.read()
     record = self.records[trial.name]
     wall = record['wall_seconds'] + time.monotonic() - running.started
     outcome = trial_outcome(run_status.read_run_status(directory), exit_code,
-                            pid=running.process.pid)
+                            pid=running.pid)
     if running.timed_out:
       status, error = FAILURE, (f'timed out after {self.trial_timeout:g} s '
                                 f'(stopped; a re-run continues from its checkpoint)')
@@ -321,7 +232,7 @@ class SweepRunner:
     if status != INTERRUPTED:  # an interrupted session goes on in the next attempt
       sweep_board.write_session_end(directory, status=status, wall_seconds=wall)
     record['metrics'] = sweep_board.final_metrics(directory)
-    _write_json(os.path.join(directory, STATUS_FILE), record)
+    write_json(os.path.join(directory, STATUS_FILE), record)
     if status == SUCCESS:
       self._finished_walls.append(wall)
     return record
@@ -386,14 +297,14 @@ class SweepRunner:
 
   def _run_trials(self, waiting: list[Trial]) -> None:
     """Keeps `parallel` trials running, polls them, enforces timeouts and stops."""
-    running: list[_Running] = []
+    running: list[TrialProcess] = []
     started = last_progress = time.monotonic()
     try:
       while waiting or running:
         if self.stop_signal:
           waiting = []
           for item in running:
-            self._stop(item)
+            item.stop()
         while waiting and len(running) < self.parallel:
           trial = waiting.pop(0)
           running.append(self._start(trial))
@@ -405,10 +316,10 @@ class SweepRunner:
           if (self.trial_timeout and not item.stop_sent
               and now - item.started > self.trial_timeout):
             item.timed_out = True
-            self._stop(item)
-          if item.process.poll() is None:
+            item.stop()
+          if not item.finished():
             if item.stop_sent and now - item.stop_sent > self.stop_grace:
-              self._signal_trial(item, signal.SIGKILL)  # it did not save in time
+              item.send(signal.SIGKILL)  # it did not save in time
             continue
           running.remove(item)
           record = self._finish(item)
@@ -422,7 +333,7 @@ class SweepRunner:
           self._say(self.progress_line(len(running), len(waiting), started))
     finally:
       for item in running:  # only after an unexpected error in this loop
-        self._stop(item)
+        item.stop()
 
   def _write_results(self) -> list[dict[str, Any]]:
     """sweep.tsv and the printed table; returns the records in sweep order."""

@@ -1,7 +1,9 @@
 """Adafactor (Shazeer & Stern 2018), with T5X's defaults.
 
     optimizer = make_optimizer(OptimizerConfig(name='adafactor'), variables=..., paths=...,
-                               total_steps=1000)          # layout_core.train.optimizer
+                               total_steps=1000)          # layout_core.optim
+    Adafactor.slot_specs((512, 2048), OptimizerConfig(name='adafactor'))
+    # v_row (512,) and v_col (2048,): O(n + m) state for an n x m matrix
 
 For a parameter whose last two dimensions are both at least
 `adafactor_min_dim_to_factor` (128), the second moment is factored: a row
@@ -30,11 +32,15 @@ layout (a row statistic its row sharding), plus the state axis when
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from layout_core.lazy import tf
-from layout_core.train.optimizer import Optimizer
+from layout_core.optim.base import Optimizer
+from layout_core.optim.config import OptimizerConfig, SlotSpec
 
 
-def factored(shape, min_dim: int) -> bool:
+def factored(shape: Sequence[int], min_dim: int) -> bool:
+  """Whether a parameter of `shape` keeps factored second moments."""
   return len(shape) >= 2 and shape[-1] >= min_dim and shape[-2] >= min_dim
 
 
@@ -48,24 +54,19 @@ def _rms(x, lead: int = 0):
 class Adafactor(Optimizer):
   """Adafactor (module docstring)."""
 
-  def _make_slots(self, paths, variables):
-    config = self.config
-    self.v_row, self.v_col, self.v, self.m = {}, {}, {}, {}
-    for path, variable in zip(paths, variables):
-      shape = variable.shape.as_list()
-      if factored(shape, config.adafactor_min_dim_to_factor):
-        self.v_row[path] = self.slot(variable, name=f'{path}/v_row', shape=shape[:-1],
-                                     drop_dim=-1)
-        self.v_col[path] = self.slot(variable, name=f'{path}/v_col',
-                                     shape=shape[:-2] + shape[-1:], drop_dim=-2)
-      else:
-        self.v[path] = self.slot(variable, name=f'{path}/v')
-      if config.adafactor_beta1:
-        self.m[path] = self.slot(variable, name=f'{path}/m')
+  SLOT_NAMES = ('v_row', 'v_col', 'v', 'm')
 
-  def slots_for(self, path):
-    return [slots[path] for slots in (self.v_row, self.v_col, self.v, self.m)
-            if path in slots]
+  @classmethod
+  def slot_specs(cls, shape: Sequence[int], config: OptimizerConfig) -> tuple[SlotSpec, ...]:
+    shape = tuple(shape)
+    if factored(shape, config.adafactor_min_dim_to_factor):
+      slots = (SlotSpec('v_row', shape[:-1], dropped_dim=-1),
+               SlotSpec('v_col', shape[:-2] + shape[-1:], dropped_dim=-2))
+    else:
+      slots = (SlotSpec('v', shape),)
+    if config.adafactor_beta1:
+      slots += (SlotSpec('m', shape),)
+    return slots
 
   def _delta(self, path, grad, param, *, lr, step):
     config, lead = self.config, self.lead_dims.get(path, 0)

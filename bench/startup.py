@@ -1,0 +1,332 @@
+r"""Start-up, phase by phase: from `python -m launch.train ...` to its first
+step, beside a hand-written TensorFlow program of the same model.
+
+    python bench/startup.py [--configs quickstart lm_2d] [--rounds 3]
+
+Each contender is a fresh process, run in turns (meshgin's configs, then the
+plain program, round after round) so that load drift hits all alike; each
+figure is the best round's. The meshgin child runs the real entry point,
+`launch.train.main` under `absl.app.run`, with `train.num_steps = 3`; it only
+wraps a few of the functions that path calls with a clock (nothing else
+changes), and the first call of each step function also waits for its
+result, so that each phase ends when its work is done:
+
+    phase                         ends when
+    python, import TensorFlow     `import tensorflow` returned
+    flags, gin, plan              `plugins.plan.make_plan` returned
+    mesh                          `layout_core.layout.mesh.build_mesh` returned
+    model variables               the last `LayoutScope` closed
+    optimizer state, engine       `factory.make_trainer` returned
+    dry step                      `check_step_compiles` returned (compiles the gradients)
+    run record                    `plugins.record.record_run` returned
+    step-0 eval                   the first training step began (compiles evaluate)
+    first step                    its update's result is on the host (compiles apply)
+
+The plain program (`plain_child`: no DTensor, one device, one `tf.function`
+doing forward, backward, clipping and Adam) has three: import TensorFlow,
+variables (parameters and Adam slots), first step. Times are wall seconds
+since the parent started the process and CPU seconds of the process (both
+columns: on a shared machine the CPU figure is the steadier one). Also
+printed per step function: the first call (trace + compile + run) and the
+best later call (run).
+
+Results go to bench/results/startup.json with the date, commit and machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from bench.common import RESULTS, write_json  # noqa: E402
+
+CONFIGS = {'quickstart': 'configs/experiments/quickstart.gin',
+           'lm_2d': 'configs/experiments/lm_2d.gin'}
+NUM_STEPS = 3
+MESHGIN_PHASES = ('python, import TensorFlow', 'flags, gin, plan', 'mesh', 'model variables',
+                  'optimizer state, engine', 'dry step', 'run record', 'step-0 eval',
+                  'first step')
+PLAIN_PHASES = ('python, import TensorFlow', 'variables', 'first step')
+STEP_FUNCTIONS = ('loss_and_gradients', 'evaluate', 'apply_gradients')
+
+
+# ---------------------------------------------------------------- child side
+
+
+class Clock:
+  """Wall seconds since the parent's spawn time, and this process's CPU seconds."""
+
+  def __init__(self, spawned: float):
+    self.spawned = spawned
+    self.marks: dict[str, tuple[float, float]] = {}
+
+  def now(self) -> tuple[float, float]:
+    return time.time() - self.spawned, time.process_time()
+
+  def mark(self, name: str) -> None:
+    self.marks[name] = self.now()
+
+
+def _wrap(owner, name: str, before=None, after=None) -> None:
+  """Replaces `owner.name` by a call of the original between two hooks."""
+  original = getattr(owner, name, None)
+  if original is None:
+    raise SystemExit(f'bench/startup.py: {owner.__name__}.{name} is gone: update the '
+                     'phases to the code path launch.train takes now')
+
+  def timed(*args, **kwargs):
+    if before:
+      before()
+    result = original(*args, **kwargs)
+    if after:
+      after(result)
+    return result
+  setattr(owner, name, timed)
+
+
+def meshgin_child(gin_file: str, spawned: float) -> dict:
+  clock = Clock(spawned)
+  import tensorflow  # noqa: F401  pylint: disable=unused-import,g-import-not-at-top
+  clock.mark('python, import TensorFlow')
+  # pylint: disable=g-import-not-at-top
+  from absl import app
+  import launch
+  from launch import train as launch_train
+  from layout_core.layout import mesh as mesh_lib, scope as scope_lib
+  from layout_core.layout.variables import to_numpy
+  from plugins import plan as plan_lib, training
+  calls: dict[str, list[tuple[float, float]]] = {}
+
+  def watch_engine(engine) -> None:
+    for method in STEP_FUNCTIONS:
+      original = getattr(engine, method)
+
+      def call(*args, _original=original, _method=method):
+        start = clock.now()
+        result = _original(*args)
+        first = _method not in calls
+        if first:  # its compile ends when its first result is on the host
+          to_numpy(result[0])
+        calls.setdefault(_method, []).append((start, clock.now()))
+        if first and _method == 'apply_gradients':
+          clock.mark('first step')
+        return result
+      setattr(engine, method, call)
+
+  _wrap(plan_lib, 'make_plan', after=lambda _: clock.mark('flags, gin, plan'))
+  _wrap(mesh_lib, 'build_mesh', after=lambda _: clock.mark('mesh'))
+  _wrap(scope_lib.LayoutScope, '__exit__', after=lambda _: clock.mark('model variables'))
+
+  def trainer_made(trainer):
+    clock.mark('optimizer state, engine')
+    watch_engine(trainer.engine)
+  _wrap(training, 'make_trainer', after=trainer_made)
+  _wrap(training, 'check_step_compiles', after=lambda _: clock.mark('dry step'))
+  _wrap(training, 'record_run', after=lambda _: clock.mark('run record'))
+  launch.install_start_up_handlers()
+  model_dir = tempfile.mkdtemp(prefix='meshgin-startup-')
+  argv = ['launch.train', f'--gin_file={gin_file}', f'--model_dir={model_dir}',
+          f'--gin_bindings=train.num_steps = {NUM_STEPS}',
+          '--gin_bindings=checkpoint.save_at_end = False']
+  try:
+    app.run(launch_train.main, argv=argv)
+  except SystemExit as e:
+    if e.code:
+      raise
+  gradients = calls['loss_and_gradients']
+  # The step-0 eval ends where the first training step's gradients begin
+  # (the dry step made the first call).
+  clock.marks['step-0 eval'] = gradients[1][0]
+  return {'phases': clock.marks, 'calls': calls}
+
+
+def plain_child(spawned: float) -> dict:
+  """lm_tiny (111,936 parameters: vocab 64, width 64, 4 heads, ffn 256, 2
+  layers, 64 positions) trained on batches of 32 x 64 tokens as a user would
+  write it by hand: plain variables on one device, one tf.function."""
+  clock = Clock(spawned)
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  clock.mark('python, import TensorFlow')
+  vocab, dim, heads, ffn, layers, seq, batch = 64, 64, 4, 256, 2, 64, 32
+  head = dim // heads
+  normal = lambda *shape: tf.Variable(tf.random.normal(shape, stddev=0.02))  # noqa: E731
+  ones, zeros = (lambda n: tf.Variable(tf.ones([n]))), (lambda n: tf.Variable(tf.zeros([n])))
+  params = {'emb': normal(vocab, dim), 'pos': normal(seq, dim), 'ln_g': ones(dim),
+            'ln_b': zeros(dim), 'out_w': normal(dim, vocab), 'out_b': zeros(vocab)}
+  for i in range(layers):
+    params.update({f'{i}/{n}': normal(dim, heads, head) for n in ('wq', 'wk', 'wv')})
+    params.update({f'{i}/wo': normal(heads, head, dim), f'{i}/w_in': normal(dim, ffn),
+                   f'{i}/b_in': zeros(ffn), f'{i}/w_out': normal(ffn, dim),
+                   f'{i}/b_out': zeros(dim), f'{i}/ln1_g': ones(dim), f'{i}/ln1_b': zeros(dim),
+                   f'{i}/ln2_g': ones(dim), f'{i}/ln2_b': zeros(dim)})
+  variables = list(params.values())
+  m = [tf.Variable(tf.zeros_like(v)) for v in variables]
+  v2 = [tf.Variable(tf.zeros_like(v)) for v in variables]
+  step_var = tf.Variable(0.0)
+  clock.mark('variables')
+
+  def norm(x, g, b):
+    mean, var = tf.nn.moments(x, [-1], keepdims=True)
+    return (x - mean) * tf.math.rsqrt(var + 1e-6) * g + b
+
+  def loss_fn(tokens):
+    p = params
+    x = tf.gather(p['emb'], tokens[:, :-1]) + p['pos'][:seq]
+    mask = tf.linalg.band_part(tf.ones([seq, seq]), -1, 0)
+    for i in range(layers):
+      h = norm(x, p[f'{i}/ln1_g'], p[f'{i}/ln1_b'])
+      q, k, v = (tf.einsum('btd,dhk->bthk', h, p[f'{i}/{n}']) for n in ('wq', 'wk', 'wv'))
+      logits = tf.einsum('bthk,buhk->bhtu', q, k) * head ** -0.5 + (1.0 - mask) * -1e9
+      context = tf.einsum('bhtu,buhk->bthk', tf.nn.softmax(logits), v)
+      x += tf.einsum('bthk,hkd->btd', context, p[f'{i}/wo'])
+      h = norm(x, p[f'{i}/ln2_g'], p[f'{i}/ln2_b'])
+      x += tf.nn.relu(h @ p[f'{i}/w_in'] + p[f'{i}/b_in']) @ p[f'{i}/w_out'] + p[f'{i}/b_out']
+    logits = norm(x, p['ln_g'], p['ln_b']) @ p['out_w'] + p['out_b']
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=tokens[:, 1:], logits=logits))
+
+  @tf.function
+  def step(tokens):
+    with tf.GradientTape() as tape:
+      loss = loss_fn(tokens)
+    grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)]
+    grads, _ = tf.clip_by_global_norm(grads, 1.0)
+    step_var.assign_add(1.0)
+    correction = tf.sqrt(1.0 - 0.99 ** step_var) / (1.0 - 0.9 ** step_var)
+    for var, g, m_, v_ in zip(variables, grads, m, v2):
+      m_.assign(0.9 * m_ + 0.1 * g)
+      v_.assign(0.99 * v_ + 0.01 * tf.square(g))
+      var.assign_sub(3e-3 * correction * m_ / (tf.sqrt(v_) + 1e-8))
+    return loss
+
+  rng = np.random.default_rng(0)
+  calls = []
+  for _ in range(NUM_STEPS):
+    start = clock.now()
+    step(rng.integers(0, vocab, size=(batch, seq + 1), dtype=np.int32)).numpy()
+    calls.append((start, clock.now()))
+    if len(calls) == 1:
+      clock.mark('first step')
+  parameters = sum(int(np.prod(v.shape)) for v in variables)
+  return {'phases': clock.marks, 'calls': {'step': calls}, 'parameters': parameters}
+
+
+# ---------------------------------------------------------------- parent side
+
+
+def run_child(kind: str, *args: str) -> dict:
+  env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='2')
+  spawned = time.time()
+  done = subprocess.run([sys.executable, os.path.abspath(__file__), '--child', kind,
+                         '--spawned', repr(spawned), *args], cwd=REPO, env=env,
+                        capture_output=True, text=True)
+  if done.returncode or 'RESULT ' not in done.stdout:
+    raise SystemExit(f'{kind} {" ".join(args)} failed (exit {done.returncode}):\n'
+                     f'{done.stderr[-4000:]}')
+  return json.loads(done.stdout.split('RESULT ', 1)[1])
+
+
+def durations(result: dict, phases) -> dict[str, tuple[float, float]]:
+  """Each phase's (wall, CPU) seconds: from the end of the one before."""
+  out, previous = {}, (0.0, 0.0)
+  for name in phases:
+    wall, cpu = result['phases'][name]
+    out[name] = (wall - previous[0], cpu - previous[1])
+    previous = (wall, cpu)
+  return out
+
+
+def best(results: list[dict], phases) -> dict:
+  """The round with the earliest first step (wall), and per phase the least."""
+  first = min(results, key=lambda r: r['phases']['first step'][0])
+  per_phase = {name: (min(durations(r, phases)[name][0] for r in results),
+                      min(durations(r, phases)[name][1] for r in results)) for name in phases}
+  calls = {}
+  for name in first['calls']:
+    spans = [[end[0] - start[0] for start, end in r['calls'][name]] for r in results]
+    calls[name] = {'first': min(s[0] for s in spans),
+                   'later': min(min(s[1:]) for s in spans if len(s) > 1)}
+  return {'first_step': first['phases']['first step'],
+          'first_step_cpu_best': min(r['phases']['first step'][1] for r in results),
+          'phases': per_phase, 'calls': calls}
+
+
+def print_table(name: str, summary: dict, phases, plain: dict) -> None:
+  wall, cpu = summary['first_step'][0], summary['first_step_cpu_best']
+  plain_wall, plain_cpu = plain['first_step'][0], plain['first_step_cpu_best']
+  print(f'\n{name}: first step at {wall:.2f} s wall ({wall / plain_wall:.2f}x the plain '
+        f'program\'s {plain_wall:.2f} s), {cpu:.2f} CPU-s ({cpu / plain_cpu:.2f}x its '
+        f'{plain_cpu:.2f})')
+  print(f'  {"phase (best round each)":32s} {"wall s":>7s} {"CPU s":>7s}')
+  for phase in phases:
+    w, c = summary['phases'][phase]
+    print(f'  {phase:32s} {w:7.2f} {c:7.2f}')
+  for function, spans in summary['calls'].items():
+    print(f'  {function + " call":32s} first {spans["first"]:.2f} s, later {spans["later"]:.3f} s')
+
+
+def machine() -> dict:
+  commit = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip()
+  dirty = bool(subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'],
+                              cwd=REPO, capture_output=True, text=True).stdout.strip())
+  return {'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+          'commit': commit + (' (with uncommitted changes)' if dirty else ''),
+          'machine': {'host': platform.node(), 'cores': len(os.sched_getaffinity(0)),
+                      'processor': platform.processor() or platform.machine(),
+                      'load_average_at_start': os.getloadavg()}}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--configs', nargs='+', default=list(CONFIGS), choices=list(CONFIGS))
+  parser.add_argument('--rounds', type=int, default=3)
+  parser.add_argument('--out', default=os.path.join(RESULTS, 'startup.json'))
+  parser.add_argument('--child', help=argparse.SUPPRESS)
+  parser.add_argument('--spawned', type=float, help=argparse.SUPPRESS)
+  args, rest = parser.parse_known_args()
+  if args.child:
+    result = (plain_child(args.spawned) if args.child == 'plain'
+              else meshgin_child(CONFIGS[args.child], args.spawned))
+    print('RESULT ' + json.dumps(result), flush=True)
+    os._exit(0)  # pylint: disable=protected-access
+  if rest:
+    parser.error(f'unexpected arguments: {rest}')
+  record = machine()
+  print(f'{record["date"]}, {record["machine"]["cores"]} cores, load average '
+        f'{record["machine"]["load_average_at_start"][0]:.1f} at start', flush=True)
+  rounds: dict[str, list[dict]] = {name: [] for name in [*args.configs, 'plain']}
+  for index in range(args.rounds):
+    for name in rounds:
+      result = run_child(name)
+      rounds[name].append(result)
+      print(f'round {index + 1} {name:11s} first step at {result["phases"]["first step"][0]:6.2f} s'
+            f' wall, {result["phases"]["first step"][1]:6.2f} CPU-s', flush=True)
+  plain = best(rounds['plain'], PLAIN_PHASES)
+  print_table('plain TensorFlow', plain, PLAIN_PHASES, plain)
+  summaries = {'plain': plain}
+  for name in args.configs:
+    summaries[name] = best(rounds[name], MESHGIN_PHASES)
+    print_table(name, summaries[name], MESHGIN_PHASES, plain)
+  record.update(rounds_run=args.rounds, best=summaries, rounds=rounds,
+                load_average_at_end=os.getloadavg(),
+                ratio_first_step_wall={n: summaries[n]['first_step'][0] / plain['first_step'][0]
+                                       for n in args.configs},
+                ratio_first_step_cpu={n: summaries[n]['first_step_cpu_best']
+                                      / plain['first_step_cpu_best'] for n in args.configs})
+  write_json(record, args.out)
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,94 @@
+"""Matching a checkpoint's keys to a model's variables: by key, to resume, and
+by name through a path mapping, to start a new run from another checkpoint.
+
+    check_fits(prefix, entries, roots=('model/', 'optimizer/'))  # ConfigError if not
+    entries, saved_bytes = entries_by_name(prefix, variables,
+                                           rename_rules=[(r'lm/(.*)', r'old_lm/\1')])
+    shard_io.read_entries(prefix, entries)
+
+A mismatch is a ConfigError that lists every variable concerned (first few of
+each kind, then a count) and changes nothing on disk.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from layout_core.checkpoint.damage import saved_variables
+from layout_core.checkpoint.shard_io import VALUE_SUFFIX, CheckpointEntry
+from layout_core.errors import ConfigError
+from layout_core.lazy import tf
+
+
+def _listing(items: Sequence[str], *, shown: int = 4) -> str:
+  more = f'; ... {len(items) - shown} more' if len(items) > shown else ''
+  return '; '.join(items[:shown]) + more
+
+
+def check_fits(prefix: str, entries: Sequence[CheckpointEntry], *,
+               roots: Sequence[str]) -> None:
+  """ConfigError listing every variable whose key or shape differs between
+  the checkpoint at `prefix` and `entries`; keys under other `roots` than the
+  model's (e.g. a data iterator's) are not the model's business.
+  CheckpointDamage when the checkpoint's index cannot be read."""
+  saved = saved_variables(prefix)
+  expected = {e.key: list(e.shape) for e in entries}
+  missing, reshaped = [], []
+  for key, shape in expected.items():
+    if key not in saved:
+      missing.append(key)
+    elif list(saved[key]) != shape:
+      reshaped.append(f'{key}: checkpoint shape {list(saved[key])}, model shape {shape}')
+  extra = [k for k in saved if k.startswith(tuple(roots)) and k.endswith(VALUE_SUFFIX)
+           and k not in expected]
+  if missing or reshaped or extra:
+    raise ConfigError(
+        f'the checkpoint {prefix} does not match this model: {len(reshaped)} '
+        f'variable(s) with other shapes [{_listing(reshaped)}], {len(missing)} missing '
+        f'from the checkpoint [{_listing(missing)}], {len(extra)} only in the '
+        f'checkpoint [{_listing(extra)}]', where='model_dir',
+        fix='use a new --model_dir for a different model (the existing '
+            'checkpoint was left untouched)')
+
+
+def entries_by_name(prefix: str, variables: Mapping[str, tf.Variable], *,
+                    rename_rules: Sequence[Sequence[str]]) -> tuple[list[CheckpointEntry], int]:
+  """(an entry per variable, the checkpoint's size in float32 bytes) for
+  reading `variables` (path -> variable) by name from the checkpoint at `prefix`.
+
+  The name looked for is the path, or the expansion of the first
+  (regex, replacement) rule that fullmatches it. Works for object-graph
+  checkpoints (meshgin's, keyed 'model/...') and name-based TF1 checkpoints
+  (tf.compat.v1.train.Saver, keyed by variable name). ConfigError naming
+  every variable not found or of another shape."""
+  shapes = tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
+  by_name = {k[:-len(VALUE_SUFFIX)] if k.endswith(VALUE_SUFFIX) else k: k for k in shapes}
+  rules = [(re.compile(pattern), replacement) for pattern, replacement in rename_rules]
+  missing, wrong_shape, found = [], [], []
+  for path, variable in variables.items():
+    name = path
+    for pattern, replacement in rules:
+      match = pattern.fullmatch(path)
+      if match:
+        name = match.expand(replacement)
+        break
+    root_relative = 'model/' + name.split('/', 1)[-1]
+    key = by_name.get(name) or by_name.get(root_relative)
+    if key is None:
+      missing.append(f'{path} (looked for {name!r})')
+      continue
+    if list(shapes[key]) != variable.shape.as_list():
+      wrong_shape.append(f'{path}: {list(shapes[key])} vs {variable.shape.as_list()}')
+      continue
+    found.append(CheckpointEntry(key, variable))
+  if missing or wrong_shape:
+    raise ConfigError(
+        f'checkpoint.init_from {prefix}: {len(missing)} variable(s) not found '
+        f'[{"; ".join(missing[:8])}] and {len(wrong_shape)} with other shapes '
+        f'[{"; ".join(wrong_shape[:8])}]', where='checkpoint.init_from_map',
+        fix='add (regex, replacement) pairs mapping new paths to the names in '
+            'the checkpoint (tf.train.list_variables shows them)')
+  return found, sum(int(np.prod(s)) * 4 for s in shapes.values())

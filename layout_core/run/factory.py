@@ -1,0 +1,90 @@
+"""The one place that picks a step engine, from the model and the pipeline plan.
+
+    trainer = make_trainer(model=lm_params, mesh=mesh, rules=rules, task=task,
+                           optimizer=OptimizerConfig(), config=TrainConfig(),
+                           pipeline=PipelineConfig(num_stages=2, num_micro_batches=4))
+    trainer.train()
+
+Which engine runs a step depends only on what the plan says: a pipeline plan
+picks its engine (`'submesh'`: GPipe, `'spmd'`: the stage axis); otherwise a
+Params tree or a Keras 3 model runs on the whole mesh (`SingleProgramEngine`
+with a `ModelProgram`). With `layout_core.run.planning` (config time) this is
+the one module that asks what kind of model it has. It sits above both
+`layout_core.train` and `layout_core.pipeline`, so the pipeline engines can
+build on the training loop's pieces without the loop knowing about them.
+"""
+
+from __future__ import annotations
+
+from layout_core.layout import mesh as mesh_lib
+from layout_core.layout.rules import LayoutRules
+from layout_core.model.base import compute_params
+from layout_core.model.built import build_params_model
+from layout_core.optim import OptimizerConfig
+from layout_core.params import Params
+from layout_core.pipeline.config import PipelineConfig
+from layout_core.pipeline.engines import GPipeEngine, spmd_engine
+from layout_core.pipeline.plan import PipelinePlan
+from layout_core.run.planning import check_segments_supported, plan_pipeline_run
+from layout_core.tasks import Task
+from layout_core.train.config import TrainConfig, batch_axis_for
+from layout_core.train.engine import Counters, ModelProgram, SingleProgramEngine, StepEngine
+from layout_core.train.loop import Trainer
+
+
+def make_engine(*, model, mesh, rules: LayoutRules | None, task: Task,
+                optimizer: OptimizerConfig, config: TrainConfig, counters: Counters,
+                pipeline: PipelineConfig | None = None,
+                pipeline_plan: PipelinePlan | None = None,
+                bubble_fill: float | None = None) -> StepEngine:
+  """The engine for `model` (a Params tree or `layout_core.model.keras.KerasModel`).
+
+  A pipelined run passes its `pipeline` config and the `pipeline_plan` made
+  at config time (`plugins.plan`); a library caller may leave the plan out
+  and it is made here. `bubble_fill` (tests: NaN) fills the SPMD engine's idle slots."""
+  mesh_axes = mesh_lib.mesh_axes(mesh)
+  # Resolved once (UNSHARDED when the mesh lacks the axis); every engine gets this.
+  batch_axis = batch_axis_for(config, mesh_axes, warn=True)
+  pipelined = pipeline is not None and pipeline.enabled
+  check_segments_supported(model, task, pipelined=pipelined)
+  if isinstance(model, Params):
+    model = compute_params(model, dtype=config.compute_dtype, remat=config.remat)
+  if pipelined:
+    plan = pipeline_plan or plan_pipeline_run(pipeline, model=model, task=task, config=config,
+                                              mesh_axes=mesh_axes, batch_axis=batch_axis)
+    if plan.engine == 'spmd':
+      return spmd_engine(
+          params=model, plan=plan, stage_axis=pipeline.stage_axis, mesh=mesh,
+          rules=rules, task=task, optimizer=optimizer, config=config, counters=counters,
+          batch_axis=batch_axis, bubble_fill=bubble_fill)
+    return GPipeEngine(params=model, plan=plan, stage_axis=pipeline.stage_axis,
+                       mesh=mesh, rules=rules, task=task, optimizer=optimizer,
+                       config=config, counters=counters, batch_axis=batch_axis)
+  if isinstance(model, Params):
+    built = build_params_model(model, mesh=mesh, rules=rules, seed=config.seed)
+  else:
+    from layout_core.model import keras  # pylint: disable=g-import-not-at-top
+    built = keras.build(model, mesh=mesh, rules=rules, seed=config.seed,
+                        input_specs=task.input_specs(config.batch_size),
+                        compute_dtype=config.compute_dtype, remat=config.remat)
+  return SingleProgramEngine(
+      program=ModelProgram(model=built, task=task, mesh=mesh, batch_axis=batch_axis),
+      mesh=mesh, optimizer=optimizer, config=config, counters=counters)
+
+
+def make_trainer(*, model, mesh, rules: LayoutRules | None, task: Task,
+                 optimizer: OptimizerConfig, config: TrainConfig,
+                 pipeline: PipelineConfig | None = None,
+                 pipeline_plan: PipelinePlan | None = None, writer=None,
+                 profile_dir: str | None = None, bubble_fill: float | None = None,
+                 model_flops_per_step: float | None = None,
+                 peak_flops: float | None = None) -> Trainer:
+  """Counters, the engine (`make_engine`) and the loop around them (the FLOP
+  figures feed train/model_flops_per_sec and train/mfu, see `Trainer`)."""
+  counters = Counters(mesh)
+  engine = make_engine(model=model, mesh=mesh, rules=rules, task=task, optimizer=optimizer,
+                       config=config, counters=counters, pipeline=pipeline,
+                       pipeline_plan=pipeline_plan, bubble_fill=bubble_fill)
+  return Trainer(engine=engine, counters=counters, task=task, config=config, writer=writer,
+                 profile_dir=profile_dir, model_flops_per_step=model_flops_per_step,
+                 peak_flops=peak_flops)

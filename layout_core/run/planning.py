@@ -1,0 +1,104 @@
+"""A run's plan at config time: layouts, cost and the pipeline plan, nothing allocated.
+
+    pipeline_plan = plan_pipeline_run(PipelineConfig(num_stages=2), model=lm, task=task,
+                                      config=TrainConfig(), mesh_axes={'stage': 2, 'data': 4},
+                                      batch_axis='data')
+    records, meta = plan_model(lm, rules=rules, mesh_axes={'stage': 2, 'data': 4}, task=task,
+                               config=TrainConfig(), pipeline_plan=pipeline_plan)
+
+The typed run plan (`plugins.plan`, for `launch.train` and `launch.inspect`)
+and the engine factory (`layout_core.run.factory`, for a library caller who
+brings no plan) both plan through these functions, so a config is planned
+by one set of rules whichever way it arrives. Plain Python: TensorFlow is
+not imported.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from layout_core.errors import ConfigError
+from layout_core.layout.rules import LayoutRules
+from layout_core.layout.scope import LayoutRecord, plan_layouts
+from layout_core.model.base import LayerMeta, leaf_layers
+from layout_core.model.layers import Embedding
+from layout_core.params import Params
+from layout_core.pipeline.config import PipelineConfig
+from layout_core.pipeline.plan import (PipelinePlan, check_pipelinable, plan_layout_records,
+                                       plan_pipeline)
+from layout_core.tasks import Task
+from layout_core.tasks.lm import LMTask
+from layout_core.train.config import TrainConfig
+
+
+def plan_pipeline_run(pipeline: PipelineConfig | None, *, model, task: Task,
+                      config: TrainConfig, mesh_axes: Mapping[str, int],
+                      batch_axis: str) -> PipelinePlan | None:
+  """The pipeline plan of a run (None when pipelining is off): the model and
+  task checked, the micro-batches cut from one accumulation micro-step
+  (`config.batch_size / grad_accum_steps` rows). `batch_axis` is the resolved
+  batch axis (`layout_core.train.config.batch_axis_for`)."""
+  if pipeline is None or not pipeline.enabled:
+    return None
+  check_pipelinable(model, task)
+  return plan_pipeline(pipeline, params=model, mesh_axes=mesh_axes,
+                       batch_size=config.batch_size // config.grad_accum_steps,
+                       seq_len=task.seq_len, batch_axis=batch_axis)
+
+
+def plan_model(model, *, rules: LayoutRules, mesh_axes: Mapping[str, int], task: Task,
+               config: TrainConfig, pipeline_plan: PipelinePlan | None = None,
+               stage_axis: str = 'stage') -> tuple[list[LayoutRecord], LayerMeta | None]:
+  """Every variable's layout record, and the forward cost of one global batch
+  (None for a Keras model: its FLOPs are not declared). Checks that a Params
+  LM fits the task's vocabulary and length."""
+  check_segments_supported(model, task, pipelined=pipeline_plan is not None)
+  if not isinstance(model, Params):
+    from layout_core.model import keras  # pylint: disable=g-import-not-at-top
+    return keras.plan(model, rules=rules, mesh_axes=mesh_axes,
+                      input_specs=task.input_specs(config.batch_size), seed=config.seed), None
+  _check_embedding_fits(model, task)
+  meta = model.cls.fprop_meta(model, *[shape for shape, _ in task.input_specs(config.batch_size)])
+  if pipeline_plan is not None:
+    records = plan_layout_records(pipeline_plan, params=model, rules=rules,
+                                  mesh_axes=mesh_axes, stage_axis=stage_axis)
+  else:
+    records = plan_layouts(model.cls.variable_specs(model), rules, mesh_axes)
+  return records, meta
+
+
+def check_segments_supported(model, task: Task, *, pipelined: bool) -> None:
+  """Packed rows (several documents each) need attention that stays inside
+  a document: the library's layers do it on the whole-mesh engine; a Keras
+  model or a pipeline engine would attend across documents, so say so."""
+  if not task.needs_segments:
+    return
+  if pipelined or not isinstance(model, Params):
+    what = 'a pipeline engine' if pipelined else 'a Keras model'
+    raise ConfigError(f'packed documents (lm_corpus.pack = True) need attention that stays '
+                      f'within each document, which {what} does not get',
+                      where='lm_corpus.pack',
+                      fix='set lm_corpus.pack = False (one document per row, padded: '
+                          'works with every engine and model), or train a Params model '
+                          'without a pipeline')
+
+
+def _check_embedding_fits(params: Params, task: Task) -> None:
+  """The model's vocabulary and longest sequence against an LM task's."""
+  embeddings = [p for _, p in leaf_layers(params) if p.cls is Embedding]
+  if not embeddings or not isinstance(task, LMTask):
+    return
+  embedding = embeddings[0]
+  data = task.settings_name  # the configurable the user set the task's values on
+  if embedding.vocab_size < task.vocab_size:
+    raise ConfigError(
+        f'model vocabulary {embedding.vocab_size} is smaller than the data '
+        f'vocabulary {task.vocab_size}', where=f'transformer_lm.vocab_size / {data}.vocab_size',
+        fix=f'set transformer_lm.vocab_size = {task.vocab_size}')
+  if embedding.max_len and task.seq_len > embedding.max_len:
+    raise ConfigError(
+        f'{data}.seq_len={task.seq_len} is longer than the model\'s longest sequence, '
+        f'transformer_lm.max_len={embedding.max_len}',
+        where=f'{data}.seq_len / transformer_lm.max_len',
+        fix=f'set transformer_lm.max_len >= {task.seq_len} or {data}.seq_len <= '
+            f'{embedding.max_len}')
