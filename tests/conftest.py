@@ -26,6 +26,29 @@ NUM_DEVICES = 8
 assert configure_virtual_cpus(NUM_DEVICES) >= NUM_DEVICES
 
 
+# The quick tier (`pytest -m "not slow"`, a few minutes, for iteration) leaves
+# out what trains for real: whole modules of subprocess trainings, and the
+# slow tests of otherwise quick modules. The full suite runs everything.
+SLOW = {
+    'test_data_runs': None, 'test_launch': None, 'test_mesh_tab': None,
+    'test_multi_client': None, 'test_never_lose_work': None, 'test_own_model': None,
+    'test_pipeline_launch': None, 'test_pipeline_spmd': None, 'test_pipeline_training': None,
+    'test_precision': None, 'test_resume': None, 'test_speed_paths': None, 'test_sweep': None,
+    'test_optimizer_state': None,
+    'test_layout_scope': {'test_sharded_run_matches_replicated_run'},
+    'test_pipeline': {'test_gpipe_training_on_sub_meshes_equals_plain_tf'},
+    'test_tasks': {'test_resume_from_a_checkpoint_reads_exactly_the_same_batches',
+                   'test_classifier_example_trains_end_to_end_from_gin'},
+}  # module -> None (all of it) or the names of its slow tests
+
+
+def pytest_collection_modifyitems(items):
+  for item in items:
+    module = item.module.__name__.rsplit('.', 1)[-1]
+    if module in SLOW and (SLOW[module] is None or item.originalname in SLOW[module]):
+      item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope='session')
 def devices8() -> int:
   return NUM_DEVICES
@@ -60,15 +83,18 @@ def run_module(module: str, *args: str, timeout: float = 300,
                         capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
-def run_modules(calls: Sequence[tuple[str, ...]], *, workers: int = 2,
-                timeout: float = 300) -> list[subprocess.CompletedProcess]:
-  """`run_module(*call)` for each call, `workers` at a time, in order.
+def run_modules(calls: Sequence[tuple[str, ...]], *, envs: Sequence[dict | None] = (),
+                workers: int = 2, timeout: float = 300) -> list[subprocess.CompletedProcess]:
+  """`run_module(*call, env=env)` for each call (and its env, if given),
+  `workers` at a time; the results in the order of `calls`.
 
   A launcher spends most of its start-up on one core (imports, parsing,
   tracing), so two at a time keep both cores busy: test modules that check
-  many independent runs start them together in a module fixture."""
+  several independent runs start them together in a module fixture."""
+  envs = list(envs) or [None] * len(calls)
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    return list(pool.map(lambda call: run_module(*call, timeout=timeout), calls))
+    return list(pool.map(lambda call, env: run_module(*call, timeout=timeout, env=env),
+                         calls, envs))
 
 
 class Launched:

@@ -60,18 +60,13 @@ def losses(model_dir):
 
 
 @pytest.fixture(scope='module')
-def uninterrupted(corpus, tmp_path_factory):
-  model_dir = str(tmp_path_factory.mktemp('uninterrupted'))
-  result = run_module('launch.train', *corpus_args(corpus), f'--model_dir={model_dir}')
-  assert result.returncode == 0, result.stderr[-3000:]
-  curve = losses(model_dir)
-  assert sorted(curve) == list(range(1, NUM_STEPS + 1))
-  return curve
-
-
-@pytest.fixture(scope='module')
-def stopped(corpus, tmp_path_factory):
-  """Stopped by SIGTERM a few steps in: (model_dir, the step it saved at)."""
+def runs(corpus, tmp_path_factory):
+  """The module's two shared runs, trained at the same time: the uninterrupted
+  curve ({step: loss}) and a run stopped by SIGTERM a few steps in
+  ((model_dir, the step it saved at))."""
+  straight_dir = str(tmp_path_factory.mktemp('uninterrupted'))
+  straight = Launched('launch.train', *corpus_args(corpus), f'--model_dir={straight_dir}',
+                      label='uninterrupted run')
   model_dir = str(tmp_path_factory.mktemp('stopped'))
   run = Launched('launch.train', *corpus_args(corpus), f'--model_dir={model_dir}',
                  label='stopped run')
@@ -79,9 +74,14 @@ def stopped(corpus, tmp_path_factory):
     run.wait_for(r'step 5/', timeout=300)
     run.process.send_signal(signal.SIGTERM)
     output = run.finish(timeout=120)
+    straight_output = straight.finish(timeout=300)
   finally:
-    if run.process.poll() is None:
-      run.process.kill()
+    for launched in (run, straight):
+      if launched.process.poll() is None:
+        launched.process.kill()
+  assert straight.process.returncode == 0, straight_output[-3000:]
+  curve = losses(straight_dir)
+  assert sorted(curve) == list(range(1, NUM_STEPS + 1))
   assert run.process.returncode == 0, output[-3000:]
   step = int(next(n for n in os.listdir(os.path.join(model_dir, 'checkpoints'))
                   if n.startswith('ckpt-')).split('-')[1])
@@ -90,7 +90,17 @@ def stopped(corpus, tmp_path_factory):
     state = json.load(f)['train']
   assert sorted((k for k in state if k != 'files'), key=int) == [str(k) for k in range(8)]
   assert [name for name, _ in state['files']] == [f'train-{k}.tfrecord' for k in range(8)]
-  return model_dir, step
+  return curve, (model_dir, step)
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(runs):
+  return runs[0]
+
+
+@pytest.fixture(scope='module')
+def stopped(runs):
+  return runs[1]
 
 
 def resumed_copy(stopped, target):

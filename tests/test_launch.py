@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from tests.conftest import read_events, run_module
+from tests.conftest import read_events, run_module, run_modules
 
 def short_run(gin_file: str, *, num_steps: int, eval_every: int) -> list[str]:
   """launch flags for a few steps of `gin_file`, logging every 2 steps."""
@@ -16,13 +16,26 @@ def short_run(gin_file: str, *, num_steps: int, eval_every: int) -> list[str]:
 
 
 QUICK = short_run('configs/experiments/quickstart.gin', num_steps=6, eval_every=3)
+PIPELINE = short_run('configs/experiments/lm_pipeline.gin', num_steps=4, eval_every=0)
 
 
-def test_train_writes_run_record_and_tensorboard_events(tmp_path):
-  model_dir = str(tmp_path / 'run')
-  # As a user runs it (no TF_CPP_MIN_LOG_LEVEL): the launcher quiets its own console.
-  result = run_module('launch.train', *QUICK, f'--model_dir={model_dir}',
-                      env={'TF_CPP_MIN_LOG_LEVEL': None})
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  """{'quick': (result, model_dir), 'pipeline': (result, model_dir)}: the two
+  real trainings this module checks, started together."""
+  root = tmp_path_factory.mktemp('launch')
+  model_dirs = {'quick': str(root / 'run'), 'pipeline': str(root / 'pipe')}
+  results = run_modules(
+      [('launch.train', *QUICK, f'--model_dir={model_dirs["quick"]}'),
+       ('launch.train', *PIPELINE, f'--model_dir={model_dirs["pipeline"]}',
+        '--gin_bindings=mesh.peak_flops_per_device = 1e9')],
+      # As a user runs it (no TF_CPP_MIN_LOG_LEVEL): the launcher quiets its own console.
+      envs=[{'TF_CPP_MIN_LOG_LEVEL': None}, None])
+  return {name: (result, model_dirs[name]) for name, result in zip(model_dirs, results)}
+
+
+def test_train_writes_run_record_and_tensorboard_events(runs):
+  result, model_dir = runs['quick']
   assert result.returncode == 0, result.stderr[-3000:]
   # TensorFlow's C++ info lines (shown with --verbose: see test_sweep's verbose
   # trials) stay off the console; the run's own log lines do not.
@@ -83,13 +96,8 @@ def test_help_explains_the_flags():
     assert flag in result.stdout
 
 
-PIPELINE = short_run('configs/experiments/lm_pipeline.gin', num_steps=4, eval_every=0)
-
-
-def test_pipelined_run_records_stages_bubble_fraction_and_checkpoints(tmp_path):
-  model_dir = str(tmp_path / 'pipe')
-  result = run_module('launch.train', *PIPELINE, f'--model_dir={model_dir}',
-                      '--gin_bindings=mesh.peak_flops_per_device = 1e9')
+def test_pipelined_run_records_stages_bubble_fraction_and_checkpoints(runs):
+  result, model_dir = runs['pipeline']
   assert result.returncode == 0, result.stderr[-3000:]
   events = read_events(model_dir)
   scalars, texts = events['scalars'], events['text']

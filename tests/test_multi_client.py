@@ -101,18 +101,15 @@ def local_cluster(model_dir, *args, timeout=400):
 
 
 @pytest.fixture(scope='module')
-def reference(tmp_path_factory):
-  """One process with 8 devices, 8 steps: checkpoints at 2, 4, 6, 8."""
-  model_dir = str(tmp_path_factory.mktemp('reference'))
-  result = run_module('launch.train', *ARGS, steps(8), f'--model_dir={model_dir}')
-  assert result.returncode == 0, result.stderr[-3000:]
-  return model_dir
-
-
-@pytest.fixture(scope='module')
-def two_clients(tmp_path_factory):
-  """2 clients x 4 devices through launch.local_cluster, preempted with SIGTERM
-  (to the launcher, which forwards it) once step 4 is saved."""
+def runs(tmp_path_factory):
+  """The module's shared runs, started together:
+  * the reference: one process with 8 devices, 8 steps (checkpoints at 2, 4, 6, 8);
+  * 2 clients x 4 devices through launch.local_cluster, preempted with SIGTERM
+    (to the launcher, which forwards it) once step 4 is saved.
+  Returns (reference model_dir, (two_clients model_dir, its output))."""
+  reference_dir = str(tmp_path_factory.mktemp('reference'))
+  reference_run = Launched('launch.train', *ARGS, steps(8), f'--model_dir={reference_dir}',
+                           label='reference run')
   model_dir = str(tmp_path_factory.mktemp('two_clients'))
   launcher = Launched('launch.local_cluster', '--num_clients=2', '--devices_per_client=4',
                       '--', *ARGS, steps(1000), f'--model_dir={model_dir}',
@@ -121,12 +118,25 @@ def two_clients(tmp_path_factory):
     launcher.wait_for(r'Saved checkpoint .*ckpt-4/ckpt', timeout=400)
     launcher.process.send_signal(signal.SIGTERM)
     output = launcher.finish(timeout=120)
+    reference_output = reference_run.finish(timeout=400)
   finally:
-    if launcher.process.poll() is None:
-      launcher.process.kill()
-      launcher.process.wait()
+    for launched in (launcher, reference_run):
+      if launched.process.poll() is None:
+        launched.process.kill()
+        launched.process.wait()
+  assert reference_run.process.returncode == 0, reference_output[-3000:]
   assert launcher.process.returncode == 0, output[-4000:]
-  return model_dir, output
+  return reference_dir, (model_dir, output)
+
+
+@pytest.fixture(scope='module')
+def reference(runs):
+  return runs[0]
+
+
+@pytest.fixture(scope='module')
+def two_clients(runs):
+  return runs[1]
 
 
 def test_two_clients_equal_one_process_and_only_client_0_records(reference, two_clients):

@@ -217,7 +217,8 @@ def test_remat_keras_model_gradients_equal(mesh_2x4):
     return float(to_numpy(loss)), [to_numpy(g) for g in grads], None
   reference = keras_gradients(keras_trainer())
   remat = keras_trainer(remat='block')
-  assert any(getattr(layer, '_remat_mode', None) for layer in remat.engine.program.model.module.layers)
+  keras_layers = remat.engine.program.model.module.layers
+  assert any(getattr(layer, '_remat_mode', None) for layer in keras_layers)
   assert_same_gradients(reference, keras_gradients(remat))
 
 

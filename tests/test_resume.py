@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.conftest import Launched, read_events, run_module
+from tests.conftest import Launched, read_events, run_module, run_modules
 
 BASE = ['--gin_file=configs/experiments/quickstart.gin',
         '--gin_bindings=train.eval_batches = 1', '--gin_bindings=train.log_every = 1',
@@ -28,10 +28,11 @@ def final_values(model_dir):
 def test_n_plus_n_steps_equals_2n_steps_bit_exactly(tmp_path):
   straight, resumed = str(tmp_path / 'straight'), str(tmp_path / 'resumed')
   steps = ['--gin_bindings=train.eval_every = 0', '--gin_bindings=checkpoint.every_steps = 0']
-  a = run_module('launch.train', *BASE, *steps, '--gin_bindings=train.num_steps = 8',
-                 f'--model_dir={straight}')
-  b1 = run_module('launch.train', *BASE, *steps, '--gin_bindings=train.num_steps = 4',
-                  f'--model_dir={resumed}')
+  a, b1 = run_modules([  # independent: started together
+      ('launch.train', *BASE, *steps, '--gin_bindings=train.num_steps = 8',
+       f'--model_dir={straight}'),
+      ('launch.train', *BASE, *steps, '--gin_bindings=train.num_steps = 4',
+       f'--model_dir={resumed}')])
   b2 = run_module('launch.train', *BASE, *steps, '--gin_bindings=train.num_steps = 8',
                   f'--model_dir={resumed}')
   for result in (a, b1, b2):

@@ -5,12 +5,11 @@
       model = lm_params.Instantiate()        # variables are DVariables now
     print(table_markdown(scope.records))     # what each rule did
 
-Each variable's initial value is made shard by shard (`initial_dtensor`):
-every distinct shard is computed once, eagerly, on a device that holds it, and
-the shards are packed into a DTensor, so no full-size copy of a sharded
-tensor exists at any point, and no function is traced or compiled per variable
-(30 variables of the quickstart took ~3.5 CPU-s as one DTensor function each,
-~0.2 s this way: bench/startup.py). `LayoutRecord`s
+Each variable's initial value is computed once on the host and each device
+gets only its slice (`initial_dtensor`): the same bits as one DTensor
+function per variable gave, without tracing and compiling one (the
+quickstart's 30 variables: ~3.5 CPU-s that way, ~0.8 s this way, most of it
+DTensor's per-variable handle creation; bench/startup.py). `LayoutRecord`s
 keep the resolved spec, the rule that decided it and the bytes per device;
 `plan_layouts` produces the same records from specs alone (no allocation) for
 `launch.inspect`.
@@ -28,11 +27,9 @@ from absl import logging
 from layout_core.lazy import tf, dtensor
 from layout_core.layout import mesh as mesh_lib
 from layout_core.errors import ConfigError
-from layout_core.layout.device_map import slice_index
 from layout_core.layout.rules import UNSHARDED, LayoutRules
 from layout_core.layout.variables import (Initializer, VariableSpec, creator_initial_value,
-                                          flat_index, path_seed, quiet_one_shot_traces,
-                                          variable_creator)
+                                          path_seed, quiet_one_shot_traces, variable_creator)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,26 +152,20 @@ def initial_dtensor(initializer: Initializer, *, shape: Sequence[int], dtype,
   """`initializer`'s value of a tensor of `shape` as a DTensor laid out as
   `layout` (`seed` is the variable's own, `path_seed`).
 
-  Each distinct shard this client's devices hold is computed once, eagerly on
-  the first device holding it (`Initializer.at` on its block of positions),
-  and `dtensor.pack` places the shards: the values are the whole tensor's,
-  bit for bit, whatever the layout. Inside a traced function, or for an
-  initializer without `at`, the whole value is made under the layout instead
-  (a function traced and compiled for this one tensor)."""
+  The whole value is computed once, eagerly on the host CPU, and each of this
+  client's devices gets its slice (`pack_global_array`). That is bit for bit
+  what one DTensor function per tensor gave (it computed the whole tensor on
+  every device and sliced it: a shard computed on its own can differ in the
+  last bit where vectorised and scalar log/cos differ), without tracing and
+  compiling a function per tensor. Inside a traced function the value is
+  made under the layout instead."""
   shape, dtype = tuple(shape), tf.as_dtype(dtype)
-  if not (initializer.elementwise and tf.executing_eagerly()):
+  if not tf.executing_eagerly():
     make = tf.function(lambda: initializer(shape, dtype, seed), autograph=False)
     return dtensor.call_with_layout(make, layout)
-  mesh = layout.mesh
-  axes = mesh_lib.mesh_axes(mesh)
-  shards, components = {}, []
-  for device, coords in zip(mesh.local_devices(), mesh.local_device_locations()):
-    block = slice_index(shape, layout.sharding_specs, axes=axes, coords=coords)
-    if block not in shards:
-      with tf.device(device):
-        shards[block] = initializer.at(flat_index(shape, block), dtype, seed)
-    components.append(shards[block])
-  return dtensor.pack(components, layout)
+  with tf.device('CPU:0'):
+    whole = initializer(shape, dtype, seed).numpy()
+  return mesh_lib.pack_global_array(whole, layout)
 
 
 def bytes_per_device(records) -> int:

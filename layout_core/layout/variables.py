@@ -13,8 +13,9 @@ recorder, or the default plain-variable creator) decides what gets built:
 Initial values are a pure function of (seed, path, element index): a
 counter-based hash rather than a stateful RNG. DTensor reseeds stateless RNG
 ops per shard, so ordinary random initializers give different weights for
-different layouts; these give bit-identical weights whatever the layout, and
-each device still computes only its own shard.
+different layouts; these give bit-identical weights whatever the layout
+(`layout_core.layout.scope.initial_dtensor` computes each value once and
+gives every device its slice).
 """
 
 from __future__ import annotations
@@ -52,24 +53,21 @@ def _mix32_int(h: int) -> int:
   return h ^ (h >> 16)
 
 
-def flat_index(shape: tuple[int, ...],
-               block: tuple[tuple[int, int], ...] | None = None) -> tf.Tensor:
-  """Row-major element index of a tensor of `shape`, built by broadcasting one
-  range per dim; with `block` ([start, stop) per dim), of that block only."""
-  block = block or tuple((0, n) for n in shape)
+def flat_index(shape: tuple[int, ...]) -> tf.Tensor:
+  """Row-major element index, built by broadcasting one range per dim."""
   index = tf.zeros([1] * len(shape), tf.int64)
   stride = 1
   for dim in reversed(range(len(shape))):
-    axis_range = tf.range(*block[dim], dtype=tf.int64) * stride
+    axis_range = tf.range(shape[dim], dtype=tf.int64) * stride
     index = index + tf.reshape(
         axis_range, [-1 if i == dim else 1 for i in range(len(shape))])
     stride *= shape[dim]
   return index
 
 
-def _uniform_pair(index: tf.Tensor, seed: int) -> tuple[tf.Tensor, tf.Tensor]:
+def _uniform_pair(shape: tuple[int, ...], seed: int) -> tuple[tf.Tensor, tf.Tensor]:
   key = _mix32_int(seed & _MASK32)
-  h1 = mix32(tf.bitwise.bitwise_and(index * 2 + key, _MASK32))
+  h1 = mix32(tf.bitwise.bitwise_and(flat_index(shape) * 2 + key, _MASK32))
   h2 = mix32(tf.bitwise.bitwise_and(h1 + 0x9E3779B9, _MASK32))
   u1 = (tf.cast(h1, tf.float32) + 1.0) / 4294967297.0  # in (0, 1]
   u2 = tf.cast(h2, tf.float32) / 4294967296.0            # in [0, 1)
@@ -77,25 +75,10 @@ def _uniform_pair(index: tf.Tensor, seed: int) -> tuple[tf.Tensor, tf.Tensor]:
 
 
 class Initializer:
-  """Maps (shape, dtype, seed) to a tensor; must be layout-independent.
-
-  A subclass defines `at`, each element's value from its row-major position
-  alone: then any block of the tensor can be made without the rest (each
-  device makes its own shard, `layout_core.layout.scope.initial_dtensor`).
-  One that overrides only `__call__` still works, made whole under DTensor.
-  """
+  """Maps (shape, dtype, seed) to a tensor; must be layout-independent."""
 
   def __call__(self, shape: tuple[int, ...], dtype: tf.DType, seed: int) -> tf.Tensor:
-    return self.at(flat_index(tuple(shape)), dtype, seed)
-
-  def at(self, index: tf.Tensor, dtype: tf.DType, seed: int) -> tf.Tensor:
-    """The values of the elements at row-major positions `index` (int64, any shape)."""
     raise NotImplementedError
-
-  @property
-  def elementwise(self) -> bool:
-    """Whether `at` is defined (blocks can be made on their own)."""
-    return type(self).at is not Initializer.at
 
   def __repr__(self) -> str:
     fields = ', '.join(f'{k}={v!r}' for k, v in vars(self).items())
@@ -108,10 +91,10 @@ class Normal(Initializer):
   def __init__(self, stddev: float = 1.0):
     self.stddev = stddev
 
-  def at(self, index, dtype, seed):
-    if index.shape.rank == 0:  # a scalar
+  def __call__(self, shape, dtype, seed):
+    if not shape:
       return tf.zeros([], dtype)
-    u1, u2 = _uniform_pair(index, seed)
+    u1, u2 = _uniform_pair(tuple(shape), seed)
     z = tf.sqrt(-2.0 * tf.math.log(u1)) * tf.cos(2.0 * math.pi * u2)
     return tf.cast(tf.clip_by_value(z, -3.0, 3.0) * self.stddev, dtype)
 
@@ -121,10 +104,9 @@ class Constant(Initializer):
     self.value = value
 
   def __call__(self, shape, dtype, seed):
-    return tf.fill(list(shape), tf.constant(self.value, dtype))
-
-  def at(self, index, dtype, seed):
-    return self(index.shape.as_list(), dtype, seed)
+    # Integers (counters) by a cast: tf.constant refuses 0.0 as an int64.
+    value = tf.constant(self.value, dtype) if dtype.is_floating else tf.cast(self.value, dtype)
+    return tf.fill(list(shape), value)
 
 
 def Zeros() -> Constant:  # pylint: disable=invalid-name

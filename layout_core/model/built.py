@@ -6,7 +6,10 @@
 
 A Params tree is instantiated in a `LayoutScope` (every variable created
 directly sharded); a Keras 3 model is built by `layout_core.model.keras.build`
-into the same `BuiltModel`.
+into the same `BuiltModel`. Engines compile the functions that run it with
+`StepFunction`:
+
+    gradients = StepFunction(engine_gradients_fn)   # a tf.function, AutoGraph if needed
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
+from layout_core.lazy import tf
 from layout_core.layout.scope import LayoutRecord, LayoutScope
 from layout_core.layout.rules import LayoutRules
 from layout_core.params import Params
@@ -40,3 +44,30 @@ def build_params_model(params: Params, *, mesh, rules: LayoutRules | None,
   return BuiltModel(module=module, call=lambda inputs, training: module(*inputs),
                     variables=scope.variables, records=scope.records,
                     checkpoint_root=module, description=params.ToText())
+
+
+class StepFunction:
+  """`tf.function(fn)`, traced without AutoGraph unless the traced code needs it.
+
+  AutoGraph rewrites every Python function a step calls so that Python `if`,
+  `for` and `while` on tensors become graph control flow; the library's layers,
+  tasks and optimizers have none, and converting them was the largest part of
+  tracing (the quickstart's three step functions: ~3.5 of ~4.5 CPU-s,
+  bench/startup.py). A model or task that does branch on a tensor (a user's
+  layer, a Keras model) makes the plain trace raise
+  `OperatorNotAllowedInGraphError`; it is then traced again with AutoGraph,
+  exactly as `tf.function(fn)` would have, and keeps that from then on."""
+
+  def __init__(self, fn):
+    self._fn = fn
+    self._function = tf.function(fn, autograph=False)
+    self.autograph = False
+
+  def __call__(self, *args):
+    if self.autograph:
+      return self._function(*args)
+    try:
+      return self._function(*args)
+    except tf.errors.OperatorNotAllowedInGraphError:  # Python control flow on a tensor
+      self._function, self.autograph = tf.function(self._fn), True
+      return self._function(*args)

@@ -23,7 +23,7 @@ loop, and take the plan made at config time (nothing is planned twice):
   another, as for any `SingleProgramEngine`.
 
 Both report the task's loss and metrics as the mean over micro-batches (all of
-equal size, so the batch's: `micro_steps.share` / `add_share`), accumulate
+equal size, so the batch's: `micro_steps.share` / `sum_shares`), accumulate
 gradients with `micro_steps.MicroSteps` like every engine, and keep the plain
 run's checkpoint keys, so a checkpoint moves between the engines and
 unpipelined runs. `batch_axis` is the resolved batch axis
@@ -44,7 +44,7 @@ from layout_core.layout.rules import UNSHARDED, LayoutRules
 from layout_core.layout.scope import LayoutRecord, LayoutScope
 from layout_core.layout.variables import to_numpy
 from layout_core.model.base import Sequential, as_float32
-from layout_core.model.built import BuiltModel
+from layout_core.model.built import BuiltModel, StepFunction
 from layout_core.model.random import current_random, random_context, step_seed
 from layout_core.params import Params
 from layout_core.pipeline import spmd as spmd_lib
@@ -54,7 +54,7 @@ from layout_core.pipeline.submesh import GPipe
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig
 from layout_core.train.engine import Counters, SingleProgramEngine
-from layout_core.train.micro_steps import MicroSteps, add_share, share, split_rows
+from layout_core.train.micro_steps import MicroSteps, share, split_rows, sum_shares
 from layout_core.optim import OptimizerConfig, make_optimizer, squared_norm
 
 
@@ -98,7 +98,7 @@ class GPipeEngine:
     path_of = {id(v): p for p, v in self.variables.items()}
     self._stage_paths = [[path_of[id(v)] for v in variables]
                          for variables in self.gpipe.variables]
-    self._apply = tf.function(self._apply_fn)
+    self._apply = StepFunction(self._apply_fn)
     logging.info('Pipeline: %d micro-batches of %d, bubble fraction %.3f\n%s',
                  plan.num_micro_batches, plan.micro_batch_size,
                  self.gpipe.bubble_fraction(), self.describe_stages())
@@ -290,11 +290,9 @@ class SpmdProgram:
       [inputs] = self.task.model_inputs(micro[m])
       hidden.append(run(self.before, inputs, m))
     outputs = self.pipeline(hidden)
-    total = None
-    for m, y in enumerate(outputs):
-      total = add_share(total, share(
-          self.task.loss_and_metrics(as_float32(run(self.after, y, m)), micro[m]), num_micro))
-    return total
+    return sum_shares([share(self.task.loss_and_metrics(as_float32(run(self.after, y, m)),
+                                                        micro[m]), num_micro)
+                       for m, y in enumerate(outputs)])
 
   def describe_stages(self) -> str:
     plan = self.plan

@@ -27,9 +27,10 @@ from absl import logging
 
 from layout_core.lazy import Module, tf, dtensor
 from layout_core.errors import ConfigError
+from layout_core.model.built import StepFunction
 from layout_core.model.random import random_context
 from layout_core.optim import squared_norm
-from layout_core.train.micro_steps import add_share, share
+from layout_core.train.micro_steps import share, sum_shares
 from layout_core.pipeline import schedule as schedule_lib
 from layout_core.pipeline.partitioning import PartitionPlan
 from layout_core.pipeline.placement import SubMeshPlacement
@@ -198,9 +199,9 @@ class GPipe:
     self.loss_fn = loss_fn
     self.num_micro_batches = num_micro_batches
     self.variables = [list(stage.trainable_variables) for stage in self.stages]
-    self._forward = tf.function(self._forward_fn)
-    self._backward = tf.function(self._backward_fn)
-    self._eval = tf.function(self._eval_fn)
+    self._forward = StepFunction(self._forward_fn)
+    self._backward = StepFunction(self._backward_fn)
+    self._eval = StepFunction(self._eval_fn)
 
   @property
   def num_stages(self) -> int:
@@ -295,7 +296,7 @@ class GPipe:
     inputs = [[as_tuple(x) for x in micro_inputs]] + [list(row) for row in kept]
     output_grads = [[None] * num_micro for _ in range(num_stages)]
     per_micro: list[list] = [[] for _ in range(num_stages)]
-    total, previous = None, None
+    loss_shares, previous = [], None
     for work in schedule_lib.clock_order(num_stages, num_micro, reverse=True):
       for k, item in work:
         m = item.micro
@@ -304,7 +305,7 @@ class GPipe:
             labels=micro_labels[m] if k == last else None, output_grads=output_grads[k][m],
             random=self._random(seeds, first_row, k, m, inputs[k][m]))
         if shares is not None:
-          total = add_share(total, shares)
+          loss_shares.append(shares)
         per_micro[k].append(grads)
         if k > 0:
           output_grads[k - 1][m] = self._cross(input_grads, k, k - 1)
@@ -312,16 +313,14 @@ class GPipe:
     grads = [[tf.add_n([tf.convert_to_tensor(g) for g in column]) for column in zip(*rows)]
              for rows in per_micro]
     squared_norms = [squared_norm(stage) if stage else None for stage in grads]
-    return total[0], total[1], grads, squared_norms
+    loss, metrics = sum_shares(loss_shares)
+    return loss, metrics, grads, squared_norms
 
   def _eval_fn(self, micro_inputs, micro_labels):
     kept = self._forward_fn(micro_inputs) if self.num_stages > 1 else [micro_inputs]
     last = [as_tuple(x) for x in kept[-1]]
-    total = None
-    for m in range(self.num_micro_batches):
-      total = add_share(total, self._loss_share(self._run(self.num_stages - 1, last[m]),
-                                                micro_labels[m]))
-    return total
+    return sum_shares([self._loss_share(self._run(self.num_stages - 1, last[m]), micro_labels[m])
+                       for m in range(self.num_micro_batches)])
 
   # -- public --------------------------------------------------------------------------
   def loss(self, micro_inputs, micro_labels) -> tf.Tensor:

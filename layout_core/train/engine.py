@@ -40,11 +40,11 @@ from layout_core.errors import ConfigError
 from layout_core.lazy import dtensor, tf
 from layout_core.layout import mesh as mesh_lib
 from layout_core.layout.rules import UNSHARDED
-from layout_core.layout.scope import LayoutRecord
-from layout_core.layout.variables import to_numpy
+from layout_core.layout.scope import LayoutRecord, initial_dtensor
+from layout_core.layout.variables import Zeros, to_numpy
 from layout_core.model.activations import residual_context
 from layout_core.model.base import as_float32
-from layout_core.model.built import BuiltModel
+from layout_core.model.built import BuiltModel, StepFunction
 from layout_core.model.random import random_context, step_seed
 from layout_core.model.sequence import sequence_context
 from layout_core.tasks import Task
@@ -93,8 +93,8 @@ class Counters:
   def __init__(self, mesh):
     def counter(name: str):
       return dtensor.DVariable(
-          dtensor.call_with_layout(tf.function(lambda: tf.zeros([], tf.int64)),
-                                   dtensor.Layout.replicated(mesh, rank=0)),
+          initial_dtensor(Zeros(), shape=(), dtype=tf.int64, seed=0,
+                          layout=dtensor.Layout.replicated(mesh, rank=0)),
           trainable=False, name=name)
     self.step, self.data_position = counter('step'), counter('data_position')
     self.module = tf.Module(name='counters')   # the checkpoint's 'counters'
@@ -168,9 +168,9 @@ class SingleProgramEngine:
                                     mesh_axes=mesh_lib.mesh_axes(mesh),
                                     batch_axis=program.batch_axis, lead_dims=model.lead_dims)
     self.micro_steps = MicroSteps(count=config.grad_accum_steps, batch_size=config.batch_size)
-    self._gradients = tf.function(self._gradients_fn)
-    self._apply = tf.function(self._apply_fn)
-    self._evaluate = tf.function(self._evaluate_fn)
+    self._gradients = StepFunction(self._gradients_fn)
+    self._apply = StepFunction(self._apply_fn)
+    self._evaluate = StepFunction(self._evaluate_fn)
 
   def pack(self, batch):
     """The program's packed batch; with `grad_accum_steps` k, a list of k

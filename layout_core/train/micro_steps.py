@@ -7,9 +7,14 @@ and the rows of them a client holds; written once for every engine.
     loss, metrics = steps.evaluate(packed, evaluate_one)
 
 A batch cut into k equal parts has as its mean (loss, metrics, gradients)
-the sum of each part's mean / k: `share` is that division, `add_share` the
-sum, in the order the parts come. The pipeline engines use the same two for
-their micro-batches (`layout_core.pipeline.submesh.GPipe`, `SpmdProgram`).
+the sum of each part's mean / k: `share` is that division; `add_share` adds
+the shares as the parts come (accumulation keeps only the running total
+alive), `sum_shares` adds a list of them at once, one AddN per leaf, as the
+pipeline engines do for their micro-batches (`layout_core.pipeline.submesh.GPipe`,
+`SpmdProgram`). Both add in the parts' order; they are not interchanged,
+because the graph around a sum changes how Grappler rewrites a step
+function: GPipe's backward function with a chain of adds instead of its
+AddN gave bias gradients that differ in the last bit.
 
 With one micro-step (k = 1) nothing is cut, divided or added: the engine's
 own function runs on the whole batch, exactly as without accumulation.
@@ -18,7 +23,7 @@ own function runs on the whole batch, exactly as without accumulation.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -38,6 +43,12 @@ def add_share(total, part_share):
   if total is None:
     return part_share
   return tf.nest.map_structure(lambda a, b: a + b, total, part_share)
+
+
+def sum_shares(shares: Sequence):
+  """The sum of `shares` (each a `share`, all of one structure), leaf by
+  leaf, in one AddN per leaf: the mean of the parts they came from."""
+  return tf.nest.map_structure(lambda *values: tf.add_n(list(values)), *shares)
 
 
 def split_rows(batch: Mapping[str, np.ndarray], parts: int) -> list[dict]:
