@@ -27,6 +27,7 @@ import zlib
 from typing import Mapping
 
 from layout_core.checkpoint.damage import CheckpointDamage
+from layout_core.durable import sync_directory
 from layout_core.errors import ConfigError
 from layout_core.lazy import tf
 
@@ -34,14 +35,6 @@ CHECKPOINT_NAME = re.compile(r'^ckpt-(\d+)$')
 MANIFEST = 'manifest.json'
 DATA_STATE_FILE = 'data_state.json'
 _CHUNK = 4 << 20  # bytes read at a time when checksumming
-
-
-def fsync_dir(directory: str) -> None:
-  fd = os.open(directory, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
 
 
 class DirectoryWatch:
@@ -114,7 +107,7 @@ def write_manifest(directory: str, *, step: int, reason: str) -> None:
     json.dump(manifest, f, indent=1)
     f.flush()
     os.fsync(f.fileno())
-  fsync_dir(directory)
+  sync_directory(directory)
 
 
 def validate(directory: str, *, check_contents: bool = False) -> str | None:

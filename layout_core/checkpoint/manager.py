@@ -62,12 +62,13 @@ from layout_core.checkpoint import shard_io
 from layout_core.checkpoint.shard_io import checkpoint_keys, checkpoint_values
 from layout_core.checkpoint.damage import CheckpointDamage, aside_path, describe, is_damage
 from layout_core.checkpoint.files import (DATA_STATE_FILE, DirectoryWatch, checkpoint_dirs,
-                                          directory_size, fsync_dir, latest_valid,
+                                          directory_size, latest_valid,
                                           read_data_state, resolve_checkpoint_path, validate,
                                           write_manifest)
 from layout_core.checkpoint.matching import check_fits, entries_by_name
 from layout_core.checkpoint.state_file import StateFile
 from layout_core.layout.cluster import SingleClient
+from layout_core.durable import sync_directory
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least, check_types
 from layout_core.lazy import tf
@@ -394,7 +395,7 @@ class Checkpointer:
     if watch.removed():
       raise _RemovedWhileWriting(f'{temporary} was removed')
     os.rename(temporary, final)  # the commit point
-    fsync_dir(self.directory)
+    sync_directory(self.directory)
     event = CheckpointEvent(step, os.path.join(final, 'ckpt'), reason,
                             time.perf_counter() - start, directory_size(final))
     self._prune()

@@ -18,6 +18,7 @@ import re
 
 from absl import logging
 
+from layout_core.durable import write_atomically
 from layout_core.checkpoint.damage import aside_path
 from layout_core.checkpoint.files import checkpoint_dirs, validate
 
@@ -77,12 +78,7 @@ class StateFile:
                         'dropped it from the list', os.path.join(self.directory, name),
                         self.path)
     text = self.text()
-    if text:  # replaced atomically
-      temporary = self.path + '.tmp'
-      with open(temporary, 'w') as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-      os.replace(temporary, self.path)
+    if text:
+      write_atomically(self.path, text.encode())
     elif listed:  # every checkpoint it named is gone
       os.remove(self.path)

@@ -34,7 +34,7 @@ from (step seed, the cell's own layer path, the micro-batch's global rows):
 exactly the masks of an unpipelined step.
 
 Checkpoints keep per-cell keys: every stacked variable (and its optimizer
-slots) is tagged with its per-cell pieces (`shard_io.set_unstacked`), so
+slots) is tagged with its per-cell pieces (`layout_core.layout.stacked_keys.set_unstacked`), so
 `model/stack/block_003/ffn/w_in` is `stacked[s, q]` on save and restore, and
 a checkpoint moves between this engine, the sub-mesh engine and plain runs.
 """

@@ -37,6 +37,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from layout_core.durable import INCOMPLETE_SUFFIX, replace_durably
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least
 from layout_core.lazy import tf
@@ -235,7 +236,7 @@ def write_documents(pattern: str, documents: Iterable[Sequence[int]], *,
                       fix='put {shard} in the pattern, e.g. train-{shard:05d}.tfrecord')
   for path in paths:
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-  partials = [path + '.incomplete' for path in paths]
+  partials = [path + INCOMPLETE_SUFFIX for path in paths]
   writers = []
   try:
     writers.extend(tf.io.TFRecordWriter(partial) for partial in partials)
@@ -253,21 +254,3 @@ def write_documents(pattern: str, documents: Iterable[Sequence[int]], *,
   for partial, path in zip(partials, paths):
     replace_durably(partial, path)
   return paths
-
-
-def replace_durably(partial: str, path: str) -> None:
-  """Renames the complete file `partial` to `path` once its bytes are on
-  disk, then makes the rename itself durable (fsync of the directory)."""
-  with open(partial, 'rb') as f:
-    os.fsync(f.fileno())
-  os.replace(partial, path)
-  sync_directory(os.path.dirname(path) or '.')
-
-
-def sync_directory(path: str) -> None:
-  """fsync of a directory: the names in it (renames, new files) survive a crash."""
-  descriptor = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(descriptor)
-  finally:
-    os.close(descriptor)

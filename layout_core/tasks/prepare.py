@@ -53,8 +53,8 @@ from absl import logging
 import sentencepiece
 
 from layout_core.errors import ConfigError
-from layout_core.tasks.corpus import (FEATURE as TOKENS_FEATURE, replace_durably,
-                                      sync_directory, write_documents)
+from layout_core.durable import INCOMPLETE_SUFFIX, sync_directory, write_atomically
+from layout_core.tasks.corpus import FEATURE as TOKENS_FEATURE, write_documents
 
 DEFAULT_SUFFIXES = ('.py', '.md', '.rst', '.txt')
 MIN_FILE_BYTES = 200      # smaller files are mostly boilerplate (empty __init__.py)
@@ -65,7 +65,6 @@ SPLITS = ('train', 'eval')
 SPM_MODEL_NAME = 'spm.model'
 SUMMARY_NAME = 'corpus.json'
 VERSIONS_SUFFIX = '.versions'   # <output_dir>.versions/NNNNN: the complete corpora
-INCOMPLETE_SUFFIX = '.incomplete'
 RECORD_PATTERN = '{split}-{{shard:05d}}-of-{{num_shards:05d}}.tfrecord'
 
 # Always in the vocabulary, however rare: code needs '$', '~', 'Q' to round-trip.
@@ -167,7 +166,7 @@ def train_sentencepiece(*, documents: Iterable[str], model_prefix: str, vocab_si
   except RuntimeError as error:
     raise _vocab_error(error, vocab_size) from error
   path = model_prefix + '.model'
-  _write_atomically(path, model.getvalue())
+  write_atomically(path, model.getvalue())
   return path
 
 
@@ -285,7 +284,7 @@ def _write_corpus(directory: str, *, splits: dict[str, list[str]], paths: list[s
                         vocab_size=vocab_size, model_type=model_type)
   else:
     with open(spm_model, 'rb') as f:
-      _write_atomically(model_path, f.read())
+      write_atomically(model_path, f.read())
   model_vocab_size = sentencepiece.SentencePieceProcessor(model_file=model_path).vocab_size()
 
   summary = {
@@ -314,7 +313,7 @@ def _write_corpus(directory: str, *, splits: dict[str, list[str]], paths: list[s
                  counts['tokens'], shards)
     counts['files'] = [os.path.basename(path) for path in counts['files']]
     summary[split] = counts
-  _write_atomically(os.path.join(directory, SUMMARY_NAME),
+  write_atomically(os.path.join(directory, SUMMARY_NAME),
                     (json.dumps(summary, indent=2) + '\n').encode('utf-8'))
   return summary
 
@@ -426,11 +425,3 @@ def _check_spm_model(spm_model: str, *, vocab_size: int | None) -> None:
     raise ConfigError(f'spm_model {spm_model!r} has {processor.vocab_size()} pieces, but '
                       f'vocab_size = {vocab_size}', where='vocab_size',
                       fix=f'set vocab_size to {processor.vocab_size()} or leave it out')
-
-
-def _write_atomically(path: str, data: bytes) -> None:
-  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-  partial = path + INCOMPLETE_SUFFIX
-  with open(partial, 'wb') as f:
-    f.write(data)
-  replace_durably(partial, path)

@@ -92,6 +92,7 @@ from layout_core.layout.rules import UNSHARDED
 from layout_core.optim.config import OptimizerConfig, state_axis
 from layout_core.optim.make import optimizer_class
 from layout_core.params import Params
+from layout_core.train.config import batch_axis_for
 
 MIB = 2**20
 # The host-process fit of the module docstring (bench/memory.py --fit, 14 runs).
@@ -145,7 +146,8 @@ def estimate_memory(*, records: Sequence[Any], params: Any,
   num_devices = math.prod(mesh_axes.values())
   stage_devices = num_devices // mesh_axes.get(stage_axis, 1) if pipeline else num_devices
   devices_of = {r.mesh: stage_devices if r.mesh else num_devices for r in records}
-  slot_axis = state_axis(optimizer, batch_axis=config.batch_axis, mesh_axes=mesh_axes,
+  batch_axis = batch_axis_for(config, mesh_axes)
+  slot_axis = state_axis(optimizer, batch_axis=batch_axis, mesh_axes=mesh_axes,
                          parameter_shapes=[r.shape for r in records])
   per_mesh: dict[str, dict[str, int]] = {}
   for r in records:
@@ -214,7 +216,7 @@ class _Leaf:
 def _activations(params, records, input_shapes, config, mesh_axes, pipeline, stage_axis):
   """({stage mesh name: bytes per device}, bytes on every device, notes)."""
   splits = {r.path: (tuple(r.spec), mesh_axes) for r in records}
-  batch_split = mesh_axes.get(config.batch_axis, 1) if config.batch_axis else 1
+  batch_split = mesh_axes.get(batch_axis_for(config, mesh_axes), 1)
   width = 2 if config.compute_dtype == 'bfloat16' else 4
   leaves, notes = [], []
   shapes = tuple(tuple(s) for s in input_shapes)

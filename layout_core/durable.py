@@ -1,0 +1,44 @@
+"""Files that survive a crash whole or not at all: the one place meshgin
+writes through when a half-written file would mislead a later run.
+
+    write_atomically('corpus/corpus.json', text.encode())   # temp, fsync, rename, fsync dir
+    replace_durably('shard.tfrecord.incomplete', 'shard.tfrecord')
+    sync_directory('checkpoints')   # the names in it (renames, new files) are on disk
+
+Checkpoints (`layout_core.checkpoint`), prepared corpora and token documents
+(`layout_core.tasks`) use these; a reader never sees a partial file under the
+final name.
+"""
+
+from __future__ import annotations
+
+import os
+
+INCOMPLETE_SUFFIX = '.incomplete'
+
+
+def sync_directory(path: str) -> None:
+  """fsync of a directory: the names in it (renames, new files) survive a crash."""
+  descriptor = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(descriptor)
+  finally:
+    os.close(descriptor)
+
+
+def replace_durably(partial: str, path: str) -> None:
+  """Renames the complete file `partial` to `path` once its bytes are on
+  disk, then makes the rename itself durable (fsync of the directory)."""
+  with open(partial, 'rb') as f:
+    os.fsync(f.fileno())
+  os.replace(partial, path)
+  sync_directory(os.path.dirname(path) or '.')
+
+
+def write_atomically(path: str, data: bytes) -> None:
+  """`data` as the file `path`, through `path + INCOMPLETE_SUFFIX`."""
+  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  partial = path + INCOMPLETE_SUFFIX
+  with open(partial, 'wb') as f:
+    f.write(data)
+  replace_durably(partial, path)
