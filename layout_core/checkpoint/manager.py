@@ -78,7 +78,7 @@ _WRITE_ATTEMPTS = 3  # a single client's tries at a save whose directory keeps v
 
 
 class _RemovedWhileWriting(Exception):
-  """The temporary directory of a save was removed before its commit."""
+  """Something removed the temporary directory of a save, or files in it, before its commit."""
 
 
 def merge_data_states(texts) -> dict | None:
@@ -349,7 +349,7 @@ class Checkpointer:
         self._write_once(writes, temporary, final, step, reason, start, watch=watch)
         break
       except (OSError, tf.errors.OpError, _RemovedWhileWriting) as e:
-        if attempts == 1 or not watch.removed():
+        if attempts == 1 or not (isinstance(e, _RemovedWhileWriting) or watch.removed()):
           raise
         if attempt == attempts:
           raise RuntimeError(
@@ -380,6 +380,12 @@ class Checkpointer:
     if watch.removed():  # its parts may be missing, with the count made up by new ones
       raise _RemovedWhileWriting(f'{temporary} was removed')
     parts = shard_io.find_parts(temporary)
+    if len(parts) != expected_parts and self.coordinator.num_clients == 1:
+      # Only this process wrote here: something deleted parts under it (an
+      # `rm -rf` that lost the race for the directory itself, which the
+      # writers kept filling, so it was left in place).
+      raise _RemovedWhileWriting(f'{len(parts)} of the {expected_parts} shard bundles '
+                                 f'written to {temporary} are left')
     if len(parts) != expected_parts:
       raise RuntimeError(
           f'{temporary} holds {len(parts)} shard bundles but the clients wrote '
