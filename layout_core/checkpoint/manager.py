@@ -349,7 +349,10 @@ class Checkpointer:
         self._write_once(writes, temporary, final, step, reason, start, watch=watch)
         break
       except (OSError, tf.errors.OpError, _RemovedWhileWriting) as e:
-        if attempts == 1 or not (isinstance(e, _RemovedWhileWriting) or watch.removed()):
+        # A file of this save gone missing under its writer (NotFound) is the
+        # same removal, caught before the directory itself went.
+        lost = isinstance(e, (_RemovedWhileWriting, FileNotFoundError, tf.errors.NotFoundError))
+        if attempts == 1 or not (lost or watch.removed()):
           raise
         if attempt == attempts:
           raise RuntimeError(
