@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.conftest import read_events, run_module
+from tests.conftest import read_events, run_module, run_modules
 from tests.test_launch import short_run
 
 SPMD = short_run('configs/experiments/lm_pipeline_spmd.gin', num_steps=3, eval_every=3)
@@ -19,11 +19,12 @@ def test_spmd_run_equals_the_plain_run_and_profiles_its_steps(tmp_path):
   """Same config, dropout on, {'stage': 2, 'data': 2, 'model': 2} with 2 circular
   repeats vs no pipeline: the same losses at every step and the same eval loss."""
   spmd_dir, plain_dir = str(tmp_path / 'spmd'), str(tmp_path / 'plain')
-  spmd = run_module('launch.train', *SPMD, '--gin_bindings=train.log_every = 1',
-                    '--gin_bindings=train.profile_steps = (1, 2)', f'--model_dir={spmd_dir}')
+  spmd, plain = run_modules([  # independent: started together
+      ('launch.train', *SPMD, '--gin_bindings=train.log_every = 1',
+       '--gin_bindings=train.profile_steps = (1, 2)', f'--model_dir={spmd_dir}'),
+      ('launch.train', *SPMD, *PLAIN, '--gin_bindings=train.log_every = 1',
+       f'--model_dir={plain_dir}')])
   assert spmd.returncode == 0, spmd.stderr[-3000:]
-  plain = run_module('launch.train', *SPMD, *PLAIN, '--gin_bindings=train.log_every = 1',
-                     f'--model_dir={plain_dir}')
   assert plain.returncode == 0, plain.stderr[-3000:]
   a, b = read_events(spmd_dir)['scalars'], read_events(plain_dir)['scalars']
   assert [s for s, _ in a['train/loss']] == [1, 2, 3]

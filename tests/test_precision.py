@@ -24,7 +24,7 @@ from layout_core.tasks.lm import MarkovTask
 from layout_core.train.config import TrainConfig
 from layout_core.run import make_trainer
 from layout_core.optim import OptimizerConfig
-from tests.conftest import REPO_ROOT, run_module
+from tests.conftest import REPO_ROOT, run_module, run_modules
 from tests.test_layout_scope import MEGATRON
 
 sys.path.insert(0, os.path.join(REPO_ROOT, 'tests', 'fixtures'))
@@ -255,15 +255,23 @@ def test_bfloat16_quickstart_tracks_float32_and_its_checkpoint_resumes_in_float3
   """200 quickstart steps in bf16 against float32 (real launch.train runs):
   the final eval loss within 5%; then a float32 run resumes the bf16 run's
   checkpoint (float32 variables, the same keys) and goes on learning."""
-  def run(model_dir, *bindings):
-    result = run_module('launch.train', '--gin_file=configs/experiments/quickstart.gin',
-                        f'--model_dir={model_dir}', '--gin_bindings=train.eval_every = 0',
-                        '--gin_bindings=checkpoint.every_steps = 0',
-                        *[f'--gin_bindings={b}' for b in bindings])
+  def command(model_dir, *bindings):
+    return ('launch.train', '--gin_file=configs/experiments/quickstart.gin',
+            f'--model_dir={model_dir}', '--gin_bindings=train.eval_every = 0',
+            '--gin_bindings=checkpoint.every_steps = 0',
+            *[f'--gin_bindings={b}' for b in bindings])
+
+  def status(result, model_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     return json.load(open(os.path.join(model_dir, 'run_status.json')))
-  full = run(tmp_path / 'f32', 'train.num_steps = 200')
-  half = run(tmp_path / 'bf16', 'train.num_steps = 200', "train.compute_dtype = 'bfloat16'")
+
+  def run(model_dir, *bindings):
+    return status(run_module(*command(model_dir, *bindings)), model_dir)
+
+  f32, bf16 = tmp_path / 'f32', tmp_path / 'bf16'
+  results = run_modules([command(f32, 'train.num_steps = 200'),  # independent: together
+                         command(bf16, 'train.num_steps = 200', "train.compute_dtype = 'bfloat16'")])
+  full, half = status(results[0], f32), status(results[1], bf16)
   assert half['metrics']['eval_loss'] == pytest.approx(full['metrics']['eval_loss'], rel=0.05)
   assert half['metrics']['eval_loss'] < 2.0  # it learned (uniform: ~4.16)
   resumed = run(tmp_path / 'bf16', 'train.num_steps = 220')
