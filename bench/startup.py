@@ -30,6 +30,13 @@ columns: on a shared machine the CPU figure is the steadier one). Also
 printed per step function: the first call (trace + compile + run) and the
 best later call (run).
 
+`--without_grappler` adds, per config, the same run with TensorFlow's graph
+optimizer (Grappler) switched off, and says whether its training losses are
+bit-identical: the measured limit of what start-up has left (DTensor cuts
+each step function into per-device pieces and Grappler optimizes every one;
+off, it compiles faster but the losses differ in the last bit, so meshgin
+keeps it on).
+
 Results go to bench/results/startup.json with the date, commit and machine.
 """
 
@@ -58,6 +65,7 @@ MESHGIN_PHASES = ('python, import TensorFlow', 'flags, gin, plan', 'mesh', 'mode
                   'first step')
 PLAIN_PHASES = ('python, import TensorFlow', 'variables', 'first step')
 STEP_FUNCTIONS = ('loss_and_gradients', 'evaluate', 'apply_gradients')
+NO_GRAPPLER = '/without_grappler'  # a contender's suffix
 
 
 # ---------------------------------------------------------------- child side
@@ -94,10 +102,12 @@ def _wrap(owner, name: str, before=None, after=None) -> None:
   setattr(owner, name, timed)
 
 
-def meshgin_child(gin_file: str, spawned: float) -> dict:
+def meshgin_child(gin_file: str, spawned: float, *, grappler: bool = True) -> dict:
   clock = Clock(spawned)
-  import tensorflow  # noqa: F401  pylint: disable=unused-import,g-import-not-at-top
+  import tensorflow  # pylint: disable=g-import-not-at-top
   clock.mark('python, import TensorFlow')
+  if not grappler:
+    tensorflow.config.optimizer.set_experimental_options({'disable_meta_optimizer': True})
   # pylint: disable=g-import-not-at-top
   from absl import app
   import launch
@@ -106,6 +116,7 @@ def meshgin_child(gin_file: str, spawned: float) -> dict:
   from layout_core.layout.variables import to_numpy
   from plugins import plan as plan_lib, training
   calls: dict[str, list[tuple[float, float]]] = {}
+  losses: list[float] = []  # every gradients call's loss (the dry step's first)
 
   def watch_engine(engine) -> None:
     for method in STEP_FUNCTIONS:
@@ -117,6 +128,8 @@ def meshgin_child(gin_file: str, spawned: float) -> dict:
         first = _method not in calls
         if first:  # its compile ends when its first result is on the host
           to_numpy(result[0])
+        if _method == 'loss_and_gradients':
+          losses.append(float(to_numpy(result[0])))
         calls.setdefault(_method, []).append((start, clock.now()))
         if first and _method == 'apply_gradients':
           clock.mark('first step')
@@ -147,7 +160,7 @@ def meshgin_child(gin_file: str, spawned: float) -> dict:
   # The step-0 eval ends where the first training step's gradients begin
   # (the dry step made the first call).
   clock.marks['step-0 eval'] = gradients[1][0]
-  return {'phases': clock.marks, 'calls': calls}
+  return {'phases': clock.marks, 'calls': calls, 'losses': losses}
 
 
 def plain_child(spawned: float) -> dict:
@@ -293,12 +306,15 @@ def main():
   parser.add_argument('--configs', nargs='+', default=list(CONFIGS), choices=list(CONFIGS))
   parser.add_argument('--rounds', type=int, default=3)
   parser.add_argument('--out', default=os.path.join(RESULTS, 'startup.json'))
+  parser.add_argument('--without_grappler', action='store_true',
+                      help='also each config with Grappler off (the limit left)')
   parser.add_argument('--child', help=argparse.SUPPRESS)
   parser.add_argument('--spawned', type=float, help=argparse.SUPPRESS)
   args, rest = parser.parse_known_args()
   if args.child:
+    config, _, variant = args.child.partition(NO_GRAPPLER)
     result = (plain_child(args.spawned) if args.child == 'plain'
-              else meshgin_child(CONFIGS[args.child], args.spawned))
+              else meshgin_child(CONFIGS[config], args.spawned, grappler=not variant))
     print('RESULT ' + json.dumps(result), flush=True)
     os._exit(0)  # pylint: disable=protected-access
   if rest:
@@ -306,7 +322,8 @@ def main():
   record = machine()
   print(f'{record["date"]}, {record["machine"]["cores"]} cores, load average '
         f'{record["machine"]["load_average_at_start"][0]:.1f} at start', flush=True)
-  rounds: dict[str, list[dict]] = {name: [] for name in [*args.configs, 'plain']}
+  variants = [name + NO_GRAPPLER for name in args.configs] if args.without_grappler else []
+  rounds: dict[str, list[dict]] = {name: [] for name in [*args.configs, *variants, 'plain']}
   for index in range(args.rounds):
     for name in rounds:
       result = run_child(name)
@@ -316,15 +333,24 @@ def main():
   plain = best(rounds['plain'], PLAIN_PHASES)
   print_table('plain TensorFlow', plain, PLAIN_PHASES, plain)
   summaries = {'plain': plain}
-  for name in args.configs:
+  for name in [*args.configs, *variants]:
     summaries[name] = best(rounds[name], MESHGIN_PHASES)
     print_table(name, summaries[name], MESHGIN_PHASES, plain)
+  for name in variants:
+    config = name[:-len(NO_GRAPPLER)]
+    same = rounds[name][0]['losses'] == rounds[config][0]['losses']
+    summaries[name]['losses_bit_identical'] = same
+    print(f'\n{config} without Grappler: first step at '
+          f'{summaries[name]["first_step_cpu_best"] / summaries[config]["first_step_cpu_best"]:.2f}x'
+          f' the CPU-s with it; losses {"bit-identical" if same else "DIFFER"}: '
+          f'{rounds[name][0]["losses"]} vs {rounds[config][0]["losses"]}')
   record.update(rounds_run=args.rounds, best=summaries, rounds=rounds,
                 load_average_at_end=os.getloadavg(),
                 ratio_first_step_wall={n: summaries[n]['first_step'][0] / plain['first_step'][0]
                                        for n in args.configs},
                 ratio_first_step_cpu={n: summaries[n]['first_step_cpu_best']
-                                      / plain['first_step_cpu_best'] for n in args.configs})
+                                      / plain['first_step_cpu_best']
+                                      for n in [*args.configs, *variants]})
   write_json(record, args.out)
 
 
