@@ -35,7 +35,7 @@ optimizer switched off (`disable_meta_optimizer`), and says whether its
 training losses stay bit-identical: how much of what start-up has left is
 Grappler's. Measured on a quiet 2-core machine (2026-11-26, quickstart):
 0.96x the CPU-seconds to the first step, the same losses: the step
-functions' compile time lies elsewhere (DTensor's own passes).
+functions' compile time is not Grappler's.
 
 Results go to bench/results/startup.json with the date, commit and machine.
 """
