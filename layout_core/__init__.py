@@ -21,7 +21,8 @@ Subpackages, each owning one part:
                ReplicatedVariable
 
 plus the foundations: params (Params trees), errors (ConfigError), fields
-(type and range checks), lazy (TensorFlow imported on first use). gin is
+(type and range checks), lazy (TensorFlow imported on first use), durable
+(files written whole or not at all). gin is
 attached in `plugins/`; flags live in `launch/`.
 """
 
