@@ -32,3 +32,64 @@ def write_json(results: Any, path: str) -> None:
   with open(path, 'w') as f:
     json.dump(results, f, indent=1)
   print(f'wrote {path}')
+
+
+def plain_lm_step(*, vocab: int, dim: int, heads: int, ffn: int, layers: int, seq: int,
+                  jit: bool = False):
+  """A Transformer LM's forward, backward, clipping and Adam update written in
+  plain TF (no DTensor, no meshgin, plain variables on one device, one
+  tf.function): the contender a user would write by hand. Returns (step,
+  variables); `step(tokens)` takes [batch, seq + 1] token ids and returns the
+  loss."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  head = dim // heads
+  normal = lambda *shape: tf.Variable(tf.random.normal(shape, stddev=0.02))  # noqa: E731
+  ones, zeros = (lambda n: tf.Variable(tf.ones([n]))), (lambda n: tf.Variable(tf.zeros([n])))
+  params = {'emb': normal(vocab, dim), 'pos': normal(seq, dim), 'ln_g': ones(dim),
+            'ln_b': zeros(dim), 'out_w': normal(dim, vocab), 'out_b': zeros(vocab)}
+  for i in range(layers):
+    params.update({f'{i}/{n}': normal(dim, heads, head) for n in ('wq', 'wk', 'wv')})
+    params.update({f'{i}/wo': normal(heads, head, dim), f'{i}/w_in': normal(dim, ffn),
+                   f'{i}/b_in': zeros(ffn), f'{i}/w_out': normal(ffn, dim),
+                   f'{i}/b_out': zeros(dim), f'{i}/ln1_g': ones(dim), f'{i}/ln1_b': zeros(dim),
+                   f'{i}/ln2_g': ones(dim), f'{i}/ln2_b': zeros(dim)})
+  variables = list(params.values())
+  m = [tf.Variable(tf.zeros_like(v)) for v in variables]
+  v2 = [tf.Variable(tf.zeros_like(v)) for v in variables]
+  step_var = tf.Variable(0.0)
+
+  def norm(x, g, b):
+    mean, var = tf.nn.moments(x, [-1], keepdims=True)
+    return (x - mean) * tf.math.rsqrt(var + 1e-6) * g + b
+
+  def loss_fn(tokens):
+    p = params
+    x = tf.gather(p['emb'], tokens[:, :-1]) + p['pos'][:seq]
+    mask = tf.linalg.band_part(tf.ones([seq, seq]), -1, 0)
+    for i in range(layers):
+      h = norm(x, p[f'{i}/ln1_g'], p[f'{i}/ln1_b'])
+      q, k, v = (tf.einsum('btd,dhk->bthk', h, p[f'{i}/{n}']) for n in ('wq', 'wk', 'wv'))
+      logits = tf.einsum('bthk,buhk->bhtu', q, k) * head ** -0.5 + (1.0 - mask) * -1e9
+      context = tf.einsum('bhtu,buhk->bthk', tf.nn.softmax(logits), v)
+      x += tf.einsum('bthk,hkd->btd', context, p[f'{i}/wo'])
+      h = norm(x, p[f'{i}/ln2_g'], p[f'{i}/ln2_b'])
+      x += tf.nn.relu(h @ p[f'{i}/w_in'] + p[f'{i}/b_in']) @ p[f'{i}/w_out'] + p[f'{i}/b_out']
+    logits = norm(x, p['ln_g'], p['ln_b']) @ p['out_w'] + p['out_b']
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=tokens[:, 1:], logits=logits))
+
+  @tf.function(jit_compile=jit)
+  def step(tokens):
+    with tf.GradientTape() as tape:
+      loss = loss_fn(tokens)
+    grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)]
+    grads, _ = tf.clip_by_global_norm(grads, 1.0)
+    step_var.assign_add(1.0)
+    correction = tf.sqrt(1.0 - 0.99 ** step_var) / (1.0 - 0.9 ** step_var)
+    for var, g, m_, v_ in zip(variables, grads, m, v2):
+      m_.assign(0.9 * m_ + 0.1 * g)
+      v_.assign(0.99 * v_ + 0.01 * tf.square(g))
+      var.assign_sub(3e-3 * correction * m_ / (tf.sqrt(v_) + 1e-8))
+    return loss
+
+  return step, variables

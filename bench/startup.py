@@ -55,7 +55,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.common import RESULTS, write_json  # noqa: E402
+from bench.common import RESULTS, plain_lm_step, write_json  # noqa: E402
 
 CONFIGS = {'quickstart': 'configs/experiments/quickstart.gin',
            'lm_2d': 'configs/experiments/lm_2d.gin'}
@@ -169,59 +169,11 @@ def plain_child(spawned: float) -> dict:
   write it by hand: plain variables on one device, one tf.function."""
   clock = Clock(spawned)
   import numpy as np  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow  # noqa: F401  pylint: disable=unused-import,g-import-not-at-top
   clock.mark('python, import TensorFlow')
-  vocab, dim, heads, ffn, layers, seq, batch = 64, 64, 4, 256, 2, 64, 32
-  head = dim // heads
-  normal = lambda *shape: tf.Variable(tf.random.normal(shape, stddev=0.02))  # noqa: E731
-  ones, zeros = (lambda n: tf.Variable(tf.ones([n]))), (lambda n: tf.Variable(tf.zeros([n])))
-  params = {'emb': normal(vocab, dim), 'pos': normal(seq, dim), 'ln_g': ones(dim),
-            'ln_b': zeros(dim), 'out_w': normal(dim, vocab), 'out_b': zeros(vocab)}
-  for i in range(layers):
-    params.update({f'{i}/{n}': normal(dim, heads, head) for n in ('wq', 'wk', 'wv')})
-    params.update({f'{i}/wo': normal(heads, head, dim), f'{i}/w_in': normal(dim, ffn),
-                   f'{i}/b_in': zeros(ffn), f'{i}/w_out': normal(ffn, dim),
-                   f'{i}/b_out': zeros(dim), f'{i}/ln1_g': ones(dim), f'{i}/ln1_b': zeros(dim),
-                   f'{i}/ln2_g': ones(dim), f'{i}/ln2_b': zeros(dim)})
-  variables = list(params.values())
-  m = [tf.Variable(tf.zeros_like(v)) for v in variables]
-  v2 = [tf.Variable(tf.zeros_like(v)) for v in variables]
-  step_var = tf.Variable(0.0)
+  vocab, seq, batch = 64, 64, 32
+  step, variables = plain_lm_step(vocab=vocab, dim=64, heads=4, ffn=256, layers=2, seq=seq)
   clock.mark('variables')
-
-  def norm(x, g, b):
-    mean, var = tf.nn.moments(x, [-1], keepdims=True)
-    return (x - mean) * tf.math.rsqrt(var + 1e-6) * g + b
-
-  def loss_fn(tokens):
-    p = params
-    x = tf.gather(p['emb'], tokens[:, :-1]) + p['pos'][:seq]
-    mask = tf.linalg.band_part(tf.ones([seq, seq]), -1, 0)
-    for i in range(layers):
-      h = norm(x, p[f'{i}/ln1_g'], p[f'{i}/ln1_b'])
-      q, k, v = (tf.einsum('btd,dhk->bthk', h, p[f'{i}/{n}']) for n in ('wq', 'wk', 'wv'))
-      logits = tf.einsum('bthk,buhk->bhtu', q, k) * head ** -0.5 + (1.0 - mask) * -1e9
-      context = tf.einsum('bhtu,buhk->bthk', tf.nn.softmax(logits), v)
-      x += tf.einsum('bthk,hkd->btd', context, p[f'{i}/wo'])
-      h = norm(x, p[f'{i}/ln2_g'], p[f'{i}/ln2_b'])
-      x += tf.nn.relu(h @ p[f'{i}/w_in'] + p[f'{i}/b_in']) @ p[f'{i}/w_out'] + p[f'{i}/b_out']
-    logits = norm(x, p['ln_g'], p['ln_b']) @ p['out_w'] + p['out_b']
-    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=tokens[:, 1:], logits=logits))
-
-  @tf.function
-  def step(tokens):
-    with tf.GradientTape() as tape:
-      loss = loss_fn(tokens)
-    grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)]
-    grads, _ = tf.clip_by_global_norm(grads, 1.0)
-    step_var.assign_add(1.0)
-    correction = tf.sqrt(1.0 - 0.99 ** step_var) / (1.0 - 0.9 ** step_var)
-    for var, g, m_, v_ in zip(variables, grads, m, v2):
-      m_.assign(0.9 * m_ + 0.1 * g)
-      v_.assign(0.99 * v_ + 0.01 * tf.square(g))
-      var.assign_sub(3e-3 * correction * m_ / (tf.sqrt(v_) + 1e-8))
-    return loss
 
   rng = np.random.default_rng(0)
   calls = []
