@@ -8,8 +8,10 @@ device count run in a subprocess (see `run_module`).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -138,6 +140,25 @@ class Launched:
     self.process.wait(timeout)
     self._reader.join(10)
     return self.output
+
+  def stop_after(self, pattern: str, *, timeout: float = 120) -> str:
+    """SIGTERM (a scheduler's preemption) once `pattern` shows; its whole output."""
+    self.wait_for(pattern, timeout=timeout)
+    self.process.send_signal(signal.SIGTERM)
+    return self.finish(timeout=120)
+
+
+@contextlib.contextmanager
+def killed_if_left(*runs: Launched):
+  """Whatever happens inside, no run outlives the block (a failed fixture
+  leaves no trainer behind)."""
+  try:
+    yield runs
+  finally:
+    for run in runs:
+      if run.process.poll() is None:
+        run.process.kill()
+        run.process.wait()
 
 
 def read_events(logdir: str) -> dict:

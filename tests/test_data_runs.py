@@ -10,14 +10,13 @@ by SIGTERM whose checkpoint seeds the other resumes.
 import json
 import os
 import shutil
-import signal
 
 import numpy as np
 import pytest
 
 from layout_core.tasks import write_tfrecords
 from layout_core.tasks.corpus import write_documents
-from tests.conftest import Launched, read_events, run_module
+from tests.conftest import Launched, killed_if_left, read_events, run_module
 
 NUM_STEPS = 30
 VOCAB = 64
@@ -70,15 +69,9 @@ def runs(corpus, tmp_path_factory):
   model_dir = str(tmp_path_factory.mktemp('stopped'))
   run = Launched('launch.train', *corpus_args(corpus), f'--model_dir={model_dir}',
                  label='stopped run')
-  try:
-    run.wait_for(r'step 5/', timeout=300)
-    run.process.send_signal(signal.SIGTERM)
-    output = run.finish(timeout=120)
+  with killed_if_left(straight, run):
+    output = run.stop_after(r'step 5/', timeout=300)
     straight_output = straight.finish(timeout=300)
-  finally:
-    for launched in (run, straight):
-      if launched.process.poll() is None:
-        launched.process.kill()
   assert straight.process.returncode == 0, straight_output[-3000:]
   curve = losses(straight_dir)
   assert sorted(curve) == list(range(1, NUM_STEPS + 1))

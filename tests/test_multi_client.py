@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.conftest import Launched, read_events, run_module
+from tests.conftest import Launched, killed_if_left, read_events, run_module
 
 # Bit-identical in practice (the cross-process all-reduce sums in the same
 # order here); 1e-6 leaves room for another reduction order on other hosts.
@@ -114,16 +114,9 @@ def runs(tmp_path_factory):
   launcher = Launched('launch.local_cluster', '--num_clients=2', '--devices_per_client=4',
                       '--', *ARGS, steps(1000), f'--model_dir={model_dir}',
                       label='launch.local_cluster')
-  try:
-    launcher.wait_for(r'Saved checkpoint .*ckpt-4/ckpt', timeout=400)
-    launcher.process.send_signal(signal.SIGTERM)
-    output = launcher.finish(timeout=120)
+  with killed_if_left(launcher, reference_run):
+    output = launcher.stop_after(r'Saved checkpoint .*ckpt-4/ckpt', timeout=400)
     reference_output = reference_run.finish(timeout=400)
-  finally:
-    for launched in (launcher, reference_run):
-      if launched.process.poll() is None:
-        launched.process.kill()
-        launched.process.wait()
   assert reference_run.process.returncode == 0, reference_output[-3000:]
   assert launcher.process.returncode == 0, output[-4000:]
   return reference_dir, (model_dir, output)
