@@ -35,16 +35,27 @@ def write_json(results: Any, path: str) -> None:
 
 
 def plain_lm_step(*, vocab: int, dim: int, heads: int, ffn: int, layers: int, seq: int,
-                  jit: bool = False):
+                  jit: bool = False, mesh=None):
   """A Transformer LM's forward, backward, clipping and Adam update written in
-  plain TF (no DTensor, no meshgin, plain variables on one device, one
-  tf.function): the contender a user would write by hand. Returns (step,
-  variables); `step(tokens)` takes [batch, seq + 1] token ids and returns the
-  loss."""
+  plain TF (no meshgin, one tf.function): the contender a user would write by
+  hand. Returns (step, variables); `step(tokens)` takes [batch, seq + 1]
+  token ids and returns the loss.
+
+  Plain variables on one device; with a DTensor `mesh`, the same program with
+  every variable a replicated DVariable on it (pass `tokens` laid out on it:
+  `pack_rows`), so DTensor is the only difference."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tensorflow.experimental import dtensor  # pylint: disable=import-outside-toplevel
+  if mesh is None:
+    variable = tf.Variable
+  else:
+    def variable(value):
+      value = tf.convert_to_tensor(value)
+      return dtensor.DVariable(dtensor.copy_to_mesh(
+          value, dtensor.Layout.replicated(mesh, rank=value.shape.rank)))
   head = dim // heads
-  normal = lambda *shape: tf.Variable(tf.random.normal(shape, stddev=0.02))  # noqa: E731
-  ones, zeros = (lambda n: tf.Variable(tf.ones([n]))), (lambda n: tf.Variable(tf.zeros([n])))
+  normal = lambda *shape: variable(tf.random.normal(shape, stddev=0.02))  # noqa: E731
+  ones, zeros = (lambda n: variable(tf.ones([n]))), (lambda n: variable(tf.zeros([n])))
   params = {'emb': normal(vocab, dim), 'pos': normal(seq, dim), 'ln_g': ones(dim),
             'ln_b': zeros(dim), 'out_w': normal(dim, vocab), 'out_b': zeros(vocab)}
   for i in range(layers):
@@ -54,9 +65,9 @@ def plain_lm_step(*, vocab: int, dim: int, heads: int, ffn: int, layers: int, se
                    f'{i}/b_out': zeros(dim), f'{i}/ln1_g': ones(dim), f'{i}/ln1_b': zeros(dim),
                    f'{i}/ln2_g': ones(dim), f'{i}/ln2_b': zeros(dim)})
   variables = list(params.values())
-  m = [tf.Variable(tf.zeros_like(v)) for v in variables]
-  v2 = [tf.Variable(tf.zeros_like(v)) for v in variables]
-  step_var = tf.Variable(0.0)
+  m = [variable(tf.zeros(v.shape)) for v in variables]
+  v2 = [variable(tf.zeros(v.shape)) for v in variables]
+  step_var = variable(0.0)
 
   def norm(x, g, b):
     mean, var = tf.nn.moments(x, [-1], keepdims=True)
@@ -93,3 +104,12 @@ def plain_lm_step(*, vocab: int, dim: int, heads: int, ffn: int, layers: int, se
     return loss
 
   return step, variables
+
+
+def pack_rows(array, mesh):
+  """A host array on `mesh`, split over its first axis along the rows."""
+  from tensorflow.experimental import dtensor  # pylint: disable=import-outside-toplevel
+  parts = mesh.num_local_devices()
+  rows = len(array) // parts
+  layout = dtensor.Layout([mesh.dim_names[0]] + [dtensor.UNSHARDED] * (array.ndim - 1), mesh)
+  return dtensor.pack([array[i * rows:(i + 1) * rows] for i in range(parts)], layout)

@@ -1,7 +1,8 @@
 r"""Start-up, phase by phase: from `python -m launch.train ...` to its first
-step, beside a hand-written TensorFlow program of the same model.
+step, beside a hand-written TensorFlow program of the same model, on one
+device and under DTensor.
 
-    python bench/startup.py [--configs quickstart lm_2d] [--rounds 3]
+    python bench/startup.py [--configs quickstart lm_2d] [--rounds 3] [--without_grappler]
 
 Each contender is a fresh process, run in turns (meshgin's configs, then the
 plain program, round after round) so that load drift hits all alike; each
@@ -24,18 +25,43 @@ result, so that each phase ends when its work is done:
 
 The plain program (`plain_child`: no DTensor, one device, one `tf.function`
 doing forward, backward, clipping and Adam) has three: import TensorFlow,
-variables (parameters and Adam slots), first step. Times are wall seconds
+variables (parameters and Adam slots), first step. The same program runs
+under DTensor too (`--hand_written`, default both): every variable a
+replicated DVariable, the batch split over a `data` mesh of 1 or 8 virtual
+CPUs; no meshgin code but the thread setting. That is the floor DTensor sets
+on a mesh, which meshgin can approach but not pass. Times are wall seconds
 since the parent started the process and CPU seconds of the process (both
 columns: on a shared machine the CPU figure is the steadier one). Also
 printed per step function: the first call (trace + compile + run) and the
 best later call (run).
 
-`--without_grappler` adds, per config, the same run with TensorFlow's graph
-optimizer switched off (`disable_meta_optimizer`), and says whether its
-training losses stay bit-identical: how much of what start-up has left is
-Grappler's. Measured on a quiet 2-core machine (2026-11-26, quickstart):
-0.96x the CPU-seconds to the first step, the same losses: the step
-functions' compile time is not Grappler's.
+Measured on the 2-core machine, 2026-11-26, best of 3 rounds (wall s to the
+first step; the plain program 2.95 s):
+
+    quickstart (meshgin, data=8)          6.19   2.10x plain   1.13x hand-written data=8
+    lm_2d (meshgin, data=2 x model=4)     6.82   2.31x plain   1.25x hand-written data=8
+    hand-written under DTensor, data=1    3.43   1.16x plain
+    hand-written under DTensor, data=8    5.45   1.85x plain
+
+So an 8-device mesh costs the same hand-written program 1.85x the
+one-device program's time to its first step: the first call of a DTensor
+function compiles one copy per device (bench/dtensor_compile_limit.py: an
+Adam update of 30 variables, 957 ops, 0.15 s plain, 0.37 s on DTensor
+data=1, 0.67 s on 4, 1.37 s on 8). The quickstart was at 7.18 s (2.37x)
+before its variables were named by their last path part
+(`layout_core.layout.variables.dvariable`: model variables and optimizer
+state 1.04 -> 0.50 s).
+
+`--without_grappler` adds each contender with TensorFlow's graph optimizer
+switched off (`disable_meta_optimizer`), and says whether its training
+losses stay bit-identical. Grappler is most of that per-device compile: the
+quickstart's first step at 0.73x the wall time (5.25 s), the hand-written
+data=8 program at 0.70x (4.05 s); but the quickstart's third loss moves in
+its last bits without it (4.131618976 -> 4.131619453), and the steady
+step of lm_2d was slower in a 100-step run (47 vs 42 ms), so meshgin leaves
+Grappler on. (Switching off each Grappler pass but the arithmetic
+optimizer kept the quickstart's losses, saved a quarter of the compile,
+and made lm_2d's step 62 ms.)
 
 Results go to bench/results/startup.json with the date, commit and machine.
 """
@@ -66,6 +92,8 @@ MESHGIN_PHASES = ('python, import TensorFlow', 'flags, gin, plan', 'mesh', 'mode
 PLAIN_PHASES = ('python, import TensorFlow', 'variables', 'first step')
 STEP_FUNCTIONS = ('loss_and_gradients', 'evaluate', 'apply_gradients')
 NO_GRAPPLER = '/without_grappler'  # a contender's suffix
+# The plain program under DTensor: name -> devices on its `data` mesh.
+HAND_WRITTEN = {'dtensor data=1': 1, 'dtensor data=8': 8}
 
 
 # ---------------------------------------------------------------- child side
@@ -163,28 +191,45 @@ def meshgin_child(gin_file: str, spawned: float, *, grappler: bool = True) -> di
   return {'phases': clock.marks, 'calls': calls, 'losses': losses}
 
 
-def plain_child(spawned: float) -> dict:
+def plain_child(spawned: float, *, devices: int = 0, grappler: bool = True) -> dict:
   """lm_tiny (111,936 parameters: vocab 64, width 64, 4 heads, ffn 256, 2
   layers, 64 positions) trained on batches of 32 x 64 tokens as a user would
-  write it by hand: plain variables on one device, one tf.function."""
+  write it by hand: plain variables on one device, one tf.function. With
+  `devices`, the same program under DTensor (`bench.common.plain_lm_step`),
+  the batch split over a `data` mesh of that many virtual CPUs with
+  meshgin's thread setting: what DTensor alone costs, no meshgin code run."""
   clock = Clock(spawned)
   import numpy as np  # pylint: disable=g-import-not-at-top
-  import tensorflow  # noqa: F401  pylint: disable=unused-import,g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   clock.mark('python, import TensorFlow')
+  tf.random.set_seed(0)  # the same initial values in every contender
+  if not grappler:
+    tf.config.optimizer.set_experimental_options({'disable_meta_optimizer': True})
+  mesh, place = None, lambda tokens: tokens
+  if devices:
+    from tensorflow.experimental import dtensor  # pylint: disable=g-import-not-at-top
+    from bench.common import pack_rows  # pylint: disable=g-import-not-at-top
+    from layout_core.layout.mesh import configure_virtual_cpus  # pylint: disable=g-import-not-at-top
+    configure_virtual_cpus(devices)
+    mesh = dtensor.create_mesh([('data', devices)], device_type='CPU')
+    place = lambda tokens: pack_rows(tokens, mesh)  # noqa: E731
   vocab, seq, batch = 64, 64, 32
-  step, variables = plain_lm_step(vocab=vocab, dim=64, heads=4, ffn=256, layers=2, seq=seq)
+  step, variables = plain_lm_step(vocab=vocab, dim=64, heads=4, ffn=256, layers=2, seq=seq,
+                                  mesh=mesh)
   clock.mark('variables')
 
   rng = np.random.default_rng(0)
-  calls = []
+  calls, losses = [], []
   for _ in range(NUM_STEPS):
     start = clock.now()
-    step(rng.integers(0, vocab, size=(batch, seq + 1), dtype=np.int32)).numpy()
+    losses.append(float(step(place(rng.integers(0, vocab, size=(batch, seq + 1),
+                                                dtype=np.int32))).numpy()))
     calls.append((start, clock.now()))
     if len(calls) == 1:
       clock.mark('first step')
   parameters = sum(int(np.prod(v.shape)) for v in variables)
-  return {'phases': clock.marks, 'calls': {'step': calls}, 'parameters': parameters}
+  return {'phases': clock.marks, 'calls': {'step': calls}, 'parameters': parameters,
+          'losses': losses}
 
 
 # ---------------------------------------------------------------- parent side
@@ -258,15 +303,21 @@ def main():
   parser.add_argument('--configs', nargs='+', default=list(CONFIGS), choices=list(CONFIGS))
   parser.add_argument('--rounds', type=int, default=3)
   parser.add_argument('--out', default=os.path.join(RESULTS, 'startup.json'))
+  parser.add_argument('--hand_written', nargs='*', default=list(HAND_WRITTEN),
+                      choices=list(HAND_WRITTEN),
+                      help='the plain program under DTensor on these meshes')
   parser.add_argument('--without_grappler', action='store_true',
-                      help='also each config with Grappler off (the limit left)')
+                      help='also each contender with Grappler off')
   parser.add_argument('--child', help=argparse.SUPPRESS)
   parser.add_argument('--spawned', type=float, help=argparse.SUPPRESS)
   args, rest = parser.parse_known_args()
   if args.child:
-    config, _, variant = args.child.partition(NO_GRAPPLER)
-    result = (plain_child(args.spawned) if args.child == 'plain'
-              else meshgin_child(CONFIGS[config], args.spawned, grappler=not variant))
+    name, without, _ = args.child.partition(NO_GRAPPLER)
+    if name in CONFIGS:
+      result = meshgin_child(CONFIGS[name], args.spawned, grappler=not without)
+    else:
+      result = plain_child(args.spawned, devices=HAND_WRITTEN.get(name, 0),
+                           grappler=not without)
     print('RESULT ' + json.dumps(result), flush=True)
     os._exit(0)  # pylint: disable=protected-access
   if rest:
@@ -274,35 +325,44 @@ def main():
   record = machine()
   print(f'{record["date"]}, {record["machine"]["cores"]} cores, load average '
         f'{record["machine"]["load_average_at_start"][0]:.1f} at start', flush=True)
-  variants = [name + NO_GRAPPLER for name in args.configs] if args.without_grappler else []
-  rounds: dict[str, list[dict]] = {name: [] for name in [*args.configs, *variants, 'plain']}
+  measured = [*args.configs, *args.hand_written]
+  variants = [name + NO_GRAPPLER for name in measured] if args.without_grappler else []
+  rounds: dict[str, list[dict]] = {name: [] for name in [*measured, *variants, 'plain']}
   for index in range(args.rounds):
     for name in rounds:
       result = run_child(name)
       rounds[name].append(result)
-      print(f'round {index + 1} {name:11s} first step at {result["phases"]["first step"][0]:6.2f} s'
-            f' wall, {result["phases"]["first step"][1]:6.2f} CPU-s', flush=True)
+      print(f'round {index + 1} {name:28s} first step at '
+            f'{result["phases"]["first step"][0]:6.2f} s wall, '
+            f'{result["phases"]["first step"][1]:6.2f} CPU-s', flush=True)
   plain = best(rounds['plain'], PLAIN_PHASES)
   print_table('plain TensorFlow', plain, PLAIN_PHASES, plain)
   summaries = {'plain': plain}
-  for name in [*args.configs, *variants]:
-    summaries[name] = best(rounds[name], MESHGIN_PHASES)
-    print_table(name, summaries[name], MESHGIN_PHASES, plain)
+  for name in [*measured, *variants]:
+    phases = MESHGIN_PHASES if name.partition(NO_GRAPPLER)[0] in CONFIGS else PLAIN_PHASES
+    summaries[name] = best(rounds[name], phases)
+    print_table(name, summaries[name], phases, plain)
   for name in variants:
-    config = name[:-len(NO_GRAPPLER)]
-    same = rounds[name][0]['losses'] == rounds[config][0]['losses']
+    base = name[:-len(NO_GRAPPLER)]
+    same = rounds[name][0]['losses'] == rounds[base][0]['losses']
     summaries[name]['losses_bit_identical'] = same
-    print(f'\n{config} without Grappler: first step at '
-          f'{summaries[name]["first_step_cpu_best"] / summaries[config]["first_step_cpu_best"]:.2f}x'
-          f' the CPU-s with it; losses {"bit-identical" if same else "DIFFER"}: '
-          f'{rounds[name][0]["losses"]} vs {rounds[config][0]["losses"]}')
+    print(f'\n{base} without Grappler: first step at '
+          f'{summaries[name]["first_step"][0] / summaries[base]["first_step"][0]:.2f}x the wall '
+          f'time with it, {summaries[name]["first_step_cpu_best"] / summaries[base]["first_step_cpu_best"]:.2f}x'
+          f' the CPU-s; losses {"bit-identical" if same else "DIFFER"}: '
+          f'{rounds[name][0]["losses"]} vs {rounds[base][0]["losses"]}')
+  for config in args.configs:
+    for name in args.hand_written:
+      print(f'\n{config} vs the hand-written program on {name}: first step at '
+            f'{summaries[config]["first_step"][0] / summaries[name]["first_step"][0]:.2f}x '
+            'its wall time')
   record.update(rounds_run=args.rounds, best=summaries, rounds=rounds,
                 load_average_at_end=os.getloadavg(),
                 ratio_first_step_wall={n: summaries[n]['first_step'][0] / plain['first_step'][0]
-                                       for n in args.configs},
+                                       for n in [*measured, *variants]},
                 ratio_first_step_cpu={n: summaries[n]['first_step_cpu_best']
                                       / plain['first_step_cpu_best']
-                                      for n in [*args.configs, *variants]})
+                                      for n in [*measured, *variants]})
   write_json(record, args.out)
 
 

@@ -29,7 +29,8 @@ from layout_core.layout import mesh as mesh_lib
 from layout_core.errors import ConfigError
 from layout_core.layout.rules import UNSHARDED, LayoutRules
 from layout_core.layout.variables import (Initializer, VariableSpec, creator_initial_value,
-                                          path_seed, quiet_one_shot_traces, variable_creator)
+                                          dvariable, path_seed, quiet_one_shot_traces,
+                                          variable_creator)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +116,7 @@ class LayoutScope:
     value = initial_dtensor(spec.initializer, shape=spec.shape, dtype=spec.dtype,
                             layout=self.layout(record.spec),
                             seed=path_seed(spec.path, self.seed))
-    variable = dtensor.DVariable(value, trainable=spec.trainable,
-                                 name=spec.path.replace('/', '.'))
+    variable = dvariable(value, path=spec.path, trainable=spec.trainable)
     if spec.path in self.variables:
       raise ConfigError(f"two variables share the path '{spec.path}'",
                         fix='give sibling layers distinct names')

@@ -52,7 +52,7 @@ from layout_core.layout.scope import LayoutRecord, plan_layouts
 from layout_core.lazy import dtensor, tf
 from layout_core.model.built import BuiltModel
 from layout_core.layout.rules import LayoutRules
-from layout_core.layout.variables import VariableSpec, creator_initial_value
+from layout_core.layout.variables import VariableSpec, creator_initial_value, dvariable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,8 +192,8 @@ def build(model: KerasModel, *, mesh, rules: LayoutRules | None, seed: int,
       [record] = plan_layouts([spec], rules, mesh_axes)
       layout = dtensor.Layout(list(record.spec), mesh)
       records.append(record)
-      return dtensor.DVariable(mesh_lib.pack_global_array(value.numpy(), layout),
-                               trainable=trainable, name=path.replace('/', '.'))
+      return dvariable(mesh_lib.pack_global_array(value.numpy(), layout), path=path,
+                       trainable=trainable)
 
     with tf.variable_creator_scope(creator):
       weight._deferred_initialize()  # pylint: disable=protected-access

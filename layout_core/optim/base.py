@@ -40,7 +40,7 @@ from absl import logging
 from layout_core.lazy import Module, tf, dtensor
 from layout_core.layout.gather import gather_together
 from layout_core.layout.scope import initial_dtensor
-from layout_core.layout.variables import Zeros, quiet_one_shot_traces
+from layout_core.layout.variables import Zeros, dvariable, quiet_one_shot_traces
 from layout_core.optim.config import OptimizerConfig, SlotSpec, add_axis
 from layout_core.optim.schedule import learning_rate
 
@@ -136,7 +136,7 @@ class Optimizer(Module):
                                 axis_size=axes.get(self.shard_axis, 1))
     zeros = initial_dtensor(Zeros(), shape=shape, dtype=dtype, seed=0,
                             layout=dtensor.Layout(sharding, layout.mesh))
-    return dtensor.DVariable(zeros, trainable=False, name=name)
+    return dvariable(zeros, path=name, trainable=False)
 
   def slots_for(self, path: str) -> list[tf.Variable]:
     """Every slot of the parameter at `path`, in `SLOT_NAMES` order."""

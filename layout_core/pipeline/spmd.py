@@ -59,7 +59,7 @@ from layout_core.pipeline import schedule as schedule_lib
 from layout_core.pipeline.plan import (cell_slot, check_cell_count, check_identical_cells,
                                        check_stackable)
 from layout_core.layout.rules import UNSHARDED, LayoutRules
-from layout_core.layout.variables import initial_value, path_seed
+from layout_core.layout.variables import dvariable, initial_value, path_seed
 from layout_core.model.base import Weights, cast, rematerialized
 from layout_core.model.random import DropoutInputs
 
@@ -134,8 +134,7 @@ class StackedCells(Module):
           tf.function(init(), autograph=False),
           dtensor.Layout.replicated(mesh, len(shape))), layout)
       path = stacked_path(self.path, relative)
-      variable = dtensor.DVariable(value, trainable=template.trainable,
-                                   name=path.replace('/', '.'))
+      variable = dvariable(value, path=path, trainable=template.trainable)
       _attach(root, relative, variable)
       self.stacked_variables[path] = variable
       self.pieces[path] = [(c.name, (self.slots[l].stage, self.slots[l].row))

@@ -1,0 +1,82 @@
+"""The whole suite as two pytest processes side by side: the README's test command.
+
+    python -m tests.run -q --durations=25     # any pytest options, given to both
+
+One pytest process keeps ~1.5 of the 2 cores busy (its tests wait on
+subprocess start-ups, compiles run partly on one core), so the test files are
+cut into two shards of about equal measured time and run at once, each with
+its own temporary directory and cache. Each shard's report is printed whole
+when it ends; the exit status is the worse of the two. Given test paths, it
+is plain pytest on those paths.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
+SHARDS = 2
+# Seconds per test file in one full run (2 cores, 2026-11-26), to balance the
+# shards; a file not listed counts as UNLISTED. Stale figures cost balance only.
+SECONDS = {
+    'test_precision.py': 144, 'test_resume.py': 92, 'test_data_runs.py': 88,
+    'test_pipeline_spmd.py': 83, 'test_sweep.py': 77, 'test_multi_client.py': 62,
+    'test_optimizer_state.py': 51, 'test_mesh_tab.py': 43, 'test_launch.py': 42,
+    'test_never_lose_work.py': 32, 'test_speed_paths.py': 30, 'test_tasks.py': 30,
+    'test_bad_input.py': 30, 'test_pipeline_launch.py': 23, 'test_pipeline.py': 27,
+    'test_checkpoint.py': 20, 'test_streams.py': 20, 'test_pipeline_training.py': 19,
+    'test_layout_scope.py': 11, 'test_own_model.py': 10,
+}
+UNLISTED = 5
+
+
+def shards(files: list[str], count: int) -> list[list[str]]:
+  """`files` cut into `count` lists of about equal total SECONDS (longest first)."""
+  cut: list[list[str]] = [[] for _ in range(count)]
+  totals = [0.0] * count
+  for name in sorted(files, key=lambda f: -SECONDS.get(os.path.basename(f), UNLISTED)):
+    lightest = totals.index(min(totals))
+    cut[lightest].append(name)
+    totals[lightest] += SECONDS.get(os.path.basename(name), UNLISTED)
+  return [sorted(shard) for shard in cut if shard]
+
+
+def main(args: list[str]) -> int:
+  pytest = [sys.executable, '-m', 'pytest']
+  if any(not a.startswith('-') and os.path.exists(a.split('::')[0]) for a in args):
+    return subprocess.call(pytest + args, cwd=REPO)
+  files = [os.path.relpath(f, REPO) for f in glob.glob(os.path.join(TESTS, 'test_*.py'))]
+  with tempfile.TemporaryDirectory(prefix='meshgin-tests-') as scratch:
+    running = []
+    for index, shard in enumerate(shards(files, SHARDS)):
+      log = open(os.path.join(scratch, f'shard-{index}.log'), 'w+')
+      command = pytest + [*args, f'--basetemp={scratch}/tmp-{index}',
+                          '-o', f'cache_dir=.pytest_cache/shard-{index}', *shard]
+      running.append((index, shard, log, time.monotonic(),
+                      subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)))
+    worst = 0
+    while running:
+      time.sleep(0.5)
+      for entry in [e for e in running if e[4].poll() is not None]:
+        index, shard, log, started, process = entry
+        running.remove(entry)
+        log.seek(0)
+        print(f'=== shard {index + 1} of {SHARDS} ({len(shard)} files: '
+              f'{" ".join(os.path.basename(f) for f in shard)}), exit {process.returncode} '
+              f'after {time.monotonic() - started:.0f} s ===', flush=True)
+        sys.stdout.write(log.read())
+        sys.stdout.flush()
+        log.close()
+        # pytest's 5 (no tests collected, e.g. a -m that leaves a shard empty) is no failure
+        worst = max(worst, 0 if process.returncode == 5 else process.returncode)
+    return worst
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv[1:]))
