@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from typing import Any, Mapping
@@ -28,6 +29,19 @@ def run_child(code: str, *args: str, env: Mapping[str, str | None] = ()) -> Any:
 
 
 def write_json(results: Any, path: str) -> None:
+  """Writes `results` as JSON. A dict without a 'command' gets one: the script
+  (relative to the repository) and its arguments as run, placed after
+  'machine' when there is one, so every figure in docs/performance.md
+  (bench/report.py) names how it was measured."""
+  if isinstance(results, dict) and 'command' not in results:
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), repo) if sys.argv[0] else ''
+    if script.startswith('..'):
+      script = sys.argv[0]
+    command = ' '.join(['python'] + [shlex.quote(a) for a in [script, *sys.argv[1:]] if a])
+    items = list(results.items())
+    at = next((i + 1 for i, (key, _) in enumerate(items) if key == 'machine'), len(items))
+    results = dict(items[:at] + [('command', command)] + items[at:])
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, 'w') as f:
     json.dump(results, f, indent=1)

@@ -19,7 +19,7 @@ noise gin appends to errors raised inside a configurable is dropped.
 Search paths are also Python import roots: a .gin file's `import
 my_project.layers` line finds `my_project/` in any --gin_search_paths
 directory (or on PYTHONPATH), which is how users bring their own layers,
-tasks and Keras models (README, "Your own model").
+tasks and Keras models (docs/own-model.md).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ clients, through the coordination service's key-value store).
     coordinator = MeshCoordinator(mesh, spec)
     coordinator.gather(3)     # [value of client 0, value of client 1]: also a barrier
 
-Clients need a shared filesystem for checkpoints (see README, "Several hosts").
+Clients need a shared filesystem for checkpoints (docs/several-hosts.md).
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ DEVICE_TYPES = ('CPU', 'GPU', 'TPU')
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
   """Axis names and sizes, in order (outermost first), and the device type."""
-  shape: Mapping[str, int] = dataclasses.field(
+  shape: Mapping[str, int] = dataclasses.field(  # ordered {axis: size}; product = devices used
       default_factory=lambda: {'data': 8})
-  device_type: str = 'CPU'
+  device_type: str = 'CPU'  # 'CPU' | 'GPU' | 'TPU' (DEVICE_TYPES)
   # Declared per-device capacity, for `launch.inspect`'s memory report (fits or not)
   # and the `train/mfu` scalar; None: not declared.
   device_memory_gb: float | None = None

@@ -36,9 +36,9 @@ class OptimizerConfig:
   warmup_steps: int = 50            # linear warmup from 0
   decay: str = 'cosine'             # after warmup: cosine | linear | constant
   final_learning_rate_ratio: float = 0.1  # lr at the last step / peak lr
-  beta1: float = 0.9
-  beta2: float = 0.99
-  epsilon: float = 1e-8
+  beta1: float = 0.9                # Adam first-moment decay
+  beta2: float = 0.99               # Adam second-moment decay
+  epsilon: float = 1e-8             # Adam: added to sqrt(second moment)
   weight_decay: float = 0.0         # decoupled (AdamW), on every parameter
   clip_norm: float = 1.0            # global-norm clipping; 0 disables
   # ZeRO-1: 'auto' (the batch axis on a one-axis mesh for models of at

@@ -24,7 +24,7 @@ class PipelineConfig:
   micro_batch_size: int = 0         # alternative to num_micro_batches
   batch_dim: int = 0                # batch dimension of the stage inputs
   partition: str | Sequence[int] = 'balanced'  # 'balanced' | 'lingvo' | layer counts
-  stage_axis: str = 'stage'
+  stage_axis: str = 'stage'         # mesh axis the stages are laid out along
   # 'submesh': each stage on its own sub-mesh (any layers; stages run one after
   # another on DTensor). 'spmd': the stack's identical cells stacked [stages, ...]
   # on the stage axis of one mesh, every stage computing at once.

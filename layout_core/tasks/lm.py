@@ -166,7 +166,7 @@ def make_task(*, task: Task | None = None, text_file: str | None = None,
     if not isinstance(task, Task):
       raise ConfigError(f'data.task is a {type(task).__name__}, not a layout_core Task',
                         where='data.task',
-                        fix='subclass layout_core.tasks.Task (see README, "Your own task")')
+                        fix='subclass layout_core.tasks.Task (see docs/own-model.md, "A task")')
     return task
   check_arguments(make_task, name='data', values=locals())
   at_least(locals(), 'data', vocab_size=2, seq_len=1, branching=1, seed=0)

@@ -19,7 +19,7 @@ from layout_core.fields import at_least, check_types
 from layout_core.layout.rules import UNSHARDED
 
 COMPUTE_DTYPES = ('float32', 'bfloat16')
-# What the backward pass recomputes instead of keeping (README "Memory and precision"):
+# What the backward pass recomputes instead of keeping (docs/memory-precision.md):
 #   'none':  nothing; every activation is kept for the whole step;
 #   'block': each repeated block (a cell of a repeated Sequential, of the SPMD
 #            stack, of a GPipe stage; every Keras layer) keeps only its input;

@@ -8,7 +8,7 @@ others get a `NullWriter` with the same methods.
     writer.scalars(step=10, values={'train/loss': 2.3})
     writer.text(step=0, tag='config/gin', markdown=operative_config)
 
-Tags written by meshgin are listed in README.md ("TensorBoard tags").
+Tags written by meshgin are listed in docs/tensorboard.md ("Tags").
 """
 
 from __future__ import annotations

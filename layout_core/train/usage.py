@@ -4,7 +4,7 @@
                             peak_flops=8 * 1e11)
     # {'usage/host_peak_bytes': ..., 'train/model_flops_per_sec': 2e12, 'train/mfu': 2.5}
 
-The training loop writes these at its logging steps (README, TensorBoard tags).
+The training loop writes these at its logging steps (docs/tensorboard.md, "Tags").
 """
 
 from __future__ import annotations
