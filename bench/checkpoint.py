@@ -21,7 +21,6 @@ not fsync).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -30,6 +29,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import write_json  # noqa: E402
 
 from layout_core.layout.mesh import MeshSpec, build_mesh  # noqa: E402
 
@@ -236,8 +237,7 @@ def main() -> None:
             f'{a["step_seconds_no_checkpoint"]*1000:.1f} ms/step without '
             f'({100 * a["async_overhead"]:+.1f}%)')
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, 'w') as f:
-      json.dump(results, f, indent=2)
+    write_json(results, args.out)
     print(f'wrote {args.out}')
   finally:
     shutil.rmtree(work, ignore_errors=True)

@@ -28,11 +28,40 @@ def run_child(code: str, *args: str, env: Mapping[str, str | None] = ()) -> Any:
   return json.loads(done.stdout.split('RESULT ', 1)[1])
 
 
+def provenance() -> dict:
+  """When, at which commit and on which machine a figure was measured."""
+  import datetime  # pylint: disable=import-outside-toplevel
+  import platform  # pylint: disable=import-outside-toplevel
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  git = lambda *args: subprocess.run(['git', *args], cwd=repo, capture_output=True,  # noqa: E731
+                                     text=True).stdout.strip()
+  dirty = bool(git('status', '--porcelain', '--untracked-files=no'))
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+  return {'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+          'commit': git('rev-parse', 'HEAD') + (' (with uncommitted changes)' if dirty else ''),
+          'machine': {'host': platform.node(), 'cores': cores,
+                      'processor': _processor() or platform.machine(),
+                      'load_average_at_start': os.getloadavg()}}
+
+
+def _processor() -> str:
+  """The CPU model (/proc/cpuinfo's 'model name'), or '' where unknown."""
+  try:
+    with open('/proc/cpuinfo') as f:
+      return next((line.split(':', 1)[1].strip() for line in f
+                   if line.startswith('model name')), '')
+  except OSError:
+    return ''
+
+
 def write_json(results: Any, path: str) -> None:
-  """Writes `results` as JSON. A dict without a 'command' gets one: the script
-  (relative to the repository) and its arguments as run, placed after
-  'machine' when there is one, so every figure in docs/performance.md
-  (bench/report.py) names how it was measured."""
+  """Writes `results` as JSON. A dict gets what it lacks of 'date', 'commit',
+  'machine' (`provenance`) and 'command' (the script, relative to the
+  repository, and its arguments as run), first, so every figure in
+  docs/performance.md (bench/report.py) says when, where and how it was
+  measured."""
+  if isinstance(results, dict):
+    results = {**{k: v for k, v in provenance().items() if k not in results}, **results}
   if isinstance(results, dict) and 'command' not in results:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = os.path.relpath(os.path.abspath(sys.argv[0]), repo) if sys.argv[0] else ''

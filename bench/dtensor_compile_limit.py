@@ -40,7 +40,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import RESULTS, run_child, write_json  # noqa: E402
-from bench.startup import machine  # noqa: E402
 
 CHILD = r'''
 import json, sys, time
@@ -146,7 +145,7 @@ def main():
                            for _ in range(args.rounds)) for naming in NAMINGS}
   print('\n60 DVariables on 8 devices, ms each: ' +
         ', '.join(f'{naming} {ms:.1f}' for naming, ms in variables.items()))
-  write_json(dict(machine(), rounds_run=args.rounds, best=best, rounds=rounds,
+  write_json(dict(rounds_run=args.rounds, best=best, rounds=rounds,
                   variables_ms_each=variables), args.out)
 
 

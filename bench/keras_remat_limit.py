@@ -15,14 +15,18 @@ not meshgin's), and writes what happened to bench/results/keras_remat_limit.json
 
 from __future__ import annotations
 
-import json
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 os.environ.setdefault('KERAS_BACKEND', 'tensorflow')
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+from bench.common import write_json  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results')
 
@@ -53,10 +57,8 @@ def main():
              for mode in ('full', 'activations') for compiled in (False, True)}
   for name, outcome in results.items():
     print(f'{name:28s} {outcome}')
-  os.makedirs(RESULTS, exist_ok=True)
-  with open(os.path.join(RESULTS, 'keras_remat_limit.json'), 'w') as f:
-    json.dump({'keras': keras.__version__, 'tensorflow': tf.__version__,
-               'results': results}, f, indent=2)
+  write_json({'keras': keras.__version__, 'tensorflow': tf.__version__, 'results': results},
+             os.path.join(RESULTS, 'keras_remat_limit.json'))
 
 
 if __name__ == '__main__':

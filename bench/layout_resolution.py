@@ -16,7 +16,6 @@ paths match no rule at all (the worst case for both: every rule is tried).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -24,6 +23,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import write_json  # noqa: E402
 
 from layout_core.layout.rules import LayoutRules, naive_first_match  # noqa: E402
 
@@ -99,10 +100,7 @@ def main() -> None:
   print(f'  meshgin resolver : {fast_seconds:8.3f} s')
   print(f'  naive fullmatch  : {naive_seconds:8.3f} s')
   print(f'  speedup          : {result["speedup"]:8.1f}x   answers differ: {mismatches}')
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, 'w') as f:
-    json.dump(result, f, indent=2)
-  print(f'wrote {args.out}')
+  write_json(result, args.out)
   if mismatches:
     sys.exit(1)
 

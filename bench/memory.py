@@ -36,6 +36,9 @@ import threading
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from bench.common import write_json  # noqa: E402
 BF16 = ["train.compute_dtype = 'bfloat16'"]
 WHOLE_STATE = ['optimizer.shard_state = False']  # not 'auto': these settings compare with zero
 SETTINGS = {
@@ -233,8 +236,7 @@ def main() -> None:
     result = fit(args.steps)
     out = os.path.join(os.path.dirname(args.out), 'memory_fit.json')
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, 'w') as f:
-      json.dump(result, f, indent=1)
+    write_json(result, out)
     print(f'wrote {out}')
     return
   if args.quick:
@@ -270,8 +272,7 @@ def main() -> None:
     results['settings'][name] = entry
   report(results)
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, 'w') as f:
-    json.dump(results, f, indent=1)
+  write_json(results, args.out)
   print(f'wrote {args.out}')
 
 

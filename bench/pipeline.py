@@ -22,13 +22,14 @@ balance of 'balanced' vs 'lingvo' cuts on heterogeneous stacks.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import write_json  # noqa: E402
 
 
 def parse_args():
@@ -306,8 +307,7 @@ def main() -> None:
     print(f'  {r["stack"]:18s} K={r["stages"]}: balanced {r["balanced"]:.3f}  lingvo '
           f'{r["lingvo"]:.3f}  (lingvo empty stages: {r["lingvo_empty_stages"]})')
   os.makedirs(os.path.dirname(ARGS.out), exist_ok=True)
-  with open(ARGS.out, 'w') as f:
-    json.dump(results, f, indent=2)
+  write_json(results, ARGS.out)
   print(f'wrote {ARGS.out} in {time.perf_counter() - began:.0f} s')
 
 

@@ -69,10 +69,8 @@ Results go to bench/results/startup.json with the date, commit and machine.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -81,7 +79,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.common import RESULTS, plain_lm_step, write_json  # noqa: E402
+from bench.common import RESULTS, plain_lm_step, provenance, write_json  # noqa: E402
 
 CONFIGS = {'quickstart': 'configs/experiments/quickstart.gin',
            'lm_2d': 'configs/experiments/lm_2d.gin'}
@@ -286,18 +284,6 @@ def print_table(name: str, summary: dict, phases, plain: dict) -> None:
     print(f'  {function + " call":32s} first {spans["first"]:.2f} s, later {spans["later"]:.3f} s')
 
 
-def machine() -> dict:
-  commit = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=REPO, capture_output=True,
-                          text=True).stdout.strip()
-  dirty = bool(subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'],
-                              cwd=REPO, capture_output=True, text=True).stdout.strip())
-  return {'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
-          'commit': commit + (' (with uncommitted changes)' if dirty else ''),
-          'machine': {'host': platform.node(), 'cores': len(os.sched_getaffinity(0)),
-                      'processor': platform.processor() or platform.machine(),
-                      'load_average_at_start': os.getloadavg()}}
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--configs', nargs='+', default=list(CONFIGS), choices=list(CONFIGS))
@@ -322,7 +308,7 @@ def main():
     os._exit(0)  # pylint: disable=protected-access
   if rest:
     parser.error(f'unexpected arguments: {rest}')
-  record = machine()
+  record = provenance()
   print(f'{record["date"]}, {record["machine"]["cores"]} cores, load average '
         f'{record["machine"]["load_average_at_start"][0]:.1f} at start', flush=True)
   measured = [*args.configs, *args.hand_written]

@@ -24,6 +24,7 @@ import time
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
+from bench.common import write_json  # noqa: E402
 from plugins.sweep import Sweep  # noqa: E402
 from plugins.sweep.spec import parse_axis  # noqa: E402
 
@@ -88,9 +89,7 @@ def main() -> None:
       'load_average_after': os.getloadavg()[0],
   }
   print(json.dumps(result, indent=1))
-  os.makedirs(os.path.join(REPO_ROOT, 'bench', 'results'), exist_ok=True)
-  with open(os.path.join(REPO_ROOT, 'bench', 'results', 'sweep.json'), 'w') as f:
-    json.dump(result, f, indent=1)
+  write_json(result, os.path.join(REPO_ROOT, 'bench', 'results', 'sweep.json'))
 
 
 if __name__ == '__main__':

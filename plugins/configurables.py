@@ -83,7 +83,15 @@ def model(params: Params | keras_models.KerasModel | None = None,
   """The model to train: a Params tree `params` (default: `transformer_lm()`),
   then `overrides` applied as dotted Set calls, e.g.
   `model.overrides = {'stack.block.ffn_dim': 512}`; or a Keras model
-  (`model.params = @keras_model()`)."""
+  (`model.params = @keras_model()`).
+
+  Args:
+    params: The model: a Params tree (e.g. @transformer_lm(), @sequential()) or
+      @keras_model(); None means transformer_lm() with its gin bindings.
+    overrides: {dotted key: value} set in order on a copy of the Params tree,
+      keys as in a run's params.txt (e.g. 'stack.block.ffn_dim', 'sub[1].repeat');
+      None means no changes. Not allowed with a Keras model.
+  """
   if params is gin.REQUIRED:
     raise ConfigError('model.params is required but not set',
                       where='model.params = %gin.REQUIRED (configs/runs/*.gin)',

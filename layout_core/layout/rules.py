@@ -184,7 +184,16 @@ class _FirstMatch:
 
 
 class LayoutRules:
-  """An ordered, validated list of (regex, sharding spec) rules."""
+  """An ordered, validated list of (regex, sharding spec) rules.
+
+  Args:
+    rules: Ordered (regex, spec) pairs, or a {regex: spec} dict; a spec has one
+      entry per tensor dimension, a mesh axis name or 'unsharded' (a lone string
+      is a one-entry spec). A pattern equal to a variable's path wins, else the
+      first regex that fullmatches it; a variable no rule matches is replicated.
+    strict: True makes a rule that decides no variable (matched nothing, or
+      shadowed by earlier rules) a configuration error; False logs a warning.
+  """
 
   def __init__(self, rules: Iterable[tuple[str, Sequence[str]]] | Mapping[str, Sequence[str]] = (),
                *, strict: bool = False):

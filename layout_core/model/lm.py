@@ -29,7 +29,17 @@ def _check_cell(name: str, *, num_heads: int, ffn_dim: int, activation: str,
 
 def transformer_block_params(*, num_heads: int = 4, ffn_dim: int = 256,
                              activation: str = 'relu', dropout_rate: float = 0.0) -> Params:
-  """One Transformer cell (its width comes from the LM it is put in)."""
+  """One Transformer cell (its width comes from the LM it is put in).
+
+  Args:
+    num_heads: Attention heads (>= 1), each model_dim // num_heads wide; must
+      divide the model_dim of the LM the cell is put in.
+    ffn_dim: Inner width of the feed-forward layer (>= 1).
+    activation: Feed-forward activation, 'relu' or 'gelu'.
+    dropout_rate: Dropout probability on the attention and feed-forward outputs,
+      in [0, 1), applied in training only (evaluation runs without it); 0 adds no
+      dropout layers.
+  """
   check_arguments(transformer_block_params, name='transformer_block', values=locals())
   _check_cell('transformer_block', num_heads=num_heads, ffn_dim=ffn_dim,
               activation=activation, dropout_rate=dropout_rate)
@@ -50,6 +60,32 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
   The stack is `num_layers` copies of one block (num_heads, ffn_dim,
   activation, dropout_rate), or the explicit list `cells` (e.g. blocks of different widths),
   each set to `model_dim`; `num_layers` must then equal len(cells).
+
+  Args:
+    vocab_size: Number of token ids (>= 1): rows of the embedding table and
+      classes of the softmax; must be at least the task's vocab_size.
+    model_dim: Width of the residual stream (embedding, every block, final norm,
+      softmax input), >= 1; a multiple of num_heads.
+    num_heads: Attention heads of each block, each model_dim // num_heads wide
+      (must divide model_dim); unused when cells is given.
+    ffn_dim: Inner width of each block's feed-forward layer (>= 1); unused when
+      cells is given.
+    num_layers: Transformer blocks in the stack (>= 1); with cells, must equal
+      len(cells).
+    max_len: Rows of the learned position-embedding table, the longest input
+      sequence the model takes (the task's seq_len must not exceed it); 0 means
+      no position embeddings and no limit.
+    activation: Feed-forward activation of each block, 'relu' or 'gelu'; unused
+      when cells is given.
+    name: Name of the root layer and first component of every variable path
+      (lm/emb/table, lm/stack/block_000/...); must be a Python identifier.
+    cells: Explicit blocks, one @transformer_block() per layer in order (they may
+      differ, e.g. in width), each set to model_dim; None or empty means
+      num_layers copies of one block built from num_heads, ffn_dim, activation
+      and dropout_rate.
+    dropout_rate: Dropout probability on each block's attention and feed-forward
+      outputs, in [0, 1), applied in training only; 0 adds no dropout layers;
+      unused when cells is given.
   """
   check_arguments(transformer_lm_params, name='transformer_lm', values=locals())
   at_least(locals(), 'transformer_lm', vocab_size=1, model_dim=1, num_layers=1, max_len=0)

@@ -249,6 +249,30 @@ class TFRecordTask(Task):
   `shuffle_window` records, so host memory does not grow with the data; a
   client reads only the streams its devices' rows come from. The first
   record of every file is checked against `features` when the task is made.
+
+  Args:
+    train_files: Glob pattern of the train split's TFRecord files (all sorted
+      matches; it must match at least one file).
+    eval_files: Glob pattern of the eval split's TFRecord files (all sorted
+      matches; it must match at least one file).
+    features: The Example features to parse, {name: (dtype, shape)}: dtype
+      'float32' or 'int64', a fixed shape ([] for a scalar), e.g. {'x':
+      ('float32', [16]), 'label': ('int64', [])}.
+    inputs: Names of the features given to the model, in order (keys of
+      features).
+    label: Name of the target feature (a key of features).
+    objective: 'classification' (softmax cross entropy, accuracy metric) or
+      'regression' (mean squared error, mean_absolute_error metric).
+    num_classes: Number of classes for classification (>= 2; labels must be in
+      0..num_classes-1); unused for regression.
+    seed: Seeds each stream's file order per epoch and its shuffle within
+      windows (each split drawn from its own seed derived from it).
+    num_streams: Streams each split's files are dealt to (rows of a batch split
+      evenly among them); must divide the batch size and be at most the number
+      of files or a multiple of it. 0 chooses: the largest divisor of the batch
+      size not above the number of files, or a multiple of it up to 8.
+    shuffle_window: Consecutive records of a stream shuffled together (a window
+      permuted at a time); 1 or less means no shuffling within a file.
   """
 
   settings_name = 'tfrecord_task'

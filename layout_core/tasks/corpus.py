@@ -118,7 +118,29 @@ class Packer:
 
 
 class LMCorpusTask(LMTask):
-  """Next-token prediction on packed documents of token ids (see module doc)."""
+  """Next-token prediction on packed documents of token ids (see module doc).
+
+  Args:
+    train_files: Glob pattern of the train split's TFRecord files, one Example
+      per document with its token ids as an int64 `tokens` list (as
+      `launch.prepare_data` writes them); it must match at least one file.
+    eval_files: Glob pattern of the eval split's files, in the same format.
+    vocab_size: Number of token ids (>= 2), the SentencePiece model's vocabulary
+      size (corpus.json says it); a token id outside 0..vocab_size-1 is an error.
+    seq_len: Model input length in tokens (>= 1); each row holds seq_len + 1
+      tokens (inputs plus next-token labels).
+    pack: True packs whole documents into each row (segment-aware attention:
+      needs a Params model on the one-program engine); False gives each row one
+      document, or one piece of a long one, padded (any engine and model).
+    seed: Seeds each stream's file order per epoch and its shuffle within
+      windows (each split drawn from its own seed derived from it).
+    num_streams: Streams each split's files are dealt to (rows of a batch split
+      evenly among them); must divide the batch size and be at most the number
+      of files or a multiple of it. 0 chooses: the largest divisor of the batch
+      size not above the number of files, or a multiple of it up to 8.
+    shuffle_window: Consecutive documents of a stream shuffled together (a
+      window permuted at a time); 1 or less means no shuffling within a file.
+  """
 
   settings_name = 'lm_corpus'
 

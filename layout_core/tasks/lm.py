@@ -82,7 +82,18 @@ class LMTask(Task):
 
 
 class MarkovTask(LMTask):
-  """Sequences from a sparse random Markov chain (see module docstring)."""
+  """Sequences from a sparse random Markov chain (see module docstring).
+
+  Args:
+    vocab_size: Number of token ids of the chain (tokens are 0..vocab_size-1);
+      the uniform loss is ln(vocab_size).
+    seq_len: Model input length in tokens; each row holds seq_len + 1 tokens
+      (inputs plus next-token labels).
+    branching: Possible successors of each token, in [1, vocab_size]; fewer
+      make the chain more predictable (a lower entropy floor).
+    seed: Seeds the chain (successors and their probabilities) and every batch,
+      a pure function of (seed, split, step).
+  """
 
   def __init__(self, *, vocab_size: int = 64, seq_len: int = 64,
                branching: int = 4, seed: int = 1234):
@@ -127,7 +138,17 @@ class MarkovTask(LMTask):
 
 
 class TextFileTask(LMTask):
-  """Random byte windows of a text file; vocab 256; last 10% held out."""
+  """Random byte windows of a text file; vocab 256; last 10% held out.
+
+  Args:
+    path: Path of an existing file whose bytes are the tokens: the first 90% is
+      the train split, the last 10% the eval split, each at least seq_len + 2
+      bytes long.
+    seq_len: Model input length in bytes; each row is a window of seq_len + 1
+      bytes (inputs plus next-byte labels).
+    seed: Seeds the window starts of every batch, a pure function of (seed,
+      split, step).
+  """
 
   def __init__(self, *, path: str, seq_len: int = 64, seed: int = 1234):
     if not os.path.isfile(path):
@@ -158,7 +179,23 @@ def make_task(*, task: Task | None = None, text_file: str | None = None,
               vocab_size: int = 64, seq_len: int = 64, branching: int = 4,
               seed: int = 1234) -> Task:
   """The run's task: `task` when given (any `Task`, e.g. a TFRecordTask or
-  the user's own), else bytes of `text_file`, else the Markov chain."""
+  the user's own), else bytes of `text_file`, else the Markov chain.
+
+  Args:
+    task: A `Task` to train on, e.g. @lm_corpus(), @tfrecord_task() or the user's
+      own; when set, the other data parameters are unused and text_file must not
+      be set. None means a built-in LM task.
+    text_file: Path of a text file to train on its bytes (vocabulary 256, the
+      last 10% held out for evaluation); None or empty means the Markov chain.
+    vocab_size: Number of token ids of the Markov chain (>= 2); unused with
+      text_file (always 256) or task.
+    seq_len: Model input length in tokens (>= 1); each row holds seq_len + 1
+      tokens (inputs plus next-token labels); unused with task.
+    branching: Possible successors of each token in the Markov chain, in [1,
+      vocab_size]; unused with text_file or task.
+    seed: Data seed (>= 0): every batch is a pure function of (seed, split,
+      step), and it also draws the Markov chain; unused with task.
+  """
   if task is not None:
     if text_file:
       raise ConfigError('both data.task and data.text_file are set',
