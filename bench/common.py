@@ -55,11 +55,13 @@ def _processor() -> str:
 
 
 def write_json(results: Any, path: str) -> None:
-  """Writes `results` as JSON. A dict gets what it lacks of 'date', 'commit',
+  """Writes `results` as JSON (a list: as {'rows': results}). A dict gets what it lacks of 'date', 'commit',
   'machine' (`provenance`) and 'command' (the script, relative to the
   repository, and its arguments as run), first, so every figure in
   docs/performance.md (bench/report.py) says when, where and how it was
   measured."""
+  if isinstance(results, list):  # rows of a table: kept under 'rows'
+    results = {'rows': results}
   if isinstance(results, dict):
     results = {**{k: v for k, v in provenance().items() if k not in results}, **results}
   if isinstance(results, dict) and 'command' not in results:

@@ -83,13 +83,53 @@ def _dtensor_compile_limit(results: dict) -> list[str]:
   return lines
 
 
+PROVENANCE = ('date', 'commit', 'machine', 'command', 'rounds_run')
+
+
+def _value(value: Any) -> str:
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return _cell(value if not isinstance(value, (list, dict)) else json.dumps(value))
+  return _number(value)
+
+
+def _rows_table(rows: list[dict]) -> list[str]:
+  """A list of flat dicts as one table, a column per key (first seen first)."""
+  columns: list[str] = []
+  for row in rows:
+    columns += [key for key in row if key not in columns]
+  return _table(columns, [[_value(row.get(key, '')) for key in columns] for row in rows])
+
+
 def _generic(results: Any) -> list[str]:
-  scalars = ([(key, value) for key, value in results.items()
-              if isinstance(value, (int, float)) and not isinstance(value, bool)]
-             if isinstance(results, dict) else [])
-  if not scalars:
-    return ['(no top-level numeric figures)']
-  return _table(['figure', 'value'], [[_cell(key), _number(value)] for key, value in scalars])
+  """Whatever a results file holds, as tables: top-level figures; a list of
+  rows; a {name: {figure: value}} dict as a table per name's figures; a
+  {name: value} dict as two columns; one level deeper, a table per key."""
+  if isinstance(results, list):
+    results = {'rows': results}
+  lines: list[str] = []
+  scalars = [(key, value) for key, value in results.items()
+             if key not in PROVENANCE and not isinstance(value, (dict, list))]
+  if scalars:
+    lines += _table(['figure', 'value'], [[_cell(key), _value(value)] for key, value in scalars])
+  for key, value in results.items():
+    if key in PROVENANCE or not isinstance(value, (dict, list)) or not value:
+      continue
+    if isinstance(value, list) and all(isinstance(row, dict) for row in value):
+      table = _rows_table(value)
+    elif isinstance(value, dict) and all(isinstance(v, dict) for v in value.values()):
+      inner = list(value.values())
+      if all(all(isinstance(v, dict) for v in row.values()) for row in inner):
+        for name, row in value.items():  # one table per key, one level deeper
+          lines += ['', f'{_cell(key)} / {_cell(name)}:', '']
+          lines += _rows_table([{'': n, **r} for n, r in row.items()])
+        continue
+      table = _rows_table([{'': name, **row} for name, row in value.items()])
+    elif isinstance(value, dict):
+      table = _table(['', 'value'], [[_cell(k), _value(v)] for k, v in value.items()])
+    else:
+      table = _table(['value'], [[_value(v)] for v in value])
+    lines += ['', f'{_cell(key)}:', ''] + table
+  return lines or ['(no figures)']
 
 
 RENDERERS: dict[str, Callable[[dict], list[str]]] = {
@@ -140,7 +180,7 @@ def performance_markdown(results_dir: str = RESULTS) -> str:
     lines += ['', f'## {_script(name, results)}', '',
               f'Results: `bench/results/{os.path.basename(path)}`', '']
     lines += _provenance(results)
-    lines += [''] + (render(results) if isinstance(results, dict) else _generic(results))
+    lines += [''] + render(results)
   return '\n'.join(lines) + '\n'
 
 

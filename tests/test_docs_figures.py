@@ -52,6 +52,16 @@ def test_a_changed_figure_changes_the_page(tmp_path):
   assert report.performance_markdown(str(tmp_path)) != report.performance_markdown()
 
 
+def test_rows_and_tables_of_named_figures_render_as_tables(tmp_path):
+  (tmp_path / 'rows.json').write_text(json.dumps(
+      {'date': 'd', 'commit': 'c', 'machine': {'cores': 2, 'processor': 'p', 'host': 'h'},
+       'rows': [{'size': 512, 'gflops': 1.5}, {'size': 1024, 'gflops': 2.25, 'ok': False}],
+       'by_name': {'one device': {'ms': 3.0}, 'mesh': {'ms': 4.5}}}))
+  page = report.performance_markdown(str(tmp_path))
+  assert '| size | gflops | ok |' in page and '| 1024 | 2.25 | False |' in page
+  assert '|  | ms |' in page and '| mesh | 4.50 |' in page
+
+
 def test_other_results_get_a_table_and_a_missing_command_says_so(tmp_path):
   (tmp_path / 'zz_other.json').write_text(json.dumps(
       {'date': 'd', 'commit': 'c', 'machine': {'cores': 2, 'processor': 'p', 'host': 'h'},
@@ -60,6 +70,7 @@ def test_other_results_get_a_table_and_a_missing_command_says_so(tmp_path):
   assert '## zz_other.json' in page
   assert '| steps_per_second | 12.35 |' in page
   assert '| examples | 32 |' in page
-  assert 'flag' not in page and 'nested' not in page
+  assert '| flag | True |' in page  # every figure is shown, nested ones as their own table
+  assert 'nested:' in page and '| a | 1 |' in page
   assert '- command: not recorded' in page
   assert page == report.performance_markdown(str(tmp_path))  # deterministic
