@@ -44,6 +44,15 @@ def provenance() -> dict:
                       'load_average_at_start': os.getloadavg()}}
 
 
+def _command() -> str:
+  """This process's script, relative to the repository, and its arguments."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  script = os.path.relpath(os.path.abspath(sys.argv[0]), repo) if sys.argv[0] else ''
+  if script.startswith('..'):
+    script = sys.argv[0]
+  return ' '.join(['python'] + [shlex.quote(a) for a in [script, *sys.argv[1:]] if a])
+
+
 def _processor() -> str:
   """The CPU model (/proc/cpuinfo's 'model name'), or '' where unknown."""
   try:
@@ -55,24 +64,15 @@ def _processor() -> str:
 
 
 def write_json(results: Any, path: str) -> None:
-  """Writes `results` as JSON (a list: as {'rows': results}). A dict gets what it lacks of 'date', 'commit',
-  'machine' (`provenance`) and 'command' (the script, relative to the
-  repository, and its arguments as run), first, so every figure in
+  """Writes `results` as JSON (a list: as {'rows': results}), with what it
+  lacks of 'date', 'commit', 'machine' (`provenance`) and 'command' (the
+  script and its arguments as run) first, so every figure in
   docs/performance.md (bench/report.py) says when, where and how it was
   measured."""
   if isinstance(results, list):  # rows of a table: kept under 'rows'
     results = {'rows': results}
-  if isinstance(results, dict):
-    results = {**{k: v for k, v in provenance().items() if k not in results}, **results}
-  if isinstance(results, dict) and 'command' not in results:
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = os.path.relpath(os.path.abspath(sys.argv[0]), repo) if sys.argv[0] else ''
-    if script.startswith('..'):
-      script = sys.argv[0]
-    command = ' '.join(['python'] + [shlex.quote(a) for a in [script, *sys.argv[1:]] if a])
-    items = list(results.items())
-    at = next((i + 1 for i, (key, _) in enumerate(items) if key == 'machine'), len(items))
-    results = dict(items[:at] + [('command', command)] + items[at:])
+  if isinstance(results, dict):  # what the script gave wins; the keys keep this order
+    results = {**provenance(), 'command': _command(), **results}
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, 'w') as f:
     json.dump(results, f, indent=1)

@@ -34,6 +34,7 @@ Results go to bench/results/dtensor_compile_limit.json.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -128,7 +129,6 @@ def main():
   parser.add_argument('--rounds', type=int, default=3)
   parser.add_argument('--out', default=os.path.join(RESULTS, 'dtensor_compile_limit.json'))
   args = parser.parse_args()
-  import json  # pylint: disable=import-outside-toplevel
   rounds = {name: [] for name in CONTENDERS}
   for _ in range(args.rounds):
     for name, (devices, options, env) in CONTENDERS.items():

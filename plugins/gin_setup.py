@@ -89,7 +89,9 @@ class GinSources:
     return ConfigError(text)
 
 
-def _search(name: str, paths: Sequence[str]) -> str | None:
+def find_gin_file(name: str, paths: Sequence[str]) -> str | None:
+  """`name`'s absolute path, as gin finds it: itself (from the current
+  directory), else under each search path in turn; None if nowhere."""
   for base in [''] + list(paths):
     candidate = os.path.join(base, name)
     if os.path.isfile(candidate):
@@ -145,7 +147,7 @@ def _read_file(path: str, sources: GinSources, paths: Sequence[str],
     line = statement.location.line_num
     where = f'{_display(path)}, line {line}'
     if isinstance(statement, config_parser.IncludeStatement):
-      target = _search(statement.filename, paths)
+      target = find_gin_file(statement.filename, paths)
       if target is None:
         raise ConfigError(
             f"{where} includes '{statement.filename}', which does not exist",
@@ -168,7 +170,7 @@ def read_sources(*, files: Sequence[str], bindings: Sequence[str],
   sources = GinSources()
   paths = list(dict.fromkeys(list(search_paths) + [os.getcwd(), REPO_ROOT]))
   for name in files:
-    path = _search(name, paths)
+    path = find_gin_file(name, paths)
     if path is None:
       raise ConfigError(f'gin file {name!r} not found', where='--gin_file',
                         fix=f'check the path or add --gin_search_paths (searched: '

@@ -5,7 +5,7 @@
 One pytest process keeps ~1.5 of the 2 cores busy (its tests wait on
 subprocess start-ups, compiles run partly on one core), so the test files are
 cut into two shards of about equal measured time and run at once, each with
-its own temporary directory and cache. Each shard's report is printed whole
+its own temporary directory. Each shard's report is printed whole
 when it ends; the exit status is the worse of the two. Given test paths, it
 is plain pytest on those paths.
 """
@@ -56,8 +56,7 @@ def main(args: list[str]) -> int:
     running = []
     for index, shard in enumerate(shards(files, SHARDS)):
       log = open(os.path.join(scratch, f'shard-{index}.log'), 'w+')
-      command = pytest + [*args, f'--basetemp={scratch}/tmp-{index}',
-                          '-o', f'cache_dir=.pytest_cache/shard-{index}', *shard]
+      command = pytest + [*args, f'--basetemp={scratch}/tmp-{index}', *shard]
       running.append((index, shard, log, time.monotonic(),
                       subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)))
     worst = 0

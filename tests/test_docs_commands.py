@@ -44,6 +44,8 @@ import tempfile
 import gin
 import pytest
 
+from plugins import gin_setup
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHELL_LANGUAGES = {'sh', 'bash', 'shell', 'console', 'zsh'}
 PLAN_ENTRY_POINTS = {'train', 'inspect'}
@@ -179,14 +181,6 @@ def entry_point_flags(module: str) -> dict[str, bool]:
   if done.returncode != 0 or 'FLAGS ' not in done.stdout:
     raise RuntimeError(f'importing {module} failed:\n{done.stderr[-2000:]}')
   return json.loads(done.stdout.split('FLAGS ', 1)[1])
-
-
-def _find_gin_file(name: str, search_paths: tuple[str, ...]) -> str | None:
-  for base in [REPO_ROOT, *[os.path.join(REPO_ROOT, p) for p in search_paths]]:
-    candidate = os.path.join(base, name)
-    if os.path.isfile(candidate):
-      return candidate
-  return None
 
 
 def _error_text(error: BaseException) -> str:
@@ -326,7 +320,8 @@ def check_entry_point(module: str, args: list[str], where: str, page: Page = Pag
       search_paths += [p for p in value.split(',') if p]
   real_files = []
   for path in files:
-    if _find_gin_file(path, tuple(search_paths)):
+    if gin_setup.find_gin_file(path, [REPO_ROOT] + [os.path.join(REPO_ROOT, p)
+                                                    for p in search_paths]):
       real_files.append(path)
     elif is_placeholder(path):
       report.skipped.append(f'{where}: placeholder --gin_file={path}')

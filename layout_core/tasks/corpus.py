@@ -132,14 +132,9 @@ class LMCorpusTask(LMTask):
     pack: True packs whole documents into each row (segment-aware attention:
       needs a Params model on the one-program engine); False gives each row one
       document, or one piece of a long one, padded (any engine and model).
-    seed: Seeds each stream's file order per epoch and its shuffle within
-      windows (each split drawn from its own seed derived from it).
-    num_streams: Streams each split's files are dealt to (rows of a batch split
-      evenly among them); must divide the batch size and be at most the number
-      of files or a multiple of it. 0 chooses: the largest divisor of the batch
-      size not above the number of files, or a multiple of it up to 8.
-    shuffle_window: Consecutive documents of a stream shuffled together (a
-      window permuted at a time); 1 or less means no shuffling within a file.
+    seed: As tfrecord_task.seed (the same stream reader).
+    num_streams: As tfrecord_task.num_streams (the same stream reader).
+    shuffle_window: As tfrecord_task.shuffle_window, counting documents.
   """
 
   settings_name = 'lm_corpus'
