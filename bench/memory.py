@@ -4,6 +4,7 @@ For one LM (quickstart's Markov task, 2 blocks, ffn = 4 x width, batch 32 x 64
 tokens, data-parallel on 8 virtual CPU devices), each setting
 
     float32 | bf16 | bf16 + remat 'block' | bf16 + remat + sharded optimizer state
+    | fully sharded parameters (FSDP) | bf16 + remat + FSDP
 
 trains `--steps` steps in a fresh `python -m launch.train` subprocess (its own
 temporary model_dir, no checkpoints). Measured: the child's peak RSS
@@ -46,6 +47,8 @@ SETTINGS = {
     'bf16': BF16 + WHOLE_STATE,
     'bf16+remat': BF16 + ["train.remat = 'block'"] + WHOLE_STATE,
     'bf16+remat+zero': BF16 + ["train.remat = 'block'", 'optimizer.shard_state = True'],
+    'fsdp': ['train.fsdp = True'],
+    'bf16+remat+fsdp': BF16 + ["train.remat = 'block'", 'train.fsdp = True'],
 }
 ENV = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
 

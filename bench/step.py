@@ -21,8 +21,11 @@ Groups (each contender's gin bindings are printed with its figure):
   `data=2 x model=2`).
 * `size`: lm_tiny, lm_small and a 4x wider lm_small on 1 device, `data=8` and
   `2x4`: the fraction of the 1-device rate each split keeps.
+* `fsdp`: fully sharded parameters (`train.fsdp = True`) against the default
+  (ZeRO-1 on `data=8`) for lm_small and a 4x wider lm_small, and against
+  Megatron alone on 2x4.
 
-    python bench/step.py [--groups split pipeline size] [--steps 10 --rounds 3]
+    python bench/step.py [--groups split pipeline size fsdp] [--steps 10 --rounds 3]
 """
 
 from __future__ import annotations
@@ -85,6 +88,16 @@ def contenders(group: str) -> dict[str, dict]:
                                            "mesh.shape = {'data': 2, 'model': 2}"),
         'submesh S=2 M=8': meshgin(LM_SMALL + [MEGATRON], *STAGES,
                                    "pipeline.engine = 'submesh'"),
+    }
+  if group == 'fsdp':
+    fsdp = 'train.fsdp = True'
+    return {
+        'lm_small data=8 (default: ZeRO-1)': meshgin(LM_SMALL, *MESHES['data=8']),
+        'lm_small data=8, fsdp': meshgin(LM_SMALL, *MESHES['data=8'], fsdp),
+        'lm_small x4 wide data=8, ZeRO-1': meshgin(LM_SMALL, *MESHES['data=8'], *WIDE, *SHARD),
+        'lm_small x4 wide data=8, fsdp': meshgin(LM_SMALL, *MESHES['data=8'], *WIDE, fsdp),
+        'lm_small 2x4 Megatron': meshgin(LM_SMALL + [MEGATRON], *MESHES['2x4']),
+        'lm_small 2x4 Megatron, fsdp': meshgin(LM_SMALL + [MEGATRON], *MESHES['2x4'], fsdp),
     }
   if group == 'size':
     models = {'lm_tiny': (TINY, ['data.vocab_size = 64', 'data.seq_len = 64',
@@ -237,6 +250,9 @@ def report(group: str, results: dict) -> None:
     elif group == 'pipeline':
       reference = {'spmd S=2 M=8': 'unpipelined data=2 x model=4',
                    'submesh S=2 M=8': 'serial data=2 x model=2'}.get(name)
+    elif group == 'fsdp' and name.endswith(', fsdp'):
+      reference = next(other for other in results
+                       if other.startswith(name[:-len(', fsdp')]) and other != name)
     elif group == 'size' and not name.endswith('1 device'):
       reference = name.rsplit(' ', 1)[0] + ' 1 device'
     if reference and reference != name:

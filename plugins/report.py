@@ -33,12 +33,17 @@ def describe_memory(plan: RunPlan) -> list[str]:
   train, spec = plan.train, plan.mesh_spec
   optimizer, shard = plan.optimizer.name, estimate.state_axis
   micro = train.batch_size // train.grad_accum_steps
+  split = estimate.fsdp_axis
   lines = [f'Memory (estimate: layout_core/train/memory.py; {optimizer}'
-           f'{f", state sharded over {shard!r}" if shard else ""}, compute {train.compute_dtype}, '
-           f'remat {train.remat}, {micro} examples per micro-step):',
+           f'{f", state sharded over {shard!r}" if shard else ""}'
+           f'{f", parameters fully sharded over {split!r} (fsdp)" if split else ""}, '
+           f'compute {train.compute_dtype}, remat {train.remat}, {micro} examples per '
+           'micro-step):',
            f'  {"":22s} {"per device":>14s} {f"total ({estimate.num_devices} devices)":>22s}']
   for category, per_device in estimate.per_device.items():
-    label = {'optimizer': f'optimizer ({optimizer})'}.get(category, category)
+    label = {'optimizer': f'optimizer ({optimizer})',
+             'weight copies': 'gathered weights' if split else 'weight copies'}.get(category,
+                                                                                 category)
     known = category != 'activations' or estimate.activations_known
     lines.append(f'  {label:22s} {_gib(per_device) if known else "not known":>14s} '
                  f'{_gib(estimate.total[category]) if known else "not known":>22s}')

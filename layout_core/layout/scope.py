@@ -27,6 +27,7 @@ from absl import logging
 from layout_core.lazy import tf, dtensor
 from layout_core.layout import mesh as mesh_lib
 from layout_core.errors import ConfigError
+from layout_core.layout import fsdp
 from layout_core.layout.rules import UNSHARDED, LayoutRules
 from layout_core.layout.variables import (Initializer, VariableSpec, creator_initial_value,
                                           dvariable, path_seed, quiet_one_shot_traces,
@@ -44,6 +45,15 @@ class LayoutRecord:
   bytes_per_device: int
   mesh: str = ''  # set when variables live on several meshes (pipeline stages)
   rule_index: int | None = None  # the rule that decided the spec; None: no rule matched
+  # With FSDP (`train.fsdp`): the rule's spec, which the math gathers the
+  # variable to at use; `spec` is then the stored one (the rule's + the FSDP
+  # axis). None: the variable is used as stored.
+  use_spec: tuple[str, ...] | None = None
+
+  @property
+  def compute_spec(self) -> tuple[str, ...]:
+    """The layout the model's math sees this variable in."""
+    return self.spec if self.use_spec is None else self.use_spec
 
 
 def shards_of(spec: Sequence[str], mesh_axes: Mapping[str, int]) -> int:
@@ -51,14 +61,16 @@ def shards_of(spec: Sequence[str], mesh_axes: Mapping[str, int]) -> int:
 
 
 def plan_layouts(specs: Iterable[VariableSpec], rules: LayoutRules,
-                 mesh_axes: Mapping[str, int]) -> list[LayoutRecord]:
-  """Resolves and validates every spec's layout without creating anything."""
+                 mesh_axes: Mapping[str, int], *,
+                 fsdp_axis: str | None = None) -> list[LayoutRecord]:
+  """Resolves and validates every spec's layout without creating anything
+  (with `fsdp_axis`: stored split over it as well, `layout_core.layout.fsdp`)."""
   rules.check_mesh(mesh_axes)
-  return [_record(spec, rules, mesh_axes) for spec in specs]
+  return [_record(spec, rules, mesh_axes, fsdp_axis) for spec in specs]
 
 
-def _record(spec: VariableSpec, rules: LayoutRules,
-            mesh_axes: Mapping[str, int]) -> LayoutRecord:
+def _record(spec: VariableSpec, rules: LayoutRules, mesh_axes: Mapping[str, int],
+            fsdp_axis: str | None = None) -> LayoutRecord:
   resolution = rules.resolve(spec.path, spec.shape, mesh_axes)
   for dim, why in spec.unshardable.items():
     if resolution.spec[dim] != UNSHARDED:
@@ -69,12 +81,15 @@ def _record(spec: VariableSpec, rules: LayoutRules,
           f'cannot run: {why}', where='layout_rules.rules',
           fix=f"leave dimension {dim} of '{spec.path}' 'unsharded' (narrow the regex or "
               'change the spec)')
+  stored = tuple(fsdp.add_axis(resolution.spec, spec.shape, fsdp_axis,
+                                mesh_axes.get(fsdp_axis, 1), skip=spec.unshardable))
+  split = stored != tuple(resolution.spec)
   return LayoutRecord(
-      path=spec.path, shape=tuple(spec.shape), dtype=spec.dtype,
-      spec=resolution.spec, source=resolution.source(rules),
+      path=spec.path, shape=tuple(spec.shape), dtype=spec.dtype, spec=stored,
+      source=resolution.source(rules) + (f' (+ fsdp over {fsdp_axis})' if split else ''),
       bytes_total=spec.num_bytes,
-      bytes_per_device=spec.num_bytes // shards_of(resolution.spec, mesh_axes),
-      rule_index=resolution.rule_index)
+      bytes_per_device=spec.num_bytes // shards_of(stored, mesh_axes),
+      rule_index=resolution.rule_index, use_spec=tuple(resolution.spec) if split else None)
 
 
 def report_unused_rules(rules: LayoutRules, records: Sequence[LayoutRecord]) -> None:
@@ -97,8 +112,9 @@ class LayoutScope:
   """Creates model variables as DVariables laid out by `rules` on `mesh`."""
 
   def __init__(self, *, mesh: dtensor.Mesh, rules: LayoutRules | None = None,
-               seed: int = 0, log_assignments: bool = False):
+               seed: int = 0, log_assignments: bool = False, fsdp_axis: str | None = None):
     self.mesh = mesh
+    self.fsdp_axis = fsdp_axis  # store variables split over it too (layout_core.layout.fsdp)
     self.rules = rules if rules is not None else LayoutRules()
     self.mesh_axes = mesh_lib.mesh_axes(mesh)
     self.rules.check_mesh(self.mesh_axes)
@@ -112,11 +128,13 @@ class LayoutScope:
     return dtensor.Layout(list(spec), self.mesh)
 
   def create(self, spec: VariableSpec) -> dtensor.DVariable:
-    record = _record(spec, self.rules, self.mesh_axes)  # mesh checked in __init__
+    record = _record(spec, self.rules, self.mesh_axes, self.fsdp_axis)  # mesh checked
     value = initial_dtensor(spec.initializer, shape=spec.shape, dtype=spec.dtype,
                             layout=self.layout(record.spec),
                             seed=path_seed(spec.path, self.seed))
     variable = dvariable(value, path=spec.path, trainable=spec.trainable)
+    if record.use_spec is not None:
+      fsdp.set_use_layout(variable, self.layout(record.use_spec))
     if spec.path in self.variables:
       raise ConfigError(f"two variables share the path '{spec.path}'",
                         fix='give sibling layers distinct names')

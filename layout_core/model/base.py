@@ -29,6 +29,7 @@ from typing import Mapping
 from layout_core.lazy import Module, tf
 from layout_core.errors import ConfigError
 from layout_core.params import Params
+from layout_core.layout import fsdp
 from layout_core.layout.variables import (Initializer, VariableSpec, create_variable,
                                           path_seed)
 from layout_core.model.random import DropoutInputs, current_random, random_context
@@ -193,9 +194,12 @@ class BaseLayer(Module):
     return self.params.fprop_dtype or self.params.dtype
 
   def weight(self, name: str) -> tf.Tensor:
-    """Variable `name` as the math uses it: cast to the compute dtype. A user
-    layer's own `fprop` reads its weights through this (or `LayerWeights`)."""
-    return cast(getattr(self, name), self.compute_dtype)
+    """Variable `name` as the math uses it: cast to the compute dtype, and
+    gathered when FSDP stores it split (`layout_core.layout.fsdp.at_use`). A
+    user layer's own `fprop` reads its weights through this (or
+    `LayerWeights`): a variable read directly is still right, but FSDP then
+    leaves its communication to DTensor."""
+    return fsdp.at_use(getattr(self, name), self.compute_dtype)
 
   def children(self) -> list['BaseLayer']:
     return [getattr(self, n) for n in self.child_names]

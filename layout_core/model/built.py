@@ -33,17 +33,19 @@ class BuiltModel:
   description: str                         # params.txt: the Params tree, or the model's
   # path -> leading dims stacking several layers' copies (SPMD cells: 2)
   lead_dims: dict[str, int] = dataclasses.field(default_factory=dict)
+  fsdp_axis: str | None = None             # parameters stored split over it (train.fsdp)
 
 
 def build_params_model(params: Params, *, mesh, rules: LayoutRules | None,
-                       seed: int) -> BuiltModel:
-  """Instantiates `params` with every variable laid out on `mesh` by `rules`."""
+                       seed: int, fsdp_axis: str | None = None) -> BuiltModel:
+  """Instantiates `params` with every variable laid out on `mesh` by `rules`
+  (and stored split over `fsdp_axis`, `layout_core.layout.fsdp`)."""
   params = params.Copy().Freeze()
-  with LayoutScope(mesh=mesh, rules=rules, seed=seed) as scope:
+  with LayoutScope(mesh=mesh, rules=rules, seed=seed, fsdp_axis=fsdp_axis) as scope:
     module = params.Instantiate()
   return BuiltModel(module=module, call=lambda inputs, training: module(*inputs),
                     variables=scope.variables, records=scope.records,
-                    checkpoint_root=module, description=params.ToText())
+                    checkpoint_root=module, description=params.ToText(), fsdp_axis=fsdp_axis)
 
 
 class StepFunction:

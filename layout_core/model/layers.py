@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from layout_core.lazy import tf
 from layout_core.errors import ConfigError
+from layout_core.layout import fsdp
 from layout_core.layout.variables import Normal, Ones, Zeros
 from layout_core.model.base import (BaseLayer, Declared, LayerMeta, as_float32, cast, dense,
                                     num_elements as _size)
@@ -65,13 +66,15 @@ class Embedding(BaseLayer):
                      matmul_flops=0)
 
   def fprop(self, ids):
-    x = cast(tf.gather(self.table, ids), self.compute_dtype)  # gather, then cast the rows
+    # Rows looked up in float32, then cast (a bfloat16 table would sum the
+    # gradients of repeated ids in bfloat16).
+    x = cast(tf.gather(fsdp.at_use(self.table), ids), self.compute_dtype)
     if self.params.max_len:
-      sequence = current_sequence()
+      sequence, positions = current_sequence(), fsdp.at_use(self.pos_table)
       if sequence is None:
-        x += cast(self.pos_table[:ids.shape[1]], self.compute_dtype)
+        x += cast(positions[:ids.shape[1]], self.compute_dtype)
       else:  # packed documents: each token's position within its own
-        x += cast(tf.gather(self.pos_table, sequence.positions), self.compute_dtype)
+        x += cast(tf.gather(positions, sequence.positions), self.compute_dtype)
     return x
 
 

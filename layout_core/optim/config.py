@@ -21,6 +21,7 @@ from absl import logging
 
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least, check_types, in_range
+from layout_core.layout.fsdp import add_axis  # noqa: F401 (re-exported: the optimizers' rule)
 from layout_core.layout.rules import UNSHARDED
 
 DECAYS = ('cosine', 'linear', 'constant')
@@ -120,8 +121,11 @@ def check_shard_state(config: OptimizerConfig, *, batch_axis: str,
 
 
 def state_axis(config: OptimizerConfig, *, batch_axis: str, mesh_axes: Mapping[str, int],
-               parameter_shapes: Iterable[Sequence[int]]) -> str | None:
-  """The mesh axis `shard_state` splits optimizer state over, or None.
+               parameter_shapes: Iterable[Sequence[int]],
+               fsdp_axis: str | None = None) -> str | None:
+  """The mesh axis `shard_state` splits optimizer state over, or None. None
+  too when that axis is `fsdp_axis` (`train.fsdp`): the parameters, and so
+  their slots, are split over it already; 'auto' then picks nothing.
 
   'auto' picks the batch axis where sharded state measured faster as well as
   smaller (`bench/step.py`, 2 cores): a one-axis mesh, where the gather back
@@ -137,8 +141,10 @@ def state_axis(config: OptimizerConfig, *, batch_axis: str, mesh_axes: Mapping[s
   if config.shard_state == AUTO:
     one_axis = list(mesh_axes) == [batch_axis] and mesh_axes[batch_axis] > 1
     large = count_parameters(parameter_shapes) >= AUTO_MIN_PARAMETERS
-    return batch_axis if one_axis and large else None
-  return _named_axis(config, batch_axis=batch_axis, mesh_axes=mesh_axes)
+    axis = batch_axis if one_axis and large and fsdp_axis is None else None
+  else:
+    axis = _named_axis(config, batch_axis=batch_axis, mesh_axes=mesh_axes)
+  return None if axis == fsdp_axis else axis
 
 
 def _named_axis(config: OptimizerConfig, *, batch_axis: str,
@@ -155,19 +161,3 @@ def _named_axis(config: OptimizerConfig, *, batch_axis: str,
   raise ConfigError(f"optimizer.shard_state = '{axis}' is not a mesh axis",
                     where='optimizer.shard_state / mesh.shape',
                     fix=f"use True (the batch axis) or one of {', '.join(map(repr, mesh_axes))}")
-
-
-def add_axis(spec: Sequence[str], shape: Sequence[int], axis: str | None,
-             axis_size: int) -> list[str]:
-  """`spec` with `axis` on the first unsharded dimension of `shape` that
-  `axis_size` divides; `spec` itself when there is none, or when `axis` is
-  None or already in it. Any such dimension splits the bytes evenly; the
-  first makes each device's slice one contiguous block, which the gather
-  back lays beside the others without a transpose (`gather_together`)."""
-  spec = list(spec)
-  if axis is None or axis in spec or axis_size < 2:
-    return spec
-  free = [i for i, (a, n) in enumerate(zip(spec, shape)) if a == UNSHARDED and n % axis_size == 0]
-  if free:
-    spec[free[0]] = axis
-  return spec

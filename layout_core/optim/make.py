@@ -29,11 +29,14 @@ def make_optimizer(config: OptimizerConfig, *, variables: Sequence[tf.Variable],
                    paths: Sequence[str], total_steps: int,
                    mesh_axes: Mapping[str, int] | None = None,
                    batch_axis: str = 'data',
-                   lead_dims: Mapping[str, int] | None = None) -> Optimizer:
+                   lead_dims: Mapping[str, int] | None = None,
+                   fsdp_axis: str | None = None) -> Optimizer:
   """The optimizer `config.name` names, its state split as `shard_state` says
-  (`state_axis`, counting the parameters it is given)."""
+  (`state_axis`, counting the parameters it is given; with `fsdp_axis` the
+  parameters are split over that axis already, and their slots with them)."""
   axis = state_axis(config, batch_axis=batch_axis, mesh_axes=mesh_axes or {},
-                    parameter_shapes=[v.shape.as_list() for v in variables])
+                    parameter_shapes=[v.shape.as_list() for v in variables],
+                    fsdp_axis=fsdp_axis)
   return optimizer_class(config.name)(config, variables=variables, paths=paths,
                                       total_steps=total_steps, shard_axis=axis,
                                       lead_dims=lead_dims)

@@ -74,7 +74,8 @@ class GPipeEngine:
 
   def __init__(self, *, params: Params, plan: PipelinePlan, stage_axis: str, mesh,
                rules: LayoutRules | None, task: Task, optimizer: OptimizerConfig,
-               config: TrainConfig, counters: Counters, batch_axis: str):
+               config: TrainConfig, counters: Counters, batch_axis: str,
+               fsdp_axis: str | None = None):
     self.plan, self.mesh, self.task, self.config = plan, mesh, task, config
     self.counters = counters
     self.micro_steps = MicroSteps(count=config.grad_accum_steps, batch_size=config.batch_size)
@@ -82,7 +83,7 @@ class GPipeEngine:
     staged = build_staged_model(
         params, mesh=mesh, rules=rules, num_stages=plan.num_stages,
         input_shapes=[(plan.micro_batch_size, task.seq_len)], stage_axis=stage_axis,
-        batch_axis=batch_axis, seed=config.seed, partition=plan.partition)
+        batch_axis=batch_axis, seed=config.seed, partition=plan.partition, fsdp_axis=fsdp_axis)
     self.placement = staged.placement
     self.gpipe = GPipe(stages=staged.runners, placement=self.placement,
                        loss_fn=lambda outputs, batch: task.loss_and_metrics(as_float32(outputs),
@@ -94,7 +95,7 @@ class GPipeEngine:
     self.optimizer = make_optimizer(optimizer, variables=list(trainable.values()),
                                     paths=list(trainable), total_steps=config.num_steps,
                                     mesh_axes=mesh_lib.mesh_axes(mesh),
-                                    batch_axis=batch_axis)
+                                    batch_axis=batch_axis, fsdp_axis=fsdp_axis)
     path_of = {id(v): p for p, v in self.variables.items()}
     self._stage_paths = [[path_of[id(v)] for v in variables]
                          for variables in self.gpipe.variables]
@@ -199,21 +200,23 @@ class SpmdModel(Module):
 
 
 def build_spmd_model(params: Params, *, plan: PipelinePlan, stage_axis: str, mesh,
-                     rules: LayoutRules | None, config: TrainConfig, batch_axis: str):
+                     rules: LayoutRules | None, config: TrainConfig, batch_axis: str,
+                     fsdp_axis: str | None = None):
   """The root's children built on the whole mesh, except the cell stack, built
-  as `StackedCells`; returns (BuiltModel, stack, layers before, layers after)."""
+  as `StackedCells` (all stored split over `fsdp_axis` too, if given);
+  returns (BuiltModel, stack, layers before, layers after)."""
   children = list(Sequential.child_params(params).items())
   records: list[LayoutRecord] = []
   variables: dict[str, tf.Variable] = {}
   built = []
-  with LayoutScope(mesh=mesh, rules=rules, seed=config.seed) as plain:
+  with LayoutScope(mesh=mesh, rules=rules, seed=config.seed, fsdp_axis=fsdp_axis) as plain:
     for i, (name, child) in enumerate(children):
       if i == plan.stack_index:
         stack = spmd_lib.StackedCells(
             list(Sequential.child_params(child).values()), parent_path=params.name,
             mesh=mesh, rules=rules, num_stages=plan.num_stages,
             repeats=plan.circular_repeats, stage_axis=stage_axis,
-            batch_axis=batch_axis, seed=config.seed, name=name)
+            batch_axis=batch_axis, seed=config.seed, name=name, fsdp_axis=fsdp_axis)
         built.append((name, stack))
         records += stack.records
         variables.update(stack.stacked_variables)
@@ -227,7 +230,8 @@ def build_spmd_model(params: Params, *, plan: PipelinePlan, stage_axis: str, mes
   after = [m for _, m in built[plan.stack_index + 1:]]
   return (BuiltModel(module=model, call=None, variables=variables, records=records,
                      checkpoint_root=model, description=params.ToText(),
-                     lead_dims={path: 2 for path in stack.stacked_variables}),
+                     lead_dims={path: 2 for path in stack.stacked_variables},
+                     fsdp_axis=fsdp_axis),
           stack, before, after)
 
 
@@ -239,11 +243,11 @@ class SpmdProgram:
 
   def __init__(self, *, params: Params, plan: PipelinePlan, stage_axis: str, mesh,
                rules: LayoutRules | None, task: Task, config: TrainConfig, batch_axis: str,
-               bubble_fill: float | None = None):
+               bubble_fill: float | None = None, fsdp_axis: str | None = None):
     self.plan, self.task, self.mesh = plan, task, mesh
     self.model, self.stack, self.before, self.after = build_spmd_model(
         params.Copy().Freeze(), plan=plan, stage_axis=stage_axis, mesh=mesh, rules=rules,
-        config=config, batch_axis=batch_axis)
+        config=config, batch_axis=batch_axis, fsdp_axis=fsdp_axis)
     self.pipeline = spmd_lib.SpmdPipeline(self.stack, num_micro_batches=plan.num_micro_batches,
                                           bubble_fill=bubble_fill)
     self.batch_axis = batch_axis

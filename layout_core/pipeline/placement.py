@@ -113,8 +113,9 @@ class StagedLayoutScope:
   paths and checkpoint keys however it is staged."""
 
   def __init__(self, *, meshes: Sequence[dtensor.Mesh], layer_stages: Mapping[str, int],
-               rules: LayoutRules | None = None, seed: int = 0):
-    self.scopes = [LayoutScope(mesh=m, rules=rules, seed=seed) for m in meshes]
+               rules: LayoutRules | None = None, seed: int = 0, fsdp_axis: str | None = None):
+    self.scopes = [LayoutScope(mesh=m, rules=rules, seed=seed, fsdp_axis=fsdp_axis)
+                   for m in meshes]
     self.layer_stages = dict(layer_stages)  # leaf layer path -> stage index
     self.records: list[LayoutRecord] = []
     self.variables: dict[str, tf.Variable] = {}

@@ -201,27 +201,29 @@ def _plan_spmd(config: PipelineConfig, *, params: Params, num_micro: int, micro_
 
 
 def plan_layout_records(plan: PipelinePlan, *, params: Params, rules: LayoutRules,
-                        mesh_axes: Mapping[str, int],
-                        stage_axis: str) -> list[layout_scope_lib.LayoutRecord]:
+                        mesh_axes: Mapping[str, int], stage_axis: str,
+                        fsdp_axis: str | None = None) -> list[layout_scope_lib.LayoutRecord]:
   """The inspect report's layout records of a pipelined run (nothing allocated):
   sub-mesh engine: every variable on its stage's sub-mesh; SPMD engine: the
-  cells' variables per cell with the stage axis added, the rest on the whole mesh."""
+  cells' variables per cell with the stage axis added, the rest on the whole
+  mesh; all stored split over `fsdp_axis` too, if given."""
   specs = params.cls.variable_specs(params)
   if plan.engine == 'submesh':
     axes = {a: n for a, n in mesh_axes.items() if a != stage_axis}
-    records = layout_scope_lib.plan_layouts(specs, rules, axes)
+    records = layout_scope_lib.plan_layouts(specs, rules, axes, fsdp_axis=fsdp_axis)
     return [dataclasses.replace(
         r, mesh=f'{stage_axis}{partition_lib.stage_of(plan.layer_stages, r.path)}')
         for r in records]
   axes = {a: n for a, n in mesh_axes.items() if a != stage_axis}
-  records = layout_scope_lib.plan_layouts(specs, rules, axes)
+  records = layout_scope_lib.plan_layouts(specs, rules, axes, fsdp_axis=fsdp_axis)
   out = []
   for r in records:
     if any(r.path.startswith(cell + '/') for cell in plan.layer_stages):
       # Stacked: each device holds 1/S of the cells (per cell, on average).
       out.append(dataclasses.replace(
           r, spec=(stage_axis,) + r.spec, source=f'{r.source} (+ stacked on {stage_axis})',
-          bytes_per_device=r.bytes_per_device // plan.num_stages))
+          bytes_per_device=r.bytes_per_device // plan.num_stages,
+          use_spec=None if r.use_spec is None else (stage_axis,) + r.use_spec))
     else:
       out.append(r)
   return out

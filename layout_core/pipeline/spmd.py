@@ -43,13 +43,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from layout_core.lazy import Module, tf, dtensor
 from layout_core.model.activations import residual_context
 from layout_core.model.random import current_random
+from layout_core.layout import fsdp
 from layout_core.layout import mesh as mesh_lib
 from layout_core.layout.stacked_keys import set_unstacked
 from layout_core.errors import ConfigError
@@ -83,7 +84,7 @@ class StackedCells(Module):
   def __init__(self, cells: Sequence[Params], *, parent_path: str, mesh: dtensor.Mesh,
                rules: LayoutRules | None, num_stages: int, repeats: int = 1,
                stage_axis: str = 'stage', batch_axis: str = 'data', seed: int = 0,
-               name: str = 'stack'):
+               name: str = 'stack', fsdp_axis: str | None = None):
     super().__init__(name=name)
     check_identical_cells(cells, where=f'{parent_path}/{name}')
     axes = mesh_lib.mesh_axes(mesh)
@@ -120,7 +121,12 @@ class StackedCells(Module):
               f"'{per_cell[0].path}' {cell_spec}; stacked cells share one layout",
               where='layout_rules.rules',
               fix='write rules that treat every cell of the stack alike')
-      layout = dtensor.Layout([stage_axis, UNSHARDED] + list(cell_spec), mesh)
+      use_spec = (stage_axis, UNSHARDED) + tuple(cell_spec)
+      # FSDP splits a cell dimension (never the stage or the row dim).
+      spec = tuple(fsdp.add_axis(use_spec, (num_stages, self.rows) + tuple(template.shape),
+                                 fsdp_axis, axes.get(fsdp_axis, 1),
+                                 skip={0, 1} | {d + 2 for d in template.unshardable}))
+      layout = dtensor.Layout(list(spec), mesh)
       order = [per_cell[by_slot[(s, q)]] for s in range(num_stages) for q in range(self.rows)]
       shape = (num_stages, self.rows) + tuple(template.shape)
 
@@ -135,6 +141,9 @@ class StackedCells(Module):
           dtensor.Layout.replicated(mesh, len(shape))), layout)
       path = stacked_path(self.path, relative)
       variable = dvariable(value, path=path, trainable=template.trainable)
+      split = spec != use_spec
+      if split:
+        fsdp.set_use_layout(variable, dtensor.Layout(list(use_spec), mesh))
       _attach(root, relative, variable)
       self.stacked_variables[path] = variable
       self.pieces[path] = [(c.name, (self.slots[l].stage, self.slots[l].row))
@@ -142,12 +151,12 @@ class StackedCells(Module):
       set_unstacked(variable, STACKED, self.pieces[path])
       nbytes = template.num_bytes * len(cells)
       self.records.append(LayoutRecord(
-          path=path, shape=shape, dtype=template.dtype,
-          spec=(stage_axis, UNSHARDED) + tuple(cell_spec),
-          source=f'{resolutions[0].source(rules)} (+ stacked on {stage_axis})',
+          path=path, shape=shape, dtype=template.dtype, spec=spec,
+          source=f'{resolutions[0].source(rules)} (+ stacked on {stage_axis})'
+                 + (f' (+ fsdp over {fsdp_axis})' if split else ''),
           bytes_total=nbytes,
-          bytes_per_device=nbytes // math.prod(
-              axes[a] for a in (stage_axis,) + tuple(cell_spec) if a != UNSHARDED)))
+          bytes_per_device=nbytes // math.prod(axes[a] for a in spec if a != UNSHARDED),
+          use_spec=use_spec if split else None))
 
   @property
   def records(self) -> list[LayoutRecord]:
@@ -215,21 +224,31 @@ class SlotRandom:
 class SlotWeights(Weights):
   """The weights of the cells on every slot at once (lead 's'): `select(name)`
   gives the [S, ...] tensor of weight `name` (a path below the cell), one
-  row per slot, cast to `dtype` (the cell's compute dtype); `below` is the
-  layer's path below the cell."""
+  row per slot, cast to `dtype` (the cell's compute dtype) and, when FSDP
+  stores it split, gathered as `use_layouts[name]` = (the row's use layout,
+  its stored layout) says; `below` is the layer's path below the cell."""
   lead = 's'
 
   def __init__(self, select: Callable[[str], tf.Tensor], random: SlotRandom | None,
-               below: str = '', dtype: str | None = None):
+               below: str = '', dtype: str | None = None,
+               use_layouts: Mapping[str, tuple[dtensor.Layout, dtensor.Layout]] | None = None):
     self.select, self.slot_random, self.below, self.dtype = select, random, below, dtype
+    self.use_layouts = use_layouts or {}
 
   def __call__(self, name):
-    value = self.select(f'{self.below}/{name}' if self.below else name)
-    return value if self.dtype is None else cast(value, self.dtype)
+    path = f'{self.below}/{name}' if self.below else name
+    value = self.select(path)
+    if self.dtype is not None:
+      value = cast(value, self.dtype)
+    if path not in self.use_layouts:
+      return value
+    use, stored = self.use_layouts[path]
+    return fsdp.gather(value, to=use, stored=stored)
 
   def child(self, name):
     return SlotWeights(self.select, self.slot_random,
-                       f'{self.below}/{name}' if self.below else name, self.dtype)
+                       f'{self.below}/{name}' if self.below else name, self.dtype,
+                       self.use_layouts)
 
   def random(self):
     """Each slot's mask from its own cell's layer path and its micro-batch's
@@ -242,14 +261,20 @@ class SlotWeights(Weights):
     return DropoutInputs(seed=slots.seed, keys=keys, first_rows=slots.first_rows)
 
 
+def _row_layout(layout: dtensor.Layout | None) -> dtensor.Layout | None:
+  """A stacked [S, Q, ...] layout without the Q dim."""
+  if layout is None:
+    return None
+  return dtensor.Layout([layout.sharding_specs[0]] + list(layout.sharding_specs[2:]),
+                        layout.mesh)
+
+
 def _rows(variable) -> list:
   """A stacked [S, Q, ...] variable as Q tensors [S, ...], each pinned to the
   variable's layout without the Q dim. (Unpinned, DTensor lets a consumer's
   layout flow back into the Unpack, e.g. a replicated bias added to a
   model-sharded activation, and its SPMD expansion then fails on the shape.)"""
-  layout = variable.layout
-  row = dtensor.Layout([layout.sharding_specs[0]] + list(layout.sharding_specs[2:]),
-                       layout.mesh)
+  row = _row_layout(variable.layout)
   return [dtensor.relayout(r, row) for r in tf.unstack(variable, axis=1)]
 
 
@@ -346,6 +371,9 @@ class SpmdPipeline:
                                      first.dtype)
     variables = {path.split(f'/{STACKED}/', 1)[1]: _rows(v)
                  for path, v in stack.stacked_variables.items()}
+    use_layouts = {path.split(f'/{STACKED}/', 1)[1]: (_row_layout(fsdp.use_layout(v)),
+                                                      _row_layout(v.layout))
+                   for path, v in stack.stacked_variables.items() if fsdp.use_layout(v)}
     kept: dict[int, tf.Tensor] = {}          # item -> stage S-1 output, for repeat r+1
     outputs: list = [None] * num_micro
     cell = stack.cell_params[0]
@@ -380,7 +408,8 @@ class SpmdPipeline:
           by_name = dict(zip(names, picked))
           with residual_context(mesh=stack.mesh, batch_axis=stack.batch_axis,
                                 lead_axes=(stack.stage_axis,)):
-            return cell.cls.apply(cell, SlotWeights(by_name.__getitem__, random, dtype=dtype), x)
+            return cell.cls.apply(cell, SlotWeights(by_name.__getitem__, random, dtype=dtype,
+                                                    use_layouts=use_layouts), x)
         # The picked weights are inputs, not captures: a recomputed cell's
         # gradients reach only its inputs and the variables it reads itself.
         x = rematerialized(run_cell, x, *picked) if cell.remat else run_cell(x, *picked)

@@ -143,11 +143,13 @@ def build_staged_model(params: Params, *, mesh, rules: LayoutRules | None,
                        num_stages: int, input_shapes: Sequence[tuple[int, ...]],
                        method: str | Sequence[int] = 'balanced', stage_axis: str = 'stage',
                        batch_axis: str = 'data', seed: int = 0,
-                       partition: partition_lib.PartitionPlan | None = None) -> StagedModel:
+                       partition: partition_lib.PartitionPlan | None = None,
+                       fsdp_axis: str | None = None) -> StagedModel:
   """Partitions `params`' leaf layers by FLOPs for `input_shapes` (one
   micro-batch; or takes the `partition` a pipeline plan already made) and
   builds the model with every leaf's variables on its stage's sub-mesh of
-  `mesh` (cut along `stage_axis`)."""
+  `mesh` (cut along `stage_axis`), stored split over that sub-mesh's
+  `fsdp_axis` too if given."""
   leaves = leaf_layers(params)
   plan = partition or partition_lib.partition([p for _, p in leaves], num_stages=num_stages,
                                               input_shapes=input_shapes, method=method)
@@ -155,7 +157,7 @@ def build_staged_model(params: Params, *, mesh, rules: LayoutRules | None,
                                batch_axis=batch_axis, seed=seed)
   owners = partition_lib.layer_stages([path for path, _ in leaves], plan)
   scope = StagedLayoutScope(meshes=placement.meshes, layer_stages=owners, rules=rules,
-                            seed=seed)
+                            seed=seed, fsdp_axis=fsdp_axis)
   with scope:
     model = params.Instantiate()
   return StagedModel(model=model, plan=plan, runners=stage_runners(model, plan),

@@ -16,6 +16,7 @@ build on the training loop's pieces without the loop knowing about them.
 
 from __future__ import annotations
 
+from layout_core.layout import fsdp
 from layout_core.layout import mesh as mesh_lib
 from layout_core.layout.rules import LayoutRules
 from layout_core.model.base import compute_params
@@ -25,7 +26,8 @@ from layout_core.params import Params
 from layout_core.pipeline.config import PipelineConfig
 from layout_core.pipeline.engines import GPipeEngine, spmd_engine
 from layout_core.pipeline.plan import PipelinePlan
-from layout_core.run.planning import check_segments_supported, plan_pipeline_run
+from layout_core.run.planning import (check_segments_supported, fsdp_axis_of,
+                                      plan_pipeline_run)
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig, batch_axis_for
 from layout_core.train.engine import Counters, ModelProgram, SingleProgramEngine, StepEngine
@@ -43,8 +45,24 @@ def make_engine(*, model, mesh, rules: LayoutRules | None, task: Task,
   at config time (`plugins.plan`); a library caller may leave the plan out
   and it is made here. `bubble_fill` (tests: NaN) fills the SPMD engine's idle slots."""
   mesh_axes = mesh_lib.mesh_axes(mesh)
-  # Resolved once (UNSHARDED when the mesh lacks the axis); every engine gets this.
+  # Resolved once (UNSHARDED when the mesh lacks the axis); every engine gets these.
   batch_axis = batch_axis_for(config, mesh_axes, warn=True)
+  pipelined = pipeline is not None and pipeline.enabled
+  split_axis = fsdp_axis_of(model, config=config, mesh_axes=mesh_axes,
+                            stage_axis=pipeline.stage_axis if pipelined else None)
+  engine = _engine(model, mesh=mesh, rules=rules, task=task, optimizer=optimizer,
+                   config=config, counters=counters, pipeline=pipeline,
+                   pipeline_plan=pipeline_plan, bubble_fill=bubble_fill,
+                   batch_axis=batch_axis, fsdp_axis=split_axis)
+  if split_axis is not None:
+    fsdp.log_split(engine.layout_records, split_axis)
+  return engine
+
+
+def _engine(model, *, mesh, rules, task, optimizer, config, counters, pipeline, pipeline_plan,
+            bubble_fill, batch_axis, fsdp_axis) -> StepEngine:
+  """`make_engine` with the batch and FSDP axes resolved."""
+  mesh_axes = mesh_lib.mesh_axes(mesh)
   pipelined = pipeline is not None and pipeline.enabled
   check_segments_supported(model, task, pipelined=pipelined)
   if isinstance(model, Params):
@@ -56,12 +74,14 @@ def make_engine(*, model, mesh, rules: LayoutRules | None, task: Task,
       return spmd_engine(
           params=model, plan=plan, stage_axis=pipeline.stage_axis, mesh=mesh,
           rules=rules, task=task, optimizer=optimizer, config=config, counters=counters,
-          batch_axis=batch_axis, bubble_fill=bubble_fill)
+          batch_axis=batch_axis, bubble_fill=bubble_fill, fsdp_axis=fsdp_axis)
     return GPipeEngine(params=model, plan=plan, stage_axis=pipeline.stage_axis,
                        mesh=mesh, rules=rules, task=task, optimizer=optimizer,
-                       config=config, counters=counters, batch_axis=batch_axis)
+                       config=config, counters=counters, batch_axis=batch_axis,
+                       fsdp_axis=fsdp_axis)
   if isinstance(model, Params):
-    built = build_params_model(model, mesh=mesh, rules=rules, seed=config.seed)
+    built = build_params_model(model, mesh=mesh, rules=rules, seed=config.seed,
+                               fsdp_axis=fsdp_axis)
   else:
     from layout_core.model import keras  # pylint: disable=g-import-not-at-top
     built = keras.build(model, mesh=mesh, rules=rules, seed=config.seed,

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from layout_core.errors import ConfigError
+from layout_core.layout import fsdp
 from layout_core.layout.rules import LayoutRules
 from layout_core.layout.scope import LayoutRecord, plan_layouts
 from layout_core.model.base import LayerMeta, leaf_layers
@@ -28,7 +29,7 @@ from layout_core.pipeline.plan import (PipelinePlan, check_pipelinable, plan_lay
                                        plan_pipeline)
 from layout_core.tasks import Task
 from layout_core.tasks.lm import LMTask
-from layout_core.train.config import TrainConfig
+from layout_core.train.config import TrainConfig, batch_axis_for
 
 
 def plan_pipeline_run(pipeline: PipelineConfig | None, *, model, task: Task,
@@ -53,6 +54,8 @@ def plan_model(model, *, rules: LayoutRules, mesh_axes: Mapping[str, int], task:
   (None for a Keras model: its FLOPs are not declared). Checks that a Params
   LM fits the task's vocabulary and length."""
   check_segments_supported(model, task, pipelined=pipeline_plan is not None)
+  split_axis = fsdp_axis_of(model, config=config, mesh_axes=mesh_axes,
+                            stage_axis=stage_axis if pipeline_plan is not None else None)
   if not isinstance(model, Params):
     from layout_core.model import keras  # pylint: disable=g-import-not-at-top
     return keras.plan(model, rules=rules, mesh_axes=mesh_axes,
@@ -61,10 +64,30 @@ def plan_model(model, *, rules: LayoutRules, mesh_axes: Mapping[str, int], task:
   meta = model.cls.fprop_meta(model, *[shape for shape, _ in task.input_specs(config.batch_size)])
   if pipeline_plan is not None:
     records = plan_layout_records(pipeline_plan, params=model, rules=rules,
-                                  mesh_axes=mesh_axes, stage_axis=stage_axis)
+                                  mesh_axes=mesh_axes, stage_axis=stage_axis,
+                                  fsdp_axis=split_axis)
   else:
-    records = plan_layouts(model.cls.variable_specs(model), rules, mesh_axes)
+    records = plan_layouts(model.cls.variable_specs(model), rules, mesh_axes,
+                           fsdp_axis=split_axis)
   return records, meta
+
+
+def fsdp_axis_of(model, *, config: TrainConfig, mesh_axes: Mapping[str, int],
+                 stage_axis: str | None = None) -> str | None:
+  """The axis `train.fsdp` splits `model`'s parameters over (None: off), or a
+  ConfigError: a bad axis (`layout_core.layout.fsdp.fsdp_axis`), or a Keras
+  model, whose layers read their weights themselves, so nothing can gather
+  them where they are used (split, DTensor fails to compile the step)."""
+  axis = fsdp.fsdp_axis(config.fsdp, batch_axis=batch_axis_for(config, mesh_axes),
+                        mesh_axes=mesh_axes, stage_axis=stage_axis)
+  if axis is not None and not isinstance(model, Params):
+    raise ConfigError(
+        'train.fsdp does not cover Keras models: Keras layers read their weights '
+        'themselves, so meshgin cannot gather a split weight where it is used (and '
+        'DTensor cannot compile the step with the weights split)', where='train.fsdp',
+        fix='set train.fsdp = False for a Keras model; optimizer.shard_state = True '
+            'splits its optimizer state, layout rules its weights over a model axis')
+  return axis
 
 
 def check_segments_supported(model, task: Task, *, pipelined: bool) -> None:

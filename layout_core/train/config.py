@@ -43,6 +43,11 @@ class TrainConfig:
   compute_dtype: str = 'float32'  # forward/backward math: 'float32' | 'bfloat16'
   remat: str = 'none'        # recompute activations in the backward pass: REMAT_POLICIES
   grad_accum_steps: int = 1  # micro-steps of batch_size / k summed into one update
+  # Fully sharded parameters (FSDP / ZeRO-3): False; True (split over the
+  # batch axis); or a mesh axis name. Parameters, gradients and optimizer
+  # state are stored split; each layer gathers its weights when it runs
+  # (layout_core.layout.fsdp, docs/memory-precision.md).
+  fsdp: bool | str = False
 
   def __post_init__(self):
     check_types(self, name='train')
@@ -52,6 +57,9 @@ class TrainConfig:
       if getattr(self, field) not in allowed:
         raise ConfigError(f'train.{field} is {getattr(self, field)!r}', where=f'train.{field}',
                           fix=f"use one of {', '.join(map(repr, allowed))}")
+    if self.fsdp == '':
+      raise ConfigError("train.fsdp is ''", where='train.fsdp',
+                        fix='use False, True (the batch axis) or a mesh axis name')
     if self.batch_size % self.grad_accum_steps:
       raise ConfigError(
           f'train.grad_accum_steps={self.grad_accum_steps} does not divide '

@@ -88,7 +88,9 @@ from typing import Any, Mapping, Sequence
 from layout_core.model.base import LayerMeta, Sequential, leaf_layers
 from layout_core.model.layers import (Dropout, Embedding, FeedForward, LayerNorm,
                                       MultiHeadAttention, Softmax, TransformerBlock)
+from layout_core.layout import fsdp
 from layout_core.layout.rules import UNSHARDED
+from layout_core.layout.scope import shards_of
 from layout_core.optim.config import OptimizerConfig, state_axis
 from layout_core.optim.make import optimizer_class
 from layout_core.params import Params
@@ -114,6 +116,7 @@ class MemoryEstimate:
   num_layers: int = 0     # leaf layers (Keras: layers with weights)
   notes: tuple[str, ...] = ()
   state_axis: str | None = None  # the mesh axis optimizer state is split over
+  fsdp_axis: str | None = None   # the mesh axis parameters are split over (train.fsdp)
 
   @property
   def peak_per_device(self) -> int:
@@ -147,20 +150,34 @@ def estimate_memory(*, records: Sequence[Any], params: Any,
   stage_devices = num_devices // mesh_axes.get(stage_axis, 1) if pipeline else num_devices
   devices_of = {r.mesh: stage_devices if r.mesh else num_devices for r in records}
   batch_axis = batch_axis_for(config, mesh_axes)
+  split_axis = fsdp.fsdp_axis(config.fsdp, batch_axis=batch_axis, mesh_axes=mesh_axes)
   slot_axis = state_axis(optimizer, batch_axis=batch_axis, mesh_axes=mesh_axes,
-                         parameter_shapes=[r.shape for r in records])
+                         parameter_shapes=[r.shape for r in records], fsdp_axis=split_axis)
+  known = isinstance(params, Params)
+  remat_of = _remat_leaves(params, config) if known else {}
+  width = 2 if config.compute_dtype == 'bfloat16' else 4
   per_mesh: dict[str, dict[str, int]] = {}
+  gathered: dict[str, dict[str, int]] = {}  # mesh -> leaf -> gathered bytes (FSDP)
   for r in records:
     held = per_mesh.setdefault(r.mesh, dict.fromkeys(CATEGORIES, 0))
     held['parameters'] += r.bytes_per_device
     held['gradients'] += r.bytes_per_device
     held['optimizer'] += _slot_bytes(r, optimizer, mesh_axes, slot_axis)
-    if config.compute_dtype == 'bfloat16':
+    if r.use_spec is not None:
+      leaf = _owner(r.path, remat_of)
+      # The copy the math uses: the rule's split, the compute dtype (float32 variables).
+      nbytes = r.bytes_total * width // 4 // shards_of(r.use_spec, mesh_axes)
+      by_leaf = gathered.setdefault(r.mesh, {})
+      by_leaf[leaf] = by_leaf.get(leaf, 0) + nbytes
+    elif config.compute_dtype == 'bfloat16':
       held['weight copies'] += r.bytes_per_device // 2
+  for name, by_leaf in gathered.items():  # kept for the backward unless recomputed
+    kept = sum(n for leaf, n in by_leaf.items() if not remat_of.get(leaf, False))
+    transient = max((n for leaf, n in by_leaf.items() if remat_of.get(leaf, False)), default=0)
+    per_mesh[name]['weight copies'] += kept + transient
   if not per_mesh:
     per_mesh[''] = dict.fromkeys(CATEGORIES, 0)
   notes = []
-  known = isinstance(params, Params)
   if known:
     by_stage, shared, notes = _activations(params, records, input_shapes, config, mesh_axes,
                                            pipeline, stage_axis)
@@ -172,13 +189,15 @@ def estimate_memory(*, records: Sequence[Any], params: Any,
   fullest = max(per_mesh, key=lambda name: sum(per_mesh[name].values()))
   total = {c: sum(held[c] * devices_of.get(name, num_devices)
                   for name, held in per_mesh.items()) for c in CATEGORIES}
-  keep = [c for c in CATEGORIES if c != 'weight copies' or config.compute_dtype == 'bfloat16']
+  keep = [c for c in CATEGORIES
+          if c != 'weight copies' or config.compute_dtype == 'bfloat16' or gathered]
   layers = (len(leaf_layers(params)) if known
             else len({r.path.rsplit('/', 1)[0] for r in records}))
   return MemoryEstimate(num_devices=num_devices,
                         per_device={c: per_mesh[fullest][c] for c in keep},
                         total={c: total[c] for c in keep}, activations_known=known,
-                        num_layers=layers, notes=tuple(notes), state_axis=slot_axis)
+                        num_layers=layers, notes=tuple(notes), state_axis=slot_axis,
+                        fsdp_axis=split_axis)
 
 
 def model_flops_per_step(*, meta: LayerMeta | None, num_parameters: int,
@@ -215,18 +234,16 @@ class _Leaf:
 
 def _activations(params, records, input_shapes, config, mesh_axes, pipeline, stage_axis):
   """({stage mesh name: bytes per device}, bytes on every device, notes)."""
-  splits = {r.path: (tuple(r.spec), mesh_axes) for r in records}
+  splits = {r.path: (tuple(r.compute_spec), mesh_axes) for r in records}
   batch_split = mesh_axes.get(batch_axis_for(config, mesh_axes), 1)
   width = 2 if config.compute_dtype == 'bfloat16' else 4
   leaves, notes = [], []
   shapes = tuple(tuple(s) for s in input_shapes)
-  repeated = _repeated_cells(params)
+  remat_of = _remat_leaves(params, config)
   for path, p in leaf_layers(params):
     meta = p.cls.fprop_meta(p, *shapes)
-    block = p.cls is TransformerBlock or path in repeated
-    remat = config.remat == 'full' or (config.remat == 'block' and block)
-    leaves.append(_leaf(path, p, shapes, meta.out_shapes, splits, batch_split, width, remat,
-                        notes))
+    leaves.append(_leaf(path, p, shapes, meta.out_shapes, splits, batch_split, width,
+                        remat_of[path], notes))
     shapes = meta.out_shapes
   stage_of = dict(getattr(pipeline, 'layer_stages', None) or {}) if pipeline else {}
   engine = getattr(pipeline, 'engine', '')
@@ -266,6 +283,23 @@ def _peak(leaves: Sequence[_Leaf]) -> int:
   recomputed = max((l.kept - l.out for l in leaves if l.remat and not l.fixed), default=0)
   working = max(l.kept for l in leaves)
   return stored + recomputed + working
+
+
+def _remat_leaves(params: Params, config) -> dict[str, bool]:
+  """Leaf path -> whether the run's remat policy recomputes it."""
+  repeated = _repeated_cells(params)
+  return {path: config.remat == 'full' or (
+              config.remat == 'block' and (p.cls is TransformerBlock or path in repeated))
+          for path, p in leaf_layers(params)}
+
+
+def _owner(path: str, leaves) -> str:
+  """The leaf layer a variable path belongs to ('' when none does)."""
+  while '/' in path:
+    path = path.rsplit('/', 1)[0]
+    if path in leaves:
+      return path
+  return ''
 
 
 def _repeated_cells(params: Params) -> set[str]:

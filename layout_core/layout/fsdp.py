@@ -1,0 +1,127 @@
+"""Fully sharded parameters (FSDP, ZeRO-3): stored split, gathered at use.
+
+With `train.fsdp`, every parameter is stored split over one more mesh axis
+(the batch axis, or the one named) on the first dimension its layout rule
+leaves unsharded, the axis divides and DTensor can run sharded (`add_axis`).
+Its gradient and optimizer slots then have that layout too, so no device
+keeps a whole copy of any of them. The math reads each weight gathered back
+to the rule's layout, right where it is used:
+
+    axis = fsdp_axis(True, batch_axis='data', mesh_axes={'data': 8})   # 'data'
+    add_axis(['unsharded', 'model'], (512, 2048), 'data', 8)           # ['data', 'model']
+    with LayoutScope(mesh=mesh, rules=rules, fsdp_axis=axis):
+      model = params.Instantiate()     # variables stored split over 'data'
+    w = at_use(model.ffn.w_in)         # inside a step: the rule's layout (an all-gather)
+
+`LayoutScope` tags each split variable with the layout its math uses
+(`set_use_layout`); `at_use` gathers a tagged variable and returns any other
+as it is, so a run without FSDP traces exactly the ops it did before. The
+gradient of the gather is DTensor's relayout back to the stored layout: each
+device sums only its own slice of the batch's gradient. Under
+`train.remat` a recomputed layer gathers its weights again in the backward
+pass instead of keeping the gathered copies (FSDP2's reshard after forward).
+
+Importing this module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+from typing import Collection, Mapping, Sequence
+
+from absl import logging
+
+from layout_core.errors import ConfigError
+from layout_core.lazy import dtensor, tf
+from layout_core.layout.rules import UNSHARDED
+
+_TAG = '_meshgin_use_layout'
+
+
+def add_axis(spec: Sequence[str], shape: Sequence[int], axis: str | None, axis_size: int, *,
+             skip: Collection[int] = ()) -> list[str]:
+  """`spec` with `axis` on the first unsharded dimension of `shape` that
+  `axis_size` divides and that is not in `skip`; `spec` itself when there is
+  none, or when `axis` is None or already in it. Any such dimension splits
+  the bytes evenly; the first makes each device's slice one contiguous
+  block, which a gather lays beside the others without a transpose
+  (`layout_core.layout.gather.gather_together`)."""
+  spec = list(spec)
+  if axis is None or axis in spec or axis_size < 2:
+    return spec
+  free = [i for i, (a, n) in enumerate(zip(spec, shape))
+          if a == UNSHARDED and n % axis_size == 0 and i not in skip]
+  if free:
+    spec[free[0]] = axis
+  return spec
+
+
+def fsdp_axis(setting: bool | str, *, batch_axis: str, mesh_axes: Mapping[str, int],
+              stage_axis: str | None = None) -> str | None:
+  """The mesh axis `train.fsdp` splits parameters over, or None: False gives
+  None; True the batch axis (None when the batch is not split, i.e. the
+  mesh lacks the batch axis); a name that axis. A ConfigError when a named
+  axis is not on the mesh, or is a pipeline's `stage_axis` (each stage
+  keeps its own layers: their parameters split over the stage's own axes)."""
+  if setting is False:
+    return None
+  axis = batch_axis if setting is True else setting
+  if axis == UNSHARDED or (setting is True and axis not in mesh_axes):
+    return None
+  if axis not in mesh_axes:
+    raise ConfigError(f"train.fsdp = '{axis}' is not a mesh axis",
+                      where='train.fsdp / mesh.shape',
+                      fix=f"use True (the batch axis) or one of {', '.join(map(repr, mesh_axes))}")
+  if axis == stage_axis:
+    others = [a for a in mesh_axes if a != stage_axis]
+    raise ConfigError(f"train.fsdp = '{axis}' is the pipeline's stage axis",
+                      where='train.fsdp / pipeline.stage_axis',
+                      fix='split parameters over an axis inside each stage: True (the batch '
+                          f"axis){' or ' + ', '.join(map(repr, others)) if others else ''}")
+  return axis if mesh_axes[axis] > 1 else None
+
+
+def log_split(records: Sequence, axis: str) -> None:
+  """Logs how many parameters FSDP split, and names those it could not (no
+  dimension their rule leaves free that `axis` divides)."""
+  kept = [r.path for r in records if r.use_spec is None and axis not in r.spec]
+  logging.info("train.fsdp: %d of %d variables stored split over '%s'; kept as their rule "
+               'says (no free dimension the axis divides): %s', len(records) - len(kept),
+               len(records), axis, ', '.join(kept) or 'none')
+
+
+def set_use_layout(variable, layout) -> None:
+  """Marks `variable` (stored with an FSDP split) as used in `layout`."""
+  setattr(variable, _TAG, layout)
+
+
+def use_layout(variable):
+  """The layout `variable`'s math uses, when FSDP stores it split; else None."""
+  return getattr(variable, _TAG, None)
+
+
+def at_use(variable, dtype=None):
+  """`variable` as the math uses it: gathered to its use layout when FSDP
+  stores it split (cast to `dtype` first, so a bfloat16 run gathers half the
+  bytes), else the variable itself (cast to `dtype` if given and different)."""
+  layout = use_layout(variable)
+  value = variable
+  if dtype is not None and variable.dtype != tf.as_dtype(dtype):
+    value = tf.cast(variable, dtype)
+  if layout is None:
+    return value
+  return gather(value, to=layout, stored=variable.layout)
+
+
+def gather(value, *, to, stored):
+  """`value` (laid out as `stored`) relaid to `to`; its gradient arrives in
+  `to` and is relaid back to `stored`. Both layouts are written out, not
+  left to DTensor's `RelayoutLike`: on GPipe's sub-meshes that one failed to
+  compile ("CopyToMeshOp must be used to send data across mesh", TF 2.21);
+  and the gradient pinned to `to` first keeps its split from flowing back
+  into the layer's backward (which then failed to compile on `data=8`)."""
+  @tf.custom_gradient
+  def relaid(x):
+    def gradient(grad):
+      return dtensor.relayout(dtensor.relayout(grad, to), stored)
+    return dtensor.relayout(x, to), gradient
+  return relaid(value)
