@@ -34,6 +34,9 @@ ARGS = ['--gin_file=configs/experiments/lm_2d.gin',
         '--gin_bindings=checkpoint.every_steps = 2', '--gin_bindings=checkpoint.keep = 10']
 
 
+FSDP = '--gin_bindings=train.fsdp = True'
+
+
 def steps(n):
   return f'--gin_bindings=train.num_steps = {n}'
 
@@ -105,14 +108,18 @@ def runs(tmp_path_factory):
   """The module's shared runs, started together:
   * the reference: one process with 8 devices, 8 steps (checkpoints at 2, 4, 6, 8);
   * 2 clients x 4 devices through launch.local_cluster, preempted with SIGTERM
-    (to the launcher, which forwards it) once step 4 is saved.
+    (to the launcher, which forwards it) once step 4 is saved; with fully
+    sharded parameters (`train.fsdp`: every weight split over 'data', i.e.
+    across the clients, gathered at use), so it also checks FSDP across
+    processes against the whole-parameter reference, and its checkpoints
+    resuming without FSDP.
   Returns (reference model_dir, (two_clients model_dir, its output))."""
   reference_dir = str(tmp_path_factory.mktemp('reference'))
   reference_run = Launched('launch.train', *ARGS, steps(8), f'--model_dir={reference_dir}',
                            label='reference run')
   model_dir = str(tmp_path_factory.mktemp('two_clients'))
   launcher = Launched('launch.local_cluster', '--num_clients=2', '--devices_per_client=4',
-                      '--', *ARGS, steps(1000), f'--model_dir={model_dir}',
+                      '--', *ARGS, steps(1000), f'--model_dir={model_dir}', FSDP,
                       label='launch.local_cluster')
   with killed_if_left(launcher, reference_run):
     output = launcher.stop_after(r'Saved checkpoint .*ckpt-4/ckpt', timeout=400)
@@ -144,6 +151,8 @@ def test_two_clients_equal_one_process_and_only_client_0_records(reference, two_
   logged = [s for s, _ in events['scalars']['train/loss']]
   assert logged == list(range(1, len(logged) + 1)) and len(logged) >= 4
   assert re.search(r'\[client 1\].*Joined: client 1 of 2, with 4 of', output)
+  assert re.search(r"\[client 0\].*train.fsdp: \d+ of \d+ variables stored split over 'data'",
+                   output)
 
 
 def test_sigterm_stops_every_client_at_the_same_step_and_saves(two_clients):

@@ -32,6 +32,7 @@ from absl import logging
 
 from layout_core.errors import ConfigError
 from layout_core.lazy import dtensor, tf
+from layout_core.layout.gather import gather_together
 from layout_core.layout.rules import UNSHARDED
 
 _TAG = '_meshgin_use_layout'
@@ -110,6 +111,25 @@ def at_use(variable, dtype=None):
   if layout is None:
     return value
   return gather(value, to=layout, stored=variable.layout)
+
+
+def gather_at_use(variables: Sequence, dtypes: Sequence) -> list:
+  """`[at_use(v, d) for v, d in zip(variables, dtypes)]` for split variables,
+  gathered together: on a one-axis mesh one collective per bucket of up to
+  32 MiB (`layout_core.layout.gather.gather_together`) rather than one per
+  weight. Each gradient is relaid back to its variable's split as in
+  `gather`."""
+  values = [v if v.dtype == tf.as_dtype(d) else tf.cast(v, d) for v, d in zip(variables, dtypes)]
+  stored = [v.layout for v in variables]
+  targets = [use_layout(v) for v in variables]
+
+  @tf.custom_gradient
+  def relaid(*xs):
+    def gradient(*grads):
+      return [dtensor.relayout(dtensor.relayout(g, to), layout)
+              for g, to, layout in zip(grads, targets, stored)]
+    return gather_together(xs, stored, targets), gradient
+  return list(relaid(*values))
 
 
 def gather(value, *, to, stored):

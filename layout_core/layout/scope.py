@@ -12,7 +12,9 @@ quickstart's 30 variables: ~3.5 CPU-s that way, ~0.8 s this way, most of it
 DTensor's per-variable handle creation; bench/startup.py). `LayoutRecord`s
 keep the resolved spec, the rule that decided it and the bytes per device;
 `plan_layouts` produces the same records from specs alone (no allocation) for
-`launch.inspect`.
+`launch.inspect`. With `fsdp_axis` (`train.fsdp`) each variable is stored
+split over that axis too, and tagged with the rule's layout, which its math
+gathers it to (`layout_core.layout.fsdp`).
 """
 
 from __future__ import annotations

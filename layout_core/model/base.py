@@ -106,17 +106,30 @@ class Weights:
 
 
 class LayerWeights(Weights):
-  """A built layer's own variables (lead '')."""
+  """A built layer's own variables (lead ''). With FSDP, the first split
+  weight read gathers every split weight of the layer being run and of its
+  sub-layers at once, a few collectives for the whole block
+  (`layout_core.layout.fsdp.gather_at_use`); its sub-layers share them."""
 
-  def __init__(self, layer: 'BaseLayer'):
+  def __init__(self, layer: 'BaseLayer', gathered: dict | None = None,
+               root: 'BaseLayer | None' = None):
     self.layer = layer
     self.dtype = layer.compute_dtype
+    self._gathered = {} if gathered is None else gathered  # id(variable) -> gathered
+    self._root = root or layer
 
   def __call__(self, name):
-    return self.layer.weight(name)
+    variable = getattr(self.layer, name)
+    if fsdp.use_layout(variable) is None:
+      return self.layer.weight(name)
+    if not self._gathered:
+      owned = list(self._root.split_weights())
+      gathered = fsdp.gather_at_use([v for v, _ in owned], [d for _, d in owned])
+      self._gathered.update({id(v): g for (v, _), g in zip(owned, gathered)})
+    return self._gathered[id(variable)]
 
   def child(self, name):
-    return LayerWeights(getattr(self.layer, name))
+    return LayerWeights(getattr(self.layer, name), self._gathered, self._root)
 
   def random(self):
     state = current_random()
@@ -149,8 +162,10 @@ class BaseLayer(Module):
     super().__init__(name=params.name)
     self.params = params.Copy().Freeze()
     self.path = f'{parent_path}/{params.name}' if parent_path else params.name
-    for spec in self.own_variable_specs(self.params, self.path):
-      setattr(self, spec.path.rsplit('/', 1)[1], create_variable(spec))
+    specs = self.own_variable_specs(self.params, self.path)
+    self.variable_names = tuple(spec.path.rsplit('/', 1)[1] for spec in specs)
+    for name, spec in zip(self.variable_names, specs):
+      setattr(self, name, create_variable(spec))
     children = self.child_params(self.params)
     self.child_names = tuple(children)
     for name, child in children.items():
@@ -203,6 +218,16 @@ class BaseLayer(Module):
 
   def children(self) -> list['BaseLayer']:
     return [getattr(self, n) for n in self.child_names]
+
+  def split_weights(self):
+    """(variable, compute dtype) of every weight of this layer and its
+    sub-layers that FSDP stores split."""
+    for name in self.variable_names:
+      variable = getattr(self, name)
+      if fsdp.use_layout(variable) is not None:
+        yield variable, self.compute_dtype
+    for child in self.children():
+      yield from child.split_weights()
 
   # A layer may write its math once as a classmethod `apply(cls, p, w, *inputs)`
   # over `Weights` w: its fprop is then `apply` on its own variables, and the

@@ -49,6 +49,12 @@ model, per device (the fullest one) and in total (summed over the devices):
     differentiated): the largest `kept` of any layer;
   * bf16 weight copies (compute_dtype 'bfloat16'): 2 bytes per parameter
     element per device, cast in the forward and kept for the backward;
+  * with `train.fsdp` (parameters, gradients and slots counted above in their
+    split layouts), gathered weights instead, in the same category: each
+    split weight at its rule's layout (`LayoutRecord.use_spec`) and the
+    compute dtype, kept for the backward unless its leaf layer is
+    recomputed, plus the largest recomputed leaf's (gathered again during
+    its backward); unsplit weights' bf16 copies as above;
   * pipelined runs: each stage keeps the activations of its own layers for
     every micro-batch (GPipe), i.e. the step's batch on the stage's devices;
     layers outside the SPMD stack run on every stage. Approximate.
