@@ -37,6 +37,8 @@ SLOW = {
     'test_pipeline_launch': None, 'test_pipeline_spmd': None, 'test_pipeline_training': None,
     'test_precision': None, 'test_resume': None, 'test_speed_paths': None, 'test_sweep': None,
     'test_optimizer_state': None,
+    'test_fsdp': {'test_fsdp_trains_as_the_same_run_with_whole_parameters',
+                  'test_bfloat16_fsdp_stays_within_bfloat16_rounding_of_the_run_without_it'},
     'test_layout_scope': {'test_sharded_run_matches_replicated_run'},
     'test_pipeline': {'test_gpipe_training_on_sub_meshes_equals_plain_tf'},
     'test_tasks': {'test_resume_from_a_checkpoint_reads_exactly_the_same_batches',

@@ -25,7 +25,7 @@ SHARDS = 2
 # Seconds per test file in one full run (2 cores, 2026-11-26), to balance the
 # shards; a file not listed counts as UNLISTED. Stale figures cost balance only.
 SECONDS = {
-    'test_precision.py': 144, 'test_resume.py': 92, 'test_data_runs.py': 88,
+    'test_precision.py': 144, 'test_fsdp.py': 100, 'test_resume.py': 92, 'test_data_runs.py': 88,
     'test_pipeline_spmd.py': 83, 'test_sweep.py': 77, 'test_multi_client.py': 62,
     'test_optimizer_state.py': 51, 'test_mesh_tab.py': 43, 'test_launch.py': 42,
     'test_never_lose_work.py': 32, 'test_speed_paths.py': 30, 'test_tasks.py': 30,

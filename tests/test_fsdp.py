@@ -184,3 +184,26 @@ def test_a_keras_model_with_fsdp_is_refused_before_anything_is_built(mesh_2x4):
                  mesh=mesh_2x4, rules=LayoutRules([]), task=tasks.FirstTokenTask(),
                  optimizer=OptimizerConfig(), config=TrainConfig(fsdp=True))
   assert 'optimizer.shard_state' in str(error.value)
+
+
+def test_a_block_gathers_its_weights_at_once_and_again_when_recomputed(mesh_data8,
+                                                                     monkeypatch):
+  """Traced gathers (`fsdp.gather_all`, counted while the gradients function
+  is first traced): each block's split weights in one call, once a step
+  without remat; with remat 'block' once more in each block's recomputation,
+  so the gathered copies are not what the backward pass keeps."""
+  calls = []
+  real = fsdp.gather_all
+  monkeypatch.setattr(fsdp, 'gather_all',
+                      lambda values, **where: calls.append(len(values)) or real(values, **where))
+  in_block = None
+  counts = {}
+  for remat in ('none', 'block'):
+    t = trainer(mesh_data8, fsdp=True, remat=remat)
+    in_block = len([r for r in split_records(t) if r.path.startswith('lm/stack/block_000/')])
+    calls.clear()
+    t.engine.loss_and_gradients(t.engine.pack({'tokens': t.task.batch(step=0,
+                                                                      batch_size=BATCH)}))
+    counts[remat] = calls.count(in_block)
+  assert in_block > 4
+  assert counts == {'none': 2, 'block': 4}  # 2 blocks

@@ -105,43 +105,43 @@ def at_use(variable, dtype=None):
   stores it split (cast to `dtype` first, so a bfloat16 run gathers half the
   bytes), else the variable itself (cast to `dtype` if given and different)."""
   layout = use_layout(variable)
-  value = variable
-  if dtype is not None and variable.dtype != tf.as_dtype(dtype):
-    value = tf.cast(variable, dtype)
-  if layout is None:
-    return value
-  return gather(value, to=layout, stored=variable.layout)
+  value = _cast(variable, dtype)
+  return value if layout is None else gather(value, to=layout, stored=variable.layout)
 
 
 def gather_at_use(variables: Sequence, dtypes: Sequence) -> list:
   """`[at_use(v, d) for v, d in zip(variables, dtypes)]` for split variables,
   gathered together: on a one-axis mesh one collective per bucket of up to
-  32 MiB (`layout_core.layout.gather.gather_together`) rather than one per
-  weight. Each gradient is relaid back to its variable's split as in
-  `gather`."""
-  values = [v if v.dtype == tf.as_dtype(d) else tf.cast(v, d) for v, d in zip(variables, dtypes)]
-  stored = [v.layout for v in variables]
-  targets = [use_layout(v) for v in variables]
-
-  @tf.custom_gradient
-  def relaid(*xs):
-    def gradient(*grads):
-      return [dtensor.relayout(dtensor.relayout(g, to), layout)
-              for g, to, layout in zip(grads, targets, stored)]
-    return gather_together(xs, stored, targets), gradient
-  return list(relaid(*values))
+  32 MiB (`layout_core.layout.gather.gather_together`), not one per weight."""
+  return gather_all([_cast(v, d) for v, d in zip(variables, dtypes)],
+                    to=[use_layout(v) for v in variables], stored=[v.layout for v in variables])
 
 
 def gather(value, *, to, stored):
-  """`value` (laid out as `stored`) relaid to `to`; its gradient arrives in
-  `to` and is relaid back to `stored`. Both layouts are written out, not
-  left to DTensor's `RelayoutLike`: on GPipe's sub-meshes that one failed to
-  compile ("CopyToMeshOp must be used to send data across mesh", TF 2.21);
-  and the gradient pinned to `to` first keeps its split from flowing back
-  into the layer's backward (which then failed to compile on `data=8`)."""
+  """`value` (laid out as `stored`) relaid to `to` (`gather_all` of one)."""
+  return gather_all([value], to=[to], stored=[stored])[0]
+
+
+def gather_all(values: Sequence, *, to: Sequence, stored: Sequence) -> list:
+  """Each value (laid out as `stored[i]`) relaid to `to[i]`, several at once
+  with `gather_together`; each gradient arrives in `to[i]` and is relaid back
+  to `stored[i]`. Both layouts are written out, not left to DTensor's
+  `RelayoutLike`: on GPipe's sub-meshes that one failed to compile
+  ("CopyToMeshOp must be used to send data across mesh", TF 2.21); and a
+  gradient pinned to `to[i]` first keeps its split from flowing back into
+  the layer's backward (which then failed to compile on `data=8`)."""
   @tf.custom_gradient
-  def relaid(x):
-    def gradient(grad):
-      return dtensor.relayout(dtensor.relayout(grad, to), stored)
-    return dtensor.relayout(x, to), gradient
-  return relaid(value)
+  def relaid(*xs):
+    def gradient(*grads):
+      return [dtensor.relayout(dtensor.relayout(g, target), layout)
+              for g, target, layout in zip(grads, to, stored)]
+    if len(xs) == 1:
+      return [dtensor.relayout(xs[0], to[0])], gradient
+    return gather_together(xs, stored, to), gradient
+  return list(relaid(*values))
+
+
+def _cast(variable, dtype):
+  if dtype is None or variable.dtype == tf.as_dtype(dtype):
+    return variable
+  return tf.cast(variable, dtype)
