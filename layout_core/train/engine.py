@@ -169,8 +169,8 @@ class SingleProgramEngine:
                                     batch_axis=program.batch_axis, lead_dims=model.lead_dims,
                                     fsdp_axis=model.fsdp_axis)
     # With FSDP the forward and backward gather weights: compiled, as the
-    # update is, under the mesh's gather lowering.
-    self._gathers = mesh_lib.gather_lowering if model.fsdp_axis else _no_lowering
+    # update is, under the mesh's gather lowering (None: DTensor's default).
+    self._gathering_mesh = self.mesh if model.fsdp_axis else None
     self.micro_steps = MicroSteps(count=config.grad_accum_steps, batch_size=config.batch_size)
     self._gradients = StepFunction(self._gradients_fn)
     self._apply = StepFunction(self._apply_fn)
@@ -212,7 +212,7 @@ class SingleProgramEngine:
     return self.micro_steps.evaluate(packed, self.program.loss_and_metrics)
 
   def loss_and_gradients(self, packed):
-    with self._gathers(self.mesh):
+    with mesh_lib.gather_lowering(self._gathering_mesh):
       return self._gradients(packed)
 
   def apply_gradients(self, gradients):
@@ -220,17 +220,11 @@ class SingleProgramEngine:
       return self._apply(gradients)
 
   def evaluate(self, packed):
-    with self._gathers(self.mesh):
+    with mesh_lib.gather_lowering(self._gathering_mesh):
       return self._evaluate(packed)
 
   def summaries(self):
     return self.program.summaries()
-
-
-@contextlib.contextmanager
-def _no_lowering(mesh):
-  del mesh
-  yield
 
 
 def pack_batch(batch: Mapping[str, np.ndarray], *, mesh, batch_axis: str) -> dict:

@@ -186,7 +186,7 @@ def estimate_memory(*, records: Sequence[Any], params: Any,
   notes = []
   if known:
     by_stage, shared, notes = _activations(params, records, input_shapes, config, mesh_axes,
-                                           pipeline, stage_axis)
+                                           pipeline, stage_axis, remat_of)
     for name, held in per_mesh.items():
       held['activations'] = shared + by_stage.get(name, 0)
   else:
@@ -238,14 +238,14 @@ class _Leaf:
   fixed: bool = False  # the logits: kept whatever the policy
 
 
-def _activations(params, records, input_shapes, config, mesh_axes, pipeline, stage_axis):
+def _activations(params, records, input_shapes, config, mesh_axes, pipeline, stage_axis,
+                 remat_of):
   """({stage mesh name: bytes per device}, bytes on every device, notes)."""
   splits = {r.path: (tuple(r.compute_spec), mesh_axes) for r in records}
   batch_split = mesh_axes.get(batch_axis_for(config, mesh_axes), 1)
   width = 2 if config.compute_dtype == 'bfloat16' else 4
   leaves, notes = [], []
   shapes = tuple(tuple(s) for s in input_shapes)
-  remat_of = _remat_leaves(params, config)
   for path, p in leaf_layers(params):
     meta = p.cls.fprop_meta(p, *shapes)
     leaves.append(_leaf(path, p, shapes, meta.out_shapes, splits, batch_split, width,
