@@ -90,8 +90,8 @@ def test_fsdp_trains_as_the_same_run_with_whole_parameters(setup, request):
 
 
 def test_bfloat16_fsdp_stays_within_bfloat16_rounding_of_the_run_without_it(mesh_data8):
-  """Without FSDP bfloat16 gradients are summed over the batch in bfloat16;
-  with it, in float32 and in another order (a reduce-scatter): not 1e-5.
+  """bfloat16 gradients are summed over the batch in bfloat16, and FSDP's
+  reduce-scatter sums them in another order than the all-reduce: not 1e-5.
   The bound: 20 steps of FSDP move the loss less than a tenth of what
   bfloat16 itself moves it from float32."""
   runs = {'float32': trainer(mesh_data8),

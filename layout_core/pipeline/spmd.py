@@ -225,8 +225,8 @@ class SlotWeights(Weights):
   """The weights of the cells on every slot at once (lead 's'): `select(name)`
   gives the [S, ...] tensor of weight `name` (a path below the cell), one
   row per slot, cast to `dtype` (the cell's compute dtype) and, when FSDP
-  stores it split, gathered as `use_layouts[name]` = (the row's use layout,
-  its stored layout) says; `below` is the layer's path below the cell."""
+  stores it split, first gathered as `use_layouts[name]` = (the row's use
+  layout, its stored layout) says; `below` is the layer's path below the cell."""
   lead = 's'
 
   def __init__(self, select: Callable[[str], tf.Tensor], random: SlotRandom | None,
@@ -238,12 +238,10 @@ class SlotWeights(Weights):
   def __call__(self, name):
     path = f'{self.below}/{name}' if self.below else name
     value = self.select(path)
-    if self.dtype is not None:
-      value = cast(value, self.dtype)
-    if path not in self.use_layouts:
-      return value
-    use, stored = self.use_layouts[path]
-    return fsdp.gather(value, to=use, stored=stored)
+    if path in self.use_layouts:
+      use, stored = self.use_layouts[path]
+      return fsdp.gather(value, to=use, stored=stored, dtype=self.dtype)
+    return value if self.dtype is None else cast(value, self.dtype)
 
   def child(self, name):
     return SlotWeights(self.select, self.slot_random,
