@@ -33,6 +33,11 @@ EXIT_DIVERGED = 3          # the loss became NaN or infinite
 EXIT_SWEEP_FAILED = 1      # launch.sweep: some trial failed
 EXIT_SWEEP_INTERRUPTED = 4  # launch.sweep: stopped by a signal; run it again to continue
 EXIT_DATA_ERROR = 5        # a data file could not be read mid-run; checkpoints stay
+# Under a scheduler (--cluster=slurm or tf_config), a run stopped by a signal
+# saves and exits 143 (128 + SIGTERM): "not finished, run me again". Slurm
+# requeues on it (the sbatch script's check, or RequeueExit=143); Kubernetes
+# training operators treat 128..255 as retryable.
+EXIT_REQUEUE = 143
 
 STATUS_FILE = 'run_status.json'
 RUNNING, COMPLETED, PREEMPTED = 'running', 'completed', 'preempted'

@@ -126,12 +126,13 @@ def trial_outcome(status: run_status.RunStatus | None, exit_code: int, *,
   before it started, and believed only from the trial's own `pid`, so never an
   earlier attempt's): one of run_status's statuses. A process gone while its
   status still says running (SIGKILL, a hard crash) crashed; so did one that
-  wrote nothing and exited non-zero. Exit 0 with nothing written: stopped by a
-  signal during start-up."""
+  wrote nothing and exited non-zero. Exit 0 (or 143, under a scheduler) with
+  nothing written: stopped by a signal during start-up."""
   if status is not None and pid is not None and status.pid != pid:
     status = None
-  if status is None:
-    return STOPPED_AT_START_UP if exit_code == 0 else run_status.CRASHED
+  if status is None:  # exit 143: stopped under a scheduler, which asks to run again
+    return (STOPPED_AT_START_UP if exit_code in (0, run_status.EXIT_REQUEUE)
+            else run_status.CRASHED)
   if status.status == run_status.RUNNING:
     return run_status.CRASHED
   return status.status
