@@ -17,13 +17,31 @@ def stop_message(signal_name: str) -> str:
           'Run the same command to start again.')
 
 
+SCHEDULERS = ('slurm', 'tf_config')  # layout_core.layout.scheduler.SOURCES
+
+
+def stopped_status(argv: list[str] | None = None) -> int:
+  """The exit status of a run stopped before it trained: 0, or under a
+  scheduler (--cluster=slurm / tf_config) 143, which asks it to run the job
+  again: a job preempted while starting is not done."""
+  argv = sys.argv if argv is None else argv
+  for number, arg in enumerate(argv):
+    value = (arg.split('=', 1)[1] if arg.startswith('--cluster=') else
+             argv[number + 1] if arg == '--cluster' and number + 1 < len(argv) else None)
+    if value in SCHEDULERS:
+      from plugins.run_status import EXIT_REQUEUE  # pylint: disable=g-import-not-at-top
+      return EXIT_REQUEUE
+  return 0
+
+
 def _stop_during_start_up(signum, frame):
   del frame
   print(stop_message(signal.Signals(signum).name), file=sys.stderr, flush=True)
-  sys.exit(0)
+  sys.exit(stopped_status())
 
 
 def install_start_up_handlers() -> None:
-  """SIGTERM and SIGINT end the process at once with exit 0 (start-up)."""
+  """SIGTERM and SIGINT end the process at once with exit 0 (start-up;
+  143 under a scheduler, see `stopped_status`)."""
   for signum in (signal.SIGTERM, signal.SIGINT):
     signal.signal(signum, _stop_during_start_up)

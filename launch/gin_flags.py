@@ -138,4 +138,4 @@ def run_guarded(body: Callable[[PreemptionWatcher], object]) -> None:
     sys.exit(run_status.EXIT_CONFIG_ERROR)
   except Interrupted as stop:
     print(launch.stop_message(stop.signal_name), file=sys.stderr, flush=True)
-    sys.exit(0)
+    sys.exit(launch.stopped_status())

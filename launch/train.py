@@ -28,6 +28,15 @@ Several processes or hosts train one model as the clients of one global mesh
 A client whose peers fail exits non-zero: 1 after a failure in training
 (naming the client), -9/137 when the cluster did not form within
 --cluster_init_timeout.
+
+Under a scheduler every task runs the same command, and the scheduler's
+environment says who is who (docs/cluster.md):
+
+  srun -n 2 python -m launch.train ... --cluster=slurm     # Slurm: srun / sbatch
+  python -m launch.train ... --cluster=tf_config           # TF_CONFIG (Kubernetes)
+
+There a run stopped by a signal saves and exits 143 (EXIT_REQUEUE), which
+asks the scheduler to run the job again; the requeued job resumes.
 """
 
 from __future__ import annotations
@@ -56,9 +65,15 @@ CLIENT_ID = flags.DEFINE_integer(
 NUM_CLIENTS = flags.DEFINE_integer(
     'num_clients', None, 'Number of clients; checked against --cluster when given.')
 CLUSTER = flags.DEFINE_list(
-    'cluster', [], 'host:port of every client, in client order and sorted as strings '
-    '(default: $DTENSOR_JOBS). Empty: a single process. Checkpoints and --model_dir '
-    'must be on a filesystem every client shares.')
+    'cluster', [], 'Who the clients are: "slurm" (every task of the srun step is a '
+    'client; Slurm\'s variables give hosts and ids), "tf_config" (the TF_CONFIG '
+    'variable\'s chief and workers), or host:port of every client, in client order and '
+    'sorted as strings (default: $DTENSOR_JOBS). Empty: a single process. Checkpoints '
+    'and --model_dir must be on a filesystem every client shares.')
+CLUSTER_PORT = flags.DEFINE_integer(
+    'cluster_port', None, 'With --cluster=slurm: the port of each node\'s first task (the '
+    'next tasks on a node take the next ports). Default: a block of 16 ports picked '
+    'from the job id, in 20000..51999.')
 CLUSTER_INIT_TIMEOUT = flags.DEFINE_float(
     'cluster_init_timeout', 120.0, 'Seconds to wait for every client to join; after '
     'that this client exits, naming the peers that never started.')
@@ -71,7 +86,7 @@ DEVICES_PER_CLIENT = flags.DEFINE_integer(
 def cluster_from_flags():
   from layout_core.layout.cluster import ClusterSpec  # pylint: disable=g-import-not-at-top
   return ClusterSpec.from_options(client_id=CLIENT_ID.value, num_clients=NUM_CLIENTS.value,
-                                  cluster=CLUSTER.value,
+                                  cluster=CLUSTER.value, port=CLUSTER_PORT.value,
                                   init_timeout=CLUSTER_INIT_TIMEOUT.value)
 
 
@@ -123,12 +138,15 @@ def main(argv):
     # pylint: disable=g-import-not-at-top
     from layout_core.checkpoint.lock import DirectoryLock, LockedError
     from layout_core.errors import ConfigError
+    from layout_core.layout import scheduler
     from plugins import plan, run_status, training
     record = run_status.RunStatusFile(MODEL_DIR.value)
     try:
       with gin_flags.parsed_config():
         cluster = cluster_from_flags()
-        record = run_status.RunStatusFile(MODEL_DIR.value, enabled=cluster.client_id == 0)
+        record = run_status.RunStatusFile(
+            MODEL_DIR.value, enabled=cluster.client_id == 0,
+            restart_count=scheduler.restart_count(os.environ) if cluster.source else None)
         run_plan = plan.make_plan()
         plan.check_model_dir(MODEL_DIR.value)
         if cluster.client_id == 0:  # one writer per model_dir, before anything else
@@ -136,10 +154,16 @@ def main(argv):
         training.join_cluster(run_plan, cluster, devices_per_client=DEVICES_PER_CLIENT.value)
         result = train(run_plan, cluster, watcher, record)
         final = run_status.PREEMPTED if result.stopped_early else run_status.COMPLETED
-        record.write(final, step=result.final_step, exit_code=run_status.EXIT_OK,
+        # Stopped under a scheduler: ask it to run the job again (it resumes).
+        code = (run_status.EXIT_REQUEUE if result.stopped_early and cluster.under_scheduler
+                else run_status.EXIT_OK)
+        record.write(final, step=result.final_step, exit_code=code,
                      metrics=final_metrics(result))
         if cluster.is_multi_client:
-          leave(cluster, None)
+          leave(cluster, None, code)
+        if code:
+          release_lock()
+          sys.exit(code)
     except LockedError:
       raise  # the directory is another run's: write nothing into it
     except ConfigError as e:

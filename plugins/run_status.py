@@ -4,6 +4,7 @@
     record.write(RUNNING, step=0)              # once the run is validated
     record.write(COMPLETED, step=300, exit_code=EXIT_OK, metrics={'eval_loss': 1.02})
     read_run_status(model_dir).status          # 'completed'
+    read_run_status(model_dir).attempts        # the earlier attempts in model_dir
 
 `launch.train` writes the file, atomically (temp file, fsync, rename), from
 client 0 only; `launch.sweep` classifies its trials by it rather than by their
@@ -15,6 +16,10 @@ diverged (non-finite loss), config_error (rejected before training: written
 only into an existing directory that holds no status of an earlier run, so a
 rejected command never overwrites the record of a run that trained), crashed
 (any other exception, best effort).
+
+Each attempt (a resume, a scheduler's requeue) starts a new record and keeps
+the earlier ones' outcomes in `attempts`; `restart_count` is the scheduler's
+count of restarts (SLURM_RESTART_COUNT; None outside a scheduler).
 
 Nothing here imports TensorFlow or gin.
 """
@@ -40,6 +45,8 @@ EXIT_DATA_ERROR = 5        # a data file could not be read mid-run; checkpoints 
 EXIT_REQUEUE = 143
 
 STATUS_FILE = 'run_status.json'
+ATTEMPT_FIELDS = ('status', 'step', 'exit_code', 'started_at', 'updated_at', 'restart_count')
+MAX_ATTEMPTS = 100  # earlier attempts kept in the file
 RUNNING, COMPLETED, PREEMPTED = 'running', 'completed', 'preempted'
 DIVERGED, CONFIG_ERROR, CRASHED = 'diverged', 'config_error', 'crashed'
 DATA_ERROR = 'data_error'
@@ -57,6 +64,10 @@ class RunStatus:
   updated_at: float
   pid: int
   error: str = ''                  # the first line of what went wrong
+  restart_count: int | None = None  # the scheduler's restarts of this job (Slurm requeues)
+  # The earlier attempts in this model_dir, oldest first: each one's status,
+  # step, exit_code, started_at, updated_at and restart_count.
+  attempts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 def status_path(model_dir: str) -> str:
@@ -66,10 +77,21 @@ def status_path(model_dir: str) -> str:
 class RunStatusFile:
   """Writes one process's run_status.json (see the module doc)."""
 
-  def __init__(self, model_dir: str, *, enabled: bool = True):
+  def __init__(self, model_dir: str, *, enabled: bool = True,
+               restart_count: int | None = None):
     self.model_dir, self.enabled = model_dir, enabled
+    self.restart_count = restart_count
     self.started_at, self._start = time.time(), time.monotonic()
     self._wrote = False  # this process wrote the file (a run that started)
+    self._earlier: list[dict[str, Any]] | None = None  # read at the first write
+
+  def _earlier_attempts(self) -> list[dict[str, Any]]:
+    """The attempts before this process's, from the file an earlier one left."""
+    previous = read_run_status(self.model_dir)
+    if previous is None:
+      return []
+    summary = {name: getattr(previous, name) for name in ATTEMPT_FIELDS}
+    return (previous.attempts + [summary])[-MAX_ATTEMPTS:]
 
   def write(self, status: str, *, step: int | None = None, exit_code: int | None = None,
             metrics: Mapping[str, float] | None = None, error: str = '') -> None:
@@ -77,11 +99,14 @@ class RunStatusFile:
       return
     if status not in STATUSES:
       raise ValueError(f'run status {status!r} is not one of {STATUSES}')
+    if self._earlier is None:
+      self._earlier = self._earlier_attempts()
     record = RunStatus(status=status, step=step, exit_code=exit_code,
                        metrics=dict(metrics or {}),
                        wall_seconds=round(time.monotonic() - self._start, 3),
                        started_at=self.started_at, updated_at=time.time(), pid=os.getpid(),
-                       error=error.strip().splitlines()[0] if error.strip() else '')
+                       error=error.strip().splitlines()[0] if error.strip() else '',
+                       restart_count=self.restart_count, attempts=self._earlier)
     path = status_path(self.model_dir)
     temporary = f'{path}.tmp-{os.getpid()}'
     with open(temporary, 'w') as f:

@@ -53,10 +53,16 @@ def join_cluster(plan: RunPlan, cluster: cluster_lib.ClusterSpec, *,
   spec = plan.mesh_spec
   per_client = devices_per_client or spec.num_devices // cluster.num_clients
   if per_client * cluster.num_clients != spec.num_devices:
+    given = (f'{cluster.source} gave {cluster.num_clients} tasks '
+             f'({", ".join(cluster.addresses)}), and '
+             if cluster.source else '')
     raise ConfigError(
-        f'{spec.describe()} needs {spec.num_devices} devices but {cluster.num_clients} '
+        f'{spec.describe()} needs {spec.num_devices} devices but {given}{cluster.num_clients} '
         f'clients x {per_client} devices give {per_client * cluster.num_clients}',
-        where='mesh.shape', fix='make the mesh size num_clients x devices_per_client')
+        where='mesh.shape',
+        fix=('start a number of tasks that divides the mesh, each bringing mesh size / tasks '
+             'devices (e.g. srun -n 2 for 8 devices as 2 x 4), or change mesh.shape'
+             if cluster.source else 'make the mesh size num_clients x devices_per_client'))
   if plan.pipeline is not None:
     raise ConfigError('pipelined runs (either engine) are single-client only',
                       where='pipeline.num_stages', fix='run the pipelined config with one client')

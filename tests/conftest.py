@@ -36,6 +36,7 @@ SLOW = {
     'test_multi_client': None, 'test_never_lose_work': None, 'test_own_model': None,
     'test_pipeline_launch': None, 'test_pipeline_spmd': None, 'test_pipeline_training': None,
     'test_precision': None, 'test_resume': None, 'test_speed_paths': None, 'test_sweep': None,
+    'test_sweep_slurm': None,
     'test_optimizer_state': None,
     'test_fsdp': {'test_fsdp_trains_as_the_same_run_with_whole_parameters',
                   'test_bfloat16_fsdp_stays_within_bfloat16_rounding_of_the_run_without_it'},
@@ -66,6 +67,14 @@ def mesh_data8(devices8):
 @pytest.fixture(scope='session')
 def mesh_2x4(devices8):
   return build_mesh(MeshSpec(shape={'data': 2, 'model': 4}))
+
+
+@pytest.fixture(scope='session')
+def slurm(tmp_path_factory):
+  """A real one-node Slurm (tests/slurm.py), started when first asked for."""
+  from tests.slurm import OneNodeSlurm  # pylint: disable=g-import-not-at-top
+  with OneNodeSlurm(str(tmp_path_factory.mktemp('slurm'))) as cluster:
+    yield cluster
 
 
 @pytest.fixture(autouse=True)
@@ -106,8 +115,8 @@ class Launched:
   stderr collected line by line while it runs (tests that signal or watch it)."""
 
   def __init__(self, module: str, *args: str, label: str = 'process',
-               new_session: bool = False):
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
+               new_session: bool = False, env: dict | None = None):
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2', **(env or {}))
     self.label = label
     self.process = subprocess.Popen(
         [sys.executable, '-u', '-m', module, *args], cwd=REPO_ROOT, env=env,

@@ -1,5 +1,5 @@
 """A real one-node Slurm for tests: munged, slurmctld and slurmd started as root
-under a temporary directory, with this machine's CPUs, and stopped after.
+under a temporary directory, with at least 8 CPUs declared, and stopped after.
 
     with OneNodeSlurm(tmp_dir) as slurm:          # starts in a few seconds
       slurm.command('sbatch', '--parsable', 'job.sh')
@@ -46,6 +46,7 @@ SchedulerParameters=sched_interval=1,bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
+SlurmdParameters=config_overrides
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 KillWait=60
@@ -55,6 +56,9 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSu
 """
 
 DAEMONS = ('munged', 'slurmctld', 'slurmd')
+# The node declares at least this many CPUs (config_overrides: slurmd believes
+# the file), so a test's srun -n 3 runs at once instead of waiting for cores.
+CPUS = 8
 
 
 def _free_port() -> int:
@@ -77,7 +81,7 @@ class OneNodeSlurm:
     port = _free_port()
     with open(self.conf, 'w') as f:
       f.write(CONFIG.format(root=root, port=port, slurmd_port=_free_port(),
-                            cpus=os.cpu_count() or 1))
+                            cpus=max(CPUS, os.cpu_count() or 1)))
 
   def environment(self, base: dict | None = None) -> dict:
     return dict(os.environ if base is None else base, SLURM_CONF=self.conf)

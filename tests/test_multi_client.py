@@ -8,18 +8,21 @@ this order: one process for 8 steps (the reference), 2 clients for 4 steps,
 then resumes across the two kinds and the faults.
 """
 
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.conftest import Launched, killed_if_left, read_events, run_module
+from plugins import run_status
+from tests.conftest import REPO_ROOT, Launched, killed_if_left, read_events, run_module
 
 # Bit-identical in practice (the cross-process all-reduce sums in the same
 # order here); 1e-6 leaves room for another reduction order on other hosts.
@@ -276,3 +279,154 @@ def test_cluster_spec_from_flags_or_dtensor_environment():
                              init_timeout=1, environ={})
   with pytest.raises(ConfigError, match='not host:port'):
     ClusterSpec(client_id=0, addresses=('a:1', 'b'))
+
+
+# -- under a scheduler: Slurm (a real one-node Slurm) and TF_CONFIG ----------------------
+SBATCH = os.path.join(REPO_ROOT, 'examples', 'slurm', 'train.sbatch')
+
+
+def wait_until(check, *, timeout, what):
+  give_up = time.monotonic() + timeout
+  while not (value := check()):
+    assert time.monotonic() < give_up, f'{what}: not within {timeout} s'
+    time.sleep(0.1)
+  return value
+
+
+def test_a_preempted_slurm_job_requeues_resumes_and_ends_as_one_process(
+    tmp_path, reference, slurm):
+  """examples/slurm/train.sbatch as a user submits it (its 2 tasks on this one
+  node): `scancel --signal=TERM` while it trains -> both tasks save the same
+  step and exit 143, the script requeues the job, which resumes at that step
+  with nothing typed and ends with the one-process run's parameters; its
+  preemption checkpoint resumes in one process too."""
+  model_dir, log = str(tmp_path / 'run'), str(tmp_path / 'job.log')
+  env = slurm.environment(dict(
+      os.environ, MODEL_DIR=model_dir, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2',
+      PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ['PATH']))
+  submitted = subprocess.run(
+      ['sbatch', '--parsable', '--nodes=1', '--ntasks-per-node=2', f'--output={log}',
+       f'--chdir={REPO_ROOT}', SBATCH, *ARGS, steps(8)],
+      env=env, capture_output=True, text=True, timeout=60)
+  assert submitted.returncode == 0, submitted.stderr
+  job = submitted.stdout.strip()
+  read_log = lambda: open(log).read() if os.path.exists(log) else ''  # noqa: E731
+  try:
+    wait_until(lambda: (run_status.read_run_status(model_dir) or ()) and
+               run_status.read_run_status(model_dir).status == 'running',
+               timeout=180, what=f'job {job} training\n{read_log()[-3000:]}')
+    slurm.command('scancel', '--signal=TERM', job)
+    state = wait_until(lambda: (s := slurm.job_state(job)) in {
+        'COMPLETED', 'FAILED', 'CANCELLED', 'TIMEOUT'} and s, timeout=240,
+        what=f'job {job} done\n{read_log()[-3000:]}')
+  finally:
+    slurm.command('scancel', job, check=False)
+  output = read_log()
+  assert state == 'COMPLETED', output[-4000:]
+  stopped = [int(s) for s in re.findall(r'^Preempted by SIGTERM at step (\d+): saved',
+                                        output, re.M)]
+  assert len(stopped) == 2 and stopped[0] == stopped[1], output[-4000:]
+  step = stopped[0]
+  assert step < 8, 'the signal came too late to test a resume'
+  assert 'tasks 0-1: Exited with exit code 143' in output
+  assert len(re.findall(rf'Resumed from .*ckpt-{step}/ckpt at step {step}', output)) == 2
+  status = run_status.read_run_status(model_dir)
+  assert (status.status, status.step, status.exit_code, status.restart_count) == (
+      'completed', 8, 0, 1)
+  assert [(a['status'], a['step'], a['exit_code'], a['restart_count'])
+          for a in status.attempts] == [('preempted', step, 143, 0)]
+  assert_same_state(ckpt(model_dir, 8), ckpt(reference, 8))
+
+  one_process = str(tmp_path / 'one_process')
+  copy_checkpoint(model_dir, step, one_process)
+  result = run_module('launch.train', *ARGS, steps(8), f'--model_dir={one_process}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert re.search(rf'Resumed from .*ckpt-{step}/ckpt at step {step}', result.stderr)
+  assert_same_state(ckpt(one_process, 8), ckpt(reference, 8))
+
+
+def test_tf_config_workers_equal_one_process(tmp_path, reference):
+  """Two workers started as a Kubernetes operator starts them: the same
+  command, TF_CONFIG naming the cluster and each one's task. The workers are
+  listed out of sorted order: client ids follow DTensor's sorted addresses."""
+  low, high = free_cluster().split(',')
+  workers = []
+  for index in (0, 1):
+    config = {'cluster': {'worker': [high, low]}, 'task': {'type': 'worker', 'index': index}}
+    workers.append(Launched('launch.train', *ARGS, steps(2), f'--model_dir={tmp_path}',
+                            '--cluster=tf_config', env={'TF_CONFIG': json.dumps(config)},
+                            label=f'worker {index}', new_session=True))
+  with killed_if_left(*workers):
+    outputs = [w.finish(timeout=300) for w in workers]
+  for worker, output in zip(workers, outputs):
+    assert worker.process.returncode == 0, output[-3000:]
+  assert 'Joined: client 1 of 2' in outputs[0] and 'Joined: client 0 of 2' in outputs[1]
+  assert_same_state(ckpt(tmp_path, 2), ckpt(reference, 2))
+
+
+def test_a_task_count_that_does_not_fit_the_mesh_or_no_allocation_exits_2(tmp_path, slurm):
+  env = slurm.environment(dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2'))
+  result = subprocess.run(
+      ['srun', '-n', '3', sys.executable, '-m', 'launch.train', *ARGS,
+       f'--model_dir={tmp_path / "three"}', '--cluster=slurm'],
+      cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert result.stderr.count('slurm gave 3 tasks') == 3, result.stderr[-3000:]
+  assert 'needs 8 devices' in result.stderr and 'srun -n 2' in result.stderr
+  assert not os.path.exists(tmp_path / 'three')
+
+  result = run_module('launch.train', *ARGS, f'--model_dir={tmp_path / "outside"}',
+                      '--cluster=slurm', env={k: None for k in env if k.startswith('SLURM_')})
+  assert result.returncode == 2
+  assert 'not inside a Slurm allocation' in result.stderr, result.stderr[-2000:]
+
+
+def test_the_cluster_comes_from_slurm_variables_or_tf_config(slurm, monkeypatch):
+  """Each task's client id is its address's place in the sorted list, whatever
+  Slurm's rank or TF_CONFIG's index; bad or missing settings are exit-2 errors."""
+  from layout_core.errors import ConfigError
+  from layout_core.layout.cluster import ClusterSpec
+  monkeypatch.setenv('SLURM_CONF', slurm.conf)  # scontrol expands the node list
+
+  def spec(cluster, environ, **flags):
+    options = dict(client_id=None, num_clients=None, init_timeout=5, port=None)
+    options.update(flags)
+    return ClusterSpec.from_options(cluster=[cluster], environ=environ, **options)
+
+  # 2 nodes x 2 tasks, cyclic: rank 1 is the first task on node2.
+  step = {'SLURM_JOB_ID': '7', 'SLURM_STEP_NUM_TASKS': '4', 'SLURM_NTASKS': '4',
+          'SLURM_STEP_NODELIST': 'node[1-2]', 'SLURM_STEP_TASKS_PER_NODE': '2(x2)',
+          'SLURMD_NODENAME': 'node2', 'SLURM_LOCALID': '0', 'SLURM_PROCID': '1'}
+  task = spec('slurm', step, port=9000)
+  assert task.addresses == ('node1:9000', 'node1:9001', 'node2:9000', 'node2:9001')
+  assert (task.client_id, task.source, task.under_scheduler) == (2, 'slurm', True)
+  picked = spec('slurm', step).addresses[0]
+  assert picked == f'node1:{20000 + 7 * 16}'  # a port block from the job id
+  single = spec('slurm', dict(step, SLURM_STEP_NUM_TASKS='1', SLURM_STEP_NODELIST='node2',
+                              SLURM_STEP_TASKS_PER_NODE='1'))
+  assert not single.is_multi_client and single.under_scheduler
+  with pytest.raises(ConfigError, match='--client_id=0 but slurm makes this client 2 of 4'):
+    spec('slurm', step, client_id=0)
+  with pytest.raises(ConfigError, match='not inside a Slurm allocation'):
+    spec('slurm', {})
+  batch_script = {'SLURM_JOB_ID': '7', 'SLURM_NTASKS': '2'}
+  with pytest.raises(ConfigError, match='not in a job step.*srun'):
+    spec('slurm', batch_script)
+  with pytest.raises(ConfigError, match='each task would train alone.*--cluster=slurm'):
+    ClusterSpec.from_options(client_id=None, num_clients=None, cluster=[], init_timeout=5,
+                             environ=step)
+
+  kubernetes = {'cluster': {'chief': ['c:2222'], 'worker': ['w0:2222', 'w1:2222']},
+                'task': {'type': 'worker', 'index': 1}}
+  task = spec('tf_config', {'TF_CONFIG': json.dumps(kubernetes)})
+  assert (task.client_id, task.addresses) == (2, ('c:2222', 'w0:2222', 'w1:2222'))
+  with pytest.raises(ConfigError, match='TF_CONFIG is not set'):
+    spec('tf_config', {})
+  with pytest.raises(ConfigError, match='not a cluster and task'):
+    spec('tf_config', {'TF_CONFIG': '{"cluster": {}}'})
+  with pytest.raises(ConfigError, match='task type.*ps.*no parameter servers'):
+    spec('tf_config', {'TF_CONFIG': json.dumps(dict(
+        kubernetes, cluster=dict(kubernetes['cluster'], ps=['p:1'])))})
+  with pytest.raises(ConfigError, match='worker 5 but the cluster lists 2'):
+    spec('tf_config', {'TF_CONFIG': json.dumps(dict(
+        kubernetes, task={'type': 'worker', 'index': 5}))})

@@ -29,6 +29,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from layout_core.errors import ConfigError
+from layout_core.layout import scheduler
 from layout_core.lazy import dtensor, tf
 
 ENV_CLIENT_ID = 'DTENSOR_CLIENT_ID'
@@ -43,6 +44,7 @@ class ClusterSpec:
   client_id: int = 0                  # this process's index into `addresses`
   addresses: tuple[str, ...] = ()     # host:port per client; () for a single process
   init_timeout: float = 120.0         # seconds to wait for every client to join
+  source: str = ''                    # '' (given by hand), 'slurm' or 'tf_config'
 
   def __post_init__(self):
     object.__setattr__(self, 'addresses', tuple(self.addresses))
@@ -75,20 +77,41 @@ class ClusterSpec:
   def is_multi_client(self) -> bool:
     return self.num_clients > 1
 
+  @property
+  def under_scheduler(self) -> bool:
+    """Started by a scheduler, which requeues a run that exits EXIT_REQUEUE."""
+    return bool(self.source)
+
   def describe(self) -> str:
     if not self.is_multi_client:
-      return 'single client'
-    return f'client {self.client_id} of {self.num_clients} ({",".join(self.addresses)})'
+      return 'single client' + (f' (from {self.source})' if self.source else '')
+    return (f'client {self.client_id} of {self.num_clients} ({",".join(self.addresses)}'
+            f'{", from " + self.source if self.source else ""})')
 
   @classmethod
   def from_options(cls, *, client_id: int | None, num_clients: int | None,
-                   cluster: Sequence[str], init_timeout: float,
+                   cluster: Sequence[str], init_timeout: float, port: int | None = None,
                    environ: Mapping[str, str] | None = None) -> 'ClusterSpec':
-    """From launcher flags, else the standard DTENSOR_* environment variables."""
+    """From launcher flags: `cluster` is a host:port list, or ['slurm'] /
+    ['tf_config'] (the scheduler's environment decides; --client_id and
+    --num_clients, if given, must agree with it), or empty (the standard
+    DTENSOR_* environment variables, else a single process)."""
     environ = os.environ if environ is None else environ
     addresses = [a for a in cluster if a]
+    if len(addresses) == 1 and addresses[0] in scheduler.SOURCES:
+      return cls._from_scheduler(addresses[0], client_id=client_id, num_clients=num_clients,
+                                 init_timeout=init_timeout, port=port, environ=environ)
+    if port is not None:
+      raise ConfigError(f'--cluster_port={port} is only for --cluster=slurm',
+                        where='--cluster_port', fix='give the ports in --cluster instead')
     if not addresses and environ.get(ENV_JOBS):
       addresses = [a for a in environ[ENV_JOBS].split(',') if a]
+    if not addresses:
+      why = scheduler.unclaimed_slurm_step(environ)
+      if why:
+        raise ConfigError(why, where='--cluster',
+                          fix='add --cluster=slurm so that the tasks train one model together '
+                              '(or run one task: srun -n 1)')
     if client_id is None:
       text = environ.get(ENV_CLIENT_ID, '0')
       if not text.isdigit():
@@ -103,6 +126,25 @@ class ClusterSpec:
     if len(addresses) == 1:
       addresses = []
     return cls(client_id=client_id, addresses=tuple(addresses), init_timeout=init_timeout)
+
+  @classmethod
+  def _from_scheduler(cls, source: str, *, client_id: int | None, num_clients: int | None,
+                      init_timeout: float, port: int | None,
+                      environ: Mapping[str, str]) -> 'ClusterSpec':
+    if port is not None and source != scheduler.SLURM:
+      raise ConfigError(f'--cluster_port={port} is only for --cluster=slurm',
+                        where='--cluster_port', fix=f'TF_CONFIG names the ports already')
+    given_id, addresses = scheduler.cluster_from_scheduler(source, environ=environ, port=port)
+    count = max(1, len(addresses))
+    for flag, value, expected in (('--client_id', client_id, given_id),
+                                  ('--num_clients', num_clients, count)):
+      if value is not None and value != expected:
+        raise ConfigError(
+            f'{flag}={value} but {source} makes this client {given_id} of {count} '
+            f'({",".join(addresses) or "a single process"})', where=flag,
+            fix=f'leave {flag} out with --cluster={source}: the scheduler decides')
+    return cls(client_id=given_id, addresses=tuple(addresses), init_timeout=init_timeout,
+               source=source)
 
 
 # The watchdog is a separate process: while DTensor's start blocks it holds the
