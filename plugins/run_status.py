@@ -40,8 +40,8 @@ EXIT_SWEEP_INTERRUPTED = 4  # launch.sweep: stopped by a signal; run it again to
 EXIT_DATA_ERROR = 5        # a data file could not be read mid-run; checkpoints stay
 # Under a scheduler (--cluster=slurm or tf_config), a run stopped by a signal
 # saves and exits 143 (128 + SIGTERM): "not finished, run me again". Slurm
-# requeues on it (the sbatch script's check, or RequeueExit=143); Kubernetes
-# training operators treat 128..255 as retryable.
+# requeues on it (the sbatch script's check, or RequeueExit=143); Kubeflow's
+# training operator counts it retryable under restartPolicy: ExitCode.
 EXIT_REQUEUE = 143
 
 STATUS_FILE = 'run_status.json'

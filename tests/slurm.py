@@ -67,6 +67,14 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+    return True
+  except ProcessLookupError:
+    return False
+
+
 class OneNodeSlurm:
   """See the module docstring."""
 
@@ -126,23 +134,19 @@ class OneNodeSlurm:
   def stop(self) -> None:
     """Cancels every job, then stops the daemons (none is left running)."""
     self.command('scancel', '--user=root', check=False)
+    pids = []
     for pid_file in ('slurmd.pid', 'slurmctld.pid', 'munge/pid'):
       try:
         with open(os.path.join(self.root, pid_file)) as f:
-          pid = int(f.read().strip())
+          pids.append(int(f.read().strip()))
+        os.kill(pids[-1], signal.SIGTERM)
       except (OSError, ValueError):
         continue
-      try:
-        os.kill(pid, signal.SIGTERM)
-      except ProcessLookupError:
-        continue
-      for _ in range(100):
-        try:
-          os.kill(pid, 0)
-        except ProcessLookupError:
-          break
-        time.sleep(0.1)
-      else:
+    give_up = time.monotonic() + 10
+    for pid in pids:
+      while _alive(pid) and time.monotonic() < give_up:
+        time.sleep(0.05)
+      if _alive(pid):
         os.kill(pid, signal.SIGKILL)
 
   def __enter__(self) -> 'OneNodeSlurm':

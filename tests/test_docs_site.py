@@ -16,7 +16,8 @@ import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Files the pages include with pymdownx.snippets (base_path: the build's cwd).
-SNIPPET_SOURCES = [os.path.join('tests', 'fixtures', 'my_project')]
+SNIPPET_SOURCES = [os.path.join('tests', 'fixtures', 'my_project'),
+                   os.path.join('examples', 'slurm')]
 
 import mkdocs  # noqa: F401  the docs extra, which the test extra installs
 import pymdownx  # noqa: F401
