@@ -41,7 +41,7 @@ def _stop_during_start_up(signum, frame):
 
 
 def install_start_up_handlers() -> None:
-  """SIGTERM and SIGINT end the process at once with exit 0 (start-up;
+  """SIGTERM, SIGINT and SIGUSR1 end the process at once with exit 0 (start-up;
   143 under a scheduler, see `stopped_status`)."""
-  for signum in (signal.SIGTERM, signal.SIGINT):
+  for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
     signal.signal(signum, _stop_during_start_up)

@@ -430,3 +430,18 @@ def test_the_cluster_comes_from_slurm_variables_or_tf_config(slurm, monkeypatch)
   with pytest.raises(ConfigError, match='worker 5 but the cluster lists 2'):
     spec('tf_config', {'TF_CONFIG': json.dumps(dict(
         kubernetes, task={'type': 'worker', 'index': 5}))})
+
+
+def test_a_scheduler_stop_signal_is_a_clean_stop_that_asks_to_run_again():
+  """SIGUSR1 (`sbatch --signal=USR1@120`) stops like SIGTERM; under a
+  scheduler even a stop during start-up exits 143, so the job is queued again."""
+  import launch
+  from layout_core.train.preemption import PreemptionWatcher
+  with PreemptionWatcher() as watcher:
+    os.kill(os.getpid(), signal.SIGUSR1)
+    wait_until(lambda: watcher.requested, timeout=5, what='SIGUSR1 seen')
+  assert watcher.signal_name == 'SIGUSR1'
+  assert launch.stopped_status(['train', '--cluster=slurm']) == run_status.EXIT_REQUEUE == 143
+  assert launch.stopped_status(['train', '--cluster', 'tf_config']) == 143
+  assert launch.stopped_status(['train', '--cluster=h0:9000,h1:9000']) == 0
+  assert launch.stopped_status(['train']) == 0

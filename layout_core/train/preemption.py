@@ -1,4 +1,4 @@
-"""Turning SIGTERM / SIGINT into a clean stop at any moment of a run.
+"""Turning SIGTERM / SIGINT / SIGUSR1 into a clean stop at any moment of a run.
 
 During start-up (parsing, importing TensorFlow, building, restoring) nothing
 has been written yet, so a signal stops the process at once: the handler
@@ -37,7 +37,9 @@ class Interrupted(BaseException):
 
 class PreemptionWatcher:
 
-  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+  # SIGUSR1: the signal Slurm users often ask for before the time limit
+  # (`sbatch --signal=USR1@120`); its default action would kill the run unsaved.
+  SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
   def __init__(self, *, immediate: bool = False):
     self.requested = False
