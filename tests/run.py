@@ -31,7 +31,7 @@ SECONDS = {
     'test_never_lose_work.py': 32, 'test_speed_paths.py': 30, 'test_tasks.py': 30,
     'test_bad_input.py': 30, 'test_pipeline_launch.py': 23, 'test_pipeline.py': 27,
     'test_checkpoint.py': 20, 'test_streams.py': 20, 'test_pipeline_training.py': 19,
-    'test_layout_scope.py': 11, 'test_own_model.py': 10,
+    'test_layout_scope.py': 11, 'test_own_model.py': 10, 'test_sweep_slurm.py': 55,
 }
 UNLISTED = 5
 

@@ -26,6 +26,11 @@ What the runner guarantees:
   INTERRUPTED and exits; a re-run picks them up.
 * **Threads.** With `parallel` > 1 the machine's threads are divided between the
   trials (TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS, unless already set).
+* **Where trials run.** A launcher starts each attempt: `LocalLauncher` (the
+  default, a subprocess here) or `slurm.SlurmLauncher` (one sbatch job per
+  attempt; a re-run adopts a job an earlier sweep left queued or running).
+  Both hand back objects with `TrialProcess`'s interface, so everything above
+  holds for either.
 * **Its own console.** A trial logs as its flags ask (`train_flags`, e.g.
   --verbose from the sweep's own flag): the runner adds no log setting to its
   environment (see `trial_process`, which starts, stops and reads each attempt).
@@ -52,10 +57,12 @@ from plugins.sweep import board as sweep_board
 from plugins import run_status
 from plugins.sweep.spec import Axis, Trial, expand
 from plugins.sweep.trial_process import (FAILURE, INTERRUPTED, STATUS_FILE, STOPPED_AT_START_UP,
-                                         SUCCESS, TrialProcess, first_error_line, read_status,
-                                         trial_environment, trial_outcome, write_json)
+                                         SUCCESS, LocalLauncher, TrialProcess, first_error_line,
+                                         read_status, trial_environment, trial_outcome,
+                                         write_json)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STOP_GRACE = 120  # seconds a stopped trial gets to save before it is killed
 
 
 @dataclasses.dataclass
@@ -90,33 +97,35 @@ class Sweep:
             + [f'--model_dir={os.path.join(self.root, trial.name)}'])
 
 
-def check_config(sweep: Sweep, trials: Sequence[Trial]) -> None:
+def check_config(sweep: Sweep, trials: Sequence[Trial]) -> dict[str, Any]:
   """Resolves the base config and every trial's into the typed plan (gin and
   plain Python, no TensorFlow: well under a second each), as launch.train
   does first. A broken base, or a swept key every trial fails on, is the
   sweep's own error (ConfigError); a value only some trials fail on is left to
-  those trials, which record it."""
+  those trials, which record it. Returns the plans of the trials that parsed
+  (trial name -> RunPlan), for the launcher's own checks."""
   from plugins import gin_setup, plan  # pylint: disable=g-import-not-at-top
   import gin  # pylint: disable=g-import-not-at-top
 
-  def parse(extra: Sequence[str]) -> None:
+  def parse(extra: Sequence[str]) -> plan.RunPlan:
     with gin_setup.parsed_config(files=sweep.gin_files,
                                  bindings=sweep.gin_bindings + list(extra),
                                  search_paths=sweep.gin_search_paths):
-      plan.make_plan()
+      return plan.make_plan()
 
   try:
     parse([])
-    errors = []
+    errors, plans = [], {}
     for trial in trials:
       try:
-        parse(trial.bindings)
+        plans[trial.name] = parse(trial.bindings)
       except ConfigError as e:
         errors.append((trial, e))
     if errors and len(errors) == len(trials):
       trial, error = errors[0]
       raise ConfigError(f'every trial fails to parse; the first, {trial.name}: {error}',
                         where='--sweep', fix='check the swept keys and values')
+    return plans
   finally:
     gin.clear_config()
 
@@ -132,10 +141,10 @@ class SweepRunner:
   """Runs the trials of `sweep`, `parallel` at a time; see the module docstring."""
 
   def __init__(self, sweep: Sweep, *, parallel: int = 1, trial_timeout: float = 0,
-               stop_grace: float = 120, python: str = sys.executable,
+               stop_grace: float = STOP_GRACE, python: str = sys.executable,
                out: TextIO = sys.stdout, progress_every: float = 30,
                command_line: Sequence[str] = (),
-               environment: Mapping[str, str] | None = None):
+               environment: Mapping[str, str] | None = None, launcher: Any = None):
     if parallel < 1:
       raise ConfigError(f'--parallel is {parallel}', where='--parallel',
                         fix='run at least 1 trial at a time')
@@ -156,6 +165,9 @@ class SweepRunner:
     # the user gave it, without what quieting its own console set.
     self.environment: Mapping[str, str] = (os.environ if environment is None
                                            else dict(environment))
+    # Starts each attempt: LocalLauncher (a subprocess here) or
+    # slurm.SlurmLauncher (a Slurm job); both return TrialProcess's interface.
+    self.launcher = LocalLauncher() if launcher is None else launcher
     self.stop_signal: str | None = None
     self.records: dict[str, dict[str, Any]] = {}
     self._finished_walls: list[float] = []
@@ -182,7 +194,7 @@ class SweepRunner:
         'command': self.command_line, **self.sweep.base(), 'mode': self.sweep.mode,
         'num_trials': self.sweep.num_trials, 'seed': self.sweep.seed,
         'train_flags': self.sweep.train_flags, 'parallel': self.parallel,
-        'trial_timeout': self.trial_timeout,
+        'trial_timeout': self.trial_timeout, 'launcher': self.launcher.to_json(),
         'axes': [a.to_json() for a in self.sweep.axes], 'trials': trials})
 
   # -- one trial ------------------------------------------------------------------
@@ -202,11 +214,18 @@ class SweepRunner:
         'wall_seconds': previous.get('wall_seconds', 0.0) if previous.get(
             'status') in (INTERRUPTED, 'RUNNING') else 0.0}
     write_json(os.path.join(directory, STATUS_FILE), self.records[trial.name])
-    environment = trial_environment(base=self.environment, repo_root=REPO_ROOT,
-                                    parallel=self.parallel)
-    return TrialProcess.launch(trial, command=self.sweep.train_command(trial, self.python),
-                               directory=directory, environment=environment,
-                               attempt=attempt)
+    # Trials on this machine share its threads; a scheduler's jobs have their own.
+    environment = trial_environment(
+        base=self.environment, repo_root=REPO_ROOT,
+        parallel=self.parallel if self.launcher.shares_machine else 1)
+    started = self.launcher.start(trial, command=self.sweep.train_command(trial, self.python),
+                                  directory=directory, environment=environment,
+                                  attempt=attempt)
+    fields = started.record_fields(previous)  # e.g. the Slurm job id, for adoption
+    if fields:
+      self.records[trial.name].update(fields)
+      write_json(os.path.join(directory, STATUS_FILE), self.records[trial.name])
+    return started
 
   def _finish(self, running: TrialProcess) -> dict[str, Any]:
     trial, exit_code = running.trial, running.exit_code
@@ -260,49 +279,70 @@ class SweepRunner:
     # One driver per sweep root (a second one exits 2 naming this one); a
     # root this run created is removed again if the config is rejected.
     with DirectoryLock.acquire(self.sweep.root, purpose='launch.sweep'):
-      check_config(self.sweep, self.trials)
+      plans = check_config(self.sweep, self.trials)
+      self.launcher.check(plans)  # e.g. options Slurm refuses: before anything starts
       sweep_board.write_experiment(self.sweep.root, self.sweep.axes)
-      waiting = self._unfinished_trials()
+      adopted, waiting = self._unfinished_trials()
       self.write_sweep_json()
       handlers = {}
       if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
           handlers[signum] = signal.signal(signum, self._handle_signal)
       try:
-        self._run_trials(waiting)
+        self._run_trials(waiting, adopted)
       finally:
         for signum, handler in handlers.items():
           signal.signal(signum, handler)
       self.write_sweep_json()
       return self._write_results()
 
-  def _unfinished_trials(self) -> list[Trial]:
-    """Trials to run now: all but those that succeeded before (their records kept)."""
-    waiting, other_base = [], []
+  def _unfinished_trials(self) -> tuple[list[TrialProcess], list[Trial]]:
+    """Trials still running under the launcher (a Slurm job an earlier sweep
+    left queued or running: watched, never submitted twice), and trials to
+    run now: all but those that succeeded before (their records kept)."""
+    adopted, waiting, other_base = [], [], []
     for trial in self.trials:
       status = read_status(self.trial_dir(trial))
+      left = status and self.launcher.adopt(trial, status, directory=self.trial_dir(trial))
+      if left:
+        self.records[trial.name] = status
+        if not left.finished():
+          adopted.append(left)
+          continue
+        status = self._finish(left)  # it ended while no sweep watched it
+        self._say(f'[sweep] {status["status"].lower():7s} {trial.name} (its job ended '
+                  f'while no sweep was watching)')
       if status and status.get('status') == SUCCESS:
         self.records[trial.name] = status
         if status.get('base') != self.sweep.base():
           other_base.append(trial.name)
       else:
         waiting.append(trial)
-    skipped = len(self.trials) - len(waiting)
+    skipped = len(self.trials) - len(waiting) - len(adopted)
     self._say(f'[sweep] {len(self.trials)} trials in {self.sweep.root}: {skipped} already '
               f'done (skipped), {len(waiting)} to run, {self.parallel} at a time')
+    if adopted:
+      self._say(f'[sweep] watching {len(adopted)} trials still queued or running from an '
+                f'earlier sweep: {", ".join(a.trial.name for a in adopted)}')
     if other_base:
       self._say(f'[sweep] note: {len(other_base)} finished trials ran with another base '
                 f'config ({", ".join(other_base)}); delete their directories to redo them')
-    return waiting
+    return adopted, waiting
 
-  def _run_trials(self, waiting: list[Trial]) -> None:
+  def _run_trials(self, waiting: list[Trial], adopted: Sequence[TrialProcess] = ()) -> None:
     """Keeps `parallel` trials running, polls them, enforces timeouts and stops."""
-    running: list[TrialProcess] = []
+    running: list[TrialProcess] = list(adopted)
     started = last_progress = time.monotonic()
     try:
       while waiting or running:
         if self.stop_signal:
           waiting = []
+          if self.launcher.leaves_trials_on_stop:  # their records keep the job ids
+            self._say(f'[sweep] stopped by {self.stop_signal}; left running: '
+                      f'{", ".join(item.trial.name for item in running) or "none"} '
+                      '(run the same command to watch them again)')
+            running = []
+            break
           for item in running:
             item.stop()
         while waiting and len(running) < self.parallel:

@@ -239,8 +239,12 @@ class SweepFile:
   sweep: list[str] = dataclasses.field(default_factory=list)
   settings: dict[str, str] = dataclasses.field(default_factory=dict)  # sweep_mode, ...
 
-  LIST_FIELDS = ('gin_file', 'gin_bindings', 'sweep')
-  SETTING_FIELDS = ('sweep_mode', 'num_trials', 'seed', 'parallel', 'trial_timeout')
+  slurm_sbatch_arg: list[str] = dataclasses.field(default_factory=list)
+
+  LIST_FIELDS = ('gin_file', 'gin_bindings', 'sweep', 'slurm_sbatch_arg')
+  SETTING_FIELDS = ('sweep_mode', 'num_trials', 'seed', 'parallel', 'trial_timeout',
+                    'launcher', 'slurm_partition', 'slurm_tasks', 'slurm_cpus_per_task',
+                    'slurm_on_stop')
 
 
 def read_sweep_file(path: str) -> SweepFile:

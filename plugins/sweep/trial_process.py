@@ -63,6 +63,42 @@ def trial_environment(*, base: Mapping[str, str], repo_root: str,
   return environment
 
 
+def write_attempt_header(log: TextIO, *, attempt: int, environment: Mapping[str, str],
+                         command: Sequence[str]) -> None:
+  """The '===== sweep attempt N, date, settings: command' line that heads each
+  attempt's part of trial.log (flushed: the trial appends after it)."""
+  shown = ' '.join(f'{name}={environment[name]}' for name in SHOWN_VARIABLES
+                   if name in environment)
+  log.write(f'\n===== sweep attempt {attempt}, {time.strftime("%Y-%m-%d %H:%M:%S")}'
+            f'{", " + shown if shown else ""}: {subprocess.list2cmdline(command)}\n')
+  log.flush()
+
+
+class LocalLauncher:
+  """Starts each attempt as a local subprocess (`TrialProcess`); the runner's
+  default. The Slurm launcher (`plugins.sweep.slurm`) has the same methods."""
+  kind = 'local'
+  shares_machine = True          # the runner divides the CPU threads between trials
+  leaves_trials_on_stop = False  # a stopped sweep stops its trials and waits for them
+
+  def check(self, plans: Mapping[str, Any]) -> None:
+    """Nothing to check beyond the config (`plans`: trial name -> RunPlan)."""
+    del plans
+
+  def adopt(self, trial: Trial, record: Mapping[str, Any], *,
+            directory: str) -> None:
+    """A local trial left running by an earlier sweep is never taken over."""
+    del trial, record, directory
+
+  def start(self, trial: Trial, *, command: Sequence[str], directory: str,
+            environment: Mapping[str, str], attempt: int) -> TrialProcess:
+    return TrialProcess.launch(trial, command=command, directory=directory,
+                               environment=environment, attempt=attempt)
+
+  def to_json(self) -> dict[str, Any]:
+    return {'kind': self.kind}
+
+
 @dataclasses.dataclass
 class TrialProcess:
   """A running (or finished) attempt; `launch` starts one."""
@@ -78,11 +114,7 @@ class TrialProcess:
   def launch(cls, trial: Trial, *, command: Sequence[str], directory: str,
              environment: Mapping[str, str], attempt: int) -> TrialProcess:
     log = open(os.path.join(directory, LOG_FILE), 'a')
-    shown = ' '.join(f'{name}={environment[name]}' for name in SHOWN_VARIABLES
-                     if name in environment)
-    log.write(f'\n===== sweep attempt {attempt}, {time.strftime("%Y-%m-%d %H:%M:%S")}'
-              f'{", " + shown if shown else ""}: {subprocess.list2cmdline(command)}\n')
-    log.flush()
+    write_attempt_header(log, attempt=attempt, environment=environment, command=command)
     log_start = log.tell()
     process = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT,
                                env=dict(environment), start_new_session=True)
@@ -92,6 +124,12 @@ class TrialProcess:
   @property
   def pid(self) -> int:
     return self.process.pid
+
+  def record_fields(self, previous: Mapping[str, Any]) -> dict[str, Any]:
+    """What the sweep records about this attempt besides its outcome (given the
+    trial's `previous` record): nothing, for a local process."""
+    del previous
+    return {}
 
   @property
   def exit_code(self) -> int | None:

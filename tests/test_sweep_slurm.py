@@ -1,0 +1,224 @@
+"""launch.sweep --launcher=slurm against a real one-node Slurm (tests/slurm.py).
+
+One real sweep of three trials, two jobs at a time, is stopped by SIGTERM and
+run again; what it did is read back from Slurm itself (squeue), the trials'
+own run_status.json and logs, and a real TensorBoard's HParams dashboard. A
+stand-in trial (no TensorFlow) checks --slurm_on_stop=leave and the adoption
+of the job it leaves. Bad input exits 2 before Slurm sees a job.
+"""
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from plugins import run_status, sweep as sweep_lib
+from plugins.sweep import slurm as slurm_lib
+from plugins.sweep.spec import expand, parse_axis
+from tests.conftest import REPO_ROOT, read_events, run_modules
+from tests.slurm import OneNodeSlurm
+from tests.test_sweep import TINY, TensorBoard, attempt_header, read_tsv
+
+# zip: a short trial, then two long enough to be training when the sweep is stopped.
+AXES = ['train.seed=[0, 1, 2]', 'train.num_steps=[4, 300, 150]']
+FIRST, SECOND, THIRD = (t.name for t in expand([parse_axis(a) for a in AXES], mode='zip'))
+
+
+@pytest.fixture(scope='module')
+def slurm_cluster(tmp_path_factory):
+  with OneNodeSlurm(str(tmp_path_factory.mktemp('slurm'))) as cluster:
+    yield cluster
+
+
+def sweep_command(root, *extra):
+  return ['-m', 'launch.sweep', *TINY, '--sweep_mode=zip', *[f'--sweep={a}' for a in AXES],
+          f'--model_dir={root}', '--launcher=slurm', '--parallel=2', *extra]
+
+
+def job_states(cluster, job_ids):
+  """{job id: state} as Slurm itself tells it (squeue lists finished jobs for 10 minutes)."""
+  listed = cluster.command('squeue', '-h', '-t', 'all', '-o', '%i %T',
+                           '-j', ','.join(job_ids)).stdout.split('\n')
+  return dict(line.split() for line in listed if line.strip())
+
+
+def all_jobs(cluster):
+  return set(cluster.command('squeue', '-h', '-t', 'all', '-o', '%i').stdout.split())
+
+
+def wait_for_status(trial_dir, process, status='running', timeout=120):
+  give_up = time.monotonic() + timeout
+  while True:
+    recorded = run_status.read_run_status(trial_dir)
+    if recorded is not None and recorded.status == status:
+      return recorded
+    assert process.poll() is None, f'the sweep ended (exit {process.returncode})'
+    assert time.monotonic() < give_up, f'{trial_dir} never said {status!r}'
+    time.sleep(0.2)
+
+
+def test_a_stopped_slurm_sweep_saves_its_jobs_and_a_rerun_finishes_them(slurm_cluster,
+                                                                      tmp_path):
+  root = str(tmp_path / 'root')
+  env = slurm_cluster.environment(dict(os.environ, PYTHONPATH=REPO_ROOT,
+                                       TF_CPP_MIN_LOG_LEVEL='2'))
+  with open(tmp_path / 'first.out', 'w+') as out:
+    sweep = subprocess.Popen([sys.executable, '-u', *sweep_command(root)], cwd=REPO_ROOT,
+                             env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+      wait_for_status(os.path.join(root, THIRD), sweep)  # the first has ended by now
+      sweep.send_signal(signal.SIGTERM)
+      sweep.wait(timeout=120)
+    finally:
+      if sweep.poll() is None:
+        sweep.kill()
+    out.seek(0)
+    first_output = out.read()
+  assert sweep.returncode == 4, first_output[-3000:]
+
+  with open(os.path.join(root, 'sweep.json')) as f:
+    recorded = json.load(f)
+  assert recorded['launcher']['kind'] == 'slurm' and recorded['launcher']['tasks'] == 1
+  jobs = {t['name']: t['slurm_job_ids'] for t in recorded['trials']}
+  assert all(len(ids) == 1 for ids in jobs.values()), jobs
+  # Cancel (the default): no job of the sweep is left queued or running.
+  states = job_states(slurm_cluster, [ids[0] for ids in jobs.values()])
+  assert set(states) == {ids[0] for ids in jobs.values()}, states
+  assert not set(states.values()) & {'PENDING', 'RUNNING', 'COMPLETING'}, states
+  assert sweep_lib.read_status(os.path.join(root, FIRST))['status'] == 'SUCCESS'
+  stopped = os.path.join(root, THIRD)
+  outcome = run_status.read_run_status(stopped)  # the trial's own word: saved, run me again
+  assert (outcome.status, outcome.exit_code) == ('preempted', run_status.EXIT_REQUEUE)
+  assert os.path.isdir(os.path.join(stopped, 'checkpoints', f'ckpt-{outcome.step}'))
+  record = sweep_lib.read_status(stopped)
+  assert (record['status'], record['exit_code'], record['outcome']) == (
+      'INTERRUPTED', run_status.EXIT_REQUEUE, 'preempted')
+  with open(os.path.join(stopped, slurm_lib.EXIT_FILE)) as f:  # the batch script's record
+    assert f.read().split() == [record['slurm_job_id'], str(run_status.EXIT_REQUEUE)]
+  header = attempt_header(open(os.path.join(stopped, sweep_lib.LOG_FILE)).read(), 1)
+  assert header.endswith(f'--model_dir={stopped} --cluster=slurm'), header
+  assert 'TF_NUM_INTRAOP_THREADS' not in header  # a job has its own CPUs: no division
+  # The middle trial either finished before the stop or was stopped the same way.
+  assert sweep_lib.read_status(os.path.join(root, SECOND))['status'] in (
+      'SUCCESS', 'INTERRUPTED')
+
+  # The same command again: the first trial is kept, the others continue.
+  [rerun] = run_modules([tuple(sweep_command(root))[1:]],
+                        envs=[{'SLURM_CONF': slurm_cluster.conf}], timeout=300)
+  assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
+  assert '1 already done (skipped), 2 to run' in rerun.stdout or (
+      '2 already done (skipped), 1 to run' in rerun.stdout)
+  first_log = open(os.path.join(root, FIRST, sweep_lib.LOG_FILE)).read()
+  assert first_log.count('===== sweep attempt') == 1
+  log = open(os.path.join(stopped, sweep_lib.LOG_FILE)).read()
+  assert f'Resumed from' in log.split('sweep attempt 2')[1], log[-3000:]
+  assert max(s for s, _ in read_events(stopped)['scalars']['train/loss']) == 150
+  record = sweep_lib.read_status(stopped)
+  assert (record['status'], record['attempts'], record['exit_code']) == ('SUCCESS', 2, 0)
+  assert len(set(record['slurm_job_ids'])) == 2 and record['slurm_job_id'] == (
+      record['slurm_job_ids'][-1])
+  assert all(row['status'] == 'SUCCESS' for row in read_tsv(root))
+  with TensorBoard(root) as board:
+    _, groups = board.hparams(num_sessions=3)
+  assert {name: g['sessions'][0]['status'] for name, g in groups.items()} == {
+      FIRST: 'STATUS_SUCCESS', SECOND: 'STATUS_SUCCESS', THIRD: 'STATUS_SUCCESS'}
+
+
+STAND_IN_TRIAL = """#!{python}
+# Stands in for `python -m launch.train`: says it is running, then waits for a
+# file in its model_dir before it completes.
+import os, sys, time
+from plugins import run_status
+model_dir = [a.split('=', 1)[1] for a in sys.argv if a.startswith('--model_dir=')][0]
+assert '--cluster=slurm' in sys.argv
+record = run_status.RunStatusFile(model_dir)
+record.write(run_status.RUNNING, step=0)
+while not os.path.exists(os.path.join(model_dir, 'release')):
+  time.sleep(0.1)
+record.write(run_status.COMPLETED, step=1, exit_code=0)
+"""
+
+
+def test_leave_exits_at_once_and_a_rerun_adopts_the_job_it_left(slurm_cluster, tmp_path):
+  fake = tmp_path / 'fake_python'
+  fake.write_text(STAND_IN_TRIAL.format(python=sys.executable))
+  fake.chmod(0o755)
+  sweep = sweep_lib.Sweep(root=str(tmp_path / 'root'),
+                          gin_files=['configs/experiments/quickstart.gin'],
+                          axes=[parse_axis('train.seed=[0]')])
+  trial_dir = os.path.join(sweep.root, 'seed=0')
+  environment = slurm_cluster.environment()
+
+  def runner(out):
+    launcher = slurm_lib.SlurmLauncher(on_stop='leave', environment=environment)
+    return sweep_lib.SweepRunner(sweep, python=str(fake), out=out, environment=environment,
+                                 launcher=launcher)
+
+  def when(condition, then):
+    def watch():
+      give_up = time.monotonic() + 60
+      while not condition() and time.monotonic() < give_up:
+        time.sleep(0.1)
+      then()
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+  def running():
+    recorded = run_status.read_run_status(trial_dir)
+    return recorded is not None and recorded.status == 'running'
+
+  stopper = when(running, lambda: os.kill(os.getpid(), signal.SIGTERM))
+  first = runner(io.StringIO())
+  [record] = first.run()
+  stopper.join()
+  assert first.stop_signal == 'SIGTERM'
+  job_id = record['slurm_job_id']
+  assert record['status'] == 'RUNNING' and sweep_lib.read_status(trial_dir)['status'] == (
+      'RUNNING')
+  assert job_states(slurm_cluster, [job_id]) == {job_id: 'RUNNING'}  # left to Slurm
+
+  jobs_before = all_jobs(slurm_cluster)
+  out = io.StringIO()
+  releaser = when(lambda: 'watching 1 trials' in out.getvalue(),
+                  lambda: open(os.path.join(trial_dir, 'release'), 'w').close())
+  [record] = runner(out).run()
+  releaser.join()
+  assert 'still queued or running from an earlier sweep: seed=0' in out.getvalue()
+  assert (record['status'], record['attempts'], record['slurm_job_ids']) == (
+      'SUCCESS', 1, [job_id]), record
+  assert all_jobs(slurm_cluster) == jobs_before  # watched, never submitted again
+  assert open(os.path.join(trial_dir, sweep_lib.LOG_FILE)).read().count(
+      '===== sweep attempt') == 1
+
+
+def test_bad_slurm_input_exits_2_before_any_job_is_submitted(slurm_cluster, tmp_path):
+  before = all_jobs(slurm_cluster)
+  conf = {'SLURM_CONF': slurm_cluster.conf}
+  sweep_file = tmp_path / 'three_tasks.sweep'  # the Slurm settings from a sweep file
+  sweep_file.write_text('launcher = slurm\nslurm_tasks = 3\nslurm_sbatch_arg = --nice=5\n')
+  no_slurm, no_partition, bad_tasks = run_modules(
+      [tuple(sweep_command(tmp_path / 'path'))[1:],
+       tuple(sweep_command(tmp_path / 'partition', '--slurm_partition=nosuch'))[1:],
+       ('launch.sweep', *TINY, f'--sweep_file={sweep_file}', '--sweep=train.seed=[0, 1]',
+        f'--model_dir={tmp_path / "tasks"}')],
+      envs=[dict(conf, PATH='/nonexistent'), conf, conf])
+  for result in (no_slurm, no_partition, bad_tasks):
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert 'Traceback' not in result.stderr
+  assert re.search(r'Configuration error: sbatch, squeue, scancel not found on PATH '
+                   r'\(/nonexistent\)', no_slurm.stderr), no_slurm.stderr
+  assert 'invalid partition specified: nosuch' in no_partition.stderr, no_partition.stderr
+  assert 'has a 2-device mesh (CPU mesh 2=2 (data=2)), which 3 tasks cannot share evenly' in (
+      bad_tasks.stderr), (
+      bad_tasks.stderr)
+  assert all_jobs(slurm_cluster) == before
+  for name in ('path', 'partition', 'tasks'):
+    assert not (tmp_path / name).exists()  # the sweep root it created is gone again
