@@ -23,7 +23,6 @@ from plugins import run_status, sweep as sweep_lib
 from plugins.sweep import slurm as slurm_lib
 from plugins.sweep.spec import expand, parse_axis
 from tests.conftest import REPO_ROOT, read_events, run_modules
-from tests.slurm import OneNodeSlurm
 from tests.test_sweep import TINY, TensorBoard, attempt_header, read_tsv
 
 # zip: a short trial, then two long enough to be training when the sweep is stopped.
@@ -32,9 +31,9 @@ FIRST, SECOND, THIRD = (t.name for t in expand([parse_axis(a) for a in AXES], mo
 
 
 @pytest.fixture(scope='module')
-def slurm_cluster(tmp_path_factory):
-  with OneNodeSlurm(str(tmp_path_factory.mktemp('slurm'))) as cluster:
-    yield cluster
+def slurm_cluster(slurm):
+  """The session's one-node Slurm (tests/conftest.py), shared with test_multi_client."""
+  return slurm
 
 
 def sweep_command(root, *extra):
