@@ -311,23 +311,39 @@ def test_a_preempted_slurm_job_requeues_resumes_and_ends_as_one_process(
   assert submitted.returncode == 0, submitted.stderr
   job = submitted.stdout.strip()
   read_log = lambda: open(log).read() if os.path.exists(log) else ''  # noqa: E731
+
+  def preempted_step():
+    status = run_status.read_run_status(model_dir)
+    if status is None:
+      return None
+    if status.status == 'preempted':
+      return status.step
+    return status.attempts[0]['step'] if status.attempts else None  # requeued already
+
+  one_process = str(tmp_path / 'one_process')
   try:
     wait_until(lambda: (run_status.read_run_status(model_dir) or ()) and
                run_status.read_run_status(model_dir).status == 'running',
                timeout=180, what=f'job {job} training\n{read_log()[-3000:]}')
     slurm.command('scancel', '--signal=TERM', job)
-    state = wait_until(lambda: (s := slurm.job_state(job)) in {
-        'COMPLETED', 'FAILED', 'CANCELLED', 'TIMEOUT'} and s, timeout=240,
-        what=f'job {job} done\n{read_log()[-3000:]}')
+    step = wait_until(preempted_step, timeout=120, what=f'job {job} preempted\n{read_log()}')
+    assert step < 8, 'the signal came too late to test a resume'
+    # While Slurm requeues the job: its preemption checkpoint resumes in one process.
+    copy_checkpoint(model_dir, step, one_process)
+    resumed = Launched('launch.train', *ARGS, steps(8), f'--model_dir={one_process}',
+                       label='one process')
+    with killed_if_left(resumed):
+      state = wait_until(lambda: (s := slurm.job_state(job)) in {
+          'COMPLETED', 'FAILED', 'CANCELLED', 'TIMEOUT'} and s, timeout=240,
+          what=f'job {job} done\n{read_log()[-3000:]}')
+      resumed_output = resumed.finish(timeout=300)
   finally:
     slurm.command('scancel', job, check=False)
   output = read_log()
   assert state == 'COMPLETED', output[-4000:]
   stopped = [int(s) for s in re.findall(r'^Preempted by SIGTERM at step (\d+): saved',
                                         output, re.M)]
-  assert len(stopped) == 2 and stopped[0] == stopped[1], output[-4000:]
-  step = stopped[0]
-  assert step < 8, 'the signal came too late to test a resume'
+  assert stopped == [step, step], output[-4000:]  # both tasks, the same step
   assert 'tasks 0-1: Exited with exit code 143' in output
   assert len(re.findall(rf'Resumed from .*ckpt-{step}/ckpt at step {step}', output)) == 2
   status = run_status.read_run_status(model_dir)
@@ -337,11 +353,8 @@ def test_a_preempted_slurm_job_requeues_resumes_and_ends_as_one_process(
           for a in status.attempts] == [('preempted', step, 143, 0)]
   assert_same_state(ckpt(model_dir, 8), ckpt(reference, 8))
 
-  one_process = str(tmp_path / 'one_process')
-  copy_checkpoint(model_dir, step, one_process)
-  result = run_module('launch.train', *ARGS, steps(8), f'--model_dir={one_process}')
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert re.search(rf'Resumed from .*ckpt-{step}/ckpt at step {step}', result.stderr)
+  assert resumed.process.returncode == 0, resumed_output[-3000:]
+  assert re.search(rf'Resumed from .*ckpt-{step}/ckpt at step {step}', resumed_output)
   assert_same_state(ckpt(one_process, 8), ckpt(reference, 8))
 
 
