@@ -131,13 +131,18 @@ def test_a_stopped_slurm_sweep_saves_its_jobs_and_a_rerun_finishes_them(slurm_cl
 
 
 STAND_IN_TRIAL = """#!{python}
-# Stands in for `python -m launch.train`: says it is running, then waits for a
+# Stands in for `python -m launch.train` on each task of a 2-task trial: notes
+# its task, says it is running (task 0, as client 0 does), then waits for a
 # file in its model_dir before it completes.
 import os, sys, time
 from plugins import run_status
 model_dir = [a.split('=', 1)[1] for a in sys.argv if a.startswith('--model_dir=')][0]
 assert '--cluster=slurm' in sys.argv
-record = run_status.RunStatusFile(model_dir)
+task = os.environ['SLURM_PROCID']
+with open(os.path.join(model_dir, f'task-{{task}}-of-{{os.environ["SLURM_STEP_NUM_TASKS"]}}'),
+          'w'):
+  pass
+record = run_status.RunStatusFile(model_dir, enabled=task == '0')
 record.write(run_status.RUNNING, step=0)
 while not os.path.exists(os.path.join(model_dir, 'release')):
   time.sleep(0.1)
@@ -156,7 +161,7 @@ def test_leave_exits_at_once_and_a_rerun_adopts_the_job_it_left(slurm_cluster, t
   environment = slurm_cluster.environment()
 
   def runner(out):
-    launcher = slurm_lib.SlurmLauncher(on_stop='leave', environment=environment)
+    launcher = slurm_lib.SlurmLauncher(on_stop='leave', tasks=2, environment=environment)
     return sweep_lib.SweepRunner(sweep, python=str(fake), out=out, environment=environment,
                                  launcher=launcher)
 
@@ -196,6 +201,9 @@ def test_leave_exits_at_once_and_a_rerun_adopts_the_job_it_left(slurm_cluster, t
   assert all_jobs(slurm_cluster) == jobs_before  # watched, never submitted again
   assert open(os.path.join(trial_dir, sweep_lib.LOG_FILE)).read().count(
       '===== sweep attempt') == 1
+  # A multi-task trial: one job step of 2 tasks, each a client (--cluster=slurm).
+  assert {n for n in os.listdir(trial_dir) if n.startswith('task-')} == {
+      'task-0-of-2', 'task-1-of-2'}
 
 
 def test_bad_slurm_input_exits_2_before_any_job_is_submitted(slurm_cluster, tmp_path):
