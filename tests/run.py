@@ -22,16 +22,18 @@ import time
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 SHARDS = 2
-# Seconds per test file in one full run (2 cores, 2026-11-26), to balance the
+# Seconds per test file in one full run (2 cores, 2026-11-26, --durations=0), to balance the
 # shards; a file not listed counts as UNLISTED. Stale figures cost balance only.
 SECONDS = {
-    'test_precision.py': 144, 'test_fsdp.py': 100, 'test_resume.py': 92, 'test_data_runs.py': 88,
-    'test_pipeline_spmd.py': 83, 'test_sweep.py': 77, 'test_multi_client.py': 100,
-    'test_optimizer_state.py': 51, 'test_mesh_tab.py': 43, 'test_launch.py': 42,
-    'test_never_lose_work.py': 32, 'test_speed_paths.py': 30, 'test_tasks.py': 30,
-    'test_bad_input.py': 30, 'test_pipeline_launch.py': 23, 'test_pipeline.py': 27,
-    'test_checkpoint.py': 20, 'test_streams.py': 20, 'test_pipeline_training.py': 19,
-    'test_layout_scope.py': 11, 'test_own_model.py': 10, 'test_sweep_slurm.py': 40,
+    'test_precision.py': 190, 'test_fsdp.py': 163, 'test_pipeline_spmd.py': 157,
+    'test_data_runs.py': 133, 'test_multi_client.py': 135, 'test_resume.py': 108,
+    'test_sweep.py': 85, 'test_optimizer_state.py': 83, 'test_mesh_tab.py': 61,
+    'test_launch.py': 56, 'test_speed_paths.py': 53, 'test_sweep_slurm.py': 45,
+    'test_tasks.py': 46, 'test_checkpoint.py': 44, 'test_bad_input.py': 43,
+    'test_pipeline.py': 42, 'test_pipeline_launch.py': 40, 'test_never_lose_work.py': 35,
+    'test_pipeline_training.py': 30, 'test_streams.py': 30, 'test_own_model.py': 22,
+    'test_layout_scope.py': 17, 'test_prepare_data.py': 13, 'test_gather.py': 11,
+    'test_keras_models.py': 10, 'test_inspect.py': 9, 'test_memory.py': 8,
 }
 UNLISTED = 5
 

@@ -460,10 +460,12 @@ def test_chromium_draws_one_cell_per_device_and_marks_the_selected_slices(board,
   assert len(png) > 50_000  # drawn, not a blank page
 
 
-def test_ci_runs_the_readme_test_command_which_brings_chromium():
+def test_ci_runs_the_readme_test_command_which_brings_chromium_and_slurm():
   with open(os.path.join(REPO_ROOT, 'README.md')) as f:
     readme = f.read()
   command = re.search(r'\*\*2\. Test\*\*.*?```sh\n(.*?)\n```', readme, re.S).group(1)
   with open(os.path.join(REPO_ROOT, '.ci', 'run')) as f:
     assert f.read().rstrip('\n').splitlines()[-1] == command
-  assert command.startswith('(command -v chromium >/dev/null || (apt-get update')
+  install = command.split(' && python3 -m venv')[0]
+  assert install.startswith('(command -v chromium >/dev/null && command -v slurmctld')
+  assert 'apt-get install -y -qq chromium slurm-wlm munge' in install

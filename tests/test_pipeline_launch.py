@@ -15,19 +15,24 @@ PLAIN = ["--gin_bindings=mesh.shape = {'data': 2, 'model': 2}",
          '--gin_bindings=pipeline.circular_repeats = 1']
 
 
-def test_spmd_run_equals_the_plain_run_and_profiles_its_steps(tmp_path):
+def test_spmd_run_on_two_clients_equals_the_plain_run_and_profiles_its_steps(tmp_path):
   """Same config, dropout on, {'stage': 2, 'data': 2, 'model': 2} with 2 circular
   repeats (in 2 micro-batches, not the config's 4: two thirds of the
-  compile) vs no pipeline: the same losses at every step and the same eval loss."""
+  compile) on 2 clients of 4 devices ('stage' across them: each stage on its
+  own client) vs no pipeline in one process: the same losses at every step
+  and the same eval loss."""
   spmd_dir, plain_dir = str(tmp_path / 'spmd'), str(tmp_path / 'plain')
   spmd, plain = run_modules([  # independent: started together
-      ('launch.train', *SPMD, '--gin_bindings=train.log_every = 1',
+      ('launch.local_cluster', '--num_clients=2', '--devices_per_client=4', '--',
+       *SPMD, '--gin_bindings=train.log_every = 1',
        '--gin_bindings=pipeline.num_micro_batches = 2',
        '--gin_bindings=train.profile_steps = (1, 2)', f'--model_dir={spmd_dir}'),
       ('launch.train', *SPMD, *PLAIN, '--gin_bindings=train.log_every = 1',
        f'--model_dir={plain_dir}')])
-  assert spmd.returncode == 0, spmd.stderr[-3000:]
+  assert spmd.returncode == 0, spmd.stdout[-3000:]
   assert plain.returncode == 0, plain.stderr[-3000:]
+  assert 'exit status per client: [0, 0]' in spmd.stdout
+  assert '[client 1]' in spmd.stdout and 'Joined: client 1 of 2' in spmd.stdout
   a, b = read_events(spmd_dir)['scalars'], read_events(plain_dir)['scalars']
   assert [s for s, _ in a['train/loss']] == [1, 2, 3]
   for tag in ('train/loss', 'train/grad_norm', 'eval/loss'):

@@ -173,11 +173,12 @@ class SlurmLauncher:
             f'trial {name} has a {devices}-device mesh ({plan.mesh_spec.describe()}), '
             f'which {self.tasks} tasks cannot share evenly', where='--slurm_tasks',
             fix=f'use a task count that divides {devices} (1 runs each trial as one process)')
-      if self.tasks > 1 and plan.pipeline is not None:
+      if self.tasks > 1 and plan.pipeline is not None and (
+          plan.pipeline_config.engine != 'spmd'):
         raise ConfigError(
-            f'trial {name} is pipelined, and launch.train runs pipelines as one client '
+            f'trial {name} uses the sub-mesh pipeline engine, which runs as one client '
             f'only, not {self.tasks} tasks', where='--slurm_tasks',
-            fix='use --slurm_tasks=1 for pipelined configs')
+            fix="use --slurm_tasks=1, or pipeline.engine = 'spmd', which runs across clients")
     try:
       result = self.command('sbatch', '--test-only', *self.options('meshgin-sweep-check'),
                             '--wrap=true')
