@@ -111,7 +111,7 @@ class OneNodeSlurm:
                  f'--pid-file={munge}/pid', f'--seed-file={munge}/seed',
                  f'--log-file={self.root}/log/munged.log')
     self.command('slurmctld')
-    self.command('slurmd')
+    self.command('slurmd', '-N', 'localhost')  # the node of slurm.conf, whatever the hostname
     give_up = time.monotonic() + 60
     while True:
       state = self.command('sinfo', '-h', '-o', '%T', check=False).stdout.strip()
