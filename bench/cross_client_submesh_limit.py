@@ -11,22 +11,26 @@ starts 2 real clients (processes) of 4 logical CPU devices each, as
      client 1); each client lists only its own devices as local;
   2. makes a [8, 16] value (3.0 everywhere) on stage 0 with an op (replicated, or sharded
      over x; every client runs the op, as every client runs the same program)
-     and moves it to stage 1 with `dtensor.copy_to_mesh` and with
-     `dtensor.relayout`, eagerly and in a `tf.function`;
+     and moves it to stage 1 in the same layout (as the sub-mesh engine moves
+     activations) with `dtensor.copy_to_mesh` and with `dtensor.relayout`,
+     eagerly and in a `tf.function`;
   3. checks the value that arrives on stage 1 (on client 1) and times out
      any variation that hangs.
 
-For reference it also moves the value between two sub-meshes that both lie
-on client 0 (the way the engine runs today, in one process), with client 1
-holding no device of either.
+Two other placements, for comparison: each stage on 2 devices of every
+client ("within clients": stage 0 = client 0's CPU 0-1 and client 1's CPU
+0-1), and both stages on client 0 ("one client", client 1 holding no device
+of either; in one process the engine's crossings work, tests/test_pipeline.py).
 
-Measured (TF 2.21, bench/results/cross_client_submesh.json): across clients
-every variation fails to compile with DTensor's "Send and receive hosts don't
-match": its cross-mesh copy only pairs meshes that span the same hosts with
-the same shards on each. In the reference placement client 1, which holds
-no device of either mesh, crashes (SIGSEGV), and client 0 moves a replicated
-value right but a sharded one wrong (in one process the sub-mesh engine's
-sharded crossings are right: tests/test_pipeline.py).
+Measured (TF 2.21, bench/results/cross_client_submesh.json):
+* across clients, every variation fails to compile with DTensor's "Send and
+  receive hosts don't match": its cross-mesh copy pairs only meshes that
+  span the same hosts with the same shards on each;
+* within clients, a replicated value moves right on both clients (eager and
+  in a function, copy_to_mesh and relayout); a sharded one fails ("SPMD
+  expansion resulted in op output inconsistent with the provided layout");
+* one client: client 1 crashes (SIGSEGV); client 0 moves a replicated value
+  right and fails on a sharded one as above.
 
     python bench/cross_client_submesh_limit.py [--out bench/results/cross_client_submesh.json]
 """
@@ -57,21 +61,29 @@ dtensor.initialize_accelerator_system('CPU', num_logical_cpu_devices=4)
 def device(i):  # global device i: CPU i % 4 of client i // 4
   return f'/job:worker/replica:0/task:{i // 4}/device:CPU:{i % 4}'
 
-def sub_mesh(name, ids):  # by global ids; a client may hold none of a mesh's devices
-  mine = [i for i in ids if i // 4 == client]
-  return dtensor.Mesh(['x'], np.array(ids), mine, [device(i) for i in mine], name,
-                      global_devices=[device(i) for i in ids])
+def sub_mesh(name, ids, devices=None):  # a client may hold none of a mesh's devices
+  devices = devices or [device(i) for i in ids]
+  mine = [i for i, d in zip(ids, devices) if f'task:{client}/' in d]
+  return dtensor.Mesh(['x'], np.array(ids), mine,
+                      [d for d in devices if f'task:{client}/' in d], name,
+                      global_devices=devices)
 
 if placement == 'across clients':    # stage 0 on client 0, stage 1 on client 1
   source, target = sub_mesh('stage0', [0, 1, 2, 3]), sub_mesh('stage1', [4, 5, 6, 7])
+elif placement == 'within clients':  # each stage on 2 devices of every client
+  source = sub_mesh('stage0', [0, 1, 2, 3], [device(i) for i in (0, 1, 4, 5)])
+  target = sub_mesh('stage1', [4, 5, 6, 7], [device(i) for i in (2, 3, 6, 7)])
 else:                                # both stages on client 0's devices: 0-1 and 2-3
   source, target = sub_mesh('stage0', [0, 1]), sub_mesh('stage1', [2, 3])
 value = np.full([8, 16], 3.0, np.float32)
 layout = dtensor.Layout([source_spec, 'unsharded'], source)
-target_layout = dtensor.Layout.replicated(target, 2)
+# The activation keeps its layout across the stages, as the sub-mesh engine's does.
+target_layout = dtensor.Layout([source_spec, 'unsharded'], target)
 
 def make():  # the value made by an op on stage 0: every client runs it, as in SPMD
-  return dtensor.call_with_layout(tf.fill, layout, [8, 16], 3.0)
+  # (tf.fill made directly in a sharded layout takes [8, 16] as the shard's shape)
+  made = dtensor.call_with_layout(tf.fill, dtensor.Layout.replicated(source, 2), [8, 16], 3.0)
+  return dtensor.relayout(made, layout)
 
 def step(t):
   if move == 'copy_to_mesh':
@@ -84,7 +96,8 @@ try:
   y = tf.function(step)(x) if compiled else step(x)
   arrived = dtensor.unpack(y)
   if arrived:
-    result['same'] = bool(np.array_equal(arrived[0].numpy(), value))
+    rows = 8 // (target.dim_size('x') if source_spec == 'x' else 1)
+    result['same'] = all(np.array_equal(a.numpy(), value[:rows]) for a in arrived)
   result['ok'] = True
 except Exception as e:  # pylint: disable=broad-except
   result['ok'] = False
@@ -148,9 +161,10 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--out', default=os.path.join(RESULTS, 'cross_client_submesh.json'))
   parser.add_argument('--timeout', type=float, default=90)
+  parser.add_argument('--placements', default='one client,across clients,within clients')
   args = parser.parse_args()
   rows = []
-  for placement in ('one client', 'across clients'):
+  for placement in args.placements.split(','):
     for spec in ('unsharded', 'x'):
       for move in ('copy_to_mesh', 'relayout'):
         for mode in ('eager', 'function'):
