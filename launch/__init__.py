@@ -17,7 +17,9 @@ def stop_message(signal_name: str) -> str:
           'Run the same command to start again.')
 
 
-SCHEDULERS = ('slurm', 'tf_config')  # layout_core.layout.scheduler.SOURCES
+# layout_core.layout.scheduler.SOURCES, not imported: `stopped_status` runs in a
+# start-up signal handler, before meshgin's library is loaded.
+SCHEDULERS = ('slurm', 'tf_config')
 
 
 def stopped_status(argv: list[str] | None = None) -> int:

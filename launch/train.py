@@ -162,8 +162,7 @@ def main(argv):
         if cluster.is_multi_client:
           leave(cluster, None, code)
         if code:
-          release_lock()
-          sys.exit(code)
+          sys.exit(code)  # the lock is released on the way out (finally, below)
     except LockedError:
       raise  # the directory is another run's: write nothing into it
     except ConfigError as e:

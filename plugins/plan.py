@@ -62,6 +62,11 @@ class RunPlan:
   def num_parameters(self) -> int:
     return count_parameters(r.shape for r in self.records)
 
+  @property
+  def single_client_only(self) -> bool:
+    """Pipelined on an engine that cannot span clients (the sub-mesh engine)."""
+    return self.pipeline is not None and not self.pipeline_config.spans_clients
+
 
 def make_plan() -> RunPlan:
   """Calls every configurable once and validates the result (see module doc)."""

@@ -63,7 +63,7 @@ def join_cluster(plan: RunPlan, cluster: cluster_lib.ClusterSpec, *,
         fix=('start a number of tasks that divides the mesh, each bringing mesh size / tasks '
              'devices (e.g. srun -n 2 for 8 devices as 2 x 4), or change mesh.shape'
              if cluster.source else 'make the mesh size num_clients x devices_per_client'))
-  if plan.pipeline is not None and plan.pipeline_config.engine != 'spmd':
+  if plan.single_client_only:
     raise ConfigError('the sub-mesh pipeline engine is single-client only',
                       where='pipeline.engine',
                       fix="run it with one client, or use pipeline.engine = 'spmd' (one program "

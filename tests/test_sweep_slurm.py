@@ -30,12 +30,6 @@ AXES = ['train.seed=[0, 1, 2]', 'train.num_steps=[4, 6, 150]']
 FIRST, SECOND, THIRD = (t.name for t in expand([parse_axis(a) for a in AXES], mode='zip'))
 
 
-@pytest.fixture(scope='module')
-def slurm_cluster(slurm):
-  """The session's one-node Slurm (tests/conftest.py), shared with test_multi_client."""
-  return slurm
-
-
 def sweep_command(root, *extra):
   return ['-m', 'launch.sweep', *TINY, '--sweep_mode=zip', *[f'--sweep={a}' for a in AXES],
           f'--model_dir={root}', '--launcher=slurm', '--parallel=2', *extra]
@@ -63,10 +57,10 @@ def wait_for_status(trial_dir, process, status='running', timeout=120):
     time.sleep(0.2)
 
 
-def test_a_stopped_slurm_sweep_saves_its_jobs_and_a_rerun_finishes_them(slurm_cluster,
+def test_a_stopped_slurm_sweep_saves_its_jobs_and_a_rerun_finishes_them(slurm,
                                                                       tmp_path):
   root = str(tmp_path / 'root')
-  env = slurm_cluster.environment(dict(os.environ, PYTHONPATH=REPO_ROOT,
+  env = slurm.environment(dict(os.environ, PYTHONPATH=REPO_ROOT,
                                        TF_CPP_MIN_LOG_LEVEL='2'))
   with open(tmp_path / 'first.out', 'w+') as out:
     sweep = subprocess.Popen([sys.executable, '-u', *sweep_command(root)], cwd=REPO_ROOT,
@@ -88,7 +82,7 @@ def test_a_stopped_slurm_sweep_saves_its_jobs_and_a_rerun_finishes_them(slurm_cl
   jobs = {t['name']: t['slurm_job_ids'] for t in recorded['trials']}
   assert all(len(ids) == 1 for ids in jobs.values()), jobs
   # Cancel (the default): no job of the sweep is left queued or running.
-  states = job_states(slurm_cluster, [ids[0] for ids in jobs.values()])
+  states = job_states(slurm, [ids[0] for ids in jobs.values()])
   assert set(states) == {ids[0] for ids in jobs.values()}, states
   assert not set(states.values()) & {'PENDING', 'RUNNING', 'COMPLETING'}, states
   assert sweep_lib.read_status(os.path.join(root, FIRST))['status'] == 'SUCCESS'
@@ -110,7 +104,7 @@ def test_a_stopped_slurm_sweep_saves_its_jobs_and_a_rerun_finishes_them(slurm_cl
 
   # The same command again: the first trial is kept, the others continue.
   [rerun] = run_modules([tuple(sweep_command(root))[1:]],
-                        envs=[{'SLURM_CONF': slurm_cluster.conf}], timeout=300)
+                        envs=[{'SLURM_CONF': slurm.conf}], timeout=300)
   assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
   assert '1 already done (skipped), 2 to run' in rerun.stdout or (
       '2 already done (skipped), 1 to run' in rerun.stdout)
@@ -150,7 +144,7 @@ record.write(run_status.COMPLETED, step=1, exit_code=0)
 """
 
 
-def test_leave_exits_at_once_and_a_rerun_adopts_the_job_it_left(slurm_cluster, tmp_path):
+def test_leave_exits_at_once_and_a_rerun_adopts_the_job_it_left(slurm, tmp_path):
   fake = tmp_path / 'fake_python'
   fake.write_text(STAND_IN_TRIAL.format(python=sys.executable))
   fake.chmod(0o755)
@@ -158,7 +152,7 @@ def test_leave_exits_at_once_and_a_rerun_adopts_the_job_it_left(slurm_cluster, t
                           gin_files=['configs/experiments/quickstart.gin'],
                           axes=[parse_axis('train.seed=[0]')])
   trial_dir = os.path.join(sweep.root, 'seed=0')
-  environment = slurm_cluster.environment()
+  environment = slurm.environment()
 
   def runner(out):
     launcher = slurm_lib.SlurmLauncher(on_stop='leave', tasks=2, environment=environment)
@@ -187,9 +181,9 @@ def test_leave_exits_at_once_and_a_rerun_adopts_the_job_it_left(slurm_cluster, t
   job_id = record['slurm_job_id']
   assert record['status'] == 'RUNNING' and sweep_lib.read_status(trial_dir)['status'] == (
       'RUNNING')
-  assert job_states(slurm_cluster, [job_id]) == {job_id: 'RUNNING'}  # left to Slurm
+  assert job_states(slurm, [job_id]) == {job_id: 'RUNNING'}  # left to Slurm
 
-  jobs_before = all_jobs(slurm_cluster)
+  jobs_before = all_jobs(slurm)
   out = io.StringIO()
   releaser = when(lambda: 'watching 1 trials' in out.getvalue(),
                   lambda: open(os.path.join(trial_dir, 'release'), 'w').close())
@@ -198,7 +192,7 @@ def test_leave_exits_at_once_and_a_rerun_adopts_the_job_it_left(slurm_cluster, t
   assert 'still queued or running from an earlier sweep: seed=0' in out.getvalue()
   assert (record['status'], record['attempts'], record['slurm_job_ids']) == (
       'SUCCESS', 1, [job_id]), record
-  assert all_jobs(slurm_cluster) == jobs_before  # watched, never submitted again
+  assert all_jobs(slurm) == jobs_before  # watched, never submitted again
   assert open(os.path.join(trial_dir, sweep_lib.LOG_FILE)).read().count(
       '===== sweep attempt') == 1
   # A multi-task trial: one job step of 2 tasks, each a client (--cluster=slurm).
@@ -206,9 +200,9 @@ def test_leave_exits_at_once_and_a_rerun_adopts_the_job_it_left(slurm_cluster, t
       'task-0-of-2', 'task-1-of-2'}
 
 
-def test_bad_slurm_input_exits_2_before_any_job_is_submitted(slurm_cluster, tmp_path):
-  before = all_jobs(slurm_cluster)
-  conf = {'SLURM_CONF': slurm_cluster.conf}
+def test_bad_slurm_input_exits_2_before_any_job_is_submitted(slurm, tmp_path):
+  before = all_jobs(slurm)
+  conf = {'SLURM_CONF': slurm.conf}
   sweep_file = tmp_path / 'three_tasks.sweep'  # the Slurm settings from a sweep file
   sweep_file.write_text('launcher = slurm\nslurm_tasks = 3\nslurm_sbatch_arg = --nice=5\n')
   no_slurm, no_partition, bad_tasks = run_modules(
@@ -226,6 +220,6 @@ def test_bad_slurm_input_exits_2_before_any_job_is_submitted(slurm_cluster, tmp_
   assert 'has a 2-device mesh (CPU mesh 2=2 (data=2)), which 3 tasks cannot share evenly' in (
       bad_tasks.stderr), (
       bad_tasks.stderr)
-  assert all_jobs(slurm_cluster) == before
+  assert all_jobs(slurm) == before
   for name in ('path', 'partition', 'tasks'):
     assert not (tmp_path / name).exists()  # the sweep root it created is gone again

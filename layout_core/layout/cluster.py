@@ -98,12 +98,13 @@ class ClusterSpec:
     DTENSOR_* environment variables, else a single process)."""
     environ = os.environ if environ is None else environ
     addresses = [a for a in cluster if a]
+    if port is not None and addresses != [scheduler.SLURM]:
+      raise ConfigError(f'--cluster_port={port} is only for --cluster=slurm',
+                        where='--cluster_port',
+                        fix='leave it out: --cluster lists the ports, TF_CONFIG names them')
     if len(addresses) == 1 and addresses[0] in scheduler.SOURCES:
       return cls._from_scheduler(addresses[0], client_id=client_id, num_clients=num_clients,
                                  init_timeout=init_timeout, port=port, environ=environ)
-    if port is not None:
-      raise ConfigError(f'--cluster_port={port} is only for --cluster=slurm',
-                        where='--cluster_port', fix='give the ports in --cluster instead')
     if not addresses and environ.get(ENV_JOBS):
       addresses = [a for a in environ[ENV_JOBS].split(',') if a]
     if not addresses:
@@ -131,9 +132,6 @@ class ClusterSpec:
   def _from_scheduler(cls, source: str, *, client_id: int | None, num_clients: int | None,
                       init_timeout: float, port: int | None,
                       environ: Mapping[str, str]) -> 'ClusterSpec':
-    if port is not None and source != scheduler.SLURM:
-      raise ConfigError(f'--cluster_port={port} is only for --cluster=slurm',
-                        where='--cluster_port', fix=f'TF_CONFIG names the ports already')
     given_id, addresses = scheduler.cluster_from_scheduler(source, environ=environ, port=port)
     count = max(1, len(addresses))
     for flag, value, expected in (('--client_id', client_id, given_id),

@@ -148,12 +148,9 @@ def from_tf_config(environ: Mapping[str, str]) -> tuple[int, list[str]]:
 
 
 def client_order(addresses: Sequence[str], mine: str) -> tuple[int, list[str]]:
-  """The sorted address list (DTensor's client order) and `mine`'s place in it."""
+  """The sorted address list (DTensor's client order) and `mine`'s place in it
+  (a repeated address is refused by `ClusterSpec` itself)."""
   ordered = sorted(addresses)
-  if len(set(ordered)) != len(ordered):
-    repeated = sorted({a for a in ordered if ordered.count(a) > 1})
-    raise ConfigError(f'the scheduler\'s cluster repeats {", ".join(repeated)}',
-                      where='--cluster', fix='give each task its own host:port')
   if len(ordered) == 1:
     return 0, []
   return ordered.index(mine), ordered

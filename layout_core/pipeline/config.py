@@ -33,6 +33,13 @@ class PipelineConfig:
   # pipeline); the bubble drops to (S-1)/(R*M+S-1). Needs M >= S when R > 1.
   circular_repeats: int = 1
 
+  @property
+  def spans_clients(self) -> bool:
+    """Whether the engine may run on a mesh of several clients: the SPMD
+    engine is one program on the whole mesh; the sub-mesh engine's cross-mesh
+    copies stay inside one client (bench/cross_client_submesh_limit.py)."""
+    return self.engine == 'spmd'
+
   def __post_init__(self):
     check_types(self, name='pipeline')
     if self.num_stages < 1:

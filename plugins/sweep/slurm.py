@@ -173,8 +173,7 @@ class SlurmLauncher:
             f'trial {name} has a {devices}-device mesh ({plan.mesh_spec.describe()}), '
             f'which {self.tasks} tasks cannot share evenly', where='--slurm_tasks',
             fix=f'use a task count that divides {devices} (1 runs each trial as one process)')
-      if self.tasks > 1 and plan.pipeline is not None and (
-          plan.pipeline_config.engine != 'spmd'):
+      if self.tasks > 1 and plan.single_client_only:
         raise ConfigError(
             f'trial {name} uses the sub-mesh pipeline engine, which runs as one client '
             f'only, not {self.tasks} tasks', where='--slurm_tasks',
