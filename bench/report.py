@@ -132,9 +132,20 @@ def _generic(results: Any) -> list[str]:
   return lines or ['(no figures)']
 
 
+def _small_input_recompile(results: dict) -> list[str]:
+  measured = {k: v for k, v in results.items() if isinstance(v, dict) and 'calls' in v}
+  values = [str(c.get('value')) for c in next(iter(measured.values()), {}).get('calls', [])]
+  rows = [[_cell(name)] + [f"{'miss' if c.get('missed') else 'hit'}, {c.get('seconds', 0):.3f} s"
+                           for c in figures['calls']]
+          for name, figures in measured.items()]
+  return _table(['extra input'] + [f'call {i + 1} (value {v})' for i, v in enumerate(values)],
+                rows)
+
+
 RENDERERS: dict[str, Callable[[dict], list[str]]] = {
     'startup': _startup,
     'dtensor_compile_limit': _dtensor_compile_limit,
+    'small_input_recompile': _small_input_recompile,
 }
 
 

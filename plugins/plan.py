@@ -62,10 +62,13 @@ class RunPlan:
   def num_parameters(self) -> int:
     return count_parameters(r.shape for r in self.records)
 
-  @property
-  def single_client_only(self) -> bool:
-    """Pipelined on an engine that cannot span clients (the sub-mesh engine)."""
-    return self.pipeline is not None and not self.pipeline_config.spans_clients
+  def clients_problem(self, num_clients: int) -> str | None:
+    """Why this run cannot be `num_clients` clients sharing the mesh evenly
+    (None: it can): only a pipeline can object (`PipelineConfig.clients_problem`)."""
+    if self.pipeline is None:
+      return None
+    return self.pipeline_config.clients_problem(
+        num_clients=num_clients, devices_per_client=self.mesh_spec.num_devices // num_clients)
 
 
 def make_plan() -> RunPlan:

@@ -69,7 +69,9 @@ def mesh_document(trainer: Trainer, plan: RunPlan) -> dict:
   engine = trainer.engine
   mesh = engine.mesh
   stage_axis = plan.pipeline_config.stage_axis if plan.pipeline is not None else None
-  devices = device_map.mesh_devices(mesh, stage_axis=stage_axis)
+  placement = getattr(engine, 'placement', None)  # the sub-mesh engine's stages
+  devices = device_map.mesh_devices(mesh, stage_axis=stage_axis,
+                                    stage_meshes=getattr(placement, 'meshes', None))
   held = {d['id']: {'parameters': 0, 'optimizer': 0} for d in devices}
   optimizer = engine.optimizer
   trained = set(optimizer.paths)

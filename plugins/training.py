@@ -63,11 +63,11 @@ def join_cluster(plan: RunPlan, cluster: cluster_lib.ClusterSpec, *,
         fix=('start a number of tasks that divides the mesh, each bringing mesh size / tasks '
              'devices (e.g. srun -n 2 for 8 devices as 2 x 4), or change mesh.shape'
              if cluster.source else 'make the mesh size num_clients x devices_per_client'))
-  if plan.single_client_only:
-    raise ConfigError('the sub-mesh pipeline engine is single-client only',
-                      where='pipeline.engine',
-                      fix="run it with one client, or use pipeline.engine = 'spmd' (one program "
-                          'on the whole mesh, which may span clients)')
+  problem = plan.clients_problem(cluster.num_clients)
+  if problem:
+    raise ConfigError(f'{problem} ({cluster.num_clients} clients)', where='pipeline.num_stages',
+                      fix=f'run on a number of clients whose devices each split '
+                          f'{plan.pipeline.num_stages} ways, or use pipeline.engine = \'spmd\'')
   logging.info('Joining the cluster as %s', cluster.describe())
   cluster_lib.connect(cluster, device_type=spec.device_type, num_local_devices=per_client)
   logging.info('Joined: client %d of %d, with %d of the mesh\'s %d devices',

@@ -34,7 +34,8 @@ assert configure_virtual_cpus(NUM_DEVICES) >= NUM_DEVICES
 SLOW = {
     'test_data_runs': None, 'test_launch': None, 'test_mesh_tab': None,
     'test_multi_client': None, 'test_never_lose_work': None, 'test_own_model': None,
-    'test_pipeline_launch': None, 'test_pipeline_spmd': None, 'test_pipeline_training': None,
+    'test_pipeline_clients': None, 'test_pipeline_launch': None, 'test_pipeline_spmd': None,
+    'test_pipeline_training': None,
     'test_precision': None, 'test_resume': None, 'test_speed_paths': None, 'test_sweep': None,
     'test_sweep_slurm': None,
     'test_optimizer_state': None,

@@ -387,15 +387,6 @@ def test_a_task_count_that_does_not_fit_the_mesh_or_no_allocation_exits_2(tmp_pa
   assert result.stderr.count('slurm gave 3 tasks') == 3, result.stderr[-3000:]
   assert 'needs 8 devices' in result.stderr and 'srun -n 2' in result.stderr
   assert not os.path.exists(tmp_path / 'three')
-  # The sub-mesh pipeline engine is single-client: said before any client joins.
-  result = subprocess.run(
-      ['srun', '-n', '2', sys.executable, '-m', 'launch.train',
-       '--gin_file=configs/experiments/lm_pipeline.gin',
-       f'--model_dir={tmp_path / "pipelined"}', '--cluster=slurm'],
-      cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
-  assert result.returncode == 2, result.stderr[-3000:]
-  assert result.stderr.count('the sub-mesh pipeline engine is single-client only') == 2
-  assert "pipeline.engine = 'spmd'" in result.stderr
 
   result = run_module('launch.train', *ARGS, f'--model_dir={tmp_path / "outside"}',
                       '--cluster=slurm', env={k: None for k in env if k.startswith('SLURM_')})

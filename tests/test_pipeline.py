@@ -67,6 +67,20 @@ def test_partition_of_a_real_lm_and_errors():
   assert [len(s.layers) for s in explicit.stages] == [2, 5]
 
 
+def test_which_pipelines_run_across_clients():
+  """The sub-mesh engine gives every stage an equal share of each client's
+  devices (a stage per client cannot take DTensor's cross-mesh copy); the
+  SPMD engine is one program and runs on any split."""
+  submesh = pipeline.PipelineConfig(num_stages=2, num_micro_batches=2)
+  assert submesh.clients_problem(num_clients=1, devices_per_client=8) is None
+  assert submesh.clients_problem(num_clients=2, devices_per_client=4) is None
+  problem = submesh.clients_problem(num_clients=8, devices_per_client=1)
+  assert "each of its 2 stages an equal share of every client's devices" in problem
+  assert "a client's 1 device(s) do not split 2 ways" in problem
+  spmd = pipeline.PipelineConfig(num_stages=2, num_micro_batches=2, engine='spmd')
+  assert spmd.clients_problem(num_clients=8, devices_per_client=1) is None
+
+
 def heterogeneous_stack(dim=8):
   """Mixed widths and kinds, so stages differ in cost and content."""
   widths = [16, 4, 32, 8, 24, 12, 8, 40]

@@ -23,6 +23,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from layout_core.layout import mesh as mesh_lib
 from layout_core.layout.rules import UNSHARDED
 
 
@@ -59,25 +60,30 @@ def _positions(mesh) -> list[tuple[int, dict[str, int]]]:
 
 def _to_global(mesh, whole) -> Mapping[int, int] | None:
   """Device ids of a sub-mesh (pipeline stage) -> ids in `whole`, matched by
-  device name; None when `mesh` is `whole` itself."""
+  device name (every client's); None when `mesh` is `whole` itself."""
   if mesh.to_string() == whole.to_string():
     return None
-  by_name = dict(zip(whole.local_devices(), whole.local_device_ids()))
-  return {int(i): int(by_name[name])
-          for i, name in zip(mesh.local_device_ids(), mesh.local_devices())}
+  by_name = {name: i for i, name in mesh_lib.device_names(whole).items()}
+  return {i: by_name[name] for i, name in mesh_lib.device_names(mesh).items()}
 
 
-def mesh_devices(mesh, *, stage_axis: str | None = None) -> list[dict]:
+def mesh_devices(mesh, *, stage_axis: str | None = None,
+                 stage_meshes: Sequence | None = None) -> list[dict]:
   """Every device of `mesh` in id order: id, coordinates (in axis order),
-  client (of a multi-client mesh) and pipeline stage (None unless
-  `stage_axis` is one of the mesh's axes)."""
-  per_client = len(mesh.local_device_ids()) or 1
+  client (of a multi-client mesh) and pipeline stage: the index of the
+  sub-mesh in `stage_meshes` holding it (the sub-mesh engine's stages), else
+  its coordinate on `stage_axis` (None when neither is given)."""
+  names = mesh_lib.device_names(mesh)
+  stage_of = {}
+  for k, sub in enumerate(stage_meshes or ()):
+    stage_of.update({name: k for name in mesh_lib.device_names(sub).values()})
   devices = []
   for device_id, coords in sorted(_positions(mesh), key=lambda p: p[0]):
+    stage = coords.get(stage_axis) if stage_axis else None
     devices.append({'id': device_id, 'coords': [coords[a] for a in mesh.dim_names],
                     'name': f'{mesh.device_type()}:{device_id}',
-                    'client': device_id // per_client,
-                    'stage': coords.get(stage_axis) if stage_axis else None})
+                    'client': mesh_lib.client_of(names[device_id]),
+                    'stage': stage_of.get(names[device_id], stage)})
   return devices
 
 

@@ -19,7 +19,10 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 from typing import Iterator, Mapping
+
+import numpy as np
 
 from layout_core.errors import ConfigError
 from layout_core.fields import check_types
@@ -199,10 +202,56 @@ def describe_mesh(mesh: dtensor.Mesh) -> str:
   return MeshSpec(shape=axes, device_type=mesh.device_type()).describe()
 
 
+def device_names(mesh: dtensor.Mesh) -> dict[int, str]:
+  """Device id -> full device name, for every device of `mesh` on every client.
+
+  A mesh made for several clients lists only this client's devices, unless
+  it was given them all (`sub_meshes` does); the others are named from ours:
+  client k holds ids k*L..(k+1)*L-1 in the same order (`create_distributed_mesh`)."""
+  ids = [int(i) for i in np.asarray(mesh.global_device_ids()).flat]
+  if mesh.global_devices():
+    return dict(zip(ids, mesh.global_devices()))
+  local = dict(zip((int(i) for i in mesh.local_device_ids()), mesh.local_devices()))
+  if len(local) == len(ids):
+    return local
+  per_client, me = len(local), dtensor.client_id()
+  names = {}
+  for device_id, name in local.items():
+    offset = device_id - me * per_client
+    for client in range(len(ids) // per_client):
+      names[client * per_client + offset] = re.sub(r'/task:\d+/', f'/task:{client}/', name)
+  return names
+
+
+def client_of(device_name: str) -> int:
+  """The client (task) of a full device name; 0 for a one-client name."""
+  task = re.search(r'/task:(\d+)/', device_name)
+  return int(task.group(1)) if task else 0
+
+
+def describe_devices(mesh: dtensor.Mesh) -> str:
+  """'CPU:0, CPU:1' for one client's mesh; with several, each client's own:
+  'client 0: CPU:0, CPU:1; client 1: CPU:0, CPU:1'."""
+  per_client: dict[int, list[str]] = {}
+  for _, device in sorted(device_names(mesh).items()):
+    per_client.setdefault(client_of(device), []).append(device.rsplit('/', 1)[-1])
+  if len(per_client) == 1:
+    return ', '.join(next(iter(per_client.values())))
+  return '; '.join(f'client {c}: {", ".join(names)}' for c, names in per_client.items())
+
+
 def sub_meshes(mesh: dtensor.Mesh, axis: str) -> list[dtensor.Mesh]:
   """Cuts `mesh` along `axis` into one mesh per index, keeping the other axes.
 
   Devices 0..7 on {'stage': 2, 'data': 4} give [devices 0-3, devices 4-7].
+
+  On a mesh of several clients, sub-mesh k is not the devices at index k of
+  `axis` (that would put each stage on its own client, and DTensor cannot
+  copy between meshes on different hosts: bench/cross_client_submesh_limit.py)
+  but the k-th equal share of every client's devices, client 0's first: on 2
+  clients x 4, stage 0 = CPU 0-1 of both clients, stage 1 = CPU 2-3 of both.
+  The other axes keep their order over those devices, so the outermost one
+  spans the clients.
   """
   axes = mesh_axes(mesh)
   if axis not in axes:
@@ -211,6 +260,8 @@ def sub_meshes(mesh: dtensor.Mesh, axis: str) -> list[dtensor.Mesh]:
   if not rest:
     rest = [('replica', 1)]
   devices = mesh.local_devices()
+  if len(devices) != mesh.size:
+    return _shares_of_every_client(mesh, axis, rest)
   locations = mesh.local_device_locations()
   result = []
   for index in range(axes[axis]):
@@ -219,6 +270,47 @@ def sub_meshes(mesh: dtensor.Mesh, axis: str) -> list[dtensor.Mesh]:
         rest, devices=chosen, device_type=mesh.device_type(),
         mesh_name=f'{axis}{index}'))
   return result
+
+
+def _shares_of_every_client(mesh: dtensor.Mesh, axis: str,
+                            rest: list[tuple[str, int]]) -> list[dtensor.Mesh]:
+  """`sub_meshes` of a multi-client mesh (see there)."""
+  count, local = mesh_axes(mesh)[axis], mesh.local_devices()
+  clients, me = dtensor.num_clients(), dtensor.client_id()
+  if len(local) % count:
+    raise ConfigError(
+        f"the {count} sub-meshes along '{axis}' each take an equal share of every "
+        f"client's devices, and {len(local)} devices per client do not split {count} ways",
+        where='mesh.shape',
+        fix=f"run on clients with a multiple of {count} devices each, or fewer clients")
+  share = len(local) // count
+
+  def device(client: int, index: int) -> str:  # same name as local devices, another task
+    return re.sub(r'/task:\d+/', f'/task:{client}/', local[index])
+
+  result = []
+  for k in range(count):
+    devices = [device(c, i) for c in range(clients) for i in range(k * share, (k + 1) * share)]
+    ids = list(range(len(devices)))
+    mine = [i for i in ids if i // share == me]
+    result.append(dtensor.Mesh([n for n, _ in rest], np.array(ids).reshape([s for _, s in rest]),
+                               mine, [devices[i] for i in mine], f'{axis}{k}',
+                               global_devices=devices))
+  return result
+
+
+# DTensor folds the value of a small function input (17 elements or fewer
+# measured; 24 or more are not) into its compile cache key: the first call
+# with another value compiles the whole function again, after which DTensor
+# stops folding that input (bench/small_input_recompile.py). A scalar that changes from call to call (a
+# step, a seed, a norm) travels as this many copies; the function reads [0].
+UNFOLDED_LENGTH = 64
+
+
+def pack_changing_scalar(value, mesh: dtensor.Mesh) -> tf.Tensor:
+  """`value` (a NumPy scalar) replicated on `mesh` as UNFOLDED_LENGTH copies."""
+  return pack_global_array(np.full([UNFOLDED_LENGTH], value),
+                           dtensor.Layout.replicated(mesh, 1))
 
 
 def pack_global_array(array, layout: dtensor.Layout) -> tf.Tensor:

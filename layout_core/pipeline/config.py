@@ -33,12 +33,17 @@ class PipelineConfig:
   # pipeline); the bubble drops to (S-1)/(R*M+S-1). Needs M >= S when R > 1.
   circular_repeats: int = 1
 
-  @property
-  def spans_clients(self) -> bool:
-    """Whether the engine may run on a mesh of several clients: the SPMD
-    engine is one program on the whole mesh; the sub-mesh engine's cross-mesh
-    copies stay inside one client (bench/cross_client_submesh_limit.py)."""
-    return self.engine == 'spmd'
+  def clients_problem(self, *, num_clients: int, devices_per_client: int) -> str | None:
+    """Why this pipeline cannot run on `num_clients` clients of
+    `devices_per_client` devices each (None: it can). The SPMD engine is one
+    program on the whole mesh; the sub-mesh engine gives every stage an equal
+    share of each client's devices (a stage per client cannot take DTensor's
+    cross-mesh copy: bench/cross_client_submesh_limit.py)."""
+    if num_clients == 1 or self.engine == 'spmd' or devices_per_client % self.num_stages == 0:
+      return None
+    return (f'the sub-mesh engine gives each of its {self.num_stages} stages an equal share '
+            f"of every client's devices, and a client's {devices_per_client} device(s) do "
+            f'not split {self.num_stages} ways')
 
   def __post_init__(self):
     check_types(self, name='pipeline')

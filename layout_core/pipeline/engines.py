@@ -54,7 +54,7 @@ from layout_core.pipeline.submesh import GPipe
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig
 from layout_core.train.engine import Counters, SingleProgramEngine
-from layout_core.train.micro_steps import MicroSteps, share, split_rows, sum_shares
+from layout_core.train.micro_steps import MicroSteps, client_rows, share, split_rows, sum_shares
 from layout_core.optim import OptimizerConfig, make_optimizer, squared_norm
 
 
@@ -110,9 +110,16 @@ class GPipeEngine:
     `grad_accum_steps` k, a list of k such packs of batch_size / k rows."""
     return self.micro_steps.pack(batch, self._pack)
 
-  def client_rows(self, batch_size: int) -> None:
-    """Every row: pipelined runs are single-client (`plugins.training` refuses more)."""
-    return None
+  def client_rows(self, batch_size: int) -> np.ndarray | None:
+    """The rows this client's devices hold on the first stage (model inputs)
+    or the last (what the loss reads); None: every row (one client)."""
+    parts = self.micro_steps.count * self.plan.num_micro_batches
+    held = [client_rows(self.placement.meshes[k], batch_axis=self.placement.batch_axis,
+                        batch_size=batch_size, parts=parts)
+            for k in {0, self.plan.num_stages - 1}]
+    if any(rows is None for rows in held):
+      return None
+    return np.unique(np.concatenate(held))
 
   def _pack(self, batch):
     last = self.plan.num_stages - 1
@@ -127,7 +134,7 @@ class GPipeEngine:
 
   def _step_seeds(self):
     seed = np.int64(step_seed(self.config.seed, self.counters.current_step))
-    return [self.placement.put(k, seed) for k in range(self.plan.num_stages)]
+    return [self.placement.put_changing(k, seed) for k in range(self.plan.num_stages)]
 
   def loss_and_gradients(self, packed):
     """(loss, metrics, (per-stage gradients, per-stage squared norms)). Each
@@ -147,8 +154,9 @@ class GPipeEngine:
     return loss, metrics, (grads, squared_norms[0])
 
   def _apply_fn(self, grads, steps, norms):
-    """Every stage's update, each on its own mesh (no crossing), then the counters."""
-    rates = [self.optimizer.update(paths, stage_grads, step=step, norm=norm)
+    """Every stage's update, each on its own mesh (no crossing), then the
+    counters. `steps`, `norms`: per stage, `put_changing` vectors."""
+    rates = [self.optimizer.update(paths, stage_grads, step=step[0], norm=norm[0])
              for paths, stage_grads, step, norm in zip(self._stage_paths, grads, steps, norms)
              if paths]
     self.counters.advance()
@@ -159,7 +167,7 @@ class GPipeEngine:
     step = self.counters.current_step
     # The clipping norm spans all stages: summed on the host, then given to each stage's mesh.
     norm = math.sqrt(sum(float(to_numpy(s)) for s in squared_norms if s is not None))
-    put = self.placement.put
+    put = self.placement.put_changing
     with mesh_lib.gather_lowering(self.mesh):  # read when the update first compiles
       rate = self._apply(grads, [put(k, np.int64(step)) for k in range(len(grads))],
                          [put(k, np.float32(norm)) for k in range(len(grads))])
@@ -175,7 +183,7 @@ class GPipeEngine:
     for k, (stage, share) in enumerate(zip(partition.stages, partition.shares())):
       mesh = self.placement.meshes[k]
       shape = ' x '.join(f'{a}={n}' for a, n in mesh_lib.mesh_axes(mesh).items())
-      devices = ', '.join(d.rsplit('/', 1)[-1] for d in mesh.local_devices())
+      devices = mesh_lib.describe_devices(mesh)
       lines.append(f'| {k} | {shape} | {devices} | {share:.1%} | '
                    f'{", ".join(stage.names)} |')
     lines.append('')

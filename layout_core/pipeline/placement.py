@@ -99,6 +99,11 @@ class SubMeshPlacement:
               else self.batch_layout(k, value.ndim, batch_dim))
     return mesh_lib.pack_global_array(value, layout)
 
+  def put_changing(self, k: int, value) -> tf.Tensor:
+    """A NumPy scalar that changes every step, for a step function, on
+    sub-mesh k (`mesh_lib.pack_changing_scalar`: the function reads [0])."""
+    return mesh_lib.pack_changing_scalar(value, self.meshes[k])
+
   def cross(self, value: tf.Tensor, source: int, target: int) -> tf.Tensor:
     rank = value.shape.rank
     replicated = dtensor.relayout(value, dtensor.Layout.replicated(self.meshes[source], rank))

@@ -217,7 +217,7 @@ class GPipe:
     dropout: `seeds` is None). `first_row` is micro-batch 0's global row."""
     if seeds is None:
       return None
-    return seeds[k], first_row + m * int(inputs[0].shape[0])
+    return seeds[k][0], first_row + m * int(inputs[0].shape[0])
 
   def _run(self, k: int, inputs, random: tuple | None = None) -> tuple:
     """Stage k on one micro-batch. With `random` = (step seed, first row), random
@@ -335,7 +335,8 @@ class GPipe:
   def loss_and_gradients(self, micro_inputs, micro_labels, seeds=None):
     """(mean loss, [per-stage gradient lists], [per-stage squared gradient norm]),
     each on its stage's mesh (the loss on the last stage's). `seeds`: this
-    step's random seed as a scalar on each stage's mesh, for dropout."""
+    step's random seed on each stage's mesh, for dropout, as a vector whose
+    element 0 is read (`SubMeshPlacement.put_changing`)."""
     loss, _, grads, squared_norms = self.loss_metrics_and_gradients(
         micro_inputs, micro_labels, seeds=seeds)
     return loss, grads, squared_norms

@@ -173,11 +173,11 @@ class SlurmLauncher:
             f'trial {name} has a {devices}-device mesh ({plan.mesh_spec.describe()}), '
             f'which {self.tasks} tasks cannot share evenly', where='--slurm_tasks',
             fix=f'use a task count that divides {devices} (1 runs each trial as one process)')
-      if self.tasks > 1 and plan.single_client_only:
-        raise ConfigError(
-            f'trial {name} uses the sub-mesh pipeline engine, which runs as one client '
-            f'only, not {self.tasks} tasks', where='--slurm_tasks',
-            fix="use --slurm_tasks=1, or pipeline.engine = 'spmd', which runs across clients")
+      problem = plan.clients_problem(self.tasks)
+      if problem:
+        raise ConfigError(f'trial {name}: {problem} ({self.tasks} tasks)', where='--slurm_tasks',
+                          fix="use a task count whose devices each split that way (1 runs "
+                              "each trial as one process), or pipeline.engine = 'spmd'")
     try:
       result = self.command('sbatch', '--test-only', *self.options('meshgin-sweep-check'),
                             '--wrap=true')

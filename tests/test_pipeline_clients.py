@@ -1,0 +1,169 @@
+"""Both pipeline engines on 2 clients x 4 devices against 1 process x 8.
+
+For each engine (sub-mesh GPipe on lm_pipeline.gin with dropout, the SPMD
+stage axis on lm_pipeline_spmd.gin), one module fixture trains, with real
+`launch.train` processes:
+
+* the reference: 1 process, 20 steps, uninterrupted;
+* the same 20 steps as a relay of three runs, each resuming the last one's
+  checkpoint: 2 clients until SIGTERM reaches client 1 alone (after step 4
+  is saved; both clients stop at one step s and save it), then 1 process
+  (2 -> 1) for 3 steps, then 2 clients again (1 -> 2) to step 20.
+
+Every step's loss of the relay equals the reference's (1e-5), and its final
+parameters equal the reference's (1e-6): the pipelines across clients, the
+stop, and both checkpoint moves at once. The two engines' runs go side by
+side, a phase at a time.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.conftest import Launched, killed_if_left, read_events, run_modules
+from tests.test_multi_client import Client, cleanup, free_cluster
+
+NUM_STEPS = 20
+COMMON = ['--gin_bindings=pipeline.num_micro_batches = 2', '--gin_bindings=train.log_every = 1',
+          '--gin_bindings=train.eval_every = 0', '--gin_bindings=train.eval_batches = 1',
+          '--gin_bindings=checkpoint.every_steps = 4', '--gin_bindings=checkpoint.keep = 10',
+          # The relay's one-process leg ends early (its own train.num_steps): a
+          # schedule that does not depend on the step count.
+          "--gin_bindings=optimizer.decay = 'constant'",
+          f'--gin_bindings=train.num_steps = {NUM_STEPS}']
+ENGINES = {
+    'submesh': ['--gin_file=configs/experiments/lm_pipeline.gin',
+                '--gin_bindings=transformer_lm.dropout_rate = 0.1', *COMMON],
+    'spmd': ['--gin_file=configs/experiments/lm_pipeline_spmd.gin', *COMMON,
+             '--gin_bindings=train.profile_steps = (1, 2)'],
+}
+TWO_CLIENTS = ('launch.local_cluster', '--num_clients=2', '--devices_per_client=4', '--')
+
+
+def ckpt(model_dir, step):
+  return os.path.join(model_dir, 'checkpoints', f'ckpt-{step}', 'ckpt')
+
+
+def copy_checkpoint(model_dir, step, target):
+  shutil.copytree(os.path.dirname(ckpt(model_dir, step)), os.path.dirname(ckpt(target, step)))
+
+
+def losses(model_dir) -> dict[int, float]:
+  return dict(read_events(model_dir)['scalars']['train/loss'])
+
+
+@pytest.fixture(scope='module')
+def relay(tmp_path_factory):
+  """{engine: {'reference', 'first', 'second', 'third': model_dir, 'stopped': s,
+  'outputs': {client: output of the first run}, 'third_output': the last run's}}."""
+  root = tmp_path_factory.mktemp('pipeline_clients')
+  dirs = {engine: {name: str(root / engine / name)
+                   for name in ('reference', 'first', 'second', 'third')}
+          for engine in ENGINES}
+  # Phase 1: the references, and the first 2-client runs stopped by a SIGTERM to client 1.
+  references = [Launched('launch.train', *args, f'--model_dir={dirs[e]["reference"]}',
+                         label=f'{e} reference') for e, args in ENGINES.items()]
+  clients = {}
+  for engine, args in ENGINES.items():
+    cluster = free_cluster()
+    clients[engine] = [Client(k, cluster, *args, f'--model_dir={dirs[engine]["first"]}')
+                       for k in (0, 1)]
+  everything = [*references, *(c for pair in clients.values() for c in pair)]
+  with killed_if_left(*everything):
+    for engine, pair in clients.items():
+      pair[0].wait_for(r'Saved checkpoint .*ckpt-4/ckpt', timeout=400)
+      pair[1].kill(signal.SIGTERM)
+    for run in everything:
+      run.finish(timeout=400)
+  for run in everything:
+    assert run.process.returncode == 0, f'{run.label}:\n{run.output[-3000:]}'
+  result = {}
+  for engine, pair in clients.items():
+    stops = [int(re.search(r'Preempted by .* at step (\d+): saved', c.output).group(1))
+             for c in pair]
+    assert stops[0] == stops[1], stops
+    result[engine] = dict(dirs[engine], stopped=stops[0],
+                          outputs={k: c.output for k, c in enumerate(pair)})
+  # Phase 2: 2 -> 1, three steps in one process.
+  calls = []
+  for engine, args in ENGINES.items():
+    copy_checkpoint(dirs[engine]['first'], result[engine]['stopped'], dirs[engine]['second'])
+    calls.append(('launch.train', *args, f'--model_dir={dirs[engine]["second"]}',
+                  f'--gin_bindings=train.num_steps = {result[engine]["stopped"] + 3}'))
+  for done in run_modules(calls, timeout=400):
+    assert done.returncode == 0, done.stderr[-3000:]
+  # Phase 3: 1 -> 2, to the last step on 2 clients.
+  calls = []
+  for engine, args in ENGINES.items():
+    copy_checkpoint(dirs[engine]['second'], result[engine]['stopped'] + 3, dirs[engine]['third'])
+    calls.append((*TWO_CLIENTS, *args, f'--model_dir={dirs[engine]["third"]}'))
+  for engine, done in zip(ENGINES, run_modules(calls, timeout=400)):
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert 'exit status per client: [0, 0]' in done.stdout
+    result[engine]['third_output'] = done.stdout
+  return result
+
+
+@pytest.mark.parametrize('engine', ENGINES)
+def test_two_clients_stop_move_and_end_as_one_process(relay, engine):
+  runs = relay[engine]
+  stopped = runs['stopped']
+  assert stopped >= 4
+  for output in runs['outputs'].values():  # SIGTERM reached client 1 only; both stopped
+    assert f'at step {stopped}: saved' in output
+  assert 'SIGTERM at step' in runs['outputs'][1]
+  assert 'a signal to another client at step' in runs['outputs'][0]
+  reference = losses(runs['reference'])
+  relayed = {**losses(runs['first']), **losses(runs['second']), **losses(runs['third'])}
+  assert sorted(relayed) == sorted(reference) == list(range(1, NUM_STEPS + 1))
+  np.testing.assert_allclose([relayed[s] for s in reference], list(reference.values()),
+                             rtol=1e-5, err_msg=engine)
+  for client in (0, 1):
+    assert re.search(rf'\[client {client}\].*Resumed from .*ckpt-{stopped + 3}/ckpt at step '
+                     rf'{stopped + 3}', runs['third_output'])
+  a, b = tf.train.load_checkpoint(ckpt(runs['third'], NUM_STEPS)), tf.train.load_checkpoint(
+      ckpt(runs['reference'], NUM_STEPS))
+  keys = {k for k in b.get_variable_to_shape_map() if k.endswith('VARIABLE_VALUE')}
+  assert keys == {k for k in a.get_variable_to_shape_map() if k.endswith('VARIABLE_VALUE')}
+  assert len(keys) > 50
+  for key in keys:
+    np.testing.assert_allclose(a.get_tensor(key), b.get_tensor(key), rtol=0, atol=1e-6,
+                               err_msg=key)
+
+
+def test_each_client_holds_its_share_of_every_sub_mesh_stage_and_mesh_json_says_so(relay):
+  """Sub-mesh engine: stage k is the k-th half of each client's 4 devices (a
+  stage per client cannot take DTensor's cross-mesh copy), as the run's
+  log and mesh.json (the Mesh tab's data, from the real layouts) say."""
+  runs = relay['submesh']
+  for client, output in runs['outputs'].items():
+    assert re.search(r'\| 0 \| data=2 x model=2 \| client 0: device:CPU:0, device:CPU:1; '
+                     r'client 1: device:CPU:0, device:CPU:1 \|', output), output[-4000:]
+  with open(os.path.join(runs['first'], 'mesh.json')) as f:
+    mesh = json.load(f)
+  assert mesh['mesh']['num_clients'] == 2
+  assert [(d['id'], d['client'], d['stage']) for d in mesh['devices']] == [
+      (i, i // 4, (i % 4) // 2) for i in range(8)]
+  softmax = next(v for v in mesh['variables'] if v['path'].endswith('softmax/w'))
+  assert sorted(i for s in softmax['slices'] for i in s['devices']) == [2, 3, 6, 7]
+  spmd = json.load(open(os.path.join(relay['spmd']['first'], 'mesh.json')))
+  assert [(d['client'], d['stage']) for d in spmd['devices']] == [(i // 4, i // 4)
+                                                                   for i in range(8)]
+
+
+def test_spmd_run_on_two_clients_records_its_stages_and_profiles(relay):
+  model_dir = relay['spmd']['first']
+  events = read_events(model_dir)
+  [(_, bubble)] = events['scalars']['pipeline/bubble_fraction']
+  assert bubble == pytest.approx(1 / 5)  # (S-1)/(R*M+S-1), S=2, R=2, M=2
+  assert 'stacked_cells/ffn/w_in' in events['text']['layouts/variables'][0]
+  assert 'block_000, block_002' in events['text']['pipeline/stages'][0]
+  traces = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(model_dir, 'plugins'))
+            for f in files if f.endswith('.xplane.pb')]
+  assert traces and os.path.getsize(traces[0]) > 0
