@@ -3,7 +3,8 @@
 One module fixture makes every run with real `launch.sweep` / `launch.train`
 subprocesses (two steps each: a two-trial sweep over the mesh shape,
 data=2 x model=4 (then resumed for a third step) and data=4 x model=2, and a
-two-stage pipelined run with a shadowed and an unused layout rule) and serves
+two-stage pipelined run on 2 clients x 4 devices with a shadowed and an
+unused layout rule) and serves
 them all with one `tensorboard`. Each test checks what the tab serves or draws against an
 independent reference: where DTensor itself puts every shard (`dtensor.unpack`
 of a DVariable with the same layout on the 8 test devices), the runs'
@@ -128,8 +129,9 @@ def board(tmp_path_factory):
   tensorboard = Board(root)
   try:
     sweep = Launched('launch.sweep', *SWEEP, f'--model_dir={root}/sweep', label='launch.sweep')
-    pipeline = Launched('launch.train', *PIPELINE, f'--model_dir={root}/pipeline',
-                        label='pipelined run')
+    pipeline = Launched('launch.local_cluster', '--num_clients=2', '--devices_per_client=4',
+                        '--', *PIPELINE, f'--model_dir={root}/pipeline',
+                        label='pipelined run on 2 clients')
     finished(sweep, 300)
     with open(os.path.join(root, 'sweep', 'sweep.json')) as f:
       tensorboard.trials = {ast.literal_eval(t['values']['mesh.shape'])['model']: t
@@ -177,6 +179,20 @@ def mesh_shape(board, run) -> dict:
   return gin.query_parameter('meshgin.mesh.shape')
 
 
+def stage_devices(board) -> dict[int, list[int]]:
+  """Stage -> the ids of its devices, in sub-mesh order, from the stage table
+  the pipelined run wrote (`pipeline/stages`: each client's devices of each
+  stage, read off the sub-meshes it built); client k's CPU:i is id 4k + i."""
+  from tests.conftest import read_events
+  [table] = read_events(os.path.join(board.root, 'pipeline'))['text']['pipeline/stages']
+  stages = {}
+  for stage, devices in re.findall(r'^\| (\d+) \| [^|]+ \| ([^|]+) \|', table, re.M):
+    stages[int(stage)] = [4 * int(client) + int(i) for client, names in re.findall(
+        r'client (\d+): ([^;]+)', devices) for i in re.findall(r'CPU:(\d+)', names)]
+  assert sorted(stages) == [0, 1], table
+  return stages
+
+
 def dtensor_mesh(shape: dict):
   """DTensor's own mesh of `shape` on the test process's first devices."""
   from tensorflow.experimental import dtensor
@@ -217,14 +233,20 @@ def test_mesh_devices_and_their_bytes_match_the_config_and_layouts_txt(board, de
   doc = board.mesh(run)
   shape = mesh_shape(board, run)
   assert doc['mesh']['axes'] == [list(item) for item in shape.items()]
-  assert doc['mesh']['num_clients'] == 1
+  assert doc['mesh']['num_clients'] == (2 if which == 'pipeline' else 1)
   where = coordinates(dtensor_mesh(shape))
+  if which == 'pipeline':  # a device's place: its stage, and where it sits in that stage
+    where = {}
+    for stage, ids in stage_devices(board).items():
+      sub = coordinates(dtensor_mesh({a: n for a, n in shape.items() if a != 'stage'}))
+      where.update({i: {'stage': stage, **sub[position]} for position, i in enumerate(ids)})
   assert [d['id'] for d in doc['devices']] == sorted(where)
   rows = layouts_txt(directory)
   for device in doc['devices']:
     coords = where[device['id']]
     assert device['coords'] == [coords[axis] for axis in shape], device
-    stage = coords.get('stage')
+    assert device['client'] == (device['id'] // 4 if which == 'pipeline' else 0)
+    stage = coords.get('stage')  # each stage: 2 devices of each client
     assert device['stage'] == stage
     # layouts.txt: every variable on the whole mesh, or on stage k's sub-mesh.
     expected = sum(int(r['bytes/device'].replace(',', '')) for r in rows
@@ -246,10 +268,9 @@ def test_every_slice_is_where_dtensor_puts_it(board, devices8):
     doc = board.mesh(run)
     mesh = dtensor_mesh(shape)
     if stage is not None:  # the stage's sub-mesh: its devices, the other axes
-      where = coordinates(mesh)
       mesh = dtensor.create_mesh(
           [(a, n) for a, n in shape.items() if a != 'stage'], mesh_name=f'reference{stage}',
-          devices=[f'CPU:{i}' for i in sorted(where) if where[i]['stage'] == stage])
+          devices=[f'CPU:{i}' for i in stage_devices(board)[stage]])
     checked = 0
     for row in layouts_txt(directory):
       if stage is not None and row['mesh'] != f'stage{stage}':
@@ -441,13 +462,12 @@ def test_chromium_draws_one_cell_per_device_and_marks_the_selected_slices(board,
     assert cell['data-slice'] == slice_attribute(index_of(shards[f'CPU:{device_id}'],
                                                           [64, 256])), cell
     assert cell['data-replicas'] == '2'  # data=2: each slice twice
-  # Pipelined: the softmax lives on the last stage's sub-mesh only.
+  # Pipelined on 2 clients: the softmax lives on the last stage's sub-mesh only.
   dom = chromium_dom(board, run='pipeline', variable='lm/softmax/w')
   cells = DeviceCells(dom).cells
-  where = coordinates(dtensor_mesh(mesh_shape(board, 'pipeline')))
-  assert {i for i, c in cells.items() if c['data-holds'] == '1'} == {
-      i for i in where if where[i]['stage'] == 1}
+  assert {i for i, c in cells.items() if c['data-holds'] == '1'} == set(stage_devices(board)[1])
   assert {c['data-stage'] for c in cells.values()} == {'0', '1'}
+  assert {c['data-client'] for c in cells.values()} == {'0', '1'}
   # TensorBoard's own page with the tab open, as a screenshot (README: docs/mesh_tab.png).
   path = os.path.join(ARTIFACTS, 'mesh_tab.png')
   if os.path.exists(path):

@@ -70,20 +70,27 @@ def _to_global(mesh, whole) -> Mapping[int, int] | None:
 def mesh_devices(mesh, *, stage_axis: str | None = None,
                  stage_meshes: Sequence | None = None) -> list[dict]:
   """Every device of `mesh` in id order: id, coordinates (in axis order),
-  client (of a multi-client mesh) and pipeline stage: the index of the
-  sub-mesh in `stage_meshes` holding it (the sub-mesh engine's stages), else
-  its coordinate on `stage_axis` (None when neither is given)."""
+  client (of a multi-client mesh) and pipeline stage (None unless
+  `stage_axis` is one of the mesh's axes).
+
+  With `stage_meshes` (the sub-mesh engine's stages, cut along `stage_axis`)
+  a device's stage is the sub-mesh holding it and its coordinates are its
+  place there, the stage index on `stage_axis`: on several clients a stage is
+  a share of every client's devices (`mesh.sub_meshes`), not the devices at
+  one index of the whole mesh's stage axis."""
   names = mesh_lib.device_names(mesh)
-  stage_of = {}
+  placed = {}
   for k, sub in enumerate(stage_meshes or ()):
-    stage_of.update({name: k for name in mesh_lib.device_names(sub).values()})
+    sub_names = mesh_lib.device_names(sub)
+    for sub_id, coords in _positions(sub):
+      placed[sub_names[sub_id]] = {**coords, stage_axis: k}
   devices = []
   for device_id, coords in sorted(_positions(mesh), key=lambda p: p[0]):
-    stage = coords.get(stage_axis) if stage_axis else None
+    coords = placed.get(names[device_id], coords)
     devices.append({'id': device_id, 'coords': [coords[a] for a in mesh.dim_names],
                     'name': f'{mesh.device_type()}:{device_id}',
                     'client': mesh_lib.client_of(names[device_id]),
-                    'stage': stage_of.get(names[device_id], stage)})
+                    'stage': coords.get(stage_axis) if stage_axis else None})
   return devices
 
 
