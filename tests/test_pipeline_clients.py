@@ -1,8 +1,8 @@
 """Both pipeline engines on 2 clients x 4 devices against 1 process x 8.
 
-For each engine (sub-mesh GPipe on lm_pipeline.gin with dropout, the SPMD
-stage axis on lm_pipeline_spmd.gin), one module fixture trains, with real
-`launch.train` processes:
+For each engine (sub-mesh GPipe on lm_pipeline.gin with dropout, reading a
+token corpus in 8 streams; the SPMD stage axis on lm_pipeline_spmd.gin), one
+module fixture trains, with real `launch.train` processes:
 
 * the reference: 1 process, 20 steps, uninterrupted;
 * the same 20 steps as a relay of three runs, each resuming the last one's
@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from layout_core.tasks.corpus import write_documents
 from tests.conftest import Launched, killed_if_left, read_events, run_modules
 from tests.test_multi_client import Client, cleanup, free_cluster
 
@@ -37,12 +38,31 @@ COMMON = ['--gin_bindings=pipeline.num_micro_batches = 2', '--gin_bindings=train
           # schedule that does not depend on the step count.
           "--gin_bindings=optimizer.decay = 'constant'",
           f'--gin_bindings=train.num_steps = {NUM_STEPS}']
-ENGINES = {
-    'submesh': ['--gin_file=configs/experiments/lm_pipeline.gin',
-                '--gin_bindings=transformer_lm.dropout_rate = 0.1', *COMMON],
-    'spmd': ['--gin_file=configs/experiments/lm_pipeline_spmd.gin', *COMMON,
-             '--gin_bindings=train.profile_steps = (1, 2)'],
-}
+ENGINES = ('submesh', 'spmd')
+
+
+def engine_args(corpus) -> dict[str, list[str]]:
+  return {
+      'submesh': ['--gin_file=configs/experiments/lm_pipeline.gin',
+                  '--gin_bindings=transformer_lm.dropout_rate = 0.1', *COMMON,
+                  '--gin_bindings=data.task = @lm_corpus()',
+                  f"--gin_bindings=lm_corpus.train_files = '{corpus}/train-*'",
+                  f"--gin_bindings=lm_corpus.eval_files = '{corpus}/eval-*'",
+                  '--gin_bindings=lm_corpus.vocab_size = 64', '--gin_bindings=lm_corpus.pack = False',
+                  '--gin_bindings=lm_corpus.seq_len = 32'],
+      'spmd': ['--gin_file=configs/experiments/lm_pipeline_spmd.gin', *COMMON,
+               '--gin_bindings=train.profile_steps = (1, 2)'],
+  }
+
+
+def write_corpus(root) -> str:
+  """Documents whose tokens follow from the previous, over 8 train files."""
+  rng = np.random.default_rng(0)
+  documents = [[3 + (start + 5 * t) % 61 for t in range(rng.integers(8, 80))]
+               for start in rng.integers(3, 64, 600)]
+  write_documents(str(root / 'train-{shard}.tfrecord'), documents, num_shards=8)
+  write_documents(str(root / 'eval-{shard}.tfrecord'), documents[:40])
+  return str(root)
 TWO_CLIENTS = ('launch.local_cluster', '--num_clients=2', '--devices_per_client=4', '--')
 
 
@@ -63,14 +83,15 @@ def relay(tmp_path_factory):
   """{engine: {'reference', 'first', 'second', 'third': model_dir, 'stopped': s,
   'outputs': {client: output of the first run}, 'third_output': the last run's}}."""
   root = tmp_path_factory.mktemp('pipeline_clients')
+  args_of = engine_args(write_corpus(tmp_path_factory.mktemp('corpus')))
   dirs = {engine: {name: str(root / engine / name)
                    for name in ('reference', 'first', 'second', 'third')}
           for engine in ENGINES}
   # Phase 1: the references, and the first 2-client runs stopped by a SIGTERM to client 1.
   references = [Launched('launch.train', *args, f'--model_dir={dirs[e]["reference"]}',
-                         label=f'{e} reference') for e, args in ENGINES.items()]
+                         label=f'{e} reference') for e, args in args_of.items()]
   clients = {}
-  for engine, args in ENGINES.items():
+  for engine, args in args_of.items():
     cluster = free_cluster()
     clients[engine] = [Client(k, cluster, *args, f'--model_dir={dirs[engine]["first"]}')
                        for k in (0, 1)]
@@ -92,7 +113,7 @@ def relay(tmp_path_factory):
                           outputs={k: c.output for k, c in enumerate(pair)})
   # Phase 2: 2 -> 1, three steps in one process.
   calls = []
-  for engine, args in ENGINES.items():
+  for engine, args in args_of.items():
     copy_checkpoint(dirs[engine]['first'], result[engine]['stopped'], dirs[engine]['second'])
     calls.append(('launch.train', *args, f'--model_dir={dirs[engine]["second"]}',
                   f'--gin_bindings=train.num_steps = {result[engine]["stopped"] + 3}'))
@@ -100,7 +121,7 @@ def relay(tmp_path_factory):
     assert done.returncode == 0, done.stderr[-3000:]
   # Phase 3: 1 -> 2, to the last step on 2 clients.
   calls = []
-  for engine, args in ENGINES.items():
+  for engine, args in args_of.items():
     copy_checkpoint(dirs[engine]['second'], result[engine]['stopped'] + 3, dirs[engine]['third'])
     calls.append((*TWO_CLIENTS, *args, f'--model_dir={dirs[engine]["third"]}'))
   for engine, done in zip(ENGINES, run_modules(calls, timeout=400)):
@@ -137,14 +158,24 @@ def test_two_clients_stop_move_and_end_as_one_process(relay, engine):
                                err_msg=key)
 
 
-def test_each_client_holds_its_share_of_every_sub_mesh_stage_and_mesh_json_says_so(relay):
+def test_each_client_holds_its_share_of_every_sub_mesh_stage_and_reads_only_its_rows(relay):
   """Sub-mesh engine: stage k is the k-th half of each client's 4 devices (a
   stage per client cannot take DTensor's cross-mesh copy), as the run's
-  log and mesh.json (the Mesh tab's data, from the real layouts) say."""
+  log and mesh.json (the Mesh tab's data, from the real layouts) say; each
+  client opens only the streams of the rows its devices hold."""
   runs = relay['submesh']
   for client, output in runs['outputs'].items():
     assert re.search(r'\| 0 \| data=2 x model=2 \| client 0: device:CPU:0, device:CPU:1; '
                      r'client 1: device:CPU:0, device:CPU:1 \|', output), output[-4000:]
+    # Its rows: half of each micro-batch of 16 ('data' spans the clients in
+    # every stage); batch rows 4k..4k+3 come from stream k of 8.
+    rows = [m * 16 + client * 8 + r for m in range(2) for r in range(8)]
+    streams = sorted({r // 4 for r in rows})
+    line = re.search(r'Training data: streams (\[[\d, ]+\]) of 8, \d+ file\(s\): (.*)',
+                     output)
+    assert line and json.loads(line.group(1)) == streams, output[-4000:]
+    assert [os.path.basename(p) for p in line.group(2).split(', ')] == [
+        f'train-{k}.tfrecord' for k in streams]
   with open(os.path.join(runs['first'], 'mesh.json')) as f:
     mesh = json.load(f)
   assert mesh['mesh']['num_clients'] == 2
