@@ -8,6 +8,7 @@ through start-up and hands over to "finish the step and save". Importing this
 package does nothing.
 """
 
+import os
 import signal
 import sys
 
@@ -37,9 +38,13 @@ def stopped_status(argv: list[str] | None = None) -> int:
 
 
 def _stop_during_start_up(signum, frame):
+  """Leaves at once: nothing is written yet, so nothing needs unwinding, and an
+  exception raised here could land inside a C extension's import (numpy turns
+  it into an ImportError, exit 1 with a traceback)."""
   del frame
   print(stop_message(signal.Signals(signum).name), file=sys.stderr, flush=True)
-  sys.exit(stopped_status())
+  sys.stdout.flush()
+  os._exit(stopped_status())  # pylint: disable=protected-access
 
 
 def install_start_up_handlers() -> None:

@@ -126,8 +126,9 @@ def run_guarded(body: Callable[[PreemptionWatcher], object]) -> None:
   A ConfigError exits 2 with one paragraph (no traceback unless --verbose);
   a stop signal before the run starts writing exits 0 with a message."""
   quiet_tensorflow(verbose=VERBOSE.value)
+  watcher = PreemptionWatcher(immediate=True)
   try:
-    with PreemptionWatcher(immediate=True) as watcher:
+    with watcher:
       body(watcher)
   except ConfigError as error:
     if VERBOSE.value:
@@ -138,4 +139,11 @@ def run_guarded(body: Callable[[PreemptionWatcher], object]) -> None:
     sys.exit(run_status.EXIT_CONFIG_ERROR)
   except Interrupted as stop:
     print(launch.stop_message(stop.signal_name), file=sys.stderr, flush=True)
+    sys.exit(launch.stopped_status())
+  except Exception:  # pylint: disable=broad-except
+    if not watcher.stopped_during_start_up:
+      raise
+    # The stop, turned into another error by code it crossed (numpy's C
+    # import turns it into an ImportError).
+    print(launch.stop_message(watcher.signal_name), file=sys.stderr, flush=True)
     sys.exit(launch.stopped_status())

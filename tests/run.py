@@ -26,7 +26,7 @@ SHARDS = 2
 # shards; a file not listed counts as UNLISTED. Stale figures cost balance only.
 SECONDS = {
     'test_precision.py': 210, 'test_sweep.py': 204, 'test_fsdp.py': 200,
-    'test_pipeline_clients.py': 140, 'test_data_runs.py': 184, 'test_multi_client.py': 141,
+    'test_pipeline_clients.py': 150, 'test_data_runs.py': 184, 'test_multi_client.py': 141,
     'test_resume.py': 115, 'test_pipeline_spmd.py': 114, 'test_launch.py': 76,
     'test_optimizer_state.py': 75, 'test_mesh_tab.py': 68, 'test_sweep_slurm.py': 57,
     'test_pipeline.py': 57, 'test_speed_paths.py': 55, 'test_checkpoint.py': 50,

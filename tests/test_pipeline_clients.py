@@ -1,8 +1,10 @@
 """Both pipeline engines on 2 clients x 4 devices against 1 process x 8.
 
-For each engine (sub-mesh GPipe on lm_pipeline.gin with dropout, reading a
-token corpus in 8 streams; the SPMD stage axis on lm_pipeline_spmd.gin), one
-module fixture trains, with real `launch.train` processes:
+For each engine (sub-mesh GPipe on lm_pipeline.gin with dropout and
+gradient accumulation, reading a token corpus in 8 streams; the SPMD stage
+axis on lm_pipeline_spmd.gin in bfloat16, dropout on), one module fixture
+trains, with real `launch.train` processes (2-cell models, 2 micro-batches:
+a fraction of the configs' compile):
 
 * the reference: 1 process, 20 steps, uninterrupted;
 * the same 20 steps as a relay of three runs, each resuming the last one's
@@ -44,7 +46,7 @@ ENGINES = ('submesh', 'spmd')
 def engine_args(corpus) -> dict[str, list[str]]:
   return {
       'submesh': ['--gin_file=configs/experiments/lm_pipeline.gin',
-                  '--gin_bindings=transformer_lm.dropout_rate = 0.1', *COMMON,
+                  '--gin_bindings=transformer_block.dropout_rate = 0.1', *COMMON,
                   '--gin_bindings=transformer_lm.num_layers = 2',  # a cell of each width
                   '--gin_bindings=transformer_lm.cells = '
                   '[@narrow/transformer_block(), @wide/transformer_block()]',
@@ -52,10 +54,13 @@ def engine_args(corpus) -> dict[str, list[str]]:
                   f"--gin_bindings=lm_corpus.train_files = '{corpus}/train-*'",
                   f"--gin_bindings=lm_corpus.eval_files = '{corpus}/eval-*'",
                   '--gin_bindings=lm_corpus.vocab_size = 64', '--gin_bindings=lm_corpus.pack = False',
-                  '--gin_bindings=lm_corpus.seq_len = 32'],
+                  '--gin_bindings=lm_corpus.seq_len = 32',
+                  # Accumulation: each client's rows of 2 x 2 micro-batches.
+                  '--gin_bindings=train.grad_accum_steps = 2'],
       'spmd': ['--gin_file=configs/experiments/lm_pipeline_spmd.gin', *COMMON,
                '--gin_bindings=transformer_lm.num_layers = 2',  # a cell per stage
                '--gin_bindings=pipeline.circular_repeats = 1',
+               "--gin_bindings=train.compute_dtype = 'bfloat16'",
                '--gin_bindings=train.profile_steps = (1, 2)'],
   }
 
@@ -172,9 +177,10 @@ def test_each_client_holds_its_share_of_every_sub_mesh_stage_and_reads_only_its_
   for client, output in runs['outputs'].items():
     assert re.search(r'\| 0 \| data=2 x model=2 \| client 0: device:CPU:0, device:CPU:1; '
                      r'client 1: device:CPU:0, device:CPU:1 \|', output), output[-4000:]
-    # Its rows: half of each micro-batch of 16 ('data' spans the clients in
-    # every stage); batch rows 4k..4k+3 come from stream k of 8.
-    rows = [m * 16 + client * 8 + r for m in range(2) for r in range(8)]
+    # Its rows: half of each of the 2 x 2 micro-batches of 8 (2 accumulation
+    # steps of 2 micro-batches; 'data' spans the clients in every stage);
+    # batch rows 4k..4k+3 come from stream k of 8.
+    rows = [part * 8 + client * 4 + r for part in range(4) for r in range(4)]
     streams = sorted({r // 4 for r in rows})
     line = re.search(r'Training data: streams (\[[\d, ]+\]) of 8, \d+ file\(s\): (.*)',
                      output)

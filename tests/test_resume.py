@@ -154,6 +154,25 @@ def wait_until_catching(pid, signum, timeout=30):
   raise AssertionError(f'process {pid} never caught signal {signum}')
 
 
+def test_a_start_up_stop_that_other_code_swallowed_still_stops_at_the_hand_over():
+  """A start-up signal's `Interrupted` can be turned into another error by
+  code it crosses (numpy's C import makes it an ImportError) or swallowed by
+  an `except ImportError`; the run still stops where writing would begin."""
+  from layout_core.train.preemption import Interrupted, PreemptionWatcher
+  with PreemptionWatcher(immediate=True) as watcher:
+    try:
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(1)  # the handler raises in the main thread before this ends
+    except Interrupted:
+      pass  # what code between the signal and the hand-over might do
+    assert watcher.stopped_during_start_up
+    with pytest.raises(Interrupted):
+      watcher.defer()
+  with PreemptionWatcher(immediate=True) as quiet:
+    quiet.defer()  # no signal: writing starts
+    assert not quiet.stopped_during_start_up
+
+
 def test_sigterm_during_start_up_exits_0_and_changes_nothing(tmp_path):
   """A stop signal at any moment before training starts: exit 0, a message,
   and the existing run byte-identical (nothing had been written yet)."""

@@ -23,7 +23,7 @@ _state = threading.local()
 
 class RandomState(NamedTuple):
   seed: 'tf.Tensor'     # int64 scalar: the step's seed
-  batch_offset: int     # the global row index of this micro-batch's first row
+  batch_offset: 'int | tf.Tensor'  # the global row index of this micro-batch's first row
 
 
 def current_random() -> RandomState | None:
@@ -32,7 +32,7 @@ def current_random() -> RandomState | None:
 
 
 @contextlib.contextmanager
-def random_context(*, seed: tf.Tensor, batch_offset: int = 0) -> Iterator[None]:
+def random_context(*, seed: tf.Tensor, batch_offset: 'int | tf.Tensor' = 0) -> Iterator[None]:
   """Turns on random layers (Dropout) for the code inside, e.g. a training step.
 
   `seed` is an int scalar tensor (the trainer gives run seed x step);
@@ -77,7 +77,9 @@ def dropout(x: 'tf.Tensor', *, rate: float, inputs: DropoutInputs, lead: str = '
   row_size = math.prod(item[1:])
   key = tf.cast(inputs.seed, tf.int64) * 0x85EBCA77 + tf.constant(inputs.keys, tf.int64)
   key = mix32(tf.bitwise.bitwise_and(key, 0xFFFFFFFF))
-  offset = tf.constant(inputs.first_rows, tf.int64) * row_size
+  rows = inputs.first_rows  # ints, or a tensor (the sub-mesh engine's micro-steps)
+  offset = (tf.cast(rows, tf.int64) if isinstance(rows, tf.Tensor)
+            else tf.constant(rows, tf.int64)) * row_size
   index = flat_index(item)
   if lead:  # per-slot keys and offsets broadcast over each slot's elements
     per_slot = [-1] + [1] * len(item)

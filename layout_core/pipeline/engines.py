@@ -144,8 +144,12 @@ class GPipeEngine:
     squared_norms = []  # each pass's own, computed inside its backward function
 
     def micro_step(part, first_row):
+      # On each stage's mesh, not as a Python int: a new int would trace and
+      # compile both step functions again for every micro-step.
+      rows = [self.placement.put_changing(k, np.int64(first_row))
+              for k in range(self.plan.num_stages)]
       loss, metrics, grads, norms = self.gpipe.loss_metrics_and_gradients(
-          *part, seeds=seeds, first_row=first_row)
+          *part, seeds=seeds, first_row=rows)
       squared_norms.append(norms)
       return loss, metrics, grads
     loss, metrics, grads = self.micro_steps.gradients(packed, micro_step)

@@ -212,12 +212,14 @@ class GPipe:
 
   # -- one stage, one micro-batch (traced inside the step functions) -------------
   @staticmethod
-  def _random(seeds, first_row: int, k: int, m: int, inputs) -> tuple | None:
+  def _random(seeds, first_row, k: int, m: int, inputs) -> tuple | None:
     """(seed, first global row) for stage k on micro-batch m, or None (no
-    dropout: `seeds` is None). `first_row` is micro-batch 0's global row."""
+    dropout: `seeds` is None). `first_row` is micro-batch 0's global row: an
+    int, or per stage a `put_changing` vector."""
     if seeds is None:
       return None
-    return seeds[k][0], first_row + m * int(inputs[0].shape[0])
+    row = first_row[k][0] if isinstance(first_row, (list, tuple)) else first_row
+    return seeds[k][0], row + m * int(inputs[0].shape[0])
 
   def _run(self, k: int, inputs, random: tuple | None = None) -> tuple:
     """Stage k on one micro-batch. With `random` = (step seed, first row), random
@@ -274,7 +276,7 @@ class GPipe:
     return shares, tuple(grads[:len(floats)]), grads[len(floats):], done
 
   # -- step functions --------------------------------------------------------------
-  def _forward_fn(self, micro_inputs, seeds=None, first_row: int = 0):
+  def _forward_fn(self, micro_inputs, seeds=None, first_row=0):
     """Stage inputs [k][m] for stages 1..K-1, in clock order (stages 0..K-2 run)."""
     num_stages, num_micro = self.num_stages, self.num_micro_batches
     kept = [[None] * num_micro for _ in range(num_stages)]
@@ -289,7 +291,7 @@ class GPipe:
         kept[k + 1][m] = self._cross(outputs, k, k + 1)
     return kept[1:]
 
-  def _backward_fn(self, micro_inputs, kept, micro_labels, seeds=None, first_row: int = 0):
+  def _backward_fn(self, micro_inputs, kept, micro_labels, seeds=None, first_row=0):
     """The forward's clock order reversed: stage k back-propagates micro-batch
     m while stage k-1 works on m-1, each re-computing its forward first."""
     num_stages, num_micro, last = self.num_stages, self.num_micro_batches, self.num_stages - 1
@@ -342,10 +344,11 @@ class GPipe:
     return loss, grads, squared_norms
 
   def loss_metrics_and_gradients(self, micro_inputs, micro_labels, seeds=None,
-                                 first_row: int = 0):
+                                 first_row=0):
     """As `loss_and_gradients`, with the mean metrics after the loss.
     `first_row`: the global row of the first micro-batch's first row (gradient
-    accumulation: dropout masks of the rows, not of the call)."""
+    accumulation: dropout masks of the rows, not of the call); an int, or per
+    stage a `put_changing` vector (then one trace serves every micro-step)."""
     self._check(micro_inputs)
     seeds = list(seeds) if seeds is not None else None
     kept = (self._forward(list(micro_inputs), seeds, first_row)

@@ -65,8 +65,18 @@ class PreemptionWatcher:
       for signum in self.SIGNALS:
         signal.signal(signum, self._handle)
 
+  @property
+  def stopped_during_start_up(self) -> bool:
+    """A signal arrived while signals still stopped the run at once. The
+    `Interrupted` it raised may have been turned into another error (or
+    swallowed) by code it crossed, e.g. a C extension's import."""
+    return self.signal_name is not None and self._immediate
+
   def defer(self) -> None:
-    """From now on a signal only sets `requested` (see module docstring)."""
+    """From now on a signal only sets `requested` (see module docstring).
+    Raises `Interrupted` if a start-up signal's exception got lost on its way."""
+    if self.stopped_during_start_up:
+      raise Interrupted(self.signal_name)
     self._immediate = False
 
   def __enter__(self) -> 'PreemptionWatcher':
