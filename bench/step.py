@@ -19,8 +19,6 @@ Groups (each contender's gin bindings are printed with its figure):
   the SPMD engine against the same model unpipelined on `data=2 x model=4`,
   and the sub-mesh engine against serial (unpipelined on one stage's
   `data=2 x model=2`).
-* `pipeline_wide`: the same on a 4x wider lm_small (more compute per op:
-  how much of the pipelines' gap is fixed per-op cost at micro-batch sizes).
 * `size`: lm_tiny, lm_small and a 4x wider lm_small on 1 device, `data=8` and
   `2x4`: the fraction of the 1-device rate each split keeps.
 * `fsdp`: fully sharded parameters (`train.fsdp = True`) against the default
@@ -82,16 +80,14 @@ def contenders(group: str) -> dict[str, dict]:
                                     'fused': True},
         'meshgin 2x4, shard_state': meshgin(LM_SMALL + [MEGATRON], *MESHES['2x4'], *SHARD),
     }
-  if group in ('pipeline', 'pipeline_wide'):
-    wide = WIDE if group == 'pipeline_wide' else []
+  if group == 'pipeline':
     return {
-        'unpipelined data=2 x model=4': meshgin(LM_SMALL + [MEGATRON], *MESHES['2x4'], *wide),
-        'spmd S=2 M=8': meshgin(LM_SMALL + [MEGATRON], *STAGES, "pipeline.engine = 'spmd'",
-                                *wide),
+        'unpipelined data=2 x model=4': meshgin(LM_SMALL + [MEGATRON], *MESHES['2x4']),
+        'spmd S=2 M=8': meshgin(LM_SMALL + [MEGATRON], *STAGES, "pipeline.engine = 'spmd'"),
         'serial data=2 x model=2': meshgin(LM_SMALL + [MEGATRON],
-                                           "mesh.shape = {'data': 2, 'model': 2}", *wide),
+                                           "mesh.shape = {'data': 2, 'model': 2}"),
         'submesh S=2 M=8': meshgin(LM_SMALL + [MEGATRON], *STAGES,
-                                   "pipeline.engine = 'submesh'", *wide),
+                                   "pipeline.engine = 'submesh'"),
     }
   if group == 'fsdp':
     fsdp = 'train.fsdp = True'
@@ -251,7 +247,7 @@ def report(group: str, results: dict) -> None:
     reference = None
     if group == 'split':
       reference = base_name
-    elif group in ('pipeline', 'pipeline_wide'):
+    elif group == 'pipeline':
       reference = {'spmd S=2 M=8': 'unpipelined data=2 x model=4',
                    'submesh S=2 M=8': 'serial data=2 x model=2'}.get(name)
     elif group == 'fsdp' and name.endswith(', fsdp'):
