@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
+import time
 from typing import Any, Mapping
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results')
@@ -158,3 +160,17 @@ def pack_rows(array, mesh):
   rows = len(array) // parts
   layout = dtensor.Layout([mesh.dim_names[0]] + [dtensor.UNSHARDED] * (array.ndim - 1), mesh)
   return dtensor.pack([array[i * rows:(i + 1) * rows] for i in range(parts)], layout)
+
+
+def timed_alternately(fns: dict, repeats: int) -> dict:
+  """Median seconds of each function, timed in turns so drift hits all alike."""
+  for fn in fns.values():
+    fn()  # trace
+    fn()
+  samples = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      fn()
+      samples[name].append(time.perf_counter() - start)
+  return {name: statistics.median(values) for name, values in samples.items()}

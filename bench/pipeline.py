@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import write_json  # noqa: E402
+from bench.common import timed_alternately, write_json  # noqa: E402
 
 
 def parse_args():
@@ -128,20 +127,6 @@ def spmd_step(stages: int, micro: int, repeats: int, width: int, x: np.ndarray):
     grads = tape.gradient(loss, variables)
     return loss + tf.add_n([tf.reduce_sum(g) for g in grads]) * 0.0
   return lambda: float(to_numpy(step(micro_x)))
-
-
-def timed_alternately(fns: dict, repeats: int) -> dict:
-  """Median seconds of each function, timed in turns so drift hits all alike."""
-  for fn in fns.values():
-    fn()  # trace
-    fn()
-  samples = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      fn()
-      samples[name].append(time.perf_counter() - start)
-  return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def training(stages: int) -> list[dict]:

@@ -46,13 +46,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import RESULTS, write_json  # noqa: E402
+from bench.common import RESULTS, timed_alternately, write_json  # noqa: E402
 from layout_core.layout.mesh import MeshSpec, build_mesh, pack_global_array  # noqa: E402
 from layout_core.layout.variables import to_numpy  # noqa: E402
 from layout_core.lazy import dtensor, tf  # noqa: E402
@@ -149,16 +147,9 @@ def main():
     for name, result in entries.items():
       if result['ok']:
         timed[(group, name)] = result.pop('call')
-  samples = {key: [] for key in timed}
-  for call in timed.values():
-    call()
-  for _ in range(args.repeats):
-    for key, call in timed.items():
-      start = time.perf_counter()
-      call()
-      samples[key].append(time.perf_counter() - start)
-  for (group, name), values in samples.items():
-    per = statistics.median(values) / (DEPTH if group == 'shift' else 1)
+  times = timed_alternately(timed, args.repeats)
+  for (group, name), seconds in times.items():
+    per = seconds / (DEPTH if group == 'shift' else 1)
     results[group][name]['ms'] = round(per * 1000, 3)
   for group, entries in results.items():
     base = entries['einsum'].get('ms')

@@ -219,8 +219,13 @@ def device_names(mesh: dtensor.Mesh) -> dict[int, str]:
   for device_id, name in local.items():
     offset = device_id - me * per_client
     for client in range(len(ids) // per_client):
-      names[client * per_client + offset] = re.sub(r'/task:\d+/', f'/task:{client}/', name)
+      names[client * per_client + offset] = _on_client(name, client)
   return names
+
+
+def _on_client(device_name: str, client: int) -> str:
+  """The same device (type and index) on another client's task."""
+  return re.sub(r'/task:\d+/', f'/task:{client}/', device_name)
 
 
 def client_of(device_name: str) -> int:
@@ -284,13 +289,10 @@ def _shares_of_every_client(mesh: dtensor.Mesh, axis: str,
         where='mesh.shape',
         fix=f"run on clients with a multiple of {count} devices each, or fewer clients")
   share = len(local) // count
-
-  def device(client: int, index: int) -> str:  # same name as local devices, another task
-    return re.sub(r'/task:\d+/', f'/task:{client}/', local[index])
-
   result = []
   for k in range(count):
-    devices = [device(c, i) for c in range(clients) for i in range(k * share, (k + 1) * share)]
+    devices = [_on_client(local[i], c)
+               for c in range(clients) for i in range(k * share, (k + 1) * share)]
     ids = list(range(len(devices)))
     mine = [i for i in ids if i // share == me]
     result.append(dtensor.Mesh([n for n, _ in rest], np.array(ids).reshape([s for _, s in rest]),
@@ -302,8 +304,9 @@ def _shares_of_every_client(mesh: dtensor.Mesh, axis: str,
 # DTensor folds the value of a small function input (17 elements or fewer
 # measured; 24 or more are not) into its compile cache key: the first call
 # with another value compiles the whole function again, after which DTensor
-# stops folding that input (bench/small_input_recompile.py). A scalar that changes from call to call (a
-# step, a seed, a norm) travels as this many copies; the function reads [0].
+# stops folding that input (bench/small_input_recompile.py). A scalar that
+# changes from call to call (a step, a seed, a norm) travels as this many
+# copies; the function reads [0].
 UNFOLDED_LENGTH = 64
 
 

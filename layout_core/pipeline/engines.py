@@ -100,6 +100,7 @@ class GPipeEngine:
     self._stage_paths = [[path_of[id(v)] for v in variables]
                          for variables in self.gpipe.variables]
     self._apply = StepFunction(self._apply_fn)
+    self._packed_rows: dict[int, list] = {}  # `_first_rows`
     logging.info('Pipeline: %d micro-batches of %d, bubble fraction %.3f\n%s',
                  plan.num_micro_batches, plan.micro_batch_size,
                  self.gpipe.bubble_fraction(), self.describe_stages())
@@ -132,6 +133,15 @@ class GPipeEngine:
                        for name, value in micro.items()})
     return inputs, features
 
+  def _first_rows(self, first_row: int) -> list:
+    """A micro-step's first row on each stage's mesh, packed once per run: as
+    a Python int, each micro-step would trace and compile both step
+    functions again."""
+    if first_row not in self._packed_rows:
+      self._packed_rows[first_row] = [self.placement.put_changing(k, np.int64(first_row))
+                                      for k in range(self.plan.num_stages)]
+    return self._packed_rows[first_row]
+
   def _step_seeds(self):
     seed = np.int64(step_seed(self.config.seed, self.counters.current_step))
     return [self.placement.put_changing(k, seed) for k in range(self.plan.num_stages)]
@@ -144,12 +154,8 @@ class GPipeEngine:
     squared_norms = []  # each pass's own, computed inside its backward function
 
     def micro_step(part, first_row):
-      # On each stage's mesh, not as a Python int: a new int would trace and
-      # compile both step functions again for every micro-step.
-      rows = [self.placement.put_changing(k, np.int64(first_row))
-              for k in range(self.plan.num_stages)]
       loss, metrics, grads, norms = self.gpipe.loss_metrics_and_gradients(
-          *part, seeds=seeds, first_row=rows)
+          *part, seeds=seeds, first_row=self._first_rows(first_row))
       squared_norms.append(norms)
       return loss, metrics, grads
     loss, metrics, grads = self.micro_steps.gradients(packed, micro_step)
