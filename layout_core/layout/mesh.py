@@ -124,11 +124,40 @@ def configure_virtual_cpus(count: int) -> int:
   return len(tf.config.list_logical_devices('CPU'))
 
 
+def keep_sums_whole() -> None:
+  """Switches off Grappler's memory optimizer for every function run after it.
+
+  Under estimated memory pressure that pass rewrites a sum of three or more
+  tensors (`AddN`: gradients of a weight used in several places) into
+  in-place adds to a temporary variable shaped from the graph's static
+  shapes. In DTensor's per-device functions those are the *global* shapes,
+  so with a sharded sum every add fails: "Parameters and update must be the
+  same size" (`bench/grappler_addn_limit.py`: a [4096, 4096] weight sharded
+  8 ways fails, replicated it works; the SPMD pipeline engine failed on a 4x
+  wider lm_small). On CPU that rewrite is all this pass does (its swapping
+  is GPU-only, its recomputation off by default). TF 2.21 exposes the switch
+  only on the context's ConfigProto; a function picks it up when first
+  called after this, so it runs before any step is traced."""
+  from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  ctx = context.context()
+  config = tf.compat.v1.ConfigProto()
+  if ctx._config is not None:  # pylint: disable=protected-access
+    config.CopyFrom(ctx._config)  # pylint: disable=protected-access
+  rewrites = config.graph_options.rewrite_options
+  if rewrites.memory_optimization == rewriter_config_pb2.RewriterConfig.NO_MEM_OPT:
+    return
+  rewrites.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
+  ctx._config = config  # pylint: disable=protected-access
+  ctx._thread_local_data.function_call_options = None  # pylint: disable=protected-access
+
+
 def build_mesh(spec: MeshSpec) -> dtensor.Mesh:
   """A DTensor mesh for `spec`, or ConfigError if the machine is too small.
 
   In a multi-client run (after `cluster.connect`) the mesh spans every
   client's devices, client 0's first."""
+  keep_sums_whole()
   if dtensor.num_clients() > 1:
     return _distributed_mesh(spec)
   if spec.device_type == 'CPU':
