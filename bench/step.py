@@ -18,7 +18,9 @@ Groups (each contender's gin bindings are printed with its figure):
 * `pipeline`: lm_small on `stage=2 x data=2 x model=2` with M=8 micro-batches,
   the SPMD engine against the same model unpipelined on `data=2 x model=4`,
   and the sub-mesh engine against serial (unpipelined on one stage's
-  `data=2 x model=2`).
+  `data=2 x model=2`); and both unpipelined models fed the same 8
+  micro-batches one after another (`train.grad_accum_steps = 8`): what
+  matmuls of a micro-batch's size cost before any pipelining.
 * `size`: lm_tiny, lm_small and a 4x wider lm_small on 1 device, `data=8` and
   `2x4`: the fraction of the 1-device rate each split keeps.
 * `fsdp`: fully sharded parameters (`train.fsdp = True`) against the default
@@ -54,6 +56,7 @@ SHARD = ['optimizer.shard_state = True']
 NO_SHARD = ['optimizer.shard_state = False']
 STAGES = ["mesh.shape = {'stage': 2, 'data': 2, 'model': 2}", 'pipeline.num_stages = 2',
           'pipeline.num_micro_batches = 8']
+MICRO_BATCHES = ['train.grad_accum_steps = 8']
 
 
 def meshgin(files, *bindings):
@@ -88,6 +91,13 @@ def contenders(group: str) -> dict[str, dict]:
                                            "mesh.shape = {'data': 2, 'model': 2}"),
         'submesh S=2 M=8': meshgin(LM_SMALL + [MEGATRON], *STAGES,
                                    "pipeline.engine = 'submesh'"),
+        # The micro-batch bound: the same unpipelined models fed 8 micro-batches of 4
+        # rows one after another (gradient accumulation), the pipelines' matmul sizes.
+        'unpipelined data=2 x model=4, M=8': meshgin(LM_SMALL + [MEGATRON], *MESHES['2x4'],
+                                                     *MICRO_BATCHES),
+        'serial data=2 x model=2, M=8': meshgin(LM_SMALL + [MEGATRON],
+                                                "mesh.shape = {'data': 2, 'model': 2}",
+                                                *MICRO_BATCHES),
     }
   if group == 'fsdp':
     fsdp = 'train.fsdp = True'
@@ -249,7 +259,9 @@ def report(group: str, results: dict) -> None:
       reference = base_name
     elif group == 'pipeline':
       reference = {'spmd S=2 M=8': 'unpipelined data=2 x model=4',
-                   'submesh S=2 M=8': 'serial data=2 x model=2'}.get(name)
+                   'unpipelined data=2 x model=4, M=8': 'unpipelined data=2 x model=4',
+                   'submesh S=2 M=8': 'serial data=2 x model=2',
+                   'serial data=2 x model=2, M=8': 'serial data=2 x model=2'}.get(name)
     elif group == 'fsdp' and name.endswith(', fsdp'):
       reference = next(other for other in results
                        if other.startswith(name[:-len(', fsdp')]) and other != name)

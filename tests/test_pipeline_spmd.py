@@ -87,7 +87,9 @@ def plain_loss_and_gradients(params, tokens):
                        for v, g in zip(model.trainable_variables, grads)}
 
 
-CASES = {(s, r): [m for m in (1, 2, 4, 8) if r == 1 or m >= s] for s in (2, 4) for r in (1, 2)}
+# (stages, circular repeats) -> the micro-batch counts run: fewer, as many and more
+# micro-batches than stages, one micro-batch alone, and 4 stages with 2 repeats.
+CASES = {(2, 1): [1, 2, 8], (4, 1): [2, 4, 8], (4, 2): [4, 8]}
 WIDTH = 8
 
 
@@ -99,7 +101,7 @@ def feed_forward_cells(count: int) -> list:
 @pytest.mark.parametrize('stages,repeats', list(CASES))
 def test_spmd_loss_and_every_gradient_equal_plain_tf(stages, repeats, meshes):
   """The engine on a stack of feed-forward cells (Megatron-sharded on the 3-D
-  mesh) against the same cells in plain TF, for every M. Bubble slots hold
+  mesh) against the same cells in plain TF, for each case's M. Bubble slots hold
   NaN, so reading one anywhere would poison the loss or a gradient. Two cells
   per chunk, so chunks are more than one cell."""
   mesh = meshes[stages]
