@@ -16,7 +16,12 @@ def short_run(gin_file: str, *, num_steps: int, eval_every: int) -> list[str]:
 
 
 QUICK = short_run('configs/experiments/quickstart.gin', num_steps=6, eval_every=3)
-PIPELINE = short_run('configs/experiments/lm_pipeline.gin', num_steps=4, eval_every=0)
+# lm_pipeline.gin cut to a cell of each width in 2 micro-batches: a third of its compile.
+PIPELINE = [*short_run('configs/experiments/lm_pipeline.gin', num_steps=4, eval_every=0),
+            '--gin_bindings=transformer_lm.num_layers = 2',
+            '--gin_bindings=transformer_lm.cells = '
+            '[@narrow/transformer_block(), @wide/transformer_block()]',
+            '--gin_bindings=pipeline.num_micro_batches = 2']
 
 
 @pytest.fixture(scope='module')
@@ -104,7 +109,7 @@ def test_pipelined_run_records_stages_bubble_fraction_and_checkpoints(runs):
   stages = texts['pipeline/stages'][0]
   for expected in ('| 0 |', '| 1 |', 'emb', 'block_000', 'softmax', 'data=2 x model=2', '%'):
     assert expected in stages, expected
-  num_stages, num_micro = 2, 4  # lm_pipeline.gin
+  num_stages, num_micro = 2, 2  # lm_pipeline.gin's stages, PIPELINE's micro-batches
   [(_, bubble)] = scalars['pipeline/bubble_fraction']
   assert bubble == pytest.approx((num_stages - 1) / (num_micro + num_stages - 1))
   assert [s for s, _ in scalars['train/loss']] == [2, 4]
@@ -128,7 +133,7 @@ def test_pipeline_errors_exit_2_with_the_knob(tmp_path):
                         '--gin_bindings=pipeline.num_stages = 8',
                         '--gin_bindings=layout_rules.rules = []')
   assert too_many.returncode == 2
-  assert 'num_stages=8 is more than the 7 layers' in too_many.stderr
+  assert 'num_stages=8 is more than the 5 layers' in too_many.stderr  # emb, 2 blocks, ln, softmax
 
 
 @pytest.mark.parametrize('devices, env, expected', [

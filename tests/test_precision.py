@@ -252,7 +252,7 @@ def test_bfloat16_computes_in_bfloat16_and_keeps_float32_variables(setup, reques
 
 
 def test_bfloat16_quickstart_tracks_float32_and_its_checkpoint_resumes_in_float32(tmp_path):
-  """120 quickstart steps in bf16 against float32 (real launch.train runs):
+  """60 quickstart steps in bf16 against float32 (real launch.train runs):
   the final eval loss within 5%; then a float32 run resumes the bf16 run's
   checkpoint (float32 variables, the same keys) and goes on learning."""
   def command(model_dir, *bindings):
@@ -269,11 +269,11 @@ def test_bfloat16_quickstart_tracks_float32_and_its_checkpoint_resumes_in_float3
     return status(run_module(*command(model_dir, *bindings)), model_dir)
 
   f32, bf16 = tmp_path / 'f32', tmp_path / 'bf16'
-  results = run_modules([command(f32, 'train.num_steps = 120'),  # independent: together
-                         command(bf16, 'train.num_steps = 120', "train.compute_dtype = 'bfloat16'")])
+  results = run_modules([command(f32, 'train.num_steps = 60'),  # independent: together
+                         command(bf16, 'train.num_steps = 60', "train.compute_dtype = 'bfloat16'")])
   full, half = status(results[0], f32), status(results[1], bf16)
   assert half['metrics']['eval_loss'] == pytest.approx(full['metrics']['eval_loss'], rel=0.05)
   assert half['metrics']['eval_loss'] < 2.0  # it learned (uniform: ~4.16)
-  resumed = run(tmp_path / 'bf16', 'train.num_steps = 140')
-  assert resumed['step'] == 140 and resumed['status'] == 'completed'
+  resumed = run(tmp_path / 'bf16', 'train.num_steps = 70')
+  assert resumed['step'] == 70 and resumed['status'] == 'completed'
   assert resumed['metrics']['eval_loss'] < 2.0
