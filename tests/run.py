@@ -26,14 +26,14 @@ SHARDS = 2
 # shard's measured total in a CI run), to balance the shards; a file not listed counts as
 # UNLISTED. Stale figures cost balance only.
 SECONDS = {
-    'test_precision.py': 151, 'test_data_runs.py': 141, 'test_fsdp.py': 137,
-    'test_multi_client.py': 127, 'test_pipeline_clients.py': 122, 'test_resume.py': 106,
-    'test_pipeline_spmd.py': 102, 'test_optimizer_state.py': 100, 'test_sweep.py': 91,
-    'test_mesh_tab.py': 54, 'test_sweep_slurm.py': 52, 'test_bad_input.py': 50,
-    'test_speed_paths.py': 50, 'test_checkpoint.py': 46, 'test_launch.py': 32,
-    'test_never_lose_work.py': 40, 'test_pipeline.py': 30, 'test_tasks.py': 29,
-    'test_own_model.py': 24, 'test_streams.py': 20, 'test_layout_scope.py': 17,
-    'test_pipeline_training.py': 16, 'test_gather.py': 10, 'test_prepare_data.py': 9,
+    'test_precision.py': 147, 'test_data_runs.py': 146, 'test_fsdp.py': 142,
+    'test_multi_client.py': 123, 'test_pipeline_clients.py': 119, 'test_resume.py': 110,
+    'test_pipeline_spmd.py': 105, 'test_optimizer_state.py': 97, 'test_sweep.py': 94,
+    'test_mesh_tab.py': 53, 'test_bad_input.py': 52, 'test_sweep_slurm.py': 51,
+    'test_speed_paths.py': 49, 'test_checkpoint.py': 48, 'test_never_lose_work.py': 39,
+    'test_launch.py': 33, 'test_tasks.py': 30, 'test_pipeline.py': 29,
+    'test_own_model.py': 23, 'test_streams.py': 21, 'test_layout_scope.py': 17,
+    'test_pipeline_training.py': 17, 'test_gather.py': 10, 'test_prepare_data.py': 9,
     'test_keras_models.py': 7,
 }
 UNLISTED = 5
