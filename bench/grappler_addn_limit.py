@@ -32,34 +32,46 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import RESULTS, run_child, write_json  # noqa: E402
 
+SCALES = (1.0, 2.0, 3.0, 4.0)
+
+
+def sum_of_four_error(mesh, spec, size: int) -> tuple[float, list[str]]:
+  """The gradient of sum_i sum(tanh(w * i)), i = 1..4, for a random [size,
+  size] weight laid out as `spec` on `mesh`: its largest error against NumPy,
+  and its layout's sharding specs. Raises what TensorFlow raises when the
+  function fails."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from layout_core.layout import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from layout_core.lazy import dtensor, tf  # pylint: disable=import-outside-toplevel
+  value = np.random.default_rng(0).uniform(-1, 1, size=[size, size]).astype(np.float32)
+  w = dtensor.DVariable(mesh_lib.pack_global_array(value, dtensor.Layout(spec, mesh)))
+
+  @tf.function
+  def gradient():
+    with tf.GradientTape() as tape:
+      total = tf.add_n([tf.reduce_sum(tf.tanh(w * s)) for s in SCALES])
+    return tape.gradient(total, w)
+
+  grad = gradient()
+  got = dtensor.unpack(dtensor.relayout(grad, dtensor.Layout.replicated(mesh, 2)))[0]
+  want = sum(s * (1 - np.tanh(value * s) ** 2) for s in SCALES)
+  return float(np.max(np.abs(got.numpy() - want))), dtensor.fetch_layout(grad).sharding_specs
+
+
 CHILD = r'''
 import json, sys
-import numpy as np
 sys.path.insert(0, sys.argv[4])
+from bench.grappler_addn_limit import sum_of_four_error
 from layout_core.layout import mesh as mesh_lib
-from layout_core.lazy import dtensor, tf
+from layout_core.lazy import dtensor
 size, layout, setting = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 mesh_lib.configure_virtual_cpus(8)
 mesh = dtensor.create_mesh([('data', 8)], device_type='CPU')
 if setting == 'optimizer off (keep_sums_whole)':
   mesh_lib.keep_sums_whole()
 spec = ['data', 'unsharded'] if layout == 'sharded' else ['unsharded', 'unsharded']
-rng = np.random.default_rng(0)
-value = rng.uniform(-1, 1, size=[size, size]).astype(np.float32)
-w = dtensor.DVariable(mesh_lib.pack_global_array(value, dtensor.Layout(spec, mesh)))
-scales = (1.0, 2.0, 3.0, 4.0)
-
-@tf.function
-def gradient():
-  with tf.GradientTape() as tape:
-    total = tf.add_n([tf.reduce_sum(tf.tanh(w * s)) for s in scales])
-  return tape.gradient(total, w)
-
 try:
-  got = dtensor.unpack(dtensor.relayout(gradient(), dtensor.Layout.replicated(mesh, 2)))[0]
-  got = got.numpy()
-  want = sum(s * (1 - np.tanh(value * s) ** 2) for s in scales)
-  result = {'ok': True, 'max_error': float(np.max(np.abs(got - want)))}
+  result = {'ok': True, 'max_error': sum_of_four_error(mesh, spec, size)[0]}
 except Exception as error:  # pylint: disable=broad-except
   result = {'ok': False, 'error': f'{type(error).__name__}: ' + str(error).split('\n')[0][-160:]}
 print('RESULT ' + json.dumps(result))

@@ -16,10 +16,10 @@ a mesh whose only axis is the batch axis, it returns `x` as it is. The
 one-program engine and the SPMD pipeline's stage slots run their blocks in a
 context; the sub-mesh pipeline's stages do not: there the relayout inside a
 stage broke the backward pass's crossing between meshes ("CopyToMeshOp must
-be used to send data across mesh", TF 2.21; `bench/submesh_residual_limit.py`). Measured on lm_small,
-`data=2 x model=4` with `configs/layouts/megatron.gin`, 2 cores: 2.38 -> 2.68
-steps/s (`bench/step.py`, in turns); the losses are the same
-(tests/test_speed_paths.py).
+be used to send data across mesh", TF 2.21; `bench/submesh_residual_limit.py`).
+Measured on lm_small, `data=2 x model=4` with `configs/layouts/megatron.gin`,
+2 cores: 2.38 -> 2.68 steps/s (`bench/step.py`, in turns); the losses are the
+same (tests/test_speed_paths.py).
 """
 
 from __future__ import annotations
