@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Sequence
@@ -22,6 +23,7 @@ import gin
 import pytest
 
 from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus
+from tests.zygote import Zygote, differs_at_import
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_DEVICES = 8
@@ -89,12 +91,39 @@ def run_module(module: str, *args: str, timeout: float = 300,
                env: dict | None = None) -> subprocess.CompletedProcess:
   """Runs `python -m module args...` from the repo root, capturing output.
   A None in `env` removes that variable (TF_CPP_MIN_LOG_LEVEL=None: the
-  console a user gets, quieted by the launcher itself)."""
+  console a user gets, quieted by the launcher itself).
+
+  The process is forked from the session's zygote (tests/zygote.py: an
+  interpreter that has imported TensorFlow already) unless `env` changes
+  what TensorFlow reads at import time; then it is a fresh interpreter."""
   full_env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
   full_env.update(env or {})
   full_env = {name: value for name, value in full_env.items() if value is not None}
+  zygote = _zygote()
+  if zygote is not None and not differs_at_import(full_env, zygote.env):
+    return zygote.run([module, *args], env=full_env, timeout=timeout)
   return subprocess.run([sys.executable, '-m', module, *args], cwd=REPO_ROOT,
                         capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+_ZYGOTE: list = []  # [Zygote or None], made at the first run
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def _zygote() -> Zygote | None:
+  """The session's zygote (None with MESHGIN_TEST_FRESH_PROCESSES=1)."""
+  with _ZYGOTE_LOCK:
+    if not _ZYGOTE:
+      fresh = os.environ.get('MESHGIN_TEST_FRESH_PROCESSES') == '1'
+      _ZYGOTE.append(None if fresh else Zygote(
+          tempfile.mkdtemp(prefix='meshgin-zygote-'),
+          env=dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')))
+    return _ZYGOTE[0]
+
+
+def pytest_sessionfinish():
+  if _ZYGOTE and _ZYGOTE[0] is not None:
+    _ZYGOTE[0].close()
 
 
 def run_modules(calls: Sequence[tuple[str, ...]], *, envs: Sequence[dict | None] = (),

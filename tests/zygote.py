@@ -1,0 +1,235 @@
+"""`python -m module args...` for the tests, forked from an interpreter that
+has already imported TensorFlow.
+
+Every launcher the tests start (`launch.train`, `launch.inspect`, ...) spends
+about 3 CPU-seconds of its start-up importing TensorFlow (which imports Keras'
+optimizers too) before it does anything of its own, and the suite starts
+dozens of them on 2 cores. A `Zygote` is a process that imports TensorFlow,
+gin, absl and this repository's libraries once and then, for each run the
+tests ask for, forks: the child takes the run's argv, working directory,
+environment and output pipes and runs the module as `__main__` with
+`runpy`, exactly the code `python -m` runs; only the imports are inherited.
+It is a real, separate process (its own pid, devices, TensorFlow context
+and exit status): nothing TensorFlow initialises at run time (the eager
+context, devices, threads) exists in the zygote when it forks, which is
+what makes the fork safe. Modules that define absl flags (`launch.*`) are
+not preloaded: each child defines them fresh, as `python -m` does.
+
+The one thing a child cannot change is what TensorFlow read from the
+environment at import time, so a run whose environment differs from the
+zygote's in such a variable (`IMPORT_TIME_VARIABLES`) is started with a
+fresh interpreter instead (`conftest.run_module` does this).
+
+Protocol, on a Unix socket: the client sends a length-prefixed JSON request
+({argv, cwd, env}) with its stdout and stderr descriptors (SCM_RIGHTS); the
+zygote answers `pid N` at the fork and `exit CODE` when the child ends.
+The zygote ends when its stdin (a pipe from the test process) closes.
+
+    python -m tests.zygote SOCKET_PATH
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import runpy
+import selectors
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import traceback
+from typing import Mapping, Sequence
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What TensorFlow, Keras, Python or the C libraries read when they are loaded:
+# a run that sets any of these differently needs its own interpreter.
+IMPORT_TIME_VARIABLES = ('TF_CPP_', 'TF_ENABLE_', 'TF_USE_LEGACY', 'KERAS_', 'CUDA_', 'XLA_',
+                         'PYTHON', 'LD_', 'MALLOC_', 'OMP_', 'OPENBLAS_', 'MKL_', 'TF_NUM_')
+PRELOAD = ('tensorflow', 'tensorflow.experimental.dtensor', 'numpy', 'gin', 'absl.app',
+           'absl.logging', 'tensorboard.summary.writer.event_file_writer',
+           'plugins.training', 'plugins.gin_setup', 'plugins.plan')
+_LENGTH = struct.Struct('!I')
+
+
+def differs_at_import(env: Mapping[str, str], base: Mapping[str, str]) -> list[str]:
+  """The import-time variables `env` sets differently from `base`."""
+  names = set(env) | set(base)
+  return sorted(n for n in names if n.startswith(IMPORT_TIME_VARIABLES)
+                and env.get(n) != base.get(n))
+
+
+# ---------------------------------------------------------------- the server
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+  data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+  while len(data) < _LENGTH.size or len(data) < _LENGTH.size + _LENGTH.unpack_from(data)[0]:
+    more = conn.recv(1 << 20)
+    if not more:
+      raise ConnectionError('request cut short')
+    data += more
+  return json.loads(data[_LENGTH.size:]), list(fds)
+
+
+def _run_child(request: dict, fds: Sequence[int]) -> None:
+  """In the forked child: become `python -m module args...`; never returns."""
+  code = 1
+  try:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
+    for fd in fds:
+      os.close(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.chdir(request['cwd'])
+    os.environ.clear()
+    os.environ.update(request['env'])
+    module, *args = request['argv']
+    sys.argv = [module, *args]
+    try:
+      runpy.run_module(module, run_name='__main__', alter_sys=True)
+      code = 0
+    except SystemExit as e:  # as the interpreter reports it
+      if e.code is None or isinstance(e.code, int):
+        code = e.code or 0
+      else:
+        print(e.code, file=sys.stderr)
+    threading._shutdown()  # pylint: disable=protected-access  # what interpreter exit does
+    atexit._run_exitfuncs()  # pylint: disable=protected-access
+  except BaseException:  # pylint: disable=broad-except
+    traceback.print_exc()
+  finally:
+    for stream in (sys.stdout, sys.stderr):
+      try:
+        stream.flush()
+      except Exception:  # pylint: disable=broad-except
+        pass
+    os._exit(code)  # pylint: disable=protected-access
+
+
+def serve(path: str) -> None:
+  for name in PRELOAD:
+    __import__(name)
+  listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  listener.bind(path)
+  listener.listen(16)
+  selector = selectors.DefaultSelector()
+  selector.register(listener, selectors.EVENT_READ, 'request')
+  selector.register(sys.stdin, selectors.EVENT_READ, 'parent')
+  print('ready', flush=True)
+  children: dict[int, socket.socket] = {}
+  while True:
+    for key, _ in selector.select(timeout=0.05):
+      if key.data == 'parent':
+        if not os.read(sys.stdin.fileno(), 4096):  # the tests are done
+          for pid in children:
+            os.kill(pid, signal.SIGKILL)
+          return
+        continue
+      conn, _ = listener.accept()
+      try:
+        request, fds = _receive(conn)
+      except (OSError, ValueError) as e:
+        conn.close()
+        print(f'zygote: bad request: {e}', file=sys.stderr, flush=True)
+        continue
+      sys.stdout.flush()
+      sys.stderr.flush()
+      pid = os.fork()
+      if pid == 0:
+        listener.close()
+        for other in children.values():
+          other.close()
+        conn.close()
+        _run_child(request, fds)
+      for fd in fds:
+        os.close(fd)
+      conn.sendall(f'pid {pid}\n'.encode())
+      children[pid] = conn
+    while children:
+      pid, status = os.waitpid(-1, os.WNOHANG)
+      if not pid:
+        break
+      conn = children.pop(pid, None)
+      if conn is not None:
+        try:
+          conn.sendall(f'exit {os.waitstatus_to_exitcode(status)}\n'.encode())
+        except OSError:
+          pass
+        conn.close()
+
+
+# ---------------------------------------------------------------- the client
+
+
+class Zygote:
+  """A zygote process and the runs forked from it (see the module doc)."""
+
+  def __init__(self, scratch: str, env: Mapping[str, str]):
+    self.env = dict(env)
+    self.path = os.path.join(scratch, 'zygote.sock')
+    self.process = subprocess.Popen([sys.executable, '-m', 'tests.zygote', self.path],
+                                    cwd=REPO_ROOT, env=self.env, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    ready = self.process.stdout.readline()
+    if ready.strip() != b'ready':
+      raise RuntimeError(f'the test zygote did not start (exit {self.process.poll()})')
+
+  def close(self) -> None:
+    self.process.stdin.close()
+    self.process.wait(30)
+    shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
+
+  def run(self, argv: Sequence[str], *, env: Mapping[str, str],
+          timeout: float) -> subprocess.CompletedProcess:
+    """`python -m argv...` (argv[0] the module) like `subprocess.run(...,
+    capture_output=True, text=True, timeout=timeout)` from the repo root."""
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+      conn.connect(self.path)
+      body = json.dumps({'argv': list(argv), 'cwd': REPO_ROOT, 'env': dict(env)}).encode()
+      socket.send_fds(conn, [_LENGTH.pack(len(body)) + body], [out_w, err_w])
+    finally:
+      os.close(out_w)
+      os.close(err_w)
+    reply = conn.makefile('rb')
+    pid = int(reply.readline().split()[1])
+    captured = {}
+
+    def drain(name, fd):
+      with open(fd, 'rb') as f:
+        captured[name] = f.read().decode(errors='replace')
+    readers = [threading.Thread(target=drain, args=a, daemon=True)
+               for a in (('stdout', out_r), ('stderr', err_r))]
+    for reader in readers:
+      reader.start()
+    conn.settimeout(timeout)
+    try:
+      line = reply.readline()
+    except socket.timeout:
+      os.kill(pid, signal.SIGKILL)
+      for reader in readers:
+        reader.join(10)
+      raise subprocess.TimeoutExpired([sys.executable, '-m', *argv], timeout,
+                                      output=captured.get('stdout'),
+                                      stderr=captured.get('stderr')) from None
+    finally:
+      conn.close()
+    for reader in readers:
+      reader.join()
+    return subprocess.CompletedProcess([sys.executable, '-m', *argv],
+                                       int(line.split()[1]) if line else -9,
+                                       captured['stdout'], captured['stderr'])
+
+
+if __name__ == '__main__':
+  serve(sys.argv[1])
