@@ -14,7 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Sequence
@@ -23,7 +22,7 @@ import gin
 import pytest
 
 from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus
-from tests.zygote import Zygote, differs_at_import
+from tests.zygote import Zygote, close_session_zygote, differs_at_import, session_zygote
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_DEVICES = 8
@@ -106,24 +105,13 @@ def run_module(module: str, *args: str, timeout: float = 300,
                         capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
-_ZYGOTE: list = []  # [Zygote or None], made at the first run
-_ZYGOTE_LOCK = threading.Lock()
-
-
 def _zygote() -> Zygote | None:
   """The session's zygote (None with MESHGIN_TEST_FRESH_PROCESSES=1)."""
-  with _ZYGOTE_LOCK:
-    if not _ZYGOTE:
-      fresh = os.environ.get('MESHGIN_TEST_FRESH_PROCESSES') == '1'
-      _ZYGOTE.append(None if fresh else Zygote(
-          tempfile.mkdtemp(prefix='meshgin-zygote-'),
-          env=dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')))
-    return _ZYGOTE[0]
+  return session_zygote(dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2'))
 
 
 def pytest_sessionfinish():
-  if _ZYGOTE and _ZYGOTE[0] is not None:
-    _ZYGOTE[0].close()
+  close_session_zygote()  # reaped, so its runs' CPU time counts as the session's
 
 
 def run_modules(calls: Sequence[tuple[str, ...]], *, envs: Sequence[dict | None] = (),
@@ -142,16 +130,22 @@ def run_modules(calls: Sequence[tuple[str, ...]], *, envs: Sequence[dict | None]
 
 class Launched:
   """`python -u -m module args...` from the repo root, its merged stdout and
-  stderr collected line by line while it runs (tests that signal or watch it)."""
+  stderr collected line by line while it runs (tests that signal or watch it);
+  forked from the session's zygote as in `run_module`."""
 
   def __init__(self, module: str, *args: str, label: str = 'process',
                new_session: bool = False, env: dict | None = None):
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2', **(env or {}))
     self.label = label
-    self.process = subprocess.Popen(
-        [sys.executable, '-u', '-m', module, *args], cwd=REPO_ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=new_session)
+    zygote = _zygote()  # forked from it as in `run_module`
+    if zygote is not None and not differs_at_import(env, zygote.env):
+      self.process = zygote.start([module, *args], env=env, unbuffered=True,
+                                  new_session=new_session)
+    else:
+      self.process = subprocess.Popen(
+          [sys.executable, '-u', '-m', module, *args], cwd=REPO_ROOT, env=env,
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+          start_new_session=new_session)
     self.lines: list[str] = []
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()

@@ -31,6 +31,7 @@ The zygote ends when its stdin (a pipe from the test process) closes.
 from __future__ import annotations
 
 import atexit
+import io
 import json
 import os
 import runpy
@@ -41,6 +42,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import traceback
 from typing import Mapping, Sequence
@@ -67,7 +69,7 @@ def differs_at_import(env: Mapping[str, str], base: Mapping[str, str]) -> list[s
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
-  data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
+  data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)  # stdout, stderr (or one for both)
   while len(data) < _LENGTH.size or len(data) < _LENGTH.size + _LENGTH.unpack_from(data)[0]:
     more = conn.recv(1 << 20)
     if not more:
@@ -81,10 +83,16 @@ def _run_child(request: dict, fds: Sequence[int]) -> None:
   code = 1
   try:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if request.get('new_session'):
+      os.setsid()
     os.dup2(fds[0], 1)
-    os.dup2(fds[1], 2)
-    for fd in fds:
+    os.dup2(fds[-1], 2)  # one descriptor: stderr merged into stdout
+    for fd in set(fds):
       os.close(fd)
+    if request.get('unbuffered'):  # python -u
+      for name, fd in (('stdout', 1), ('stderr', 2)):
+        setattr(sys, name, io.TextIOWrapper(open(fd, 'wb', buffering=0, closefd=False),
+                                            write_through=True))
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -131,6 +139,7 @@ def serve(path: str) -> None:
         if not os.read(sys.stdin.fileno(), 4096):  # the tests are done
           for pid in children:
             os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
           return
         continue
       conn, _ = listener.accept()
@@ -168,6 +177,30 @@ def serve(path: str) -> None:
 
 # ---------------------------------------------------------------- the client
 
+_SESSION: list = []  # [Zygote or None]: made at the first run a test asks for
+_SESSION_LOCK = threading.Lock()
+
+
+def session_zygote(env: Mapping[str, str]) -> 'Zygote | None':
+  """The test session's zygote, started with `env` on first use; None with
+  MESHGIN_TEST_FRESH_PROCESSES=1. (Here, not in conftest.py: pytest imports
+  conftest.py as `conftest` and test modules import it again as
+  `tests.conftest`, two copies of its globals; this module is imported once.)"""
+  with _SESSION_LOCK:
+    if not _SESSION:
+      fresh = os.environ.get('MESHGIN_TEST_FRESH_PROCESSES') == '1'
+      _SESSION.append(None if fresh else Zygote(tempfile.mkdtemp(prefix='meshgin-zygote-'),
+                                                env=env))
+    return _SESSION[0]
+
+
+def close_session_zygote() -> None:
+  with _SESSION_LOCK:
+    if _SESSION and _SESSION[0] is not None:
+      _SESSION[0].close()
+      _SESSION[0] = None
+
+
 
 class Zygote:
   """A zygote process and the runs forked from it (see the module doc)."""
@@ -187,17 +220,34 @@ class Zygote:
     self.process.wait(30)
     shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
 
+  def start(self, argv: Sequence[str], *, env: Mapping[str, str], unbuffered: bool = False,
+            new_session: bool = False) -> 'Forked':
+    """`python [-u] -m argv...` started like `subprocess.Popen(...,
+    stdout=PIPE, stderr=STDOUT, text=True, start_new_session=new_session)`."""
+    out_r, out_w = os.pipe()
+    try:
+      conn = self._request({'argv': list(argv), 'cwd': REPO_ROOT, 'env': dict(env),
+                            'unbuffered': unbuffered, 'new_session': new_session}, [out_w])
+    finally:
+      os.close(out_w)
+    return Forked(conn, open(out_r, encoding='utf-8', errors='replace'))
+
+  def _request(self, request: dict, fds: Sequence[int]) -> socket.socket:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(self.path)
+    body = json.dumps(request).encode()
+    socket.send_fds(conn, [_LENGTH.pack(len(body)) + body], list(fds))
+    return conn
+
   def run(self, argv: Sequence[str], *, env: Mapping[str, str],
           timeout: float) -> subprocess.CompletedProcess:
     """`python -m argv...` (argv[0] the module) like `subprocess.run(...,
     capture_output=True, text=True, timeout=timeout)` from the repo root."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-      conn.connect(self.path)
-      body = json.dumps({'argv': list(argv), 'cwd': REPO_ROOT, 'env': dict(env)}).encode()
-      socket.send_fds(conn, [_LENGTH.pack(len(body)) + body], [out_w, err_w])
+      conn = self._request({'argv': list(argv), 'cwd': REPO_ROOT, 'env': dict(env)},
+                           [out_w, err_w])
     finally:
       os.close(out_w)
       os.close(err_w)
@@ -229,6 +279,62 @@ class Zygote:
     return subprocess.CompletedProcess([sys.executable, '-m', *argv],
                                        int(line.split()[1]) if line else -9,
                                        captured['stdout'], captured['stderr'])
+
+
+class Forked:
+  """A run forked by the zygote, with the parts of `subprocess.Popen` the
+  tests use: pid, stdout (text, stderr merged), returncode, poll, wait,
+  send_signal, terminate, kill. Its exit status comes over the socket."""
+
+  def __init__(self, conn: socket.socket, stdout):
+    self._conn = conn
+    self._pending = b''
+    self.stdout = stdout
+    self.returncode: int | None = None
+    self.pid = int(self._line(None).split()[1])
+
+  def _line(self, timeout: float | None) -> bytes:
+    """The zygote's next line; b'' if it closed the connection."""
+    self._conn.settimeout(timeout)
+    while b'\n' not in self._pending:
+      more = self._conn.recv(4096)  # socket.timeout past `timeout`
+      if not more:
+        return b''
+      self._pending += more
+    line, self._pending = self._pending.split(b'\n', 1)
+    return line
+
+  def _exited(self, timeout: float | None) -> int | None:
+    if self.returncode is None:
+      try:
+        line = self._line(timeout)
+      except (socket.timeout, BlockingIOError):
+        return None
+      self.returncode = int(line.split()[1]) if line else -signal.SIGKILL
+      self._conn.close()
+    return self.returncode
+
+  def poll(self) -> int | None:
+    return self._exited(0)
+
+  def wait(self, timeout: float | None = None) -> int:
+    code = self._exited(timeout)
+    if code is None:
+      raise subprocess.TimeoutExpired(f'forked pid {self.pid}', timeout)
+    return code
+
+  def send_signal(self, signum: int) -> None:
+    if self.returncode is None:
+      try:
+        os.kill(self.pid, signum)
+      except ProcessLookupError:
+        pass
+
+  def terminate(self) -> None:
+    self.send_signal(signal.SIGTERM)
+
+  def kill(self) -> None:
+    self.send_signal(signal.SIGKILL)
 
 
 if __name__ == '__main__':
