@@ -17,7 +17,7 @@ and the process's RSS.
 
 Measured (width 1728, bf16 + remat + FSDP, 72.0M parameters; results in
 bench/results/peak_breakdown.json): 0.84 GiB held before the call (the
-parameters and Adam's slots), 2.77 GiB at the allocator's peak in it, of
+parameters and Adam's slots), 2.76 GiB at the allocator's peak in it, of
 which 1.79 GiB was made during the call: 1.47 GiB by the collectives that
 sum each weight's gradient over the batch and split it, almost all of it
 float32 buffers of *whole* weights, one per device per weight ([1728, 6912]
