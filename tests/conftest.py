@@ -22,7 +22,8 @@ import gin
 import pytest
 
 from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus
-from tests.zygote import Zygote, close_session_zygote, differs_at_import, session_zygote
+from tests.zygote import (Zygote, ZygoteUnavailable, close_session_zygote, differs_at_import,
+                          session_zygote)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_DEVICES = 8
@@ -100,7 +101,10 @@ def run_module(module: str, *args: str, timeout: float = 300,
   full_env = {name: value for name, value in full_env.items() if value is not None}
   zygote = _zygote()
   if zygote is not None and not differs_at_import(full_env, zygote.env):
-    return zygote.run([module, *args], env=full_env, timeout=timeout)
+    try:
+      return zygote.run([module, *args], env=full_env, timeout=timeout)
+    except ZygoteUnavailable:
+      pass  # nothing was started: a fresh interpreter instead
   return subprocess.run([sys.executable, '-m', module, *args], cwd=REPO_ROOT,
                         capture_output=True, text=True, timeout=timeout, env=full_env)
 
@@ -138,10 +142,14 @@ class Launched:
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2', **(env or {}))
     self.label = label
     zygote = _zygote()  # forked from it as in `run_module`
+    self.process = None
     if zygote is not None and not differs_at_import(env, zygote.env):
-      self.process = zygote.start([module, *args], env=env, unbuffered=True,
-                                  new_session=new_session)
-    else:
+      try:
+        self.process = zygote.start([module, *args], env=env, unbuffered=True,
+                                    new_session=new_session)
+      except ZygoteUnavailable:
+        pass  # nothing was started: a fresh interpreter instead
+    if self.process is None:
       self.process = subprocess.Popen(
           [sys.executable, '-u', '-m', module, *args], cwd=REPO_ROOT, env=env,
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -202,6 +202,10 @@ def close_session_zygote() -> None:
 
 
 
+class ZygoteUnavailable(RuntimeError):
+  """The zygote could not start a run (nothing was forked)."""
+
+
 class Zygote:
   """A zygote process and the runs forked from it (see the module doc)."""
 
@@ -223,36 +227,57 @@ class Zygote:
   def start(self, argv: Sequence[str], *, env: Mapping[str, str], unbuffered: bool = False,
             new_session: bool = False) -> 'Forked':
     """`python [-u] -m argv...` started like `subprocess.Popen(...,
-    stdout=PIPE, stderr=STDOUT, text=True, start_new_session=new_session)`."""
+    stdout=PIPE, stderr=STDOUT, text=True, start_new_session=new_session)`.
+    ZygoteUnavailable if nothing could be started."""
     out_r, out_w = os.pipe()
     try:
-      conn = self._request({'argv': list(argv), 'cwd': REPO_ROOT, 'env': dict(env),
-                            'unbuffered': unbuffered, 'new_session': new_session}, [out_w])
+      conn, pid, pending = self._request(
+          {'argv': list(argv), 'cwd': REPO_ROOT, 'env': dict(env), 'unbuffered': unbuffered,
+           'new_session': new_session}, [out_w])
+    except ZygoteUnavailable:
+      os.close(out_r)
+      raise
     finally:
       os.close(out_w)
-    return Forked(conn, open(out_r, encoding='utf-8', errors='replace'))
+    return Forked(conn, pid, pending, open(out_r, encoding='utf-8', errors='replace'))
 
-  def _request(self, request: dict, fds: Sequence[int]) -> socket.socket:
+  def _request(self, request: dict, fds: Sequence[int]) -> tuple[socket.socket, int, bytes]:
+    """Sends `request` with `fds`: (connection, the child's pid, bytes read past its line)."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(self.path)
-    body = json.dumps(request).encode()
-    socket.send_fds(conn, [_LENGTH.pack(len(body)) + body], list(fds))
-    return conn
+    try:
+      conn.connect(self.path)
+      body = json.dumps(request).encode()
+      socket.send_fds(conn, [_LENGTH.pack(len(body)) + body], list(fds))
+      reply = b''
+      while b'\n' not in reply:
+        more = conn.recv(4096)
+        if not more:
+          raise ConnectionError('the zygote closed the connection without forking')
+        reply += more
+    except OSError as e:
+      conn.close()
+      raise ZygoteUnavailable(f'test zygote {self.path}: {e}') from e
+    line, pending = reply.split(b'\n', 1)
+    return conn, int(line.split()[1]), pending
 
   def run(self, argv: Sequence[str], *, env: Mapping[str, str],
           timeout: float) -> subprocess.CompletedProcess:
     """`python -m argv...` (argv[0] the module) like `subprocess.run(...,
-    capture_output=True, text=True, timeout=timeout)` from the repo root."""
+    capture_output=True, text=True, timeout=timeout)` from the repo root.
+    ZygoteUnavailable if nothing could be started."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
-      conn = self._request({'argv': list(argv), 'cwd': REPO_ROOT, 'env': dict(env)},
-                           [out_w, err_w])
+      conn, pid, pending = self._request(
+          {'argv': list(argv), 'cwd': REPO_ROOT, 'env': dict(env)}, [out_w, err_w])
+    except ZygoteUnavailable:
+      os.close(out_r)
+      os.close(err_r)
+      raise
     finally:
       os.close(out_w)
       os.close(err_w)
-    reply = conn.makefile('rb')
-    pid = int(reply.readline().split()[1])
+    process = Forked(conn, pid, pending, stdout=None)
     captured = {}
 
     def drain(name, fd):
@@ -262,22 +287,22 @@ class Zygote:
                for a in (('stdout', out_r), ('stderr', err_r))]
     for reader in readers:
       reader.start()
-    conn.settimeout(timeout)
     try:
-      line = reply.readline()
-    except socket.timeout:
-      os.kill(pid, signal.SIGKILL)
+      code = process.wait(timeout)
+    except subprocess.TimeoutExpired:
+      process.kill()
+      try:
+        process.wait(10)  # its exit status closes the connection
+      except subprocess.TimeoutExpired:
+        pass
       for reader in readers:
         reader.join(10)
       raise subprocess.TimeoutExpired([sys.executable, '-m', *argv], timeout,
                                       output=captured.get('stdout'),
                                       stderr=captured.get('stderr')) from None
-    finally:
-      conn.close()
     for reader in readers:
       reader.join()
-    return subprocess.CompletedProcess([sys.executable, '-m', *argv],
-                                       int(line.split()[1]) if line else -9,
+    return subprocess.CompletedProcess([sys.executable, '-m', *argv], code,
                                        captured['stdout'], captured['stderr'])
 
 
@@ -286,12 +311,12 @@ class Forked:
   tests use: pid, stdout (text, stderr merged), returncode, poll, wait,
   send_signal, terminate, kill. Its exit status comes over the socket."""
 
-  def __init__(self, conn: socket.socket, stdout):
+  def __init__(self, conn: socket.socket, pid: int, pending: bytes, stdout):
     self._conn = conn
-    self._pending = b''
+    self._pending = pending
     self.stdout = stdout
     self.returncode: int | None = None
-    self.pid = int(self._line(None).split()[1])
+    self.pid = pid
 
   def _line(self, timeout: float | None) -> bytes:
     """The zygote's next line; b'' if it closed the connection."""
