@@ -65,6 +65,17 @@ def _processor() -> str:
     return ''
 
 
+def read_trace(logdir: str):
+  """The XSpace (TensorFlow's profiler trace) written under `logdir` by
+  `tf.profiler.experimental.start(logdir)` ... `stop()`."""
+  import glob  # pylint: disable=import-outside-toplevel
+  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=import-outside-toplevel
+  space = xplane_pb2.XSpace()
+  with open(glob.glob(os.path.join(logdir, '**', '*.xplane.pb'), recursive=True)[0], 'rb') as f:
+    space.ParseFromString(f.read())
+  return space
+
+
 def write_json(results: Any, path: str) -> None:
   """Writes `results` as JSON (a list: as {'rows': results}), with what it
   lacks of 'date', 'commit', 'machine' (`provenance`) and 'command' (the

@@ -65,7 +65,7 @@ def flags(bindings: list[str]) -> list[str]:
           *[f'--gin_bindings={b}' for b in bindings]]
 
 
-def _rss(pid: int) -> int:
+def rss_bytes(pid: int) -> int:
   try:
     with open(f'/proc/{pid}/status') as f:
       for line in f:
@@ -92,7 +92,7 @@ def train(bindings: list[str], *, budget: int) -> dict:
     pid, status, usage = os.wait4(child.pid, os.WNOHANG)
     if pid:
       break
-    if _rss(child.pid) > budget:
+    if rss_bytes(child.pid) > budget:
       over = True
       child.kill()
       _, status, usage = os.wait4(child.pid, 0)

@@ -34,29 +34,25 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import os
 import re
+import resource
 import sys
 import tempfile
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from bench.common import RESULTS, write_json  # noqa: E402
-from bench.memory import SETTINGS, lm_bindings  # noqa: E402
+from bench.common import RESULTS, read_trace, write_json  # noqa: E402
+from bench.memory import SETTINGS, lm_bindings, rss_bytes  # noqa: E402
 
 GIB = 2**30
 
 
 def _events(logdir: str) -> list[tuple[int, str, dict]]:
   """(time ns, 'MemoryAllocation' | 'MemoryDeallocation', stats) from the trace."""
-  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=import-outside-toplevel
-  space = xplane_pb2.XSpace()
-  with open(glob.glob(os.path.join(logdir, '**', '*.xplane.pb'), recursive=True)[0], 'rb') as f:
-    space.ParseFromString(f.read())
   events = []
-  for plane in space.planes:
+  for plane in read_trace(logdir).planes:
     names = {k: v.name for k, v in plane.event_metadata.items()}
     stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
     for line in plane.lines:
@@ -126,12 +122,11 @@ def main() -> None:
     to_numpy(engine.loss_and_gradients(packed)[0])
     tf.profiler.experimental.stop()
     result = breakdown(_events(logdir), min_bytes=int(args.min_mib * 2**20))
-  with open('/proc/self/status') as f:
-    rss = {line.split(':')[0]: int(line.split()[1]) * 1024 for line in f
-           if line.startswith(('VmRSS', 'VmHWM'))}
   result = {'setting': args.setting, 'bindings': bindings, 'width': args.width,
             'parameters': plan.num_parameters, 'held_before_call_bytes': before,
-            'rss_bytes': rss.get('VmRSS'), 'peak_rss_bytes': rss.get('VmHWM'), **result}
+            'rss_bytes': rss_bytes(os.getpid()),
+            'peak_rss_bytes': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            **result}
   print(f"{args.setting}, width {args.width} ({plan.num_parameters:,} parameters): held before "
         f"the call {before / GIB:.2f} GiB; allocator peak in the call "
         f"{result['allocator_peak_bytes'] / GIB:.2f} GiB, of which made in the call "

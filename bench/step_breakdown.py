@@ -74,18 +74,16 @@ to_numpy(loss)
 whole = (time.perf_counter() - start) / steps
 # The profiler over 2 loop steps: CPU time per op type on the devices' compute
 # threads (all devices together), per step.
-import collections, glob, tempfile
+import collections, tempfile
 import tensorflow as tf
-from tensorflow.tsl.profiler.protobuf import xplane_pb2
+from bench.common import read_trace
 logdir = tempfile.mkdtemp()
 tf.profiler.experimental.start(logdir)
 for step in range(2):
   loss = trainer.train_step(task.features(split='train', step=step, batch_size=32))[0]
 to_numpy(loss)
 tf.profiler.experimental.stop()
-space = xplane_pb2.XSpace()
-with open(glob.glob(logdir + '/**/*.xplane.pb', recursive=True)[0], 'rb') as f:
-  space.ParseFromString(f.read())
+space = read_trace(logdir)
 cpu_ms, count = collections.Counter(), collections.Counter()
 for plane in space.planes:
   names = {k: v.name for k, v in plane.event_metadata.items()}

@@ -22,8 +22,7 @@ import gin
 import pytest
 
 from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus
-from tests.zygote import (Zygote, ZygoteUnavailable, close_session_zygote, differs_at_import,
-                          session_zygote)
+from tests.zygote import Zygote, ZygoteUnavailable, close_session_zygote, session_zygote
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_DEVICES = 8
@@ -96,22 +95,32 @@ def run_module(module: str, *args: str, timeout: float = 300,
   The process is forked from the session's zygote (tests/zygote.py: an
   interpreter that has imported TensorFlow already) unless `env` changes
   what TensorFlow reads at import time; then it is a fresh interpreter."""
-  full_env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
-  full_env.update(env or {})
-  full_env = {name: value for name, value in full_env.items() if value is not None}
-  zygote = _zygote()
-  if zygote is not None and not differs_at_import(full_env, zygote.env):
-    try:
-      return zygote.run([module, *args], env=full_env, timeout=timeout)
-    except ZygoteUnavailable:
-      pass  # nothing was started: a fresh interpreter instead
-  return subprocess.run([sys.executable, '-m', module, *args], cwd=REPO_ROOT,
+  full_env = {name: value for name, value in launcher_environment(env).items()
+              if value is not None}
+  done = _from_zygote('run', [module, *args], env=full_env, timeout=timeout)
+  return done if done is not None else subprocess.run([sys.executable, '-m', module, *args], cwd=REPO_ROOT,
                         capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def launcher_environment(changes: dict | None = None) -> dict:
+  """What a test's launcher runs with: this process's environment, the repo
+  importable, TensorFlow's C++ logging quiet, then `changes`."""
+  return {**os.environ, 'PYTHONPATH': REPO_ROOT, 'TF_CPP_MIN_LOG_LEVEL': '2', **(changes or {})}
 
 
 def _zygote() -> Zygote | None:
   """The session's zygote (None with MESHGIN_TEST_FRESH_PROCESSES=1)."""
-  return session_zygote(dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2'))
+  return session_zygote(launcher_environment())
+
+
+def _from_zygote(method: str, argv: list[str], **kwargs):
+  """`zygote.run` / `zygote.start` of `argv`, or None where the zygote
+  started nothing (off, gone, or the environment differs at import)."""
+  zygote = _zygote()
+  try:
+    return getattr(zygote, method)(argv, **kwargs) if zygote is not None else None
+  except ZygoteUnavailable:
+    return None
 
 
 def pytest_sessionfinish():
@@ -139,16 +148,10 @@ class Launched:
 
   def __init__(self, module: str, *args: str, label: str = 'process',
                new_session: bool = False, env: dict | None = None):
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2', **(env or {}))
+    env = launcher_environment(env)
     self.label = label
-    zygote = _zygote()  # forked from it as in `run_module`
-    self.process = None
-    if zygote is not None and not differs_at_import(env, zygote.env):
-      try:
-        self.process = zygote.start([module, *args], env=env, unbuffered=True,
-                                    new_session=new_session)
-      except ZygoteUnavailable:
-        pass  # nothing was started: a fresh interpreter instead
+    self.process = _from_zygote('start', [module, *args], env=env, unbuffered=True,
+                                new_session=new_session)
     if self.process is None:
       self.process = subprocess.Popen(
           [sys.executable, '-u', '-m', module, *args], cwd=REPO_ROOT, env=env,

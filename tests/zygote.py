@@ -18,7 +18,8 @@ not preloaded: each child defines them fresh, as `python -m` does.
 The one thing a child cannot change is what TensorFlow read from the
 environment at import time, so a run whose environment differs from the
 zygote's in such a variable (`IMPORT_TIME_VARIABLES`) is started with a
-fresh interpreter instead (`conftest.run_module` does this).
+fresh interpreter instead: `Zygote.start` refuses it (ZygoteUnavailable) and
+`conftest.run_module` / `conftest.Launched` fall back.
 
 Protocol, on a Unix socket: the client sends a length-prefixed JSON request
 ({argv, cwd, env}) with its stdout and stderr descriptors (SCM_RIGHTS); the
@@ -225,21 +226,30 @@ class Zygote:
     shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
 
   def start(self, argv: Sequence[str], *, env: Mapping[str, str], unbuffered: bool = False,
-            new_session: bool = False) -> 'Forked':
-    """`python [-u] -m argv...` started like `subprocess.Popen(...,
-    stdout=PIPE, stderr=STDOUT, text=True, start_new_session=new_session)`.
-    ZygoteUnavailable if nothing could be started."""
-    out_r, out_w = os.pipe()
+            new_session: bool = False, stderr_apart: bool = False) -> 'Forked':
+    """`python [-u] -m argv...` (argv[0] the module) from the repo root, started
+    like `subprocess.Popen(..., stdout=PIPE, stderr=STDOUT (or PIPE with
+    `stderr_apart`), text=True, start_new_session=new_session)`.
+    ZygoteUnavailable if nothing was started: the zygote is gone, or `env`
+    sets an import-time variable differently from the zygote's."""
+    differs = differs_at_import(env, self.env)
+    if differs:
+      raise ZygoteUnavailable(f'set differently from the zygote\'s at import: {differs}')
+    pipes = [os.pipe() for _ in range(2 if stderr_apart else 1)]
     try:
       conn, pid, pending = self._request(
           {'argv': list(argv), 'cwd': REPO_ROOT, 'env': dict(env), 'unbuffered': unbuffered,
-           'new_session': new_session}, [out_w])
+           'new_session': new_session}, [w for _, w in pipes])
     except ZygoteUnavailable:
-      os.close(out_r)
+      for r, _ in pipes:
+        os.close(r)
       raise
     finally:
-      os.close(out_w)
-    return Forked(conn, pid, pending, open(out_r, encoding='utf-8', errors='replace'))
+      for _, w in pipes:
+        os.close(w)
+    streams = [open(r, encoding='utf-8', errors='replace') for r, _ in pipes]
+    return Forked(conn, pid, pending, stdout=streams[0],
+                  stderr=streams[1] if stderr_apart else None)
 
   def _request(self, request: dict, fds: Sequence[int]) -> tuple[socket.socket, int, bytes]:
     """Sends `request` with `fds`: (connection, the child's pid, bytes read past its line)."""
@@ -262,59 +272,41 @@ class Zygote:
 
   def run(self, argv: Sequence[str], *, env: Mapping[str, str],
           timeout: float) -> subprocess.CompletedProcess:
-    """`python -m argv...` (argv[0] the module) like `subprocess.run(...,
-    capture_output=True, text=True, timeout=timeout)` from the repo root.
-    ZygoteUnavailable if nothing could be started."""
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    try:
-      conn, pid, pending = self._request(
-          {'argv': list(argv), 'cwd': REPO_ROOT, 'env': dict(env)}, [out_w, err_w])
-    except ZygoteUnavailable:
-      os.close(out_r)
-      os.close(err_r)
-      raise
-    finally:
-      os.close(out_w)
-      os.close(err_w)
-    process = Forked(conn, pid, pending, stdout=None)
+    """`start` run to the end like `subprocess.run(..., capture_output=True,
+    text=True, timeout=timeout)`."""
+    process = self.start(argv, env=env, stderr_apart=True)
     captured = {}
-
-    def drain(name, fd):
-      with open(fd, 'rb') as f:
-        captured[name] = f.read().decode(errors='replace')
-    readers = [threading.Thread(target=drain, args=a, daemon=True)
-               for a in (('stdout', out_r), ('stderr', err_r))]
+    readers = [threading.Thread(target=lambda name, f: captured.__setitem__(name, f.read()),
+                                args=(name, getattr(process, name)), daemon=True)
+               for name in ('stdout', 'stderr')]
     for reader in readers:
       reader.start()
+    command = [sys.executable, '-m', *argv]
     try:
       code = process.wait(timeout)
     except subprocess.TimeoutExpired:
       process.kill()
-      try:
-        process.wait(10)  # its exit status closes the connection
-      except subprocess.TimeoutExpired:
-        pass
+      process.wait(10)  # its exit status closes the connection
       for reader in readers:
         reader.join(10)
-      raise subprocess.TimeoutExpired([sys.executable, '-m', *argv], timeout,
-                                      output=captured.get('stdout'),
+      raise subprocess.TimeoutExpired(command, timeout, output=captured.get('stdout'),
                                       stderr=captured.get('stderr')) from None
     for reader in readers:
       reader.join()
-    return subprocess.CompletedProcess([sys.executable, '-m', *argv], code,
-                                       captured['stdout'], captured['stderr'])
+    return subprocess.CompletedProcess(command, code, captured['stdout'], captured['stderr'])
 
 
 class Forked:
   """A run forked by the zygote, with the parts of `subprocess.Popen` the
-  tests use: pid, stdout (text, stderr merged), returncode, poll, wait,
-  send_signal, terminate, kill. Its exit status comes over the socket."""
+  tests use: pid, stdout and stderr (text; stderr None when merged),
+  returncode, poll, wait, send_signal, terminate, kill. Its exit status
+  comes over the socket."""
 
-  def __init__(self, conn: socket.socket, pid: int, pending: bytes, stdout):
+  def __init__(self, conn: socket.socket, pid: int, pending: bytes, stdout, stderr=None):
     self._conn = conn
     self._pending = pending
     self.stdout = stdout
+    self.stderr = stderr
     self.returncode: int | None = None
     self.pid = pid
 
