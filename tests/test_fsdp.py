@@ -178,24 +178,30 @@ def test_a_keras_model_with_fsdp_is_refused_before_anything_is_built(mesh_2x4):
   assert 'optimizer.shard_state' in str(error.value)
 
 
-def test_a_block_gathers_its_weights_at_once_and_again_when_recomputed(mesh_data8,
-                                                                     monkeypatch):
-  """Traced gathers (`fsdp.gather_all`, counted while the gradients function
-  is first traced): each block's split weights in one call, once a step
-  without remat; with remat 'block' once more in each block's recomputation,
-  so the gathered copies are not what the backward pass keeps."""
-  calls = []
-  real = fsdp.gather_all
-  monkeypatch.setattr(fsdp, 'gather_all',
-                      lambda values, **where: calls.append(len(values)) or real(values, **where))
-  in_block = None
+def test_a_block_gathers_its_weights_at_use_and_again_when_recomputed(mesh_data8,
+                                                                    monkeypatch):
+  """Traced gathers (counted while the gradients function is first traced):
+  each block's split vectors in one `fsdp.gather_all` call, each of its
+  matrices once per replica (`fsdp.per_replica`, an all-to-all), once a step
+  without remat; with remat 'block' once more in each block's
+  recomputation, so the gathered copies are not what the backward pass keeps."""
+  buckets, replicas = [], []
+  gather_all, per_replica = fsdp.gather_all, fsdp.per_replica
+  monkeypatch.setattr(fsdp, 'gather_all', lambda values, **where: buckets.append(
+      len(values)) or gather_all(values, **where))
+  monkeypatch.setattr(fsdp, 'per_replica', lambda variable, dtype=None: replicas.append(
+      variable) or per_replica(variable, dtype))
   counts = {}
   for remat in ('none', 'block'):
     t = trainer(mesh_data8, fsdp=True, remat=remat)
-    in_block = len([r for r in split_records(t) if r.path.startswith('lm/stack/block_000/')])
-    calls.clear()
+    in_block = [r for r in split_records(t) if r.path.startswith('lm/stack/block_000/')]
+    vectors = sum(len(r.shape) == 1 for r in in_block)
+    buckets.clear()
+    replicas.clear()
     t.engine.loss_and_gradients(t.engine.pack({'tokens': t.task.batch(step=0,
                                                                       batch_size=BATCH)}))
-    counts[remat] = calls.count(in_block)
-  assert in_block > 4
-  assert counts == {'none': 2, 'block': 4}  # 2 blocks
+    block_000 = [r.path for v in replicas for r in in_block if v is t.engine.variables[r.path]]
+    counts[remat] = (buckets.count(vectors), len(block_000), len(set(block_000)))
+  assert vectors == 6  # 2 layer norms' scale and bias, the feed-forward's biases
+  # 2 blocks; block_000's 6 matrices (q, k, v, o, in, out), each once or twice
+  assert counts == {'none': (2, 6, 6), 'block': (4, 12, 6)}

@@ -21,12 +21,25 @@ device sums only its own slice of the batch's gradient. Under
 `train.remat` a recomputed layer gathers its weights again in the backward
 pass instead of keeping the gathered copies (FSDP2's reshard after forward).
 
+Where the batch is split over the FSDP axis (`batch_split`, entered by the
+engine around the model), a layer's matrices take another way, through its
+`Weights.dense` / `Weights.project`: one copy per replica of the batch
+(`per_replica`, an all-to-all), used with each replica's rows of the input
+(`replica_einsum`), so the weight's gradient is each replica's own and comes
+back to the slices with the inverse all-to-all and a float32 sum on the
+slice. On CPU this halves the peak of a bf16 step at width 1728 and runs
+faster than DTensor's all-gather and reduce-scatter, which move float32
+rings of the whole weight on every device (`bench/fsdp_collectives.py`).
+Values are the same either way.
+
 Importing this module does not import TensorFlow.
 """
 
 from __future__ import annotations
 
-from typing import Collection, Mapping, Sequence
+import contextlib
+import threading
+from typing import Collection, Iterator, Mapping, Sequence
 
 from absl import logging
 
@@ -36,6 +49,7 @@ from layout_core.layout.gather import gather_together
 from layout_core.layout.rules import UNSHARDED
 
 _TAG = '_meshgin_use_layout'
+_split = threading.local()  # the axis the running step splits the batch over
 
 
 def add_axis(spec: Sequence[str], shape: Sequence[int], axis: str | None, axis_size: int, *,
@@ -157,6 +171,108 @@ def gather_all(values: Sequence, *, to: Sequence, stored: Sequence,
                 else gather_together(xs, stored, to))
     return [_cast(g, d) for g, d in zip(gathered, dtypes)], gradient
   return list(relaid(*values))
+
+
+# -- per-replica weights: gathered and summed with all-to-alls ------------------------
+@contextlib.contextmanager
+def batch_split(axis: str | None) -> Iterator[None]:
+  """Inside: the model's activations are split over `axis` along their first
+  (batch) dimension, so a weight FSDP splits over `axis` can be used per
+  replica (`per_replica`). The engine enters it around the model's call."""
+  previous = getattr(_split, 'axis', None)
+  _split.axis = None if axis == UNSHARDED else axis
+  try:
+    yield
+  finally:
+    _split.axis = previous
+
+
+def split_axis() -> str | None:
+  """The axis of the `batch_split` this runs in (None: none)."""
+  return getattr(_split, 'axis', None)
+
+
+def replica_axis(variable) -> str | None:
+  """The axis `variable` can be used per replica over inside `batch_split`:
+  the axis FSDP splits it over when that is the batch's, and it is a matrix
+  (vectors are gathered whole, `gather_at_use`); else None."""
+  use, axis = use_layout(variable), split_axis()
+  if use is None or axis is None or len(use.sharding_specs) < 2:
+    return None
+  return axis if axis in variable.layout.sharding_specs and axis not in use.sharding_specs \
+      else None
+
+
+def per_replica(variable, dtype=None):
+  """`variable` as `n` copies, one per replica of the batch axis (`axis`, of
+  size n): [n, *shape], laid out as its use layout with `axis` in front, so
+  each device holds the whole weight once, cast to `dtype`. For a
+  contraction over the batch (`replica_einsum`), whose gradient then is
+  every replica's own partial sum, with no collective.
+
+  Both directions are one all-to-all of the compute dtype: the stored slice,
+  cast, is broadcast to n rows ([n, *shape] with the stored split, local)
+  and the all-to-all moves row r's slices to replica r; the gradient comes
+  back by the inverse all-to-all (each device gets its slice of every
+  replica's partial) and is summed there in float32, rounded to the compute
+  dtype as DTensor's all-reduce does, then cast to the variable's. DTensor's
+  own all-gather and reduce-scatter run on CPU as float32 rings of the whole
+  weight on every device (`bench/peak_breakdown.py`); this moves the
+  compute dtype and keeps one whole copy per device
+  (`bench/fsdp_collectives.py`)."""
+  axis = replica_axis(variable)
+  stored, use = variable.layout, use_layout(variable)
+  mesh = stored.mesh
+  n = dict(zip(mesh.dim_names, mesh.shape()))[axis]
+  shape = variable.shape.as_list()
+  rows = dtensor.Layout([UNSHARDED, *stored.sharding_specs], mesh)
+  replicas = dtensor.Layout([axis, *use.sharding_specs], mesh)
+
+  @tf.custom_gradient
+  def spread(value):
+    moved = _cast(value, dtype)
+
+    def gradient(partials):
+      pieces = tf.unstack(dtensor.relayout(partials, rows), axis=0)
+      total = tf.add_n([tf.cast(p, tf.float32) for p in pieces])
+      return _cast(_cast(total, moved.dtype), value.dtype)
+    tiled = dtensor.relayout(tf.broadcast_to(moved, [n, *shape]), rows)
+    return dtensor.relayout(tiled, replicas), gradient
+  return spread(variable)
+
+
+def as_rows(x, n: int):
+  """x [batch, ...] as [n, batch / n, ...]: each replica's rows (local)."""
+  return tf.reshape(x, [n, x.shape[0] // n, *x.shape[1:]])
+
+
+def replica_einsum(equation: str, rows, variable, replicas):
+  """`tf.einsum(equation, x, w)` for x [batch, ...] split over the batch
+  axis, given as `rows` = `as_rows(x, n)`, and `replicas` =
+  `per_replica(variable)` [n, ...]: every operand gets the replica letter
+  in front, so the contraction's gradient for the weights stays on each
+  replica. `equation`'s x and output both start with the batch letter; the
+  result is [batch, ...].
+
+  Rows, result rows and result are pinned to the layouts DTensor gives
+  `x @ w` with w gathered: split over the batch axis, each dimension w has
+  as w's use layout has it, the rest whole. Each pin's gradient pins the
+  backward pass's mirror of that reshape as well; unpinned, DTensor laid the
+  backward's rows out whole over the replicas and all-gathered them (each
+  device then computed every replica's weight gradient)."""
+  inputs, out = equation.split('->')
+  x_in, w_in = inputs.split(',')
+  letter = next(c for c in 'rzyxwvutsqponmlkjihgfedcba' if c not in equation)
+  use, axis = use_layout(variable), replica_axis(variable)
+
+  def pin(value, subscripts, *lead):
+    specs = [use.sharding_specs[w_in.index(c)] if c in w_in else UNSHARDED
+             for c in subscripts]
+    return dtensor.relayout(value, dtensor.Layout([*lead, *specs], use.mesh))
+  rows = pin(rows, x_in[1:], axis, UNSHARDED)
+  y = tf.einsum(f'{letter}{x_in},{letter}{w_in}->{letter}{out}', rows, replicas)
+  y = pin(y, out[1:], axis, UNSHARDED)
+  return pin(tf.reshape(y, [y.shape[0] * y.shape[1], *y.shape[2:]]), out[1:], axis)
 
 
 def _cast(value, dtype):

@@ -67,8 +67,13 @@ def dense(x: tf.Tensor, w: tf.Tensor, *, lead: str = '') -> tf.Tensor:
     return tf.einsum(f's{batch}d,sdf->s{batch}f', x, w)
   if x.shape.rank == 2:
     return tf.matmul(x, w)
-  batch = 'abcefgh'[:x.shape.rank - 1]
-  return tf.einsum(f'{batch}d,df->{batch}f', x, w)
+  return tf.einsum(dense_equation(x.shape.rank), x, w)
+
+
+def dense_equation(rank: int) -> str:
+  """`dense`'s einsum for x of `rank` (no lead)."""
+  batch = 'abcefgh'[:rank - 1]
+  return f'{batch}d,df->{batch}f'
 
 
 class Weights:
@@ -96,6 +101,14 @@ class Weights:
   def dense(self, x: tf.Tensor, name: str) -> tf.Tensor:
     return dense(x, self(name), lead=self.lead)
 
+  def project(self, equation: str, x: tf.Tensor, name: str) -> tf.Tensor:
+    """`tf.einsum(equation, x, self(name))`, each operand's subscripts
+    after the lead ones ('btd,dhk->bthk')."""
+    lead = self.lead
+    inputs, out = equation.split('->')
+    x_in, w_in = inputs.split(',')
+    return tf.einsum(f'{lead}{x_in},{lead}{w_in}->{lead}{out}', x, self(name))
+
   def vector(self, name: str, x: tf.Tensor) -> tf.Tensor:
     """A [n] weight (per slot [S, n]) ready to combine with x [..., n]."""
     w = self(name)
@@ -109,7 +122,10 @@ class LayerWeights(Weights):
   """A built layer's own variables (lead ''). With FSDP, the first split
   weight read gathers every split weight of the layer being run and of its
   sub-layers at once, a few collectives for the whole block
-  (`layout_core.layout.fsdp.gather_at_use`); its sub-layers share them."""
+  (`layout_core.layout.fsdp.gather_at_use`); its sub-layers share them.
+  Inside the engine's `fsdp.batch_split`, the matrices its contractions use
+  (`dense`, `project`) are used per replica instead (`fsdp.per_replica`),
+  each once per layer call."""
 
   def __init__(self, layer: 'BaseLayer', gathered: dict | None = None,
                root: 'BaseLayer | None' = None, after: tuple = ()):
@@ -123,12 +139,40 @@ class LayerWeights(Weights):
     variable = getattr(self.layer, name)
     if fsdp.use_layout(variable) is None:
       return self.layer.weight(name)
-    if not self._gathered:
-      owned = list(self._root.split_weights())
+    if id(variable) not in self._gathered:
+      # The layer's split weights at once, but for the matrices a contraction
+      # will use per replica (`dense`, `project`), unless asked for here.
+      owned = [(v, d) for v, d in self._root.split_weights() if v is variable or (
+          fsdp.replica_axis(v) is None and id(v) not in self._gathered)]
       gathered = fsdp.gather_at_use([v for v, _ in owned], [d for _, d in owned],
                                     after=self._after)
       self._gathered.update({id(v): g for (v, _), g in zip(owned, gathered)})
     return self._gathered[id(variable)]
+
+  def dense(self, x, name):
+    variable = getattr(self.layer, name)
+    if fsdp.replica_axis(variable) is None or x.shape.rank < 2:
+      return super().dense(x, name)
+    return self.project(dense_equation(x.shape.rank), x, name)
+
+  def project(self, equation, x, name):
+    variable = getattr(self.layer, name)
+    if fsdp.replica_axis(variable) is None:
+      return super().project(equation, x, name)
+    replicas = self._cached(('replicas', id(variable)),
+                            lambda: fsdp.per_replica(variable, self.dtype), after=self._after)
+    rows = self._cached(('rows', id(x)), lambda: (x, fsdp.as_rows(x, replicas.shape[0])))[1]
+    return fsdp.replica_einsum(equation, rows, variable, replicas)
+
+  def _cached(self, key, make, after=()):
+    """`make()` once per layer call (shared with the sub-layers): a weight
+    per replica (`fsdp.per_replica`, after the layer's inputs), or an
+    input's rows, so the projections of one input (attention's q, k, v)
+    sum their gradients in one place, in the order a run without FSDP does."""
+    if key not in self._gathered:
+      with tf.control_dependencies([x for x in after if tf.is_tensor(x)]):
+        self._gathered[key] = make()
+    return self._gathered[key]
 
   def child(self, name):
     return LayerWeights(getattr(self.layer, name), self._gathered, self._root, self._after)
@@ -339,14 +383,15 @@ def rematerialized(fn, *inputs):
   for finite gradients): 1.68 GiB."""
   if not any(_floating(x) for x in inputs):
     return fn(*inputs)
-  state = current_random()
+  state, split = current_random(), fsdp.split_axis()
   tied = next(i for i, x in enumerate(inputs) if _floating(x))
 
   def run(*args):
-    if state is None:
-      return fn(*args)
-    with random_context(seed=state.seed, batch_offset=state.batch_offset):
-      return fn(*args)
+    with fsdp.batch_split(split):  # the backward pass runs outside the forward's contexts
+      if state is None:
+        return fn(*args)
+      with random_context(seed=state.seed, batch_offset=state.batch_offset):
+        return fn(*args)
 
   @tf.custom_gradient
   def recomputed(*args):

@@ -191,18 +191,19 @@ class MultiHeadAttention(BaseLayer):
 
   @classmethod
   def apply(cls, p, w, x):
-    return attention(x, w('wq'), w('wk'), w('wv'), w('wo'), head_dim=cls.head_dim(p),
-                     causal=p.causal, lead=w.lead)
+    return attention(x, w, head_dim=cls.head_dim(p), causal=p.causal)
 
 
-def attention(x, wq, wk, wv, wo, *, head_dim: int, causal: bool, lead: str = ''):
-  """Multi-head attention of x [*lead, batch, time, dim] with weights
-  [*lead, dim, heads, head_dim] (wo: [*lead, heads, head_dim, dim]). `lead`
-  names leading dimensions every operand shares: '' for a layer, 's' for the
-  SPMD pipeline's stage slots (each slot with its own cell's weights)."""
-  q = tf.einsum(f'{lead}btd,{lead}dhk->{lead}bthk', x, wq)
-  k = tf.einsum(f'{lead}btd,{lead}dhk->{lead}bthk', x, wk)
-  v = tf.einsum(f'{lead}btd,{lead}dhk->{lead}bthk', x, wv)
+def attention(x, w, *, head_dim: int, causal: bool):
+  """Multi-head attention of x [*lead, batch, time, dim] with w's weights
+  'wq', 'wk', 'wv' [*lead, dim, heads, head_dim] and 'wo' [*lead, heads,
+  head_dim, dim]. `w.lead` names leading dimensions every operand shares: ''
+  for a layer, 's' for the SPMD pipeline's stage slots (each slot with its
+  own cell's weights)."""
+  lead = w.lead
+  q = w.project('btd,dhk->bthk', x, 'wq')
+  k = w.project('btd,dhk->bthk', x, 'wk')
+  v = w.project('btd,dhk->bthk', x, 'wv')
   logits = tf.einsum(f'{lead}bthk,{lead}buhk->{lead}bhtu', q, k) * (head_dim ** -0.5)
   if causal:
     length = x.shape[-2]
@@ -215,7 +216,7 @@ def attention(x, wq, wk, wv, wo, *, head_dim: int, causal: bool, lead: str = '')
     logits += (1.0 - mask) * -1e9
   probs = cast(tf.nn.softmax(as_float32(logits), axis=-1), x.dtype)  # softmax in float32
   context = tf.einsum(f'{lead}bhtu,{lead}buhk->{lead}bthk', probs, v)
-  return tf.einsum(f'{lead}bthk,{lead}hkd->{lead}btd', context, wo)
+  return w.project('bthk,hkd->btd', context, 'wo')
 
 
 class Dropout(BaseLayer):

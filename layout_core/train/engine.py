@@ -38,7 +38,7 @@ import numpy as np
 
 from layout_core.errors import ConfigError
 from layout_core.lazy import dtensor, tf
-from layout_core.layout import mesh as mesh_lib
+from layout_core.layout import fsdp, mesh as mesh_lib
 from layout_core.layout.rules import UNSHARDED
 from layout_core.layout.scope import LayoutRecord, initial_dtensor
 from layout_core.layout.variables import Zeros, to_numpy
@@ -140,6 +140,7 @@ class ModelProgram:
   def loss_and_metrics(self, packed, training: bool = False):
     with contextlib.ExitStack() as contexts:
       contexts.enter_context(residual_context(mesh=self.mesh, batch_axis=self.batch_axis))
+      contexts.enter_context(fsdp.batch_split(self.batch_axis))
       if self.task.needs_segments:  # packed documents
         segments, positions = self.task.sequence_inputs(packed)
         contexts.enter_context(sequence_context(segments=segments, positions=positions))
