@@ -109,6 +109,22 @@ def test_bfloat16_fsdp_stays_within_bfloat16_rounding_of_the_run_without_it(mesh
   assert fsdp_error < bf16_error / 10
 
 
+@pytest.mark.parametrize('setup', ['data=8', 'data=2 x model=4, Megatron'])
+def test_bfloat16_fsdp_gives_the_gradients_of_the_run_without_it(setup, request):
+  """In bfloat16 a layer's matrices move by all-to-all, one copy per replica
+  (`fsdp.per_replica`): each device sums its slice of every replica's
+  gradient in float32 and rounds it as DTensor's all-reduce does. The first
+  step's gradients equal those of the run without FSDP, bit for bit."""
+  mesh, rules, _, _ = SETUPS[setup]
+  mesh = request.getfixturevalue(mesh)
+  runs = [trainer(mesh, rules=rules, compute_dtype='bfloat16', fsdp=on) for on in (False, True)]
+  batch = {'tokens': runs[0].task.batch(step=0, batch_size=BATCH)}
+  grads = [t.engine.loss_and_gradients(t.engine.pack(batch))[2] for t in runs]
+  assert len(split_records(runs[1])) > len(runs[1].engine.layout_records) // 2
+  for path, whole, split in zip(runs[0].engine.optimizer.paths, *grads):
+    np.testing.assert_array_equal(to_numpy(split), to_numpy(whole), err_msg=path)
+
+
 def test_each_device_holds_a_slice_of_every_split_parameter_its_slots_and_gradient(
     mesh_2x4):
   """From the variables' own layouts and local shards: 1/N of each split
@@ -182,7 +198,7 @@ def test_a_block_gathers_its_weights_at_use_and_again_when_recomputed(mesh_data8
                                                                     monkeypatch):
   """Traced gathers (counted while the gradients function is first traced):
   each block's split vectors in one `fsdp.gather_all` call, each of its
-  matrices once per replica (`fsdp.per_replica`, an all-to-all), once a step
+  matrices in bfloat16 once per replica (`fsdp.per_replica`, an all-to-all), once a step
   without remat; with remat 'block' once more in each block's
   recomputation, so the gathered copies are not what the backward pass keeps."""
   buckets, replicas = [], []
@@ -193,7 +209,7 @@ def test_a_block_gathers_its_weights_at_use_and_again_when_recomputed(mesh_data8
       variable) or per_replica(variable, dtype))
   counts = {}
   for remat in ('none', 'block'):
-    t = trainer(mesh_data8, fsdp=True, remat=remat)
+    t = trainer(mesh_data8, fsdp=True, remat=remat, compute_dtype='bfloat16')
     in_block = [r for r in split_records(t) if r.path.startswith('lm/stack/block_000/')]
     vectors = sum(len(r.shape) == 1 for r in in_block)
     buckets.clear()

@@ -22,7 +22,8 @@ device sums only its own slice of the batch's gradient. Under
 pass instead of keeping the gathered copies (FSDP2's reshard after forward).
 
 Where the batch is split over the FSDP axis (`batch_split`, entered by the
-engine around the model), a layer's matrices take another way, through its
+engine around the model) and the math runs narrower than the weights
+(bfloat16), a layer's matrices take another way, through its
 `Weights.dense` / `Weights.project`: one copy per replica of the batch
 (`per_replica`, an all-to-all), used with each replica's rows of the input
 (`replica_einsum`), so the weight's gradient is each replica's own and comes
@@ -192,12 +193,23 @@ def split_axis() -> str | None:
   return getattr(_split, 'axis', None)
 
 
-def replica_axis(variable) -> str | None:
-  """The axis `variable` can be used per replica over inside `batch_split`:
-  the axis FSDP splits it over when that is the batch's, and it is a matrix
-  (vectors are gathered whole, `gather_at_use`); else None."""
+def replica_axis(variable, dtype=None) -> str | None:
+  """The axis `variable`, used in `dtype`, is used per replica over inside
+  `batch_split` (`per_replica`): the axis FSDP splits it over when that is
+  the batch's, it is a matrix (vectors are gathered whole, `gather_at_use`)
+  and `dtype` is narrower than the variable's; else None.
+
+  Only narrower: DTensor's CPU collectives move float32 whatever the
+  compute dtype, so in bfloat16 the all-to-alls move half the bytes and hold
+  about half the memory (`bench/fsdp_collectives.py`; `bench/memory.py`'s
+  bf16 + remat + FSDP model grew from width 1664 to 1920). In float32 they
+  bought no larger model (width 1472 either way) and measured 0.93x
+  lm_small's steps/s (`bench/step.py --groups fsdp`), so float32 weights
+  keep DTensor's collectives."""
   use, axis = use_layout(variable), split_axis()
   if use is None or axis is None or len(use.sharding_specs) < 2:
+    return None
+  if dtype is None or tf.as_dtype(dtype).size >= variable.dtype.size:
     return None
   return axis if axis in variable.layout.sharding_specs and axis not in use.sharding_specs \
       else None
@@ -220,7 +232,7 @@ def per_replica(variable, dtype=None):
   weight on every device (`bench/peak_breakdown.py`); this moves the
   compute dtype and keeps one whole copy per device
   (`bench/fsdp_collectives.py`)."""
-  axis = replica_axis(variable)
+  axis = split_axis()
   stored, use = variable.layout, use_layout(variable)
   mesh = stored.mesh
   n = dict(zip(mesh.dim_names, mesh.shape()))[axis]
@@ -263,7 +275,7 @@ def replica_einsum(equation: str, rows, variable, replicas):
   inputs, out = equation.split('->')
   x_in, w_in = inputs.split(',')
   letter = next(c for c in 'rzyxwvutsqponmlkjihgfedcba' if c not in equation)
-  use, axis = use_layout(variable), replica_axis(variable)
+  use, axis = use_layout(variable), split_axis()
 
   def pin(value, subscripts, *lead):
     specs = [use.sharding_specs[w_in.index(c)] if c in w_in else UNSHARDED

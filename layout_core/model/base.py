@@ -143,7 +143,7 @@ class LayerWeights(Weights):
       # The layer's split weights at once, but for the matrices a contraction
       # will use per replica (`dense`, `project`), unless asked for here.
       owned = [(v, d) for v, d in self._root.split_weights() if v is variable or (
-          fsdp.replica_axis(v) is None and id(v) not in self._gathered)]
+          fsdp.replica_axis(v, d) is None and id(v) not in self._gathered)]
       gathered = fsdp.gather_at_use([v for v, _ in owned], [d for _, d in owned],
                                     after=self._after)
       self._gathered.update({id(v): g for (v, _), g in zip(owned, gathered)})
@@ -151,13 +151,13 @@ class LayerWeights(Weights):
 
   def dense(self, x, name):
     variable = getattr(self.layer, name)
-    if fsdp.replica_axis(variable) is None or x.shape.rank < 2:
+    if fsdp.replica_axis(variable, self.dtype) is None or x.shape.rank < 2:
       return super().dense(x, name)
     return self.project(dense_equation(x.shape.rank), x, name)
 
   def project(self, equation, x, name):
     variable = getattr(self.layer, name)
-    if fsdp.replica_axis(variable) is None:
+    if fsdp.replica_axis(variable, self.dtype) is None:
       return super().project(equation, x, name)
     replicas = self._cached(('replicas', id(variable)),
                             lambda: fsdp.per_replica(variable, self.dtype), after=self._after)
