@@ -16,18 +16,17 @@ and the process's RSS.
         [--out bench/results/peak_breakdown.json]
 
 Measured (width 1728, bf16 + remat + FSDP, 72.0M parameters; results in
-bench/results/peak_breakdown.json): 0.84 GiB held before the call (the
-parameters and Adam's slots), 2.76 GiB at the allocator's peak in it, of
-which 1.79 GiB was made during the call: 1.47 GiB by the collectives that
-sum each weight's gradient over the batch and split it, almost all of it
-float32 buffers of *whole* weights, one per device per weight ([1728, 6912]
-feed-forward and [1728, 4, 432] attention weights: on CPU the sum is an
-all-reduce in float32 followed by the split), and 0.31 GiB the ring
-reducer's temporary chunks. A device's buffer lives until the last of the 8
-time-sliced devices reaches that collective, so several weights' buffers
-(here 40 whole-weight buffers) are alive at once; which weights overlap
-varies from run to run. Chaining the sums with control dependencies did not
-change it: the collectives are scheduled by DTensor's lowering.
+bench/results/peak_breakdown.json): 0.80 GiB held before the call (the
+parameters and Adam's slots), 2.12 GiB at the allocator's peak in it, of
+which 1.27 GiB was made during the call, now in the forward pass: the
+all-to-alls that gather each matrix per replica (0.71 GiB of whole bfloat16
+weights, one per device each) and their broadcast inputs (0.53 GiB), a
+block's matrices all at once. Before `train.fsdp` moved matrices by
+all-to-all in bfloat16 (`layout_core.layout.fsdp.per_replica`), the same call
+peaked at 2.76 GiB, 1.47 GiB of it the float32 whole-weight buffers of
+DTensor's reduce-scatter (an all-reduce of the whole weight on every device,
+then the split) and 0.31 GiB its ring's chunks, each device's buffer living
+until the last of the 8 time-sliced devices reached that collective.
 """
 
 from __future__ import annotations
