@@ -45,7 +45,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from bench.common import RESULTS, write_json  # noqa: E402
-from bench.peak_breakdown import _events, breakdown  # noqa: E402
+from bench.peak_breakdown import breakdown, memory_events  # noqa: E402
 
 
 def main() -> None:
@@ -105,7 +105,7 @@ def main() -> None:
       tf.profiler.experimental.start(logdir)
       dtensor.unpack(gradient())[0].numpy()  # one slice: to_numpy would gather it
       tf.profiler.experimental.stop()
-      found = breakdown(_events(logdir), min_bytes=2**20)
+      found = breakdown(memory_events(logdir), min_bytes=2**20)
     results[name] = {
         'gradient_layout': list(dtensor.fetch_layout(grad).sharding_specs),
         'peak_bytes': found['made_in_call_live_at_peak_bytes'],

@@ -48,7 +48,7 @@ from bench.memory import SETTINGS, lm_bindings, rss_bytes  # noqa: E402
 GIB = 2**30
 
 
-def _events(logdir: str) -> list[tuple[int, str, dict]]:
+def memory_events(logdir: str) -> list[tuple[int, str, dict]]:
   """(time ns, 'MemoryAllocation' | 'MemoryDeallocation', stats) from the trace."""
   events = []
   for plane in read_trace(logdir).planes:
@@ -120,7 +120,7 @@ def main() -> None:
     tf.profiler.experimental.start(logdir)
     to_numpy(engine.loss_and_gradients(packed)[0])
     tf.profiler.experimental.stop()
-    result = breakdown(_events(logdir), min_bytes=int(args.min_mib * 2**20))
+    result = breakdown(memory_events(logdir), min_bytes=int(args.min_mib * 2**20))
   result = {'setting': args.setting, 'bindings': bindings, 'width': args.width,
             'parameters': plan.num_parameters, 'held_before_call_bytes': before,
             'rss_bytes': rss_bytes(os.getpid()),

@@ -259,6 +259,14 @@ def as_rows(x, n: int):
   return tf.reshape(x, [n, x.shape[0] // n, *x.shape[1:]])
 
 
+def lead_equation(equation: str, lead: str) -> str:
+  """`equation` ('btd,dhk->bthk': x, then a weight) with the letters `lead`
+  in front of each operand and the result."""
+  inputs, out = equation.split('->')
+  x_in, w_in = inputs.split(',')
+  return f'{lead}{x_in},{lead}{w_in}->{lead}{out}'
+
+
 def replica_einsum(equation: str, rows, variable, replicas):
   """`tf.einsum(equation, x, w)` for x [batch, ...] split over the batch
   axis, given as `rows` = `as_rows(x, n)`, and `replicas` =
@@ -283,7 +291,7 @@ def replica_einsum(equation: str, rows, variable, replicas):
              for c in subscripts]
     return dtensor.relayout(value, dtensor.Layout([*lead, *specs], use.mesh))
   rows = pin(rows, x_in[1:], axis, UNSHARDED)
-  y = tf.einsum(f'{letter}{x_in},{letter}{w_in}->{letter}{out}', rows, replicas)
+  y = tf.einsum(lead_equation(equation, letter), rows, replicas)
   y = pin(y, out[1:], axis, UNSHARDED)
   return pin(tf.reshape(y, [y.shape[0] * y.shape[1], *y.shape[2:]]), out[1:], axis)
 

@@ -63,8 +63,7 @@ def dense(x: tf.Tensor, w: tf.Tensor, *, lead: str = '') -> tf.Tensor:
   einsum with explicit letters (DTensor's einsum has no '...' broadcasting).
   With lead 's': per slot, x[s, ..., d] @ w[s, d, f]."""
   if lead:
-    batch = 'abceghij'[:x.shape.rank - 2]
-    return tf.einsum(f's{batch}d,sdf->s{batch}f', x, w)
+    return tf.einsum(fsdp.lead_equation(dense_equation(x.shape.rank - len(lead)), lead), x, w)
   if x.shape.rank == 2:
     return tf.matmul(x, w)
   return tf.einsum(dense_equation(x.shape.rank), x, w)
@@ -72,7 +71,7 @@ def dense(x: tf.Tensor, w: tf.Tensor, *, lead: str = '') -> tf.Tensor:
 
 def dense_equation(rank: int) -> str:
   """`dense`'s einsum for x of `rank` (no lead)."""
-  batch = 'abcefgh'[:rank - 1]
+  batch = 'abceghij'[:rank - 1]
   return f'{batch}d,df->{batch}f'
 
 
@@ -104,10 +103,7 @@ class Weights:
   def project(self, equation: str, x: tf.Tensor, name: str) -> tf.Tensor:
     """`tf.einsum(equation, x, self(name))`, each operand's subscripts
     after the lead ones ('btd,dhk->bthk')."""
-    lead = self.lead
-    inputs, out = equation.split('->')
-    x_in, w_in = inputs.split(',')
-    return tf.einsum(f'{lead}{x_in},{lead}{w_in}->{lead}{out}', x, self(name))
+    return tf.einsum(fsdp.lead_equation(equation, self.lead), x, self(name))
 
   def vector(self, name: str, x: tf.Tensor) -> tf.Tensor:
     """A [n] weight (per slot [S, n]) ready to combine with x [..., n]."""
