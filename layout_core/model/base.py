@@ -22,9 +22,11 @@ each elementwise op (`flops` includes both). The library's layers are in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Mapping
+import threading
+from typing import Iterator, Mapping
 
 from layout_core.lazy import Module, tf
 from layout_core.errors import ConfigError
@@ -129,7 +131,7 @@ class LayerWeights(Weights):
     self.dtype = layer.compute_dtype
     self._gathered = {} if gathered is None else gathered  # id(variable) -> gathered
     self._root = root or layer
-    self._after = after  # the inputs the gather waits for (`fsdp.gather_at_use`)
+    self._after = after  # the inputs gathers wait for under remat (`fsdp.gather_at_use`)
 
   def __call__(self, name):
     variable = getattr(self.layer, name)
@@ -285,7 +287,11 @@ class BaseLayer(Module):
   def fprop(self, *inputs):
     if self.apply is None:
       raise NotImplementedError(f'{type(self).__name__}.fprop')
-    return self.apply(self.params, LayerWeights(self, after=inputs), *inputs)
+    # Split weights gathered inside a rematerialized layer are dropped after
+    # use, so their gathers wait for the inputs; elsewhere the backward keeps
+    # them anyway, and a gather may run as early as the executor likes.
+    after = inputs if getattr(_rematerializing, 'depth', 0) else ()
+    return self.apply(self.params, LayerWeights(self, after=after), *inputs)
 
   def __call__(self, *inputs):
     inputs = tuple(cast(x, self.compute_dtype) if _floating(x) else x for x in inputs)
@@ -361,6 +367,18 @@ def as_float32(x):
   return cast(x, tf.float32) if _floating(x) else x
 
 
+_rematerializing = threading.local()  # depth: how many rematerialized calls run
+
+
+@contextlib.contextmanager
+def _rematerialized_region() -> Iterator[None]:
+  _rematerializing.depth = getattr(_rematerializing, 'depth', 0) + 1
+  try:
+    yield
+  finally:
+    _rematerializing.depth -= 1
+
+
 def rematerialized(fn, *inputs):
   """fn(*inputs), its activations recomputed in the backward pass instead of
   kept. The random context of the forward pass (dropout masks) is re-entered
@@ -383,7 +401,8 @@ def rematerialized(fn, *inputs):
   tied = next(i for i, x in enumerate(inputs) if _floating(x))
 
   def run(*args):
-    with fsdp.batch_split(split):  # the backward pass runs outside the forward's contexts
+    # The backward pass runs outside the forward's contexts: both are entered here.
+    with fsdp.batch_split(split), _rematerialized_region():
       if state is None:
         return fn(*args)
       with random_context(seed=state.seed, batch_offset=state.batch_offset):
