@@ -229,7 +229,7 @@ def test_a_peer_that_never_starts_fails_within_the_init_timeout(tmp_path):
     cleanup([client])
   assert client.process.returncode != 0
   peer = cluster.split(',')[1]
-  assert f'client 0 gave up after 5 s' in client.output
+  assert 'client 0 gave up after 5 s' in client.output
   assert f'not listening: client 1 ({peer})' in client.output, client.output[-2000:]
   print(f'exited {seconds:.1f} s after start (import + 5 s timeout)')
 

@@ -135,8 +135,11 @@ def gather_at_use(variables: Sequence, dtypes: Sequence, *, after: Sequence = ()
   use (measured: a width-1792 bf16 + remat LM's gradients function peaked at
   4.00 GiB with the wait, 4.09 without), and nothing elsewhere, where the
   backward keeps every gathered copy anyway: there the wait only stalled the
-  math behind each gather (float32 FSDP, width 1472, no remat, 3 steps: peak
-  RSS 4.21 GiB with it, 3.91 without)."""
+  math behind each gather (float32 FSDP, width 1472, no remat, 3 steps of
+  launch.train: peak RSS 4.02 GiB with it, 3.80 without; `bench/memory.py`'s
+  largest float32 FSDP model grew from width 1472 to 1536, and
+  `bench/step.py --groups fsdp`'s 4x wider lm_small from 0.98x to 1.01x
+  ZeRO-1's steps/s)."""
   with tf.control_dependencies([x for x in after if tf.is_tensor(x)]):
     return gather_all(list(variables), to=[use_layout(v) for v in variables],
                       stored=[v.layout for v in variables], dtypes=dtypes)
