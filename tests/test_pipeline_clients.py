@@ -22,6 +22,7 @@ import json
 import os
 import re
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -98,9 +99,19 @@ def relay(tmp_path_factory):
                        for k in (0, 1)]
   everything = [*references, *(c for pair in clients.values() for c in pair)]
   with killed_if_left(*everything):
-    for engine, pair in clients.items():
-      pair[0].wait_for(r'Saved checkpoint .*ckpt-4/ckpt', timeout=400)
-      pair[1].kill(signal.SIGTERM)
+    # Each engine's client 1 gets its SIGTERM as soon as its client 0 saved step 4:
+    # the engines run at different speeds, and the faster one waiting for the
+    # slower one's save would be stopped too late to resume (stop + 3 >= 20).
+    waiting, deadline = dict(clients), time.monotonic() + 400
+    while waiting:
+      for engine, pair in list(waiting.items()):
+        if re.search(r'Saved checkpoint .*ckpt-4/ckpt', pair[0].output):
+          pair[1].kill(signal.SIGTERM)
+          del waiting[engine]
+        else:
+          assert pair[0].process.poll() is None and time.monotonic() < deadline, (
+              f'{engine} client 0: no ckpt-4 save:\n{pair[0].output[-3000:]}')
+      time.sleep(0.05)
     for run in everything:
       run.finish(timeout=400)
   for run in everything:
@@ -110,6 +121,7 @@ def relay(tmp_path_factory):
     stops = [int(re.search(r'Preempted by .* at step (\d+): saved', c.output).group(1))
              for c in pair]
     assert stops[0] == stops[1], stops
+    assert stops[0] + 3 < NUM_STEPS, f'{engine}: stopped at step {stops[0]}, too late to relay'
     result[engine] = dict(dirs[engine], stopped=stops[0],
                           outputs={k: c.output for k, c in enumerate(pair)})
   # Phase 2: 2 -> 1, three steps in one process.
