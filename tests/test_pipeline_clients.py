@@ -22,7 +22,6 @@ import json
 import os
 import re
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -30,7 +29,8 @@ import tensorflow as tf
 
 from layout_core.tasks.corpus import write_documents
 from tests.conftest import Launched, killed_if_left, read_events, run_modules
-from tests.test_multi_client import Client, assert_same_state, ckpt, copy_checkpoint, free_cluster
+from tests.test_multi_client import (Client, assert_same_state, ckpt, copy_checkpoint,
+                                     free_cluster, wait_until)
 
 NUM_STEPS = 20
 COMMON = ['--gin_bindings=pipeline.num_micro_batches = 2', '--gin_bindings=train.log_every = 1',
@@ -102,16 +102,18 @@ def relay(tmp_path_factory):
     # Each engine's client 1 gets its SIGTERM as soon as its client 0 saved step 4:
     # the engines run at different speeds, and the faster one waiting for the
     # slower one's save would be stopped too late to resume (stop + 3 >= 20).
-    waiting, deadline = dict(clients), time.monotonic() + 400
-    while waiting:
+    waiting = dict(clients)
+
+    def signalled_each():
       for engine, pair in list(waiting.items()):
         if re.search(r'Saved checkpoint .*ckpt-4/ckpt', pair[0].output):
           pair[1].kill(signal.SIGTERM)
           del waiting[engine]
         else:
-          assert pair[0].process.poll() is None and time.monotonic() < deadline, (
-              f'{engine} client 0: no ckpt-4 save:\n{pair[0].output[-3000:]}')
-      time.sleep(0.05)
+          assert pair[0].process.poll() is None, (
+              f'{engine} client 0 ended without saving step 4:\n{pair[0].output[-3000:]}')
+      return not waiting
+    wait_until(signalled_each, timeout=400, what="each engine's client 0 saving step 4")
     for run in everything:
       run.finish(timeout=400)
   for run in everything:

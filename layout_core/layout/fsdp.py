@@ -40,7 +40,6 @@ Importing this module does not import TensorFlow.
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Collection, Iterator, Mapping, Sequence
 
 from absl import logging
@@ -49,9 +48,10 @@ from layout_core.errors import ConfigError
 from layout_core.lazy import dtensor, tf
 from layout_core.layout.gather import gather_together
 from layout_core.layout.rules import UNSHARDED
+from layout_core.scoped import Scoped
 
 _TAG = '_meshgin_use_layout'
-_split = threading.local()  # the axis the running step splits the batch over
+_split = Scoped()  # the axis the running step splits the batch over
 
 
 def add_axis(spec: Sequence[str], shape: Sequence[int], axis: str | None, axis_size: int, *,
@@ -125,24 +125,12 @@ def at_use(variable, dtype=None):
   return gather(variable, to=layout, stored=variable.layout, dtype=dtype)
 
 
-def gather_at_use(variables: Sequence, dtypes: Sequence, *, after: Sequence = ()) -> list:
+def gather_at_use(variables: Sequence, dtypes: Sequence) -> list:
   """`[at_use(v, d) for v, d in zip(variables, dtypes)]` for split variables,
   gathered together: on a one-axis mesh one collective per bucket of up to
-  32 MiB (`layout_core.layout.gather.gather_together`), not one per weight.
-  The gather waits for the tensors `after`: a gather depends on nothing but
-  variables, and the executor may run an op as soon as its inputs are ready.
-  Layers pass their inputs under remat, where a gathered copy is dropped after
-  use (measured: a width-1792 bf16 + remat LM's gradients function peaked at
-  4.00 GiB with the wait, 4.09 without), and nothing elsewhere, where the
-  backward keeps every gathered copy anyway: there the wait only stalled the
-  math behind each gather (float32 FSDP, width 1472, no remat, 3 steps of
-  launch.train: peak RSS 4.02 GiB with it, 3.80 without; `bench/memory.py`'s
-  largest float32 FSDP model grew from width 1472 to 1536, and
-  `bench/step.py --groups fsdp`'s 4x wider lm_small from 0.98x to 1.01x
-  ZeRO-1's steps/s)."""
-  with tf.control_dependencies([x for x in after if tf.is_tensor(x)]):
-    return gather_all(list(variables), to=[use_layout(v) for v in variables],
-                      stored=[v.layout for v in variables], dtypes=dtypes)
+  32 MiB (`layout_core.layout.gather.gather_together`), not one per weight."""
+  return gather_all(list(variables), to=[use_layout(v) for v in variables],
+                    stored=[v.layout for v in variables], dtypes=dtypes)
 
 
 def gather(value, *, to, stored, dtype=None):
@@ -188,17 +176,13 @@ def batch_split(axis: str | None) -> Iterator[None]:
   """Inside: the model's activations are split over `axis` along their first
   (batch) dimension, so a weight FSDP splits over `axis` can be used per
   replica (`per_replica`). The engine enters it around the model's call."""
-  previous = getattr(_split, 'axis', None)
-  _split.axis = None if axis == UNSHARDED else axis
-  try:
+  with _split.set(None if axis == UNSHARDED else axis):
     yield
-  finally:
-    _split.axis = previous
 
 
 def split_axis() -> str | None:
   """The axis of the `batch_split` this runs in (None: none)."""
-  return getattr(_split, 'axis', None)
+  return _split.get()
 
 
 def replica_axis(variable, dtype=None) -> str | None:

@@ -24,12 +24,12 @@ import contextlib
 import dataclasses
 import logging as logging_std
 import math
-import threading
 import zlib
 from typing import Callable, Iterator, Mapping
 
 import numpy as np
 from layout_core.lazy import tf, dtensor
+from layout_core.scoped import Scoped
 
 _MASK32 = 0xFFFFFFFF
 
@@ -162,7 +162,7 @@ def initial_value(spec: VariableSpec, seed: int) -> tf.Tensor:
 
 Creator = Callable[[VariableSpec], 'tf.Variable']
 
-_state = threading.local()
+_creator = Scoped()  # the innermost variable_creator's
 
 
 def _plain_creator(spec: VariableSpec) -> tf.Variable:
@@ -170,26 +170,15 @@ def _plain_creator(spec: VariableSpec) -> tf.Variable:
                      name=spec.path.replace('/', '.'))
 
 
-def _creators() -> list[Creator]:
-  if not hasattr(_state, 'creators'):
-    _state.creators = []
-  return _state.creators
-
-
 @contextlib.contextmanager
 def variable_creator(creator: Creator) -> Iterator[None]:
   """Routes every `create_variable` call in this thread to `creator`."""
-  stack = _creators()
-  stack.append(creator)
-  try:
+  with _creator.set(creator):
     yield
-  finally:
-    stack.pop()
 
 
 def create_variable(spec: VariableSpec) -> tf.Variable:
-  stack = _creators()
-  return (stack[-1] if stack else _plain_creator)(spec)
+  return (_creator.get() or _plain_creator)(spec)
 
 
 def dvariable(value, *, path: str, trainable: bool = True):

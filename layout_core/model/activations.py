@@ -25,34 +25,30 @@ same (tests/test_speed_paths.py).
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Iterator, Sequence
 
 from layout_core.lazy import dtensor
 from layout_core.layout.rules import UNSHARDED
+from layout_core.scoped import Scoped
 
-_state = threading.local()
+_state = Scoped()  # (mesh, split) inside a residual_context
 
 
 @contextlib.contextmanager
 def residual_context(*, mesh, batch_axis: str, lead_axes: Sequence[str] = ()) -> Iterator[None]:
   """`lead_axes`: the axes of leading dims before the batch dim (the SPMD
   pipeline's stage slots: `('stage',)`)."""
-  previous = getattr(_state, 'value', None)
   axes = dict(zip(mesh.dim_names, mesh.shape()))
   others = [n for n, size in axes.items() if size > 1 and n != batch_axis and n not in lead_axes]
   batch = batch_axis if batch_axis in axes else UNSHARDED
-  _state.value = (mesh, [*lead_axes, batch]) if others else None
-  try:
+  with _state.set((mesh, [*lead_axes, batch]) if others else None):
     yield
-  finally:
-    _state.value = previous
 
 
 def residual(x):
   """`x` ([*lead, batch, ...]) split over the batch axis (and the lead
   axes), whole elsewhere."""
-  context = getattr(_state, 'value', None)
+  context = _state.get()
   if context is None:
     return x
   mesh, split = context

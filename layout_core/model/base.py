@@ -22,15 +22,14 @@ each elementwise op (`flops` includes both). The library's layers are in
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import threading
-from typing import Iterator, Mapping
+from typing import Mapping
 
 from layout_core.lazy import Module, tf
 from layout_core.errors import ConfigError
 from layout_core.params import Params
+from layout_core.scoped import Scoped
 from layout_core.layout import fsdp
 from layout_core.layout.variables import (Initializer, VariableSpec, create_variable,
                                           path_seed)
@@ -131,7 +130,7 @@ class LayerWeights(Weights):
     self.dtype = layer.compute_dtype
     self._gathered = {} if gathered is None else gathered  # id(variable) -> gathered
     self._root = root or layer
-    self._after = after  # the inputs gathers wait for under remat (`fsdp.gather_at_use`)
+    self._after = after  # the tensors a gather waits for (`BaseLayer.fprop`)
 
   def __call__(self, name):
     variable = getattr(self.layer, name)
@@ -142,8 +141,8 @@ class LayerWeights(Weights):
       # will use per replica (`dense`, `project`), unless asked for here.
       owned = [(v, d) for v, d in self._root.split_weights() if v is variable or (
           fsdp.replica_axis(v, d) is None and id(v) not in self._gathered)]
-      gathered = fsdp.gather_at_use([v for v, _ in owned], [d for _, d in owned],
-                                    after=self._after)
+      with tf.control_dependencies(self._after):
+        gathered = fsdp.gather_at_use([v for v, _ in owned], [d for _, d in owned])
       self._gathered.update({id(v): g for (v, _), g in zip(owned, gathered)})
     return self._gathered[id(variable)]
 
@@ -158,17 +157,18 @@ class LayerWeights(Weights):
     if fsdp.replica_axis(variable, self.dtype) is None:
       return super().project(equation, x, name)
     replicas = self._cached(('replicas', id(variable)),
-                            lambda: fsdp.per_replica(variable, self.dtype), after=self._after)
+                            lambda: fsdp.per_replica(variable, self.dtype), wait=True)
     rows = self._cached(('rows', id(x)), lambda: (x, fsdp.as_rows(x, replicas.shape[0])))[1]
     return fsdp.replica_einsum(equation, rows, variable, replicas)
 
-  def _cached(self, key, make, after=()):
+  def _cached(self, key, make, wait=False):
     """`make()` once per layer call (shared with the sub-layers): a weight
-    per replica (`fsdp.per_replica`, after the layer's inputs), or an
-    input's rows, so the projections of one input (attention's q, k, v)
-    sum their gradients in one place, in the order a run without FSDP does."""
+    per replica (`fsdp.per_replica`; `wait`: after the tensors gathers wait
+    for), or an input's rows, so the projections of one input (attention's
+    q, k, v) sum their gradients in one place, in the order a run without
+    FSDP does."""
     if key not in self._gathered:
-      with tf.control_dependencies([x for x in after if tf.is_tensor(x)]):
+      with tf.control_dependencies(self._after if wait else ()):
         self._gathered[key] = make()
     return self._gathered[key]
 
@@ -287,10 +287,17 @@ class BaseLayer(Module):
   def fprop(self, *inputs):
     if self.apply is None:
       raise NotImplementedError(f'{type(self).__name__}.fprop')
-    # Split weights gathered inside a rematerialized layer are dropped after
-    # use, so their gathers wait for the inputs; elsewhere the backward keeps
-    # them anyway, and a gather may run as early as the executor likes.
-    after = inputs if getattr(_rematerializing, 'depth', 0) else ()
+    # A gather depends on nothing but variables, and the executor may run an
+    # op as soon as its inputs are ready. Inside a rematerialized layer, whose
+    # gathered copies are dropped after use, the gathers wait for the inputs
+    # (a width-1792 bf16 + remat LM's gradients function peaked at 4.00 GiB
+    # with the wait, 4.09 without). Elsewhere the backward keeps every
+    # gathered copy anyway, and the wait only stalled the math behind each
+    # gather (float32 FSDP, width 1472, 3 steps: peak RSS 4.02 GiB with it,
+    # 3.80 without; bench/memory.py's largest float32 FSDP model went from
+    # width 1472 to 1536, bench/step.py's 4x wider lm_small from 0.98x to
+    # 1.01x ZeRO-1's steps/s).
+    after = tuple(x for x in inputs if tf.is_tensor(x)) if _rematerializing.get() else ()
     return self.apply(self.params, LayerWeights(self, after=after), *inputs)
 
   def __call__(self, *inputs):
@@ -367,16 +374,7 @@ def as_float32(x):
   return cast(x, tf.float32) if _floating(x) else x
 
 
-_rematerializing = threading.local()  # depth: how many rematerialized calls run
-
-
-@contextlib.contextmanager
-def _rematerialized_region() -> Iterator[None]:
-  _rematerializing.depth = getattr(_rematerializing, 'depth', 0) + 1
-  try:
-    yield
-  finally:
-    _rematerializing.depth -= 1
+_rematerializing = Scoped(default=False)  # True inside a rematerialized call
 
 
 def rematerialized(fn, *inputs):
@@ -402,7 +400,7 @@ def rematerialized(fn, *inputs):
 
   def run(*args):
     # The backward pass runs outside the forward's contexts: both are entered here.
-    with fsdp.batch_split(split), _rematerialized_region():
+    with fsdp.batch_split(split), _rematerializing.set(True):
       if state is None:
         return fn(*args)
       with random_context(seed=state.seed, batch_offset=state.batch_offset):

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from typing import Iterator, NamedTuple, Sequence
 
 from layout_core.lazy import tf
 from layout_core.layout.variables import flat_index, mix32
+from layout_core.scoped import Scoped
 
-_state = threading.local()
+_state = Scoped()  # RandomState inside a random_context
 
 
 class RandomState(NamedTuple):
@@ -28,7 +28,7 @@ class RandomState(NamedTuple):
 
 def current_random() -> RandomState | None:
   """The innermost `random_context`'s state; None outside one (evaluation)."""
-  return getattr(_state, 'value', None)
+  return _state.get()
 
 
 @contextlib.contextmanager
@@ -44,12 +44,8 @@ def random_context(*, seed: tf.Tensor, batch_offset: 'int | tf.Tensor' = 0) -> I
   re-computes a stage. Outside a context (evaluation) random layers are the
   identity.
   """
-  previous = current_random()
-  _state.value = RandomState(seed, batch_offset)
-  try:
+  with _state.set(RandomState(seed, batch_offset)):
     yield
-  finally:
-    _state.value = previous
 
 
 def step_seed(run_seed: int, step):

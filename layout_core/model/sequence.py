@@ -16,10 +16,11 @@ other task) both behave as before: causal over the whole row, positions
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Iterator, NamedTuple
 
-_state = threading.local()
+from layout_core.scoped import Scoped
+
+_state = Scoped()  # SequenceInputs inside a sequence_context
 
 
 class SequenceInputs(NamedTuple):
@@ -28,14 +29,10 @@ class SequenceInputs(NamedTuple):
 
 
 def current_sequence() -> SequenceInputs | None:
-  return getattr(_state, 'value', None)
+  return _state.get()
 
 
 @contextlib.contextmanager
 def sequence_context(*, segments, positions) -> Iterator[None]:
-  previous = current_sequence()
-  _state.value = SequenceInputs(segments, positions)
-  try:
+  with _state.set(SequenceInputs(segments, positions)):
     yield
-  finally:
-    _state.value = previous
