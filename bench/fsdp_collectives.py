@@ -14,8 +14,9 @@ is run both ways in this process:
     and a local float32 sum: what `train.fsdp` runs.
 
 Measured per way, compiled as the engine compiles FSDP's gradients function
-(`gather_lowering`): the bytes made during one call and live at the CPU
-allocator's peak in it (TensorFlow's profiler, `bench/peak_breakdown.py`'s
+(this process's first mesh has one axis, so `build_mesh` chose the
+CollectiveGatherV2 lowering): the bytes made during one call and live at
+the CPU allocator's peak in it (TensorFlow's profiler, `bench/peak_breakdown.py`'s
 `breakdown`), also in units of the whole weight in bfloat16, the ops that
 made them, and seconds per call (median of `--calls`), side by side; and
 that both give the same gradient.
@@ -61,8 +62,9 @@ def main() -> None:
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tensorflow.experimental import dtensor  # pylint: disable=import-outside-toplevel
   from layout_core.layout import fsdp  # pylint: disable=import-outside-toplevel
-  from layout_core.layout.mesh import MeshSpec, build_mesh, gather_lowering  # pylint: disable=import-outside-toplevel
+  from layout_core.layout.mesh import MeshSpec, build_mesh  # pylint: disable=import-outside-toplevel
   from layout_core.layout.variables import to_numpy  # pylint: disable=import-outside-toplevel
+  from layout_core.step_context import StepContext, entered  # pylint: disable=import-outside-toplevel
   tf.config.set_logical_device_configuration(
       tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * 8)
   mesh = build_mesh(MeshSpec(shape={'data': 8}))
@@ -86,7 +88,7 @@ def main() -> None:
                                                    dtype=tf.bfloat16))
 
   def per_replica_way():
-    with fsdp.batch_split('data'):
+    with entered(StepContext(batch_split='data')):
       replicas = fsdp.per_replica(w, tf.bfloat16)
       return fsdp.replica_einsum('btd,df->btf', fsdp.as_rows(x, 8), w, replicas)
 
@@ -98,8 +100,7 @@ def main() -> None:
       with tf.GradientTape() as tape:
         loss = loss_of(forward())
       return tape.gradient(loss, w)
-    with gather_lowering(mesh):  # as the engine compiles FSDP's gradients function
-      grad = gradient()
+    grad = gradient()
     functions[name], gradients[name] = gradient, to_numpy(grad)
     with tempfile.TemporaryDirectory() as logdir:
       tf.profiler.experimental.start(logdir)

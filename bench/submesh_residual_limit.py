@@ -1,7 +1,7 @@
 """Limit check: the sub-mesh engine cannot pin its residual stream.
 
 The one-program engine and the SPMD pipeline run transformer blocks inside
-`layout_core.model.activations.residual_context`, which relays the residual
+`layout_core.model.activations.residual_pin`, which relays the residual
 stream to the batch split (12% faster on lm_small `data=2 x model=4`). The
 sub-mesh engine's stages run without it. This builds the sub-mesh engine of
 configs/experiments/lm_pipeline.gin (2 stages of `data=2 x model=2`, 4
@@ -38,7 +38,8 @@ import contextlib, json, sys, time
 sys.path.insert(0, sys.argv[2])
 variation = sys.argv[1]
 from layout_core.layout.variables import to_numpy
-from layout_core.model.activations import residual_context
+from layout_core.model.activations import residual_pin
+from layout_core.step_context import StepContext, entered
 from layout_core.pipeline import placement, submesh
 from plugins import gin_setup, plan as plan_lib
 from plugins.training import build_trainer
@@ -50,7 +51,8 @@ current = []
 run = placement.SubMeshPlacement.run
 
 def pinned_run(self, k, fn, *args):
-  context = (residual_context(mesh=self.meshes[k], batch_axis=self.batch_axis)
+  pin = residual_pin(mesh=self.meshes[k], batch_axis=self.batch_axis)
+  context = (entered(StepContext(residual=pin))
              if current and current[-1] in where else contextlib.nullcontext())
   with context:
     return run(self, k, fn, *args)

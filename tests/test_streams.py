@@ -14,7 +14,7 @@ from layout_core.layout.rules import LayoutRules
 from layout_core.layout.variables import to_numpy
 from layout_core.lazy import tf
 from layout_core.model.lm import transformer_lm_params
-from layout_core.model.sequence import sequence_context
+from layout_core.step_context import SequenceInputs, StepContext, entered
 from layout_core.tasks import TFRecordTask, streams, write_tfrecords
 from layout_core.tasks.corpus import LMCorpusTask, target_mask, write_documents
 from layout_core.train.config import TrainConfig
@@ -269,7 +269,7 @@ def _logits(trainer, task, batch, *, segments=True):
     if not segments:
       return model.call(inputs, False)
     segment_ids, positions = task.sequence_inputs(packed)
-    with sequence_context(segments=segment_ids, positions=positions):
+    with entered(StepContext(sequence=SequenceInputs(segment_ids, positions))):
       return model.call(inputs, False)
 
   return to_numpy(call(trainer.engine.pack(batch)))

@@ -21,9 +21,9 @@ device sums only its own slice of the batch's gradient. Under
 `train.remat` a recomputed layer gathers its weights again in the backward
 pass instead of keeping the gathered copies (FSDP2's reshard after forward).
 
-Where the batch is split over the FSDP axis (`batch_split`, entered by the
-engine around the model) and the math runs narrower than the weights
-(bfloat16), a layer's matrices take another way, through its
+Where the batch is split over the FSDP axis (the step context's
+`batch_split`, set by the engine around the model) and the math runs
+narrower than the weights (bfloat16), a layer's matrices take another way, through its
 `Weights.dense` / `Weights.project`: one copy per replica of the batch
 (`per_replica`, an all-to-all), used with each replica's rows of the input
 (`replica_einsum`), so the weight's gradient is each replica's own and comes
@@ -39,8 +39,7 @@ Importing this module does not import TensorFlow.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Collection, Iterator, Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from absl import logging
 
@@ -48,10 +47,9 @@ from layout_core.errors import ConfigError
 from layout_core.lazy import dtensor, tf
 from layout_core.layout.gather import gather_together
 from layout_core.layout.rules import UNSHARDED
-from layout_core.scoped import Scoped
+from layout_core.step_context import current
 
 _TAG = '_meshgin_use_layout'
-_split = Scoped()  # the axis the running step splits the batch over
 
 
 def add_axis(spec: Sequence[str], shape: Sequence[int], axis: str | None, axis_size: int, *,
@@ -171,18 +169,10 @@ def gather_all(values: Sequence, *, to: Sequence, stored: Sequence,
 
 
 # -- per-replica weights: gathered and summed with all-to-alls ------------------------
-@contextlib.contextmanager
-def batch_split(axis: str | None) -> Iterator[None]:
-  """Inside: the model's activations are split over `axis` along their first
-  (batch) dimension, so a weight FSDP splits over `axis` can be used per
-  replica (`per_replica`). The engine enters it around the model's call."""
-  with _split.set(None if axis == UNSHARDED else axis):
-    yield
-
-
 def split_axis() -> str | None:
-  """The axis of the `batch_split` this runs in (None: none)."""
-  return _split.get()
+  """The axis the running step splits the batch over (the step context's
+  `batch_split`; None: none)."""
+  return current().batch_split
 
 
 def replica_axis(variable, dtype=None) -> str | None:

@@ -1,5 +1,5 @@
 """Models: the Params layer framework (`base`), the library's layers
-(`layers`), step randomness (`random`), the LM recipes (`lm`) and the Keras 3
+(`layers`), the weights their math reads (`weights`), step randomness (`random`), the LM recipes (`lm`) and the Keras 3
 adapter (`keras`, imported on its own: it loads Keras).
 
     from layout_core import model
@@ -7,9 +7,10 @@ adapter (`keras`, imported on its own: it loads Keras).
     model.num_parameters(p)
 """
 
-from layout_core.model.base import (BaseLayer, Declared, LayerMeta, Sequential, dense,
+from layout_core.model.base import (BaseLayer, Declared, LayerMeta, Sequential,
                                     flatten_layers, leaf_layers, leaf_modules,
                                     num_parameters)
+from layout_core.model.weights import LayerWeights, Weights, dense
 from layout_core.model.layers import (Dropout, Embedding, FeedForward, LayerNorm,
                                       MultiHeadAttention, Softmax, TransformerBlock,
                                       attention)
@@ -17,7 +18,7 @@ from layout_core.model.lm import transformer_block_params, transformer_lm_params
 from layout_core.model.random import current_random, random_context, step_seed
 
 __all__ = ['BaseLayer', 'Declared', 'Dropout', 'Embedding', 'FeedForward', 'LayerMeta',
-           'LayerNorm', 'MultiHeadAttention', 'Sequential', 'Softmax', 'TransformerBlock',
+           'LayerNorm', 'LayerWeights', 'MultiHeadAttention', 'Sequential', 'Softmax', 'TransformerBlock',
            'attention', 'current_random', 'dense', 'flatten_layers', 'leaf_layers',
            'leaf_modules', 'num_parameters', 'random_context', 'step_seed',
-           'transformer_block_params', 'transformer_lm_params']
+           'transformer_block_params', 'transformer_lm_params', 'Weights']

@@ -29,11 +29,10 @@ from typing import Mapping
 from layout_core.lazy import Module, tf
 from layout_core.errors import ConfigError
 from layout_core.params import Params
-from layout_core.scoped import Scoped
 from layout_core.layout import fsdp
-from layout_core.layout.variables import (Initializer, VariableSpec, create_variable,
-                                          path_seed)
-from layout_core.model.random import DropoutInputs, current_random, random_context
+from layout_core.layout.variables import Initializer, VariableSpec, create_variable
+from layout_core.model.weights import LayerWeights, cast, waits_for
+from layout_core.step_context import current, entered
 
 Shape = tuple[int, ...]
 
@@ -56,131 +55,6 @@ class Declared:
 
 def num_elements(shape: Shape) -> int:
   return math.prod(shape)
-
-
-def dense(x: tf.Tensor, w: tf.Tensor, *, lead: str = '') -> tf.Tensor:
-  """x[..., d] @ w[d, f]: a matmul for 2-D x (on CPU the einsum kernel's
-  forward + backward took 2x as long at [16, 1024] x [1024, 1024]), else an
-  einsum with explicit letters (DTensor's einsum has no '...' broadcasting).
-  With lead 's': per slot, x[s, ..., d] @ w[s, d, f]."""
-  if lead:
-    return tf.einsum(fsdp.lead_equation(dense_equation(x.shape.rank - len(lead)), lead), x, w)
-  if x.shape.rank == 2:
-    return tf.matmul(x, w)
-  return tf.einsum(dense_equation(x.shape.rank), x, w)
-
-
-def dense_equation(rank: int) -> str:
-  """`dense`'s einsum for x of `rank` (no lead)."""
-  batch = 'abceghij'[:rank - 1]
-  return f'{batch}d,df->{batch}f'
-
-
-class Weights:
-  """A layer's weights as its `apply` reads them: `w('w_in')`, a sub-layer's
-  `w.child('ffn')`, and the inputs of its dropout masks (`w.random()`).
-
-  `lead` names leading dimensions every weight and activation carries: ''
-  for a layer's own variables (`LayerWeights`), 's' for the SPMD pipeline's
-  stage slots, where each slot holds another cell's weights
-  (`layout_core.pipeline.spmd`). The broadcasting helpers make one body of
-  math serve both."""
-  lead = ''
-  dtype = None  # the compute dtype weights are cast to (None: as stored)
-
-  def __call__(self, name: str) -> tf.Tensor:
-    raise NotImplementedError
-
-  def child(self, name: str) -> 'Weights':
-    raise NotImplementedError
-
-  def random(self) -> DropoutInputs | None:
-    """None outside a random context (evaluation): random layers are the identity."""
-    raise NotImplementedError
-
-  def dense(self, x: tf.Tensor, name: str) -> tf.Tensor:
-    return dense(x, self(name), lead=self.lead)
-
-  def project(self, equation: str, x: tf.Tensor, name: str) -> tf.Tensor:
-    """`tf.einsum(equation, x, self(name))`, each operand's subscripts
-    after the lead ones ('btd,dhk->bthk')."""
-    return tf.einsum(fsdp.lead_equation(equation, self.lead), x, self(name))
-
-  def vector(self, name: str, x: tf.Tensor) -> tf.Tensor:
-    """A [n] weight (per slot [S, n]) ready to combine with x [..., n]."""
-    w = self(name)
-    if self.lead:
-      for _ in range(x.shape.rank - 2):
-        w = tf.expand_dims(w, 1)
-    return w
-
-
-class LayerWeights(Weights):
-  """A built layer's own variables (lead ''). With FSDP, the first split
-  weight read gathers every split weight of the layer being run and of its
-  sub-layers at once, a few collectives for the whole block
-  (`layout_core.layout.fsdp.gather_at_use`); its sub-layers share them.
-  Inside the engine's `fsdp.batch_split`, the matrices its contractions use
-  (`dense`, `project`) are used per replica instead (`fsdp.per_replica`),
-  each once per layer call."""
-
-  def __init__(self, layer: 'BaseLayer', gathered: dict | None = None,
-               root: 'BaseLayer | None' = None, after: tuple = ()):
-    self.layer = layer
-    self.dtype = layer.compute_dtype
-    self._gathered = {} if gathered is None else gathered  # id(variable) -> gathered
-    self._root = root or layer
-    self._after = after  # the tensors a gather waits for (`BaseLayer.fprop`)
-
-  def __call__(self, name):
-    variable = getattr(self.layer, name)
-    if fsdp.use_layout(variable) is None:
-      return self.layer.weight(name)
-    if id(variable) not in self._gathered:
-      # The layer's split weights at once, but for the matrices a contraction
-      # will use per replica (`dense`, `project`), unless asked for here.
-      owned = [(v, d) for v, d in self._root.split_weights() if v is variable or (
-          fsdp.replica_axis(v, d) is None and id(v) not in self._gathered)]
-      with tf.control_dependencies(self._after):
-        gathered = fsdp.gather_at_use([v for v, _ in owned], [d for _, d in owned])
-      self._gathered.update({id(v): g for (v, _), g in zip(owned, gathered)})
-    return self._gathered[id(variable)]
-
-  def dense(self, x, name):
-    variable = getattr(self.layer, name)
-    if fsdp.replica_axis(variable, self.dtype) is None or x.shape.rank < 2:
-      return super().dense(x, name)
-    return self.project(dense_equation(x.shape.rank), x, name)
-
-  def project(self, equation, x, name):
-    variable = getattr(self.layer, name)
-    if fsdp.replica_axis(variable, self.dtype) is None:
-      return super().project(equation, x, name)
-    replicas = self._cached(('replicas', id(variable)),
-                            lambda: fsdp.per_replica(variable, self.dtype), wait=True)
-    rows = self._cached(('rows', id(x)), lambda: (x, fsdp.as_rows(x, replicas.shape[0])))[1]
-    return fsdp.replica_einsum(equation, rows, variable, replicas)
-
-  def _cached(self, key, make, wait=False):
-    """`make()` once per layer call (shared with the sub-layers): a weight
-    per replica (`fsdp.per_replica`; `wait`: after the tensors gathers wait
-    for), or an input's rows, so the projections of one input (attention's
-    q, k, v) sum their gradients in one place, in the order a run without
-    FSDP does."""
-    if key not in self._gathered:
-      with tf.control_dependencies(self._after if wait else ()):
-        self._gathered[key] = make()
-    return self._gathered[key]
-
-  def child(self, name):
-    return LayerWeights(getattr(self.layer, name), self._gathered, self._root, self._after)
-
-  def random(self):
-    state = current_random()
-    if state is None:
-      return None
-    return DropoutInputs(seed=state.seed, keys=path_seed(self.layer.path, 0),
-                         first_rows=state.batch_offset)
 
 
 class BaseLayer(Module):
@@ -287,18 +161,7 @@ class BaseLayer(Module):
   def fprop(self, *inputs):
     if self.apply is None:
       raise NotImplementedError(f'{type(self).__name__}.fprop')
-    # A gather depends on nothing but variables, and the executor may run an
-    # op as soon as its inputs are ready. Inside a rematerialized layer, whose
-    # gathered copies are dropped after use, the gathers wait for the inputs
-    # (a width-1792 bf16 + remat LM's gradients function peaked at 4.00 GiB
-    # with the wait, 4.09 without). Elsewhere the backward keeps every
-    # gathered copy anyway, and the wait only stalled the math behind each
-    # gather (float32 FSDP, width 1472, 3 steps: peak RSS 4.02 GiB with it,
-    # 3.80 without; bench/memory.py's largest float32 FSDP model went from
-    # width 1472 to 1536, bench/step.py's 4x wider lm_small from 0.98x to
-    # 1.01x ZeRO-1's steps/s).
-    after = tuple(x for x in inputs if tf.is_tensor(x)) if _rematerializing.get() else ()
-    return self.apply(self.params, LayerWeights(self, after=after), *inputs)
+    return self.apply(self.params, LayerWeights(self, after=waits_for(inputs)), *inputs)
 
   def __call__(self, *inputs):
     inputs = tuple(cast(x, self.compute_dtype) if _floating(x) else x for x in inputs)
@@ -356,12 +219,6 @@ class Sequential(BaseLayer):
     return outputs[0] if len(outputs) == 1 else outputs
 
 
-def cast(x, dtype) -> tf.Tensor:
-  """x as `dtype`; x itself (a variable is then read by its consumer, as
-  before compute dtypes existed) when it already has it."""
-  return x if x.dtype == tf.as_dtype(dtype) else tf.cast(x, dtype)
-
-
 def _floating(x) -> bool:
   return bool(getattr(getattr(x, 'dtype', None), 'is_floating', False))
 
@@ -374,13 +231,11 @@ def as_float32(x):
   return cast(x, tf.float32) if _floating(x) else x
 
 
-_rematerializing = Scoped(default=False)  # True inside a rematerialized call
-
-
 def rematerialized(fn, *inputs):
   """fn(*inputs), its activations recomputed in the backward pass instead of
-  kept. The random context of the forward pass (dropout masks) is re-entered
-  for the recomputation, so the masks are the same. Gradients reach `inputs`
+  kept. The recomputation runs in the forward pass's step context
+  (`layout_core.step_context`), so it computes the same function: the same
+  dropout masks, the same packed documents. Gradients reach `inputs`
   and the variables `fn` reads; a tensor `fn` only captures gets none, so
   pass such tensors as inputs. Inputs with no floating tensor (token ids)
   have no activations worth recomputing: fn runs as is.
@@ -395,16 +250,15 @@ def rematerialized(fn, *inputs):
   for finite gradients): 1.68 GiB."""
   if not any(_floating(x) for x in inputs):
     return fn(*inputs)
-  state, split = current_random(), fsdp.split_axis()
+  # The backward pass runs outside the forward's blocks: the recomputation
+  # enters the forward's whole step context again (dropout masks, packed
+  # segments, residual pin, batch split), marked as rematerialized.
+  context = current().replace(remat=True)
   tied = next(i for i, x in enumerate(inputs) if _floating(x))
 
   def run(*args):
-    # The backward pass runs outside the forward's contexts: both are entered here.
-    with fsdp.batch_split(split), _rematerializing.set(True):
-      if state is None:
-        return fn(*args)
-      with random_context(seed=state.seed, batch_offset=state.batch_offset):
-        return fn(*args)
+    with entered(context):
+      return fn(*args)
 
   @tf.custom_gradient
   def recomputed(*args):

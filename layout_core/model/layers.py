@@ -13,11 +13,12 @@ from layout_core.lazy import tf
 from layout_core.errors import ConfigError
 from layout_core.layout import fsdp
 from layout_core.layout.variables import Normal, Ones, Zeros
-from layout_core.model.base import (BaseLayer, Declared, LayerMeta, as_float32, cast, dense,
+from layout_core.model.base import (BaseLayer, Declared, LayerMeta, as_float32,
                                     num_elements as _size)
 from layout_core.model.activations import residual
 from layout_core.model.random import dropout
-from layout_core.model.sequence import current_sequence
+from layout_core.model.weights import cast, dense
+from layout_core.step_context import current
 
 
 def check_width(p, x_shape, dim: str) -> None:
@@ -70,7 +71,7 @@ class Embedding(BaseLayer):
     # gradients of repeated ids in bfloat16).
     x = cast(tf.gather(fsdp.at_use(self.table), ids), self.compute_dtype)
     if self.params.max_len:
-      sequence, positions = current_sequence(), fsdp.at_use(self.pos_table)
+      sequence, positions = current().sequence, fsdp.at_use(self.pos_table)
       if sequence is None:
         x += cast(positions[:ids.shape[1]], self.compute_dtype)
       else:  # packed documents: each token's position within its own
@@ -208,7 +209,7 @@ def attention(x, w, *, head_dim: int, causal: bool):
   if causal:
     length = x.shape[-2]
     mask = tf.linalg.band_part(tf.ones([length, length], logits.dtype), -1, 0)
-    sequence = current_sequence()
+    sequence = current().sequence
     if sequence is not None and not lead:  # packed documents: stay in one's own
       segments = sequence.segments
       same = tf.equal(tf.expand_dims(segments, 2), tf.expand_dims(segments, 1))  # [b, t, u]
@@ -221,7 +222,7 @@ def attention(x, w, *, head_dim: int, causal: bool):
 
 class Dropout(BaseLayer):
   """Zeroes each element with probability `rate` (scaling the rest by
-  1/(1-rate)) inside a `random_context`; the identity outside one."""
+  1/(1-rate)) in a training step (`Weights.random`); the identity outside one."""
 
   @classmethod
   def Params(cls):

@@ -16,24 +16,18 @@ from typing import Iterator, NamedTuple, Sequence
 
 from layout_core.lazy import tf
 from layout_core.layout.variables import flat_index, mix32
-from layout_core.scoped import Scoped
-
-_state = Scoped()  # RandomState inside a random_context
-
-
-class RandomState(NamedTuple):
-  seed: 'tf.Tensor'     # int64 scalar: the step's seed
-  batch_offset: 'int | tf.Tensor'  # the global row index of this micro-batch's first row
+from layout_core.step_context import RandomState, current, entered
 
 
 def current_random() -> RandomState | None:
-  """The innermost `random_context`'s state; None outside one (evaluation)."""
-  return _state.get()
+  """The step context's random state; None outside a training step (evaluation)."""
+  return current().random
 
 
 @contextlib.contextmanager
 def random_context(*, seed: tf.Tensor, batch_offset: 'int | tf.Tensor' = 0) -> Iterator[None]:
-  """Turns on random layers (Dropout) for the code inside, e.g. a training step.
+  """Turns on random layers (Dropout) for the code inside, e.g. a training step:
+  the step context in force with `random` set (`layout_core.step_context`).
 
   `seed` is an int scalar tensor (the trainer gives run seed x step);
   `batch_offset` is the index of this micro-batch's first row in the global
@@ -44,7 +38,7 @@ def random_context(*, seed: tf.Tensor, batch_offset: 'int | tf.Tensor' = 0) -> I
   re-computes a stage. Outside a context (evaluation) random layers are the
   identity.
   """
-  with _state.set(RandomState(seed, batch_offset)):
+  with entered(current().replace(random=RandomState(seed, batch_offset))):
     yield
 
 

@@ -46,6 +46,7 @@ from layout_core.layout.variables import to_numpy
 from layout_core.model.base import Sequential, as_float32
 from layout_core.model.built import BuiltModel, StepFunction
 from layout_core.model.random import current_random, random_context, step_seed
+from layout_core.step_context import StepContext
 from layout_core.params import Params
 from layout_core.pipeline import spmd as spmd_lib
 from layout_core.pipeline.plan import PipelinePlan
@@ -178,9 +179,8 @@ class GPipeEngine:
     # The clipping norm spans all stages: summed on the host, then given to each stage's mesh.
     norm = math.sqrt(sum(float(to_numpy(s)) for s in squared_norms if s is not None))
     put = self.placement.put_changing
-    with mesh_lib.gather_lowering(self.mesh):  # read when the update first compiles
-      rate = self._apply(grads, [put(k, np.int64(step)) for k in range(len(grads))],
-                         [put(k, np.float32(norm)) for k in range(len(grads))])
+    rate = self._apply(grads, [put(k, np.int64(step)) for k in range(len(grads))],
+                       [put(k, np.float32(norm)) for k in range(len(grads))])
     return rate, tf.constant(norm)
 
   def evaluate(self, packed):
@@ -284,6 +284,12 @@ class SpmdProgram:
                               self.mesh)
       packed[name] = mesh_lib.pack_global_array(micro, layout)
     return packed
+
+  def context(self, packed):
+    """No packed documents (refused for pipelines), no residual pin or batch
+    split outside the stack: the stack pins its own (`spmd.SpmdPipeline`)."""
+    del packed
+    return StepContext()
 
   def loss_and_metrics(self, batch, training: bool = False):
     """The mean over micro-batches of the task's loss and metrics."""

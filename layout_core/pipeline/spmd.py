@@ -48,8 +48,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from layout_core.lazy import Module, tf, dtensor
-from layout_core.model.activations import residual_context
-from layout_core.model.random import current_random
+from layout_core.model.activations import residual_pin
 from layout_core.layout import fsdp
 from layout_core.layout import mesh as mesh_lib
 from layout_core.layout.stacked_keys import set_unstacked
@@ -61,8 +60,10 @@ from layout_core.pipeline.plan import (cell_slot, check_cell_count, check_identi
                                        check_stackable)
 from layout_core.layout.rules import UNSHARDED, LayoutRules
 from layout_core.layout.variables import dvariable, initial_value, path_seed
-from layout_core.model.base import Weights, cast, rematerialized
+from layout_core.model.base import rematerialized
 from layout_core.model.random import DropoutInputs
+from layout_core.model.weights import GatheredAtUse, Split, Weights, cast, waits_for
+from layout_core.step_context import current, entered
 
 # The path component that stands for "every cell" in stacked variable paths:
 # lm/stack/stacked_cells/ffn/w_in holds lm/stack/block_000/ffn/w_in, ...
@@ -224,29 +225,34 @@ class SlotRandom:
 class SlotWeights(Weights):
   """The weights of the cells on every slot at once (lead 's'): `select(name)`
   gives the [S, ...] tensor of weight `name` (a path below the cell), one
-  row per slot, cast to `dtype` (the cell's compute dtype) and, when FSDP
-  stores it split, first gathered as `use_layouts[name]` = (the row's use
-  layout, its stored layout) says; `below` is the layer's path below the cell."""
+  row per slot, cast to `dtype` (the cell's compute dtype). Those FSDP
+  stores split (`use_layouts[name]` = (the row's use layout, its stored
+  layout)) are gathered at use as a layer's are (`GatheredAtUse`: the
+  cell's split weights at once, after `after`); `below` is the layer's
+  path below the cell."""
   lead = 's'
 
   def __init__(self, select: Callable[[str], tf.Tensor], random: SlotRandom | None,
                below: str = '', dtype: str | None = None,
-               use_layouts: Mapping[str, tuple[dtensor.Layout, dtensor.Layout]] | None = None):
+               use_layouts: Mapping[str, tuple[dtensor.Layout, dtensor.Layout]] | None = None,
+               at_use: GatheredAtUse | None = None, after: tuple = ()):
     self.select, self.slot_random, self.below, self.dtype = select, random, below, dtype
     self.use_layouts = use_layouts or {}
+    self._at_use = at_use or GatheredAtUse(
+        lambda: {path: Split(select(path), stored, use, dtype)
+                 for path, (use, stored) in self.use_layouts.items()}, after)
 
   def __call__(self, name):
     path = f'{self.below}/{name}' if self.below else name
-    value = self.select(path)
     if path in self.use_layouts:
-      use, stored = self.use_layouts[path]
-      return fsdp.gather(value, to=use, stored=stored, dtype=self.dtype)
+      return self._at_use.get(path)
+    value = self.select(path)
     return value if self.dtype is None else cast(value, self.dtype)
 
   def child(self, name):
     return SlotWeights(self.select, self.slot_random,
                        f'{self.below}/{name}' if self.below else name, self.dtype,
-                       self.use_layouts)
+                       self.use_layouts, self._at_use)
 
   def random(self):
     """Each slot's mask from its own cell's layer path and its micro-batch's
@@ -346,7 +352,7 @@ class SpmdPipeline:
     micro_size = shape[0]
     rank = len(shape) + 1
     layout = self._layout(rank)
-    state = current_random()
+    state = current().random
     fill = 0.0 if self.bubble_fill is None else self.bubble_fill
     first = micro_inputs[0]
     poison = tf.zeros_like(first) + tf.constant(fill, first.dtype)
@@ -376,6 +382,8 @@ class SpmdPipeline:
     outputs: list = [None] * num_micro
     cell = stack.cell_params[0]
     names, dtype = list(variables), cell.fprop_dtype or cell.dtype
+    pin = residual_pin(mesh=stack.mesh, batch_axis=stack.batch_axis,
+                       lead_axes=(stack.stage_axis,))
     for clock, work in enumerate(self.order):
       items = {s: item for s, item in work}
       # What enters slot 0 at this clock.
@@ -404,10 +412,10 @@ class SpmdPipeline:
 
         def run_cell(x, *picked, random=random):
           by_name = dict(zip(names, picked))
-          with residual_context(mesh=stack.mesh, batch_axis=stack.batch_axis,
-                                lead_axes=(stack.stage_axis,)):
-            return cell.cls.apply(cell, SlotWeights(by_name.__getitem__, random, dtype=dtype,
-                                                    use_layouts=use_layouts), x)
+          weights = SlotWeights(by_name.__getitem__, random, dtype=dtype,
+                                use_layouts=use_layouts, after=waits_for((x,)))
+          with entered(current().replace(residual=pin)):
+            return cell.cls.apply(cell, weights, x)
         # The picked weights are inputs, not captures: a recomputed cell's
         # gradients reach only its inputs and the variables it reads itself.
         x = rematerialized(run_cell, x, *picked) if cell.remat else run_cell(x, *picked)

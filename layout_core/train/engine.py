@@ -22,31 +22,31 @@ checkpoints, preemption and summaries from the one loop. Implementations:
     identical cells on the stage axis of one mesh);
   * `layout_core.pipeline.engines.GPipeEngine`: stages on sub-meshes.
 
-Every engine's update (`apply_gradients`) compiles under the mesh's gather
-lowering (`layout_core.layout.mesh.gather_lowering`), so a caller that
-drives an engine directly, as above, gets the same update as the loop.
+Every function compiles with the process's all-gather lowering, decided
+once when its first mesh was built (`layout_core.tf_internals`), so a
+caller that drives an engine directly, as above, gets the same step as the
+loop.
 Gradient accumulation (`train.grad_accum_steps`) is `micro_steps.MicroSteps`
 for every engine.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from layout_core.errors import ConfigError
 from layout_core.lazy import dtensor, tf
-from layout_core.layout import fsdp, mesh as mesh_lib
+from layout_core.layout import mesh as mesh_lib
 from layout_core.layout.rules import UNSHARDED
 from layout_core.layout.scope import LayoutRecord, initial_dtensor
 from layout_core.layout.variables import Zeros, to_numpy
-from layout_core.model.activations import residual_context
+from layout_core.model.activations import residual_pin
 from layout_core.model.base import as_float32
 from layout_core.model.built import BuiltModel, StepFunction
-from layout_core.model.random import random_context, step_seed
-from layout_core.model.sequence import sequence_context
+from layout_core.model.random import step_seed
+from layout_core.step_context import RandomState, SequenceInputs, StepContext, entered
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig
 from layout_core.train.micro_steps import MicroSteps, client_rows
@@ -119,8 +119,13 @@ class Program(Protocol):
   def pack(self, batch: Mapping[str, np.ndarray]) -> Any:
     """A host batch placed on the devices as `loss_and_metrics` takes it."""
 
+  def context(self, packed) -> StepContext:
+    """What the model's math needs to know of this batch besides its inputs
+    (packed segments, residual pin, batch split): the step context the
+    engine enters, with the step's random state added when training."""
+
   def loss_and_metrics(self, packed, training: bool = False) -> tuple[Any, dict[str, Any]]:
-    """Traced inside the engine's functions; dropout is on inside a random_context."""
+    """Traced inside the engine's functions, in `context(packed)`."""
 
   def summaries(self) -> tuple[dict[str, str], dict[str, float]]:
     """Extra TensorBoard records at step 0."""
@@ -137,14 +142,16 @@ class ModelProgram:
   def pack(self, batch):
     return pack_batch(batch, mesh=self.mesh, batch_axis=self.batch_axis)
 
+  def context(self, packed):
+    sequence = None
+    if self.task.needs_segments:  # packed documents
+      sequence = SequenceInputs(*self.task.sequence_inputs(packed))
+    split = None if self.batch_axis == UNSHARDED else self.batch_axis
+    return StepContext(sequence=sequence, batch_split=split,
+                       residual=residual_pin(mesh=self.mesh, batch_axis=self.batch_axis))
+
   def loss_and_metrics(self, packed, training: bool = False):
-    with contextlib.ExitStack() as contexts:
-      contexts.enter_context(residual_context(mesh=self.mesh, batch_axis=self.batch_axis))
-      contexts.enter_context(fsdp.batch_split(self.batch_axis))
-      if self.task.needs_segments:  # packed documents
-        segments, positions = self.task.sequence_inputs(packed)
-        contexts.enter_context(sequence_context(segments=segments, positions=positions))
-      outputs = self.model.call(self.task.model_inputs(packed), training)
+    outputs = self.model.call(self.task.model_inputs(packed), training)
     return self.task.loss_and_metrics(as_float32(outputs), packed)
 
   def summaries(self):
@@ -169,9 +176,6 @@ class SingleProgramEngine:
                                     mesh_axes=mesh_lib.mesh_axes(mesh),
                                     batch_axis=program.batch_axis, lead_dims=model.lead_dims,
                                     fsdp_axis=model.fsdp_axis)
-    # With FSDP the forward and backward gather weights: compiled, as the
-    # update is, under the mesh's gather lowering (None: DTensor's default).
-    self._gathering_mesh = self.mesh if model.fsdp_axis else None
     self.micro_steps = MicroSteps(count=config.grad_accum_steps, batch_size=config.batch_size)
     self._gradients = StepFunction(self._gradients_fn)
     self._apply = StepFunction(self._apply_fn)
@@ -187,8 +191,10 @@ class SingleProgramEngine:
                        parts=self.micro_steps.count * self.program.rows_parts)
 
   def loss_and_metrics(self, packed, training: bool = False):
-    """The program's loss and metrics, not compiled (to trace inside a caller's function)."""
-    return self.program.loss_and_metrics(packed, training)
+    """The program's loss and metrics in its step context (no dropout), not
+    compiled (to trace inside a caller's function)."""
+    with entered(self.program.context(packed)):
+      return self.program.loss_and_metrics(packed, training)
 
   def _gradients_fn(self, packed):
     seed = step_seed(self.config.seed, self.counters.step.read_value())
@@ -197,11 +203,15 @@ class SingleProgramEngine:
         one_at_a_time=True)
 
   def _micro_step(self, batch, *, seed, first_row: int):
-    with tf.GradientTape() as tape, random_context(seed=seed, batch_offset=first_row):
-      loss, metrics = self.program.loss_and_metrics(batch, training=True)
-    # Dense gradients: an embedding's IndexedSlices gradient passed on to the
-    # update function arrives with a wrong shape under DTensor (TF 2.21).
-    grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, self.trainable)]
+    # The one place a training step's context is entered: around the forward
+    # and the backward pass alike.
+    context = self.program.context(batch).replace(random=RandomState(seed, first_row))
+    with entered(context):
+      with tf.GradientTape() as tape:
+        loss, metrics = self.program.loss_and_metrics(batch, training=True)
+      # Dense gradients: an embedding's IndexedSlices gradient passed on to the
+      # update function arrives with a wrong shape under DTensor (TF 2.21).
+      grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, self.trainable)]
     return loss, metrics, self.optimizer.sliced_gradients(grads)
 
   def _apply_fn(self, grads):
@@ -210,19 +220,16 @@ class SingleProgramEngine:
     return lr, grad_norm
 
   def _evaluate_fn(self, packed):
-    return self.micro_steps.evaluate(packed, self.program.loss_and_metrics)
+    return self.micro_steps.evaluate(packed, self.loss_and_metrics)
 
   def loss_and_gradients(self, packed):
-    with mesh_lib.gather_lowering(self._gathering_mesh):
-      return self._gradients(packed)
+    return self._gradients(packed)
 
   def apply_gradients(self, gradients):
-    with mesh_lib.gather_lowering(self.mesh):  # read when the update first compiles
-      return self._apply(gradients)
+    return self._apply(gradients)
 
   def evaluate(self, packed):
-    with mesh_lib.gather_lowering(self._gathering_mesh):
-      return self._evaluate(packed)
+    return self._evaluate(packed)
 
   def summaries(self):
     return self.program.summaries()

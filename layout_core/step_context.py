@@ -1,0 +1,83 @@
+"""What a step's math needs to know besides its inputs and weights, as one object.
+
+A layer deep inside the model reads a few facts about the step it runs in
+that nobody passes through every `fprop`: the step's dropout seed, packed
+documents' segments, where the residual stream lives, the axis FSDP splits
+the batch over, whether it runs rematerialized. They travel together as one
+frozen `StepContext`, set for the length of a block:
+
+    context = StepContext(random=RandomState(seed, batch_offset=0))
+    with entered(context.replace(sequence=SequenceInputs(segments, positions))):
+      logits = model(tokens)          # layers read current().sequence, ...
+
+`entered` is the only way to set it, and a change is always a whole new
+object made by `replace` from the one in force, so a block that adds one
+fact keeps all the others. What runs later, outside the block, takes the
+object with it: `layout_core.model.base.rematerialized` keeps the forward
+pass's `current()` and enters that same object again for the recomputation
+in the backward pass, so a recomputed layer sees exactly the step its
+forward saw (masks, segments, residual pin, batch split).
+
+Importing this module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterator, NamedTuple
+
+from layout_core.scoped import Scoped
+
+
+class RandomState(NamedTuple):
+  """Random layers (dropout) are on: the step's seed (int64 scalar tensor) and
+  the global row index of this (micro-)batch's first row."""
+  seed: Any
+  batch_offset: Any = 0
+
+
+class SequenceInputs(NamedTuple):
+  """Packed documents: per input token its segment (1, 2, ... per document,
+  0 for padding) and its position within its document, int [B, T] each."""
+  segments: Any
+  positions: Any
+
+
+class ResidualPin(NamedTuple):
+  """Where a transformer's residual stream lives (`layout_core.model.activations`):
+  the mesh and the sharding of its leading dims (lead axes, then the batch)."""
+  mesh: Any
+  split: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+  """The facts above; the defaults are an evaluation step's: no dropout, one
+  document per row, the residual stream where DTensor puts it, no FSDP batch
+  split, nothing recomputed."""
+  random: RandomState | None = None        # None: random layers are the identity
+  sequence: SequenceInputs | None = None   # None: causal over the whole row
+  residual: ResidualPin | None = None      # None: left to DTensor
+  batch_split: str | None = None           # the mesh axis the batch is split over (FSDP)
+  remat: bool = False                      # inside a rematerialized layer
+
+  def replace(self, **changes) -> 'StepContext':
+    return dataclasses.replace(self, **changes)
+
+
+_current = Scoped(default=StepContext())
+
+
+def current() -> StepContext:
+  """The context in force (an evaluation step's outside any block)."""
+  return _current.get()
+
+
+@contextlib.contextmanager
+def entered(context: StepContext) -> Iterator[StepContext]:
+  """`context` in force for the block (per thread); the previous one after it."""
+  if not isinstance(context, StepContext):
+    raise TypeError(f'entered() takes a StepContext, got {type(context).__name__}')
+  with _current.set(context):
+    yield context

@@ -1,0 +1,186 @@
+"""The composition matrix: which features run together, and against what reference.
+
+Each feature of the trainer is tested on its own elsewhere; this crosses
+them. `FACTORS` lists the features and their settings, `REFUSED` the pairs
+the planner refuses before training (a ConfigError naming both), and
+`all_pairs()` a small set of runs (cells) in which every allowed pair of
+settings of two features appears at least once (an all-pairs design, not
+the full product). A cell is compared with its `reference()`: the same run
+with every feature that must not change the function it trains switched off
+(remat none, no FSDP, no accumulation, unsharded optimizer state, the
+one-program engine). `tolerance()` says how close they must be:
+
+  * 'exact' (1e-6): only the recomputation differs;
+  * 'order' (1e-4): the same math summed in another order (FSDP's collectives,
+    micro-steps, pipelines' micro-batches, another mesh);
+  * 'bf16' (3e-2): the above in bfloat16, whose rounding amplifies it.
+
+`tests/test_composition.py` runs the cells; `python -m tests.composition`
+prints the table of docs/composition.md, which a test checks is up to date.
+Importing this module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import Iterator
+
+FACTORS = {  # feature -> its settings, the reference's first
+    'engine': ('plain', 'spmd', 'gpipe', 'keras'),
+    'remat': ('none', 'block', 'full'),
+    'packed': (False, True),
+    'fsdp': (False, True),
+    'dtype': ('float32', 'bfloat16'),
+    'accum': (1, 2),
+    'shard_state': (False, True),
+    'optimizer': ('adam', 'adafactor'),
+}
+# Settings that change what is trained (kept in the reference) ...
+KEPT = ('packed', 'dtype', 'optimizer')
+# ... and those that must not (the reference switches them off).
+TRANSPARENT = ('remat', 'fsdp', 'accum', 'shard_state')
+TOLERANCES = {'exact': 1e-6, 'order': 1e-4, 'bf16': 3e-2}
+
+# (feature, setting, feature, setting) -> the words both errors must name.
+REFUSED = {
+    ('engine', 'spmd', 'packed', True): ('lm_corpus.pack', 'pipeline'),
+    ('engine', 'gpipe', 'packed', True): ('lm_corpus.pack', 'pipeline'),
+    ('engine', 'keras', 'packed', True): ('lm_corpus.pack', 'Keras'),
+    ('engine', 'keras', 'fsdp', True): ('train.fsdp', 'Keras'),
+}
+
+Cell = dict  # feature -> setting
+
+
+def refused_pair(cell: Cell) -> tuple | None:
+  """The first refused pair `cell` holds, or None."""
+  for pair in REFUSED:
+    a, x, b, y = pair
+    if cell.get(a) == x and cell.get(b) == y:
+      return pair
+  return None
+
+
+def _pairs_of(cell: Cell) -> set[tuple]:
+  names = [n for n in FACTORS if n in cell]
+  return {(a, cell[a], b, cell[b]) for a, b in itertools.combinations(names, 2)}
+
+
+def all_pairs() -> list[Cell]:
+  """Cells covering every allowed pair of settings (greedy, deterministic).
+
+  Each new cell starts from the pair not yet covered that comes first, and
+  fills the other features with the setting that covers the most uncovered
+  pairs; settings that would make a refused pair are never chosen."""
+  names = list(FACTORS)
+  wanted = {(a, x, b, y) for a, b in itertools.combinations(names, 2)
+            for x in FACTORS[a] for y in FACTORS[b]}
+  wanted = {p for p in wanted if refused_pair({p[0]: p[1], p[2]: p[3]}) is None}
+  cells: list[Cell] = []
+  while wanted:
+    a, x, b, y = min(wanted, key=lambda p: (names.index(p[0]), names.index(p[2]),
+                                            FACTORS[p[0]].index(p[1]),
+                                            FACTORS[p[2]].index(p[3])))
+    cell = {a: x, b: y}
+    for name in names:
+      if name in cell:
+        continue
+      options = [v for v in FACTORS[name] if refused_pair({**cell, name: v}) is None]
+      cell[name] = max(options, key=lambda v: (
+          len(_pairs_of({**cell, name: v}) & wanted), -FACTORS[name].index(v)))
+    cells.append({n: cell[n] for n in names})
+    wanted -= _pairs_of(cell)
+  return cells
+
+
+def reference(cell: Cell) -> Cell:
+  """`cell` with every transparent feature off and the one-program engine
+  (a Keras model stays a Keras model)."""
+  ref = dict(cell)
+  for name in TRANSPARENT:
+    ref[name] = FACTORS[name][0]
+  if ref['engine'] in ('spmd', 'gpipe'):
+    ref['engine'] = 'plain'
+  return ref
+
+
+def tolerance(cell: Cell) -> str:
+  if cell == reference(cell):
+    return 'exact'
+  differs = {n for n in FACTORS if cell[n] != reference(cell)[n]}
+  if differs == {'remat'}:
+    return 'bf16' if cell['dtype'] == 'bfloat16' else 'exact'
+  return 'bf16' if cell['dtype'] == 'bfloat16' else 'order'
+
+
+def name(cell: Cell) -> str:
+  parts = [cell['engine']]
+  for feature in FACTORS:
+    setting = cell[feature]
+    if feature == 'engine' or setting == FACTORS[feature][0]:
+      continue
+    parts.append(feature if setting is True else f'{feature}={setting}')
+  return '+'.join(parts)
+
+
+# With a process of two clients: the multi-client tests that run these
+# settings (2 clients x 4 devices against one process of 8, same values).
+TWO_CLIENTS = {
+    ('engine', 'plain'): 'test_multi_client.py',
+    ('engine', 'spmd'): 'test_pipeline_clients.py',
+    ('engine', 'gpipe'): 'test_pipeline_clients.py',
+    ('fsdp', True): 'test_multi_client.py',
+    ('dtype', 'bfloat16'): 'test_multi_client.py',
+}
+
+
+def _label(feature: str, setting) -> str:
+  if feature == 'engine':
+    return setting
+  return feature if setting is True else f'{feature}={setting}'
+
+
+def table() -> str:
+  """docs/composition.md's tables, from the lists above: every pair of
+  settings (other than the references') and how it is tested, then the runs."""
+  settings = [(f, v) for f, values in FACTORS.items() for v in values
+              if v != values[0] or f == 'engine']
+  cells = all_pairs()
+  index = {id(c): i + 1 for i, c in enumerate(cells)}
+  lines = ['| | ' + ' | '.join(f'`{_label(*s)}`' for s in settings) + ' | 2 clients |',
+           '|---|' + '---|' * (len(settings) + 1)]
+  for a, x in settings:
+    row = []
+    for b, y in settings:
+      if a == b:
+        row.append('')
+        continue
+      pair = {a: x, b: y}
+      if refused_pair(pair):
+        row.append('exit 2')
+        continue
+      first = next((c for c in cells if all(c[k] == v for k, v in pair.items())), None)
+      row.append(f'{index[id(first)]}' if first else '')
+    clients = TWO_CLIENTS.get((a, x), '')
+    lines.append(f'| `{_label(a, x)}` | ' + ' | '.join(row) + f' | {clients} |')
+  runs = ['| run | settings | reference | tolerance |', '|---|---|---|---|']
+  for i, cell in enumerate(cells, 1):
+    ref = reference(cell)
+    runs.append(f'| {i} | `{name(cell)}` | `{name(ref) if ref != cell else "itself"}` | '
+                f'{tolerance(cell)} ({TOLERANCES[tolerance(cell)]:g}) |')
+  refused = ['| settings | refused with |', '|---|---|']
+  for (a, x, b, y), words in REFUSED.items():
+    refused.append(f'| `{_label(a, x)}` and `{_label(b, y)}` | exit 2, naming '
+                   f'{" and ".join(words)} |')
+  return '\n'.join(lines + ['', '## The runs', ''] + runs + ['', '## Refused pairs', '']
+                   + refused) + '\n'
+
+
+def cells_text() -> Iterator[str]:
+  for cell in all_pairs():
+    yield f'{name(cell)}  ~  {name(reference(cell))}  [{tolerance(cell)}]'
+
+
+if __name__ == '__main__':
+  sys.stdout.write(table())

@@ -1,0 +1,177 @@
+"""Features crossed: every cell of the composition matrix (`tests/composition.py`)
+trains as its reference does, or is refused before training naming both features.
+
+A cell trains `STEPS` steps of a small LM (dropout on, so masks must follow the
+rows through every engine) or of a Keras model, and is compared with its
+reference, trained once per reference, on the losses and gradient norms of
+every step: a feature that trains another function shows in the first
+step's loss and norm, a wrong update in the next step's loss.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from layout_core.errors import ConfigError
+from layout_core.layout.mesh import MeshSpec, build_mesh
+from layout_core.layout.rules import LayoutRules
+from layout_core.layout.variables import to_numpy
+from layout_core.model import keras as keras_models
+from layout_core.model.lm import transformer_lm_params
+from layout_core.optim import OptimizerConfig
+from layout_core.pipeline import PipelineConfig
+from layout_core.run import make_trainer
+from layout_core.tasks import Task
+from layout_core.tasks.corpus import LMCorpusTask
+from layout_core.tasks.lm import MarkovTask
+from layout_core.train.config import TrainConfig
+from tests import composition
+from tests.conftest import REPO_ROOT
+from tests.test_layout_scope import MEGATRON
+
+sys.path.insert(0, os.path.join(REPO_ROOT, 'tests', 'fixtures'))
+from my_project import models, tasks  # noqa: E402  pylint: disable=g-import-not-at-top
+
+BATCH, STEPS = 8, 3
+
+
+class PackedMarkovTask(MarkovTask):
+  """Markov rows cut into documents of 2-7 tokens, as packed corpora are:
+  per token its segment (1, 2, ... per row) and its position in its
+  document; a target in another document than its input is not scored."""
+  needs_segments = True
+
+  def features(self, *, split, step, batch_size):
+    tokens = self.batch(step=step, batch_size=batch_size, split=split)
+    rng = np.random.default_rng([self.seed, step, len(split)])
+    segments = np.zeros_like(tokens)
+    positions = np.zeros_like(tokens)
+    for row in range(batch_size):
+      start, segment = 0, 1
+      while start < tokens.shape[1]:
+        length = int(rng.integers(2, 8))
+        segments[row, start:start + length] = segment
+        positions[row, start:start + length] = np.arange(len(range(start, min(
+            start + length, tokens.shape[1]))))
+        start, segment = start + length, segment + 1
+    return {'tokens': tokens, 'segments': segments, 'positions': positions}
+
+  def iterate(self, *, start_step, batch_size, split='train'):
+    return Task.iterate(self, start_step=start_step, batch_size=batch_size, split=split)
+
+  # Packed corpora's segments and masked loss (`LMCorpusTask`'s own).
+  sequence_inputs = LMCorpusTask.sequence_inputs
+  loss_and_metrics = LMCorpusTask.loss_and_metrics
+
+
+@pytest.fixture(scope='module')
+def stage_mesh(devices8):
+  return build_mesh(MeshSpec(shape={'stage': 2, 'data': 2, 'model': 2}))
+
+
+def make(cell: dict, meshes: dict):
+  """The trainer of one cell (tests/composition.py's settings)."""
+  keras = cell['engine'] == 'keras'
+  if keras:
+    model, task = keras_models.KerasModel(build_fn=models.token_classifier), tasks.FirstTokenTask()
+  else:
+    model = transformer_lm_params(vocab_size=32, model_dim=32, num_heads=4, ffn_dim=64,
+                                  num_layers=2, max_len=16, dropout_rate=0.1)
+    task = MarkovTask(vocab_size=32, seq_len=16, seed=3)
+  if cell['packed']:
+    task = PackedMarkovTask(vocab_size=32, seq_len=16, seed=3)
+  pipeline = None
+  if cell['engine'] in ('spmd', 'gpipe'):
+    pipeline = PipelineConfig(num_stages=2, num_micro_batches=2,
+                              engine='spmd' if cell['engine'] == 'spmd' else 'submesh')
+  return make_trainer(
+      model=model, mesh=meshes['stage' if pipeline else '2d'],
+      rules=LayoutRules([] if keras else list(MEGATRON)), task=task, pipeline=pipeline,
+      optimizer=OptimizerConfig(name=cell['optimizer'], learning_rate=1e-2, warmup_steps=0,
+                                shard_state=cell['shard_state']),
+      config=TrainConfig(num_steps=STEPS, batch_size=BATCH, log_every=1, eval_every=0,
+                         eval_batches=1, compute_dtype=cell['dtype'], remat=cell['remat'],
+                         grad_accum_steps=cell['accum'], fsdp=cell['fsdp']))
+
+
+def trace(trainer, steps: int = STEPS, evaluate: bool = False) -> dict:
+  """Losses and gradient norms of `steps` steps (the updates show in the
+  next step's loss), then the evaluation loss if asked."""
+  reader = trainer.task.reader(split='train', batch_size=BATCH)
+  losses, norms = [], []
+  for _ in range(steps):
+    loss, _, norm, _ = trainer.train_step(next(reader))
+    losses.append(float(to_numpy(loss)))
+    norms.append(float(to_numpy(norm)))
+  return {'loss': losses, 'grad_norm': norms,
+          'eval': trainer.evaluate()[0] if evaluate else None}
+
+
+@pytest.fixture(scope='module')
+def traces(mesh_2x4, stage_mesh):
+  meshes = {'2d': mesh_2x4, 'stage': stage_mesh}
+
+  @functools.lru_cache(maxsize=None)
+  def of(key: tuple, steps: int) -> dict:
+    return trace(make(dict(key), meshes), steps, evaluate=steps > STEPS)
+  return lambda cell, steps=STEPS: of(tuple(cell.items()), steps)
+
+
+def assert_same(reference: dict, other: dict, tolerance: str, where: str) -> None:
+  atol = composition.TOLERANCES[tolerance]
+  for key in ('loss', 'grad_norm'):
+    np.testing.assert_allclose(other[key], reference[key], rtol=atol, atol=atol,
+                               err_msg=f'{where}: {key}')
+  if reference['eval'] is not None:
+    assert other['eval'] == pytest.approx(reference['eval'], rel=atol, abs=atol), where
+
+
+CELLS = [c for c in composition.all_pairs() if c != composition.reference(c)]
+
+
+@pytest.mark.parametrize('cell', CELLS, ids=composition.name)
+def test_a_cell_trains_as_its_reference(cell, traces):
+  reference = composition.reference(cell)
+  assert_same(traces(reference), traces(cell), composition.tolerance(cell),
+              f'{composition.name(cell)} against {composition.name(reference)}')
+
+
+@pytest.mark.parametrize('pair', list(composition.REFUSED),
+                         ids=lambda p: f'{p[0]}={p[1]}+{p[2]}={p[3]}')
+def test_a_refused_pair_is_refused_before_training_naming_both(pair, mesh_2x4, stage_mesh):
+  a, x, b, y = pair
+  cell = {**composition.reference({n: s[0] for n, s in composition.FACTORS.items()}),
+          a: x, b: y}
+  with pytest.raises(ConfigError) as refused:
+    make(cell, {'2d': mesh_2x4, 'stage': stage_mesh})
+  for word in composition.REFUSED[pair]:
+    assert word in str(refused.value), (pair, str(refused.value))
+
+
+@pytest.mark.parametrize('remat', ['block', 'full'])
+def test_remat_on_packed_documents_trains_the_function_without_it(remat, traces):
+  """The recomputation in the backward pass sees the forward's packed
+  segments (and dropout masks, residual pin): over 20 steps the losses equal
+  the run that keeps its activations. Before the step context, attention
+  recomputed with the plain causal mask, letting tokens see the previous
+  document, and the losses drifted from step 2.
+
+  Positive control: the packed run's losses differ from the same rows read
+  as one document each, so the segments do reach the recomputed attention."""
+  base = {n: s[0] for n, s in composition.FACTORS.items()}
+  kept = traces({**base, 'packed': True}, steps=20)
+  recomputed = traces({**base, 'packed': True, 'remat': remat}, steps=20)
+  np.testing.assert_allclose(recomputed['loss'], kept['loss'], rtol=1e-6, atol=1e-6)
+  assert recomputed['eval'] == pytest.approx(kept['eval'], rel=1e-6)
+  assert traces(base)['loss'][0] != pytest.approx(kept['loss'][0], rel=1e-3)
+
+
+def test_the_docs_table_is_the_tests_own_list():
+  with open(os.path.join(REPO_ROOT, 'docs', 'composition.md'), encoding='utf-8') as f:
+    page = f.read()
+  assert composition.table() in page, 'regenerate: python -m tests.composition'
