@@ -7,7 +7,8 @@ shapes and gathered dims on an 8-device CPU mesh:
 
   * default: DTensor lowers the all-gather to a zero-padded all-reduce;
   * `LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2=1`: TF's CollectiveGatherV2
-    (what `layout_core` sets at import).
+    (what `layout_core.tf_internals.lower_gathers_once` sets, once per
+    process, when the process's first mesh has one axis).
 
 Reported: RSS added by the first call and by the next ones, seconds per call,
 and whether both settings give identical values.

@@ -1,7 +1,8 @@
 r"""Limit check: where does TF 2.21's CollectiveGatherV2 lowering of DTensor relayouts work?
 
-`layout_core.layout.mesh.gather_lowering` turns on
-`LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2` only for one-axis meshes. This
+`layout_core.tf_internals.lower_gathers_once` (called by `build_mesh`) turns
+on `LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2` only for a process whose
+first mesh has one axis, and `build_mesh` then refuses meshes of more. This
 shows why: every relayout between layouts of a [8, 8, 16] tensor (each dim
 unsharded or on a mesh axis, then back to replicated) is run on a one-axis
 mesh (`data=8`) and a two-axis mesh (`data=2 x model=4`), eagerly and inside a

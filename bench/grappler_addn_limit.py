@@ -13,8 +13,10 @@ This measures it on the smallest function that shows it: the gradient of
 sum_i sum(tanh(w * i)), i = 1..4, for a float32 weight `w` on a
 {'data': 8} mesh of 8 virtual CPU devices, for each size, layout (rows
 sharded 8 ways or replicated) and setting (TensorFlow's default, and
-meshgin's `keep_sums_whole`, which switches the memory optimizer off). Each
-row runs in a fresh process and checks the gradient against NumPy.
+meshgin's `layout_core.tf_internals.keep_sums_whole`, which switches the
+memory optimizer off). Each row runs in a fresh process and checks the
+gradient against NumPy (tests/test_tf_internals.py runs the sharded
+[4096, 4096] row as its positive control).
 Measured: sharded weights of [4096, 4096] and up fail by default and are
 right with the optimizer off; replicated ones are right either way (the
 rewrite happens, the shapes agree); [2048, 2048] never triggers it.
@@ -62,13 +64,14 @@ CHILD = r'''
 import json, sys
 sys.path.insert(0, sys.argv[4])
 from bench.grappler_addn_limit import sum_of_four_error
+from layout_core import tf_internals
 from layout_core.layout import mesh as mesh_lib
 from layout_core.lazy import dtensor
 size, layout, setting = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 mesh_lib.configure_virtual_cpus(8)
 mesh = dtensor.create_mesh([('data', 8)], device_type='CPU')
 if setting == 'optimizer off (keep_sums_whole)':
-  mesh_lib.keep_sums_whole()
+  tf_internals.keep_sums_whole()
 spec = ['data', 'unsharded'] if layout == 'sharded' else ['unsharded', 'unsharded']
 try:
   result = {'ok': True, 'max_error': sum_of_four_error(mesh, spec, size)[0]}

@@ -193,7 +193,6 @@ def meshgin_step(spec: dict):
   step = lambda: trainer.train_step(batches[next(count) % 8])[0]  # noqa: E731
   if spec.get('fused'):
     import tensorflow as tf
-    from layout_core.layout.mesh import gather_lowering
     engine = trainer.engine
 
     @tf.function(jit_compile=spec.get('jit', False))
@@ -202,9 +201,8 @@ def meshgin_step(spec: dict):
       engine._apply_fn(grads)  # pylint: disable=protected-access
       return loss
 
-    def step():
-      with gather_lowering(engine.mesh):
-        return fused(engine.pack(batches[next(count) % 8]))
+    def step():  # compiled with the process's gather lowering (build_mesh decided it)
+      return fused(engine.pack(batches[next(count) % 8]))
   return step, to_numpy, {'parameters': plan.num_parameters,
                           'mesh': plan.mesh_spec.describe()}
 

@@ -29,7 +29,7 @@ CHILD = r'''
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 shape, steps, options = json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
-from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus, gather_lowering
+from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus
 import math
 configure_virtual_cpus(math.prod(shape.values()))  # a one-device mesh: one device (threads)
 mesh = build_mesh(MeshSpec(shape=shape))
@@ -65,8 +65,7 @@ for step in range(3 + steps):
     to_numpy(loss), to_numpy(grads[0])  # the embedding's: the backward pass's last
     return grads
   grads = timed('gradients', gradients)
-  with gather_lowering(mesh):  # as the loop compiles it (sharded state: CollectiveGatherV2)
-    timed('update', lambda: to_numpy(engine.apply_gradients(grads)[0]))
+  timed('update', lambda: to_numpy(engine.apply_gradients(grads)[0]))
 start = time.perf_counter()
 for step in range(steps):
   loss = trainer.train_step(task.features(split='train', step=step, batch_size=32))[0]

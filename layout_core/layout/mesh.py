@@ -15,15 +15,15 @@ meshes used by pipeline parallelism.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
 import re
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import numpy as np
 
+from layout_core import tf_internals
 from layout_core.errors import ConfigError
 from layout_core.fields import check_types
 from layout_core.lazy import dtensor, tf
@@ -124,42 +124,25 @@ def configure_virtual_cpus(count: int) -> int:
   return len(tf.config.list_logical_devices('CPU'))
 
 
-def keep_sums_whole() -> None:
-  """Switches off Grappler's memory optimizer for every function run after it.
-
-  Under estimated memory pressure that pass rewrites a sum of three or more
-  tensors (`AddN`: gradients of a weight used in several places) into
-  in-place adds to a temporary variable shaped from the graph's static
-  shapes. In DTensor's per-device functions those are the *global* shapes,
-  so with a sharded sum every add fails: "Parameters and update must be the
-  same size" (`bench/grappler_addn_limit.py`: a [4096, 4096] weight sharded
-  8 ways fails, replicated it works; the SPMD pipeline engine failed on a 4x
-  wider lm_small). On CPU that rewrite is all this pass does (its swapping
-  is GPU-only, its recomputation off by default). TF 2.21 exposes the switch
-  only on the context's ConfigProto; a function picks it up when first
-  called after this, so it runs before any step is traced."""
-  from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-import-not-at-top
-  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
-  ctx = context.context()
-  config = tf.compat.v1.ConfigProto()
-  if ctx._config is not None:  # pylint: disable=protected-access
-    config.CopyFrom(ctx._config)  # pylint: disable=protected-access
-  rewrites = config.graph_options.rewrite_options
-  if rewrites.memory_optimization == rewriter_config_pb2.RewriterConfig.NO_MEM_OPT:
-    return
-  rewrites.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
-  ctx._config = config  # pylint: disable=protected-access
-  ctx._thread_local_data.function_call_options = None  # pylint: disable=protected-access
-
-
 def build_mesh(spec: MeshSpec) -> dtensor.Mesh:
   """A DTensor mesh for `spec`, or ConfigError if the machine is too small.
 
   In a multi-client run (after `cluster.connect`) the mesh spans every
-  client's devices, client 0's first."""
-  keep_sums_whole()
-  if dtensor.num_clients() > 1:
-    return _distributed_mesh(spec)
+  client's devices, client 0's first.
+
+  First it settles what every function on it compiles with
+  (`layout_core.tf_internals`): Grappler's memory optimizer off, and the
+  process's all-gather lowering, decided by its first mesh (one axis:
+  CollectiveGatherV2). A mesh of two or more axes in a process that chose
+  CollectiveGatherV2 is a ConfigError: most of its relayouts would not
+  compile."""
+  tf_internals.keep_sums_whole()
+  mesh = _distributed_mesh(spec) if dtensor.num_clients() > 1 else _local_mesh(spec)
+  _settle_gather_lowering(spec)  # once the mesh is built: a mesh that failed decides nothing
+  return mesh
+
+
+def _local_mesh(spec: MeshSpec) -> dtensor.Mesh:
   if spec.device_type == 'CPU':
     available = configure_virtual_cpus(spec.num_devices)
   else:
@@ -194,32 +177,18 @@ def _distributed_mesh(spec: MeshSpec) -> dtensor.Mesh:
                                          device_type=spec.device_type)
 
 
-GATHER_LOWERING = 'LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2'
-
-
-@contextlib.contextmanager
-def gather_lowering(mesh: dtensor.Mesh | None) -> Iterator[None]:
-  """Functions first run (compiled) in this block on a one-axis `mesh` lower
-  their all-gathers to TF's CollectiveGatherV2 instead of DTensor's default,
-  a zero-padded all-reduce that kept 2-3 replicated copies of every gathered
-  tensor alive on CPU (`bench/all_gather_memory.py`). TF 2.21 reads the
-  variable when it compiles, so the choice sticks to each compiled function.
-  Only one-axis meshes: on a 2-D mesh the CollectiveGatherV2 lowering fails to
-  compile most relayouts (`tf.Reshape` element count errors; no wrong values
-  seen). A no-op for other meshes or when the variable is already set.
-
-  TensorFlow offers only this process-wide variable; it is set for the
-  length of one call: every step engine's `apply_gradients` runs its update
-  inside this block (`layout_core.train.engine`), so the update compiles the
-  same whoever calls it (the loop, a benchmark, a test)."""
-  if mesh is None or len(mesh.dim_names) != 1 or GATHER_LOWERING in os.environ:
-    yield
-    return
-  os.environ[GATHER_LOWERING] = '1'
-  try:
-    yield
-  finally:
-    os.environ.pop(GATHER_LOWERING, None)
+def _settle_gather_lowering(spec: MeshSpec) -> None:
+  collective_gather, reason = tf_internals.lower_gathers_once(
+      len(spec.shape) == 1, reason=f'its first mesh is {spec.describe()}')
+  if collective_gather and len(spec.shape) > 1:
+    raise ConfigError(
+        f'{spec.describe()} has {len(spec.shape)} axes, but this process compiles DTensor '
+        f'all-gathers to CollectiveGatherV2 ({reason}), which fails to compile most '
+        'relayouts on a mesh of two or more axes (bench/gather_lowering_limit.py)',
+        where='mesh.shape',
+        fix='build this mesh in a fresh process; a process that needs meshes of several '
+        'shapes calls layout_core.tf_internals.lower_gathers_once(False, reason=...) '
+        'before its first mesh')
 
 
 def mesh_axes(mesh: dtensor.Mesh) -> dict[str, int]:
