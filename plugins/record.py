@@ -26,6 +26,8 @@ from absl import logging
 
 from layout_core.checkpoint.manager import CheckpointEvent
 from layout_core.layout import device_map
+from layout_core.layout import mesh as mesh_lib
+from layout_core.layout import scope as layout_scope
 from layout_core.optim import learning_rate
 from layout_core.train.summaries import code_block
 from layout_core.train.loop import Trainer
@@ -65,7 +67,9 @@ def mesh_document(trainer: Trainer, plan: RunPlan) -> dict:
   stage, parameter and optimizer-state bytes held), the layout rules in order
   (variables decided, unused, shadowed), and every variable with its layout
   and the slices each device holds, all read from the built variables'
-  DTensor layouts (`layout_core.layout.device_map`)."""
+  DTensor layouts (`layout_core.layout.device_map`): with `train.fsdp` the
+  split they are stored in, and as `use_spec` (None: used as stored) the
+  layout the math gathers them to, with its bytes per device."""
   engine = trainer.engine
   mesh = engine.mesh
   stage_axis = plan.pipeline_config.stage_axis if plan.pipeline is not None else None
@@ -79,8 +83,8 @@ def mesh_document(trainer: Trainer, plan: RunPlan) -> dict:
   for record in engine.layout_records:
     variable = engine.variables[record.path]
     slices = device_map.variable_slices(variable, mesh=mesh)
-    for device_id, size in device_map.bytes_by_device(
-        slices, itemsize=variable.dtype.size).items():
+    by_device = device_map.bytes_by_device(slices, itemsize=variable.dtype.size)
+    for device_id, size in by_device.items():
       held[device_id]['parameters'] += size
     state = []
     for slot in optimizer.slots_for(record.path) if record.path in trained else []:
@@ -90,11 +94,19 @@ def mesh_document(trainer: Trainer, plan: RunPlan) -> dict:
         held[device_id]['optimizer'] += size
       state.append({'shape': slot.shape.as_list(), 'spec': list(slot.layout.sharding_specs),
                     'bytes_per_device': max(slot_bytes.values())})
+    # Where the bytes live: the variable's own layout, not the record's word
+    # for it; with FSDP also the layout its math gathers it to (the record's
+    # `use_spec`, as `launch.inspect` reports it).
+    use_spec = None if record.use_spec is None else list(record.use_spec)
     variables.append({
         'path': record.path, 'shape': list(record.shape), 'dtype': record.dtype,
-        'spec': list(record.spec), 'mesh': record.mesh, 'rule_index': record.rule_index,
+        'spec': list(variable.layout.sharding_specs), 'use_spec': use_spec,
+        'mesh': record.mesh, 'rule_index': record.rule_index,
         'source': record.source, 'bytes_total': record.bytes_total,
-        'bytes_per_device': record.bytes_per_device, 'optimizer_state': state,
+        'bytes_per_device': max(by_device.values()),
+        'bytes_per_device_at_use': None if use_spec is None else layout_scope.bytes_at_use(
+            record, mesh_lib.mesh_axes(variable.layout.mesh)),
+        'optimizer_state': state,
         'slices': [{'index': [list(r) for r in s.index], 'devices': list(s.devices)}
                    for s in slices]})
   for device in devices:

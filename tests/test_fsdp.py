@@ -1,7 +1,11 @@
 """Fully sharded parameters (`train.fsdp`): every engine trains as it does
 without FSDP (the independent reference: the same run, parameters whole),
 each device holds 1/N of every split parameter, its slots and its gradient,
-and checkpoints move between FSDP on and off."""
+checkpoints move between FSDP on and off, and the run record says where
+each slice is stored and the layout it is used in."""
+
+import json
+import os
 
 import numpy as np
 import pytest
@@ -9,6 +13,7 @@ import pytest
 from layout_core.errors import ConfigError
 from layout_core.layout import fsdp
 from layout_core.layout.mesh import MeshSpec, build_mesh
+from layout_core.layout import scope as layout_scope
 from layout_core.layout.rules import LayoutRules
 from layout_core.layout.variables import to_numpy
 from layout_core.lazy import dtensor
@@ -19,7 +24,13 @@ from layout_core.pipeline import PipelineConfig
 from layout_core.run import make_trainer
 from layout_core.tasks.lm import MarkovTask
 from layout_core.train.config import TrainConfig
+from plugins import gin_setup, plan as plan_lib
+from plugins.record import record_run
+from plugins.report import describe_plan
+from plugins.training import build_trainer
+from tests.conftest import REPO_ROOT
 from tests.test_layout_scope import MEGATRON
+from tests.test_mesh_tab import layouts_txt
 from tests.test_optimizer_state import move_checkpoint
 from tests.test_precision import models, tasks  # the user fixtures (tests/fixtures/my_project)
 
@@ -70,6 +81,26 @@ def split_records(t):
   return [r for r in t.engine.layout_records if r.use_spec is not None]
 
 
+def assert_stored_split(t, axis='data'):
+  """Every variable the records say FSDP splits is split on the devices,
+  read from its local shards (`dtensor.unpack`), not from the records alone:
+  each shard, and each of its optimizer slots', is the block the recorded
+  stored layout gives, and 1/n of what its layout at use leaves on a device
+  (n: `axis`'s size), so a variable whose record claims a split it does not
+  have fails here."""
+  for record in split_records(t):
+    variable = t.engine.variables[record.path]
+    mesh = variable.layout.mesh  # a stage's sub-mesh under the sub-mesh engine
+    axes = dict(zip(mesh.dim_names, mesh.shape()))
+    block = [n if a == 'unsharded' else n // axes[a] for n, a in zip(record.shape, record.spec)]
+    at_use = np.prod(record.shape) // np.prod(
+        [axes[a] for a in record.use_spec if a != 'unsharded'], dtype=int)
+    for held in [variable, *t.engine.optimizer.slots_for(record.path)]:
+      for shard in dtensor.unpack(held.read_value()):
+        assert shard.shape.as_list() == block, record.path
+        assert shard.shape.num_elements() * axes[axis] == at_use, record.path
+
+
 @pytest.mark.parametrize('setup', list(SETUPS))
 def test_fsdp_trains_as_the_same_run_with_whole_parameters(setup, request):
   mesh, rules, pipeline, train = SETUPS[setup]
@@ -78,6 +109,7 @@ def test_fsdp_trains_as_the_same_run_with_whole_parameters(setup, request):
   whole = trainer(mesh, rules=rules, pipeline=pipeline, **train)
   split = split_records(sharded)
   assert len(split) > len(sharded.engine.layout_records) // 2, setup  # FSDP did split
+  assert_stored_split(sharded)  # and the devices hold what the records say
   assert not split_records(whole)
   for step in range(STEPS):
     batch = {'tokens': whole.task.batch(step=step, batch_size=BATCH)}
@@ -132,18 +164,16 @@ def test_each_device_holds_a_slice_of_every_split_parameter_its_slots_and_gradie
   function returns every gradient in its parameter's split layout, so no
   device ever holds a whole-model gradient."""
   t = trainer(mesh_2x4, rules=MEGATRON, fsdp=True)
-  engine, axes = t.engine, {'data': 2, 'model': 4}
+  engine = t.engine
   split = {r.path: r for r in split_records(t)}
   assert 'lm/stack/block_000/ffn/w_in' in split and 'lm/softmax/w' in split
   for path, record in split.items():
     variable = engine.variables[path]
     assert tuple(variable.layout.sharding_specs) == record.spec
     assert 'data' in record.spec and 'data' not in record.use_spec
-    shards = int(np.prod([axes[a] for a in record.spec if a != 'unsharded']))
-    local = dtensor.unpack(variable.read_value())[0]
-    assert local.shape.num_elements() * shards == variable.shape.num_elements(), path
     for slot in engine.optimizer.slots_for(path):
       assert slot.layout.sharding_specs == variable.layout.sharding_specs, path
+  assert_stored_split(t)
   unsplit = {r.path for r in engine.layout_records} - set(split)
   # Nothing left to split: the table's vocab dim is unshardable, its features
   # on 'model'; the vectors' one dim is on 'model' already.
@@ -154,6 +184,55 @@ def test_each_device_holds_a_slice_of_every_split_parameter_its_slots_and_gradie
   for path, grad in zip(engine.optimizer.paths, grads):
     assert dtensor.fetch_layout(grad).sharding_specs == engine.variables[
         path].layout.sharding_specs, path
+
+
+def test_the_run_record_says_where_each_slice_is_stored_and_the_layout_at_use(devices8,
+                                                                             tmp_path):
+  """The quickstart with `train.fsdp = True`, recorded as launch.train
+  records it (`record_run`) and trained 2 steps: layouts.txt and mesh.json
+  give each variable's stored layout, split over 'data', so each of the 8
+  devices holds 1/8 of all 447,744 parameter bytes, in the slices its local
+  shards (`dtensor.unpack`) hold value for value; and the layout the math
+  gathers each one to (no rules: replicated). launch.inspect's table is
+  layouts.txt's."""
+  gin_setup.parse_gin(files=[os.path.join(REPO_ROOT, 'configs/experiments/quickstart.gin')],
+                      bindings=['train.fsdp = True', 'train.num_steps = 2',
+                                'train.eval_every = 0'])
+  plan = plan_lib.make_plan()
+  t = build_trainer(plan)
+  record_run(t, plan, model_dir=str(tmp_path))
+  for step in range(2):
+    t.train_step(plan.task.features(split='train', step=step,
+                                    batch_size=plan.train.batch_size))
+  with open(tmp_path / 'mesh.json') as f:
+    doc = json.load(f)
+  rows = {row['path']: row for row in layouts_txt(str(tmp_path))}
+  total = sum(v['bytes_total'] for v in doc['variables'])
+  assert total == 447_744 and len(rows) == len(doc['variables']) == 30
+  assert [d['bytes']['parameters'] for d in doc['devices']] == [total // 8] * 8
+  assert [d['bytes']['optimizer'] for d in doc['devices']] == [2 * total // 8] * 8  # Adam
+  for v in doc['variables']:
+    variable, row = t.engine.variables[v['path']], rows[v['path']]
+    stored = list(variable.layout.sharding_specs)
+    assert 'data' in stored and v['spec'] == stored, v['path']
+    assert v['use_spec'] == ['unsharded'] * len(stored), v['path']
+    assert (v['bytes_per_device'], v['bytes_per_device_at_use']) == (
+        v['bytes_total'] // 8, v['bytes_total']), v['path']
+    assert (row['sharding'], row['sharding at use']) == (
+        ', '.join(stored), ', '.join(v['use_spec'])), v['path']
+    assert row['bytes/device'] == f"{v['bytes_total'] // 8:,}", v['path']
+    whole = to_numpy(variable)
+    where = {f'CPU:{i}': p['index'] for p in v['slices'] for i in p['devices']}
+    shards = dtensor.unpack(variable.read_value())
+    assert len(where) == len(shards) == 8, v['path']
+    for device, shard in zip(variable.layout.mesh.local_devices(), shards):
+      index = where[device.rsplit('/device:', 1)[-1]]
+      np.testing.assert_array_equal(
+          shard.numpy(), whole[tuple(slice(start, stop) for start, stop in index)],
+          err_msg=f"{v['path']} on {device}")
+  assert layout_scope.table_markdown(plan.records).rstrip() in describe_plan(plan)
+  with open(tmp_path / 'layouts.txt') as f:
+    assert f.read() == layout_scope.table_markdown(plan.records)
 
 
 def test_a_checkpoint_moves_between_fsdp_and_whole_parameters(mesh_data8, mesh_2x4, tmp_path):

@@ -2,9 +2,9 @@
 
 One module fixture makes every run with real `launch.sweep` / `launch.train`
 subprocesses (two steps each: a two-trial sweep over the mesh shape,
-data=2 x model=4 (then resumed for a third step) and data=4 x model=2, and a
+data=2 x model=4 (then resumed for a third step) and data=4 x model=2, a
 two-stage pipelined run on 2 clients x 4 devices with a shadowed and an
-unused layout rule) and serves
+unused layout rule, and the quickstart with `train.fsdp = True`) and serves
 them all with one `tensorboard`. Each test checks what the tab serves or draws against an
 independent reference: where DTensor itself puts every shard (`dtensor.unpack`
 of a DVariable with the same layout on the 8 test devices), the runs'
@@ -54,6 +54,7 @@ PIPELINE = ['--gin_file=configs/experiments/lm_pipeline.gin', *TINY, f'--gin_bin
             '--gin_bindings=transformer_lm.cells = '
             '[@narrow/transformer_block(), @wide/transformer_block()]']
 RESUME = ['--gin_file=configs/experiments/lm_2d.gin', *TINY, '--gin_bindings=train.num_steps = 3']
+FSDP = ['--gin_file=configs/experiments/quickstart.gin', *TINY, '--gin_bindings=train.fsdp = True']
 SHADOWING_RULE, UNUSED_RULE = 8, 9
 SELECTED = 'lm/stack/block_000/ffn/w_in'
 ARTIFACTS = os.environ.get('MESHGIN_TEST_ARTIFACTS', os.path.join(REPO_ROOT, 'test-artifacts'))
@@ -132,6 +133,7 @@ def board(tmp_path_factory):
     pipeline = Launched('launch.local_cluster', '--num_clients=2', '--devices_per_client=4',
                         '--', *PIPELINE, f'--model_dir={root}/pipeline',
                         label='pipelined run on 2 clients')
+    fsdp = Launched('launch.train', *FSDP, f'--model_dir={root}/fsdp', label='fsdp quickstart')
     finished(sweep, 300)
     with open(os.path.join(root, 'sweep', 'sweep.json')) as f:
       tensorboard.trials = {ast.literal_eval(t['values']['mesh.shape'])['model']: t
@@ -140,6 +142,7 @@ def board(tmp_path_factory):
                        label='resumed trial')
     finished(pipeline, 300)
     finished(resumed, 300)
+    finished(fsdp, 300)
     # A run from before mesh.json, and one whose mesh.json was cut short.
     for name, text in (('old_run', None), ('broken_run', '{"format": 1, "mesh": ')):
       os.makedirs(os.path.join(root, name))
@@ -478,6 +481,37 @@ def test_chromium_draws_one_cell_per_device_and_marks_the_selected_slices(board,
     png = f.read()
   assert png[:8] == b'\x89PNG\r\n\x1a\n' and struct.unpack('>II', png[16:24]) == (1400, 1000)
   assert len(png) > 50_000  # drawn, not a blank page
+
+
+def test_an_fsdp_run_shows_where_each_slice_is_stored_and_the_layout_at_use(board, devices8):
+  """The quickstart with `train.fsdp = True`: every variable stored split
+  over 'data' (1/8 of its bytes on each device, the slices where DTensor puts
+  that layout) and gathered to its rule's layout, replicated, at use; the
+  page's legend and variable table say both."""
+  doc = board.mesh('fsdp')
+  rows = {r['path']: r for r in layouts_txt(os.path.join(board.root, 'fsdp'))}
+  total = sum(v['bytes_total'] for v in doc['variables'])
+  assert total == 447_744 and len(doc['variables']) == len(rows) == 30
+  assert [d['bytes']['parameters'] for d in doc['devices']] == [total // 8] * 8
+  mesh = dtensor_mesh({'data': 8})
+  for v in doc['variables']:
+    row, shape = rows[v['path']], v['shape']
+    assert 'data' in v['spec'] and row['sharding'] == ', '.join(v['spec']), v['path']
+    assert v['use_spec'] == ['unsharded'] * len(shape), v['path']
+    assert row['sharding at use'] == ', '.join(v['use_spec']), v['path']
+    assert v['bytes_per_device'] == v['bytes_total'] // 8, v['path']
+    holders = {f'CPU:{i}': p['index'] for p in v['slices'] for i in p['devices']}
+    assert holders == {device: index_of(shard, shape) for device, shard in
+                       dtensor_shards(shape, v['spec'], mesh).items()}, v['path']
+  path = 'lm/stack/block_000/attn/wq'  # 64x4x16: rows 8k..8k+7 on device k
+  dom = chromium_dom(board, run='fsdp', variable=path)
+  assert 'data-state="ready"' in dom, dom[-2000:]
+  assert (f'{path} stored (data, unsharded, unsharded), gathered at use to '
+          '(unsharded, unsharded, unsharded) (16.0 KiB/device)') in dom
+  assert '<th class="">sharding at use</th>' in dom
+  cells = DeviceCells(dom).cells
+  assert [(cells[k]['data-slice'], cells[k]['data-replicas']) for k in range(8)] == [
+      (f'{8 * k}:{8 * k + 8}, 0:4, 0:16', '1') for k in range(8)]
 
 
 def test_ci_runs_the_readme_test_command_which_brings_chromium_and_slurm():

@@ -62,6 +62,14 @@ def shards_of(spec: Sequence[str], mesh_axes: Mapping[str, int]) -> int:
   return math.prod(mesh_axes[a] for a in spec if a != UNSHARDED)
 
 
+def bytes_at_use(record: LayoutRecord, mesh_axes: Mapping[str, int]) -> int:
+  """Bytes per device of the copy the math uses (`compute_spec`, in the
+  variable's dtype): `bytes_per_device` unless FSDP stores it split, then the
+  gathered copy's. `launch.inspect`'s memory table and the run record's
+  mesh.json both count it here."""
+  return record.bytes_total // shards_of(record.compute_spec, mesh_axes)
+
+
 def plan_layouts(specs: Iterable[VariableSpec], rules: LayoutRules,
                  mesh_axes: Mapping[str, int], *,
                  fsdp_axis: str | None = None) -> list[LayoutRecord]:
@@ -198,15 +206,25 @@ def bytes_per_device(records) -> int:
 
 
 def table_markdown(records: Sequence[LayoutRecord]) -> str:
-  """The per-variable layout table (TensorBoard text / layouts.txt); with a
-  mesh column when the variables live on several meshes (pipeline stages)."""
+  """The per-variable layout table (TensorBoard text / layouts.txt, and
+  `launch.inspect`'s): `sharding` and `bytes/device` are where the bytes live
+  (the stored layout); with FSDP a `sharding at use` column gives the layout
+  the math gathers each split variable to ('-': used as stored); a mesh
+  column when the variables live on several meshes (pipeline stages)."""
+  with_use = any(r.use_spec is not None for r in records)
   with_mesh = any(r.mesh for r in records)
+  use_head, use_rule = (' sharding at use |', '---|') if with_use else ('', '')
   mesh_head, mesh_rule = (' mesh |', '---|') if with_mesh else ('', '')
-  lines = [f'| path | shape | dtype | sharding | rule | bytes/device |{mesh_head}',
-           f'|---|---|---|---|---|---|{mesh_rule}']
+  lines = [f'| path | shape | dtype | sharding |{use_head} rule | bytes/device |{mesh_head}',
+           f'|---|---|---|---|{use_rule}---|---|{mesh_rule}']
   for r in records:
     shape = 'x'.join(str(d) for d in r.shape) or 'scalar'
+    use = f' {_spec_text(r.use_spec)} |' if with_use else ''
     mesh = f' {r.mesh} |' if with_mesh else ''
-    lines.append(f'| {r.path} | {shape} | {r.dtype} | {", ".join(r.spec) or "-"} '
-                 f'| {r.source} | {r.bytes_per_device:,} |{mesh}')
+    lines.append(f'| {r.path} | {shape} | {r.dtype} | {_spec_text(r.spec)} |{use} '
+                 f'{r.source} | {r.bytes_per_device:,} |{mesh}')
   return '\n'.join(lines) + '\n'
+
+
+def _spec_text(spec: Sequence[str] | None) -> str:
+  return ', '.join(spec or ()) or '-'

@@ -96,7 +96,7 @@ from layout_core.model.layers import (Dropout, Embedding, FeedForward, LayerNorm
                                       MultiHeadAttention, Softmax, TransformerBlock)
 from layout_core.layout import fsdp
 from layout_core.layout.rules import UNSHARDED
-from layout_core.layout.scope import shards_of
+from layout_core.layout.scope import bytes_at_use
 from layout_core.optim.config import OptimizerConfig, state_axis
 from layout_core.optim.make import optimizer_class
 from layout_core.params import Params
@@ -172,7 +172,7 @@ def estimate_memory(*, records: Sequence[Any], params: Any,
     if r.use_spec is not None:
       leaf = _owner(r.path, remat_of)
       # The copy the math uses: the rule's split, the compute dtype (float32 variables).
-      nbytes = r.bytes_total * width // 4 // shards_of(r.use_spec, mesh_axes)
+      nbytes = bytes_at_use(r, mesh_axes) * width // 4
       by_leaf = gathered.setdefault(r.mesh, {})
       by_leaf[leaf] = by_leaf.get(leaf, 0) + nbytes
     elif config.compute_dtype == 'bfloat16':

@@ -60,6 +60,11 @@ function bytes(n) {
 }
 
 const specText = (spec) => '(' + spec.join(', ') + ')';
+// A variable's layout: where its bytes live and, with FSDP (use_spec set),
+// the layout its math gathers it to.
+const layoutText = (v) => v.use_spec ?
+    `stored ${specText(v.spec)}, gathered at use to ${specText(v.use_spec)} ` +
+    `(${bytes(v.bytes_per_device_at_use)}/device)` : specText(v.spec);
 const indexText = (index) => index.map(([start, stop]) => `${start}:${stop}`).join(', ');
 
 function parameters() {
@@ -231,7 +236,7 @@ function legend(doc, variable) {
   }
   const total = new Set(variable.slices.flatMap((s) => s.devices)).size;
   return element('div', {'class': 'legend summary', id: 'slice-legend'},
-      element('div', {}, `${variable.path} ${specText(variable.spec)}` +
+      element('div', {id: 'slice-layout'}, `${variable.path} ${layoutText(variable)}` +
                          (variable.mesh ? ` on sub-mesh ${variable.mesh}` : '') +
                          `: ${variable.slices.length} slice(s) on ${total} of ` +
                          `${doc.devices.length} devices; grey devices hold none of it.`),
@@ -261,14 +266,20 @@ function rulesTable(doc) {
 }
 
 function variablesTable(doc, state, select) {
+  // 'sharding' and 'bytes/device': where the bytes live; with FSDP also the
+  // layout each split variable is gathered to at use (as layouts.txt has it).
+  const withUse = doc.variables.some((v) => v.use_spec);
   const header = element('tr', {},
-      ['path', 'shape', 'dtype', 'sharding', 'mesh', 'rule', 'bytes/device',
-       'optimizer/device'].map((h) => element('th', {'class': h.includes('/') ? 'num' : ''}, h)));
+      ['path', 'shape', 'dtype', 'sharding', ...(withUse ? ['sharding at use'] : []), 'mesh',
+       'rule', 'bytes/device', 'optimizer/device'].map(
+          (h) => element('th', {'class': h.includes('/') ? 'num' : ''}, h)));
   const rows = doc.variables.map((v) => element('tr', {
       'class': 'variable' + (v.path === state.variable ? ' selected' : ''),
       'data-path': v.path, onclick: () => select(v.path)},
     element('td', {}, v.path), element('td', {}, v.shape.join('x') || 'scalar'),
-    element('td', {}, v.dtype), element('td', {}, v.spec.join(', ') || '-'),
+    element('td', {}, v.dtype), element('td', {'class': 'spec'}, v.spec.join(', ') || '-'),
+    withUse ? element('td', {'class': 'use-spec'}, v.use_spec ? v.use_spec.join(', ') : '-')
+            : null,
     element('td', {}, v.mesh || '-'), element('td', {}, v.source),
     element('td', {'class': 'num'}, bytes(v.bytes_per_device)),
     element('td', {'class': 'num'},
