@@ -25,9 +25,11 @@ Several processes or hosts train one model as the clients of one global mesh
   python -m launch.train ... --cluster=h0:9000,h1:9000 --client_id=0   # on h0
   python -m launch.train ... --cluster=h0:9000,h1:9000 --client_id=1   # on h1
 
-A client whose peers fail exits non-zero: 1 after a failure in training
-(naming the client), -9/137 when the cluster did not form within
---cluster_init_timeout.
+A client whose peer is lost mid-run (killed, hung, its host gone) exits 1
+with one paragraph, no traceback: 'Client 0 of 2 failed: lost client 1
+(host:port) ...' and the checkpoint a rerun resumes from (run_status.json:
+peer_lost); any other failure of a peer also exits 1, naming this client;
+-9/137 when the cluster did not form within --cluster_init_timeout.
 
 Under a scheduler every task runs the same command, and the scheduler's
 environment says who is who (docs/cluster.md):
@@ -68,12 +70,13 @@ CLUSTER = flags.DEFINE_list(
     'cluster', [], 'Who the clients are: "slurm" (every task of the srun step is a '
     'client; Slurm\'s variables give hosts and ids), "tf_config" (the TF_CONFIG '
     'variable\'s chief and workers), or host:port of every client, in client order and '
-    'sorted as strings (default: $DTENSOR_JOBS). Empty: a single process. Checkpoints '
-    'and --model_dir must be on a filesystem every client shares.')
+    'sorted as strings (default: $DTENSOR_JOBS). Empty: a single process; anything else '
+    'is an error (exit 2). Checkpoints and --model_dir must be on a filesystem every '
+    'client shares.')
 CLUSTER_PORT = flags.DEFINE_integer(
     'cluster_port', None, 'With --cluster=slurm: the port of each node\'s first task (the '
     'next tasks on a node take the next ports). Default: a block of 16 ports picked '
-    'from the job id, in 20000..51999.')
+    'from the job id, in 12000..31999 (below the kernel\'s ephemeral ports).')
 CLUSTER_INIT_TIMEOUT = flags.DEFINE_float(
     'cluster_init_timeout', 120.0, 'Seconds to wait for every client to join; after '
     'that this client exits, naming the peers that never started.')
@@ -94,9 +97,10 @@ def exit_client(cluster, error: BaseException | None, code: int | None = None) -
   """Ends a multi-client process at once: TF's runtime can hang at interpreter
   exit once a peer is gone, so the client says why and leaves with os._exit."""
   if error is not None:
+    from plugins.run_status import one_line  # pylint: disable=g-import-not-at-top
     traceback.print_exception(error)
     print(f'\nClient {cluster.client_id} of {cluster.num_clients} failed: '
-          f'{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ""}'
+          f'{type(error).__name__}: {one_line(str(error))}'
           '\n(a peer that died or hung makes the others fail like this; relaunch every '
           'client to resume from the last checkpoint)', file=sys.stderr)
   logging.flush()
@@ -191,15 +195,20 @@ def main(argv):
       sys.exit(run_status.EXIT_DIVERGED)
     except ConfigError:
       raise
+    except training.PeerLost as e:  # an expected fault: no traceback
+      record.write(run_status.PEER_LOST, exit_code=run_status.EXIT_PEER_LOST, error=str(e))
+      print(f'\n{e.paragraph}', file=sys.stderr)
+      leave(cluster, None, run_status.EXIT_PEER_LOST)
     except DataError as e:  # a corrupt or truncated file, named
       record.write(run_status.DATA_ERROR, exit_code=run_status.EXIT_DATA_ERROR, error=str(e))
-      print(f'\nData error: {e}', file=sys.stderr)
+      print(f'\nData error: {run_status.one_line(str(e))}', file=sys.stderr)
       if cluster.is_multi_client:
         leave(cluster, None, run_status.EXIT_DATA_ERROR)
       logging.error('Data error: %s', e)
       sys.exit(run_status.EXIT_DATA_ERROR)
     except Exception as e:  # pylint: disable=broad-except
-      record.write(run_status.CRASHED, exit_code=1, error=f'{type(e).__name__}: {e}')
+      record.write(run_status.CRASHED, exit_code=1,
+                   error=f'{type(e).__name__}: {run_status.one_line(str(e))}')
       if not cluster.is_multi_client:
         raise
       leave(cluster, e)

@@ -5,6 +5,7 @@
     record.write(COMPLETED, step=300, exit_code=EXIT_OK, metrics={'eval_loss': 1.02})
     read_run_status(model_dir).status          # 'completed'
     read_run_status(model_dir).attempts        # the earlier attempts in model_dir
+    one_line(str(tf_error))                    # its first line, without TF's function names
 
 `launch.train` writes the file, atomically (temp file, fsync, rename), from
 client 0 only; `launch.sweep` classifies its trials by it rather than by their
@@ -12,7 +13,9 @@ printed output. A process killed with SIGKILL writes nothing more, so a file
 still saying `running` once its process is gone means the run crashed.
 
 Statuses: running, completed, preempted (stopped by a signal after saving),
-diverged (non-finite loss), config_error (rejected before training: written
+diverged (non-finite loss), peer_lost (another client of a multi-client run
+was lost mid-run: killed, hung or its host gone; written by a surviving client 0),
+config_error (rejected before training: written
 only into an existing directory that holds no status of an earlier run, so a
 rejected command never overwrites the record of a run that trained), crashed
 (any other exception, best effort).
@@ -29,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 from typing import Any, Mapping
 
@@ -38,6 +42,10 @@ EXIT_DIVERGED = 3          # the loss became NaN or infinite
 EXIT_SWEEP_FAILED = 1      # launch.sweep: some trial failed
 EXIT_SWEEP_INTERRUPTED = 4  # launch.sweep: stopped by a signal; run it again to continue
 EXIT_DATA_ERROR = 5        # a data file could not be read mid-run; checkpoints stay
+# A multi-client run lost a client (killed, its host gone, hung past TF's
+# heartbeats): the survivors exit 1, as for any failure of a peer, whose
+# outcome is the same: the checkpoints stay, and relaunching every client resumes.
+EXIT_PEER_LOST = 1
 # Under a scheduler (--cluster=slurm or tf_config), a run stopped by a signal
 # saves and exits 143 (128 + SIGTERM): "not finished, run me again". Slurm
 # requeues on it (the sbatch script's check, or RequeueExit=143); Kubeflow's
@@ -49,8 +57,25 @@ ATTEMPT_FIELDS = ('status', 'step', 'exit_code', 'started_at', 'updated_at', 're
 MAX_ATTEMPTS = 100  # earlier attempts kept in the file
 RUNNING, COMPLETED, PREEMPTED = 'running', 'completed', 'preempted'
 DIVERGED, CONFIG_ERROR, CRASHED = 'diverged', 'config_error', 'crashed'
-DATA_ERROR = 'data_error'
-STATUSES = (RUNNING, COMPLETED, PREEMPTED, DIVERGED, CONFIG_ERROR, CRASHED, DATA_ERROR)
+DATA_ERROR, PEER_LOST = 'data_error', 'peer_lost'
+STATUSES = (RUNNING, COMPLETED, PREEMPTED, DIVERGED, CONFIG_ERROR, CRASHED, DATA_ERROR,
+            PEER_LOST)
+# What TensorFlow adds to an op's error text that names its own internals, not
+# the user's problem: `{{function_node __inference_train_step_123}}` before the
+# message, `[[{{node Sum/AllReduce}}]]` and `[Op:__inference_...] name: ` after it.
+_TF_NOISE = re.compile(r'\{\{function_node [^}]*\}\}|\[\[\{\{node [^}]*\}\}\]\]'
+                       r'|\[Op:[^\]]*\](?: name:)?')
+
+
+def one_line(text: str) -> str:
+  """The first non-empty line of an error's text, without the function and
+  node names TensorFlow adds to it (they name generated graphs, and bury the
+  message); how meshgin shows a TensorFlow error in one line."""
+  for line in str(text).splitlines():
+    line = ' '.join(_TF_NOISE.sub(' ', line).split())
+    if line:
+      return line
+  return ''
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +130,7 @@ class RunStatusFile:
                        metrics=dict(metrics or {}),
                        wall_seconds=round(time.monotonic() - self._start, 3),
                        started_at=self.started_at, updated_at=time.time(), pid=os.getpid(),
-                       error=error.strip().splitlines()[0] if error.strip() else '',
+                       error=one_line(error),
                        restart_count=self.restart_count, attempts=self._earlier)
     path = status_path(self.model_dir)
     temporary = f'{path}.tmp-{os.getpid()}'

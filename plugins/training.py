@@ -15,20 +15,27 @@ In order, and nothing is written to `model_dir` before step 4:
   4. from here a stop signal finishes the current step and saves: the run
      record is written (`plugins.record`), the checkpoint restored, and the
      model trained, with checkpoints and TensorBoard summaries.
+
+In a multi-client run, a client lost on the way (killed, hung, its host gone)
+makes the others' next collective fail; they raise `PeerLost`, which names
+it and the checkpoint a rerun resumes from, for launch.train to print.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Callable
+import re
+from typing import Callable, Sequence
 
 from absl import logging
 
 from layout_core.layout import cluster as cluster_lib
 from layout_core.layout import mesh as mesh_lib
+from layout_core.checkpoint.files import latest_valid
 from layout_core.checkpoint.manager import Checkpointer
 from layout_core.errors import ConfigError
+from layout_core.lazy import tf
 from layout_core.train.preemption import PreemptionWatcher
 from layout_core.train.summaries import NullWriter, SummaryWriter
 from layout_core.train.config import TrainResult
@@ -39,6 +46,7 @@ from layout_core.train.memory import model_flops_per_step
 from plugins.agreement import check_clients_agree
 from plugins.plan import RunPlan
 from plugins.record import checkpoint_event_recorder, record_resume_changes, record_run
+from plugins.run_status import one_line
 
 
 def join_cluster(plan: RunPlan, cluster: cluster_lib.ClusterSpec, *,
@@ -106,6 +114,74 @@ def flop_figures(plan: RunPlan) -> dict[str, float | None]:
           'peak_flops': peak * spec.num_devices if peak else None}
 
 
+class PeerLost(Exception):
+  """Another client of this multi-client run was lost: an expected fault,
+  whose message (`paragraph`) says who and where a rerun resumes."""
+
+  def __init__(self, *, cluster: cluster_lib.ClusterSpec, lost: str, detail: str,
+               resume: tuple[int, str] | None):
+    self.lost, self.detail, self.resume = lost, detail, resume
+    self.resume_text = (f'a rerun resumes from {resume[1]} (step {resume[0]})' if resume
+                        else 'no complete checkpoint yet: a rerun starts from step 0')
+    # str(): one line, for run_status.json's `error`.
+    super().__init__(f'lost {lost}; {self.resume_text}')
+    self.paragraph = (
+        f'Client {cluster.client_id} of {cluster.num_clients} failed: lost {lost}, '
+        'killed, hung or its host gone; this client stops too.\n'
+        f'TensorFlow said: {detail}\n'
+        f'The checkpoints stay: {self.resume_text}. Relaunch every client with the '
+        'same command.')
+
+
+# Client-to-client failures: a collective or RPC to a client that is gone.
+_PEER_MARKERS = ('collective ops is aborted', 'failed to connect to all addresses',
+                 'socket closed', 'connection reset', 'heartbeat', 'unhealthy')
+
+
+def lost_peer_error(error: BaseException) -> 'tf.errors.OpError | None':
+  """The TensorFlow error in `error`'s chain (itself, its cause or the error it
+  was raised while handling: meshgin rewords some) that says a peer is gone."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, (tf.errors.UnavailableError, tf.errors.AbortedError,
+                          tf.errors.DeadlineExceededError)) or (
+        isinstance(error, tf.errors.OpError) and
+        any(marker in str(error).lower() for marker in _PEER_MARKERS)):
+      return error
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def lost_peer(text: str, addresses: Sequence[str], *, client_id: int) -> str:
+  """'client k (host:port)' when TensorFlow's error `text` names the lost
+  client (its task number, or its port), else 'a peer'."""
+  # A heartbeat timeout lists the unhealthy tasks after the task reporting it.
+  unhealthy = text[text.find('unhealthy'):] if 'unhealthy' in text else ''
+  named = [int(task) for task in re.findall(r'/job:[^/\s]+(?:/replica:\d+)?/task:(\d+)',
+                                            unhealthy + '\n' + text)]
+  ports = set(re.findall(r'ipv[46]:\S*:(\d+)\b', text))  # gRPC's ipv4:127.0.0.1:9000
+  named += [k for k, address in enumerate(addresses)
+            if address in text or address.rsplit(':', 1)[-1] in ports]
+  for k in named:
+    if k != client_id and k < len(addresses):
+      return f'client {k} ({addresses[k]})'
+  return 'a peer'
+
+
+def as_peer_lost(error: BaseException, *, cluster: cluster_lib.ClusterSpec,
+              model_dir: str) -> PeerLost | None:
+  """The PeerLost that `error` means in a multi-client run, or None."""
+  found = lost_peer_error(error) if cluster.is_multi_client else None
+  if found is None:
+    return None
+  return PeerLost(
+      cluster=cluster, lost=lost_peer(str(found), cluster.addresses,
+                                      client_id=cluster.client_id),
+      detail=f'{type(found).__name__}: {one_line(found.message)}',
+      resume=latest_valid(os.path.join(model_dir, 'checkpoints')))
+
+
 def run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
                  cluster: cluster_lib.ClusterSpec | None = None,
                  on_start: Callable[[], None] | None = None) -> TrainResult:
@@ -113,9 +189,22 @@ def run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
 
   With a multi-client `cluster` (joined with `join_cluster`), every client
   runs this with the same plan and model_dir (a shared filesystem); client 0
-  writes the run record and TensorBoard events. `on_start` is called once the
-  run is validated, right before anything is written (launch.train records
-  the run as running there)."""
+  writes the run record and TensorBoard events; a lost client is PeerLost
+  on the others. `on_start` is called once the run is validated, right
+  before anything is written (launch.train records the run as running there)."""
+  try:
+    return _run_training(plan, model_dir=model_dir, watcher=watcher, cluster=cluster,
+                         on_start=on_start)
+  except Exception as e:  # pylint: disable=broad-except
+    lost = as_peer_lost(e, cluster=cluster, model_dir=model_dir) if cluster else None
+    if lost is None:
+      raise
+    raise lost from None  # TF's traceback says nothing about where the peer went
+
+
+def _run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
+                  cluster: cluster_lib.ClusterSpec | None,
+                  on_start: Callable[[], None] | None) -> TrainResult:
   chief = cluster is None or cluster.client_id == 0
   # Created now, written only after validation (SummaryWriter opens its file
   # at the first write).

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -244,6 +245,20 @@ def test_bad_cluster_flags_exit_2(tmp_path):
   assert result.returncode == 2 and '--num_clients=3' in result.stderr
 
 
+def test_a_cluster_that_is_neither_a_scheduler_nor_addresses_exits_2(tmp_path):
+  """A typo of a scheduler name is an error, not a run that trains alone."""
+  model_dir = tmp_path / 'run'
+  result = run_module('launch.train', *ARGS, steps(2), f'--model_dir={model_dir}',
+                      '--cluster=slurmm')
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert ("Configuration error: --cluster=slurmm: 'slurmm' is neither a scheduler (slurm, "
+          "tf_config) nor a host:port address (did you mean 'slurm'?). Where: --cluster. "
+          'Fix: give --cluster=slurm or --cluster=tf_config, or every client') in (
+              ' '.join(result.stderr.split())), result.stderr[-3000:]
+  assert 'Traceback' not in result.stderr
+  assert not model_dir.exists()
+
+
 def test_a_client_that_cannot_see_the_checkpoint_directory_is_named(tmp_path):
   """Client 1 given another --model_dir stands in for a host without the shared
   filesystem: both clients exit 2 naming client 1."""
@@ -279,6 +294,11 @@ def test_cluster_spec_from_flags_or_dtensor_environment():
                              init_timeout=1, environ={})
   with pytest.raises(ConfigError, match='not host:port'):
     ClusterSpec(client_id=0, addresses=('a:1', 'b'))
+  for cluster, close in ((['tf_confg'], "did you mean 'tf_config'"), (['a:1', 'slurm'], ''),
+                         (['h0'], '')):
+    with pytest.raises(ConfigError, match=f'neither a scheduler .*address.*{close}'):
+      ClusterSpec.from_options(client_id=None, num_clients=None, cluster=cluster,
+                               init_timeout=1, environ={})
 
 
 # -- under a scheduler: Slurm (a real one-node Slurm) and TF_CONFIG ----------------------
@@ -429,6 +449,9 @@ def test_the_cluster_comes_from_slurm_variables_or_tf_config(slurm, monkeypatch)
   from layout_core.errors import ConfigError
   from layout_core.layout.cluster import ClusterSpec
   monkeypatch.setenv('SLURM_CONF', slurm.conf)  # scontrol expands the node list
+  resolve = socket.getaddrinfo  # node1 and node2 stand for this host
+  monkeypatch.setattr(socket, 'getaddrinfo', lambda host, *args, **kwargs: resolve(
+      'localhost' if host in ('node1', 'node2') else host, *args, **kwargs))
 
   def spec(cluster, environ, **flags):
     options = dict(client_id=None, num_clients=None, init_timeout=5, port=None)
@@ -442,8 +465,6 @@ def test_the_cluster_comes_from_slurm_variables_or_tf_config(slurm, monkeypatch)
   task = spec('slurm', step, port=9000)
   assert task.addresses == ('node1:9000', 'node1:9001', 'node2:9000', 'node2:9001')
   assert (task.client_id, task.source, task.under_scheduler) == (2, 'slurm', True)
-  picked = spec('slurm', step).addresses[0]
-  assert picked == f'node1:{20000 + 7 * 16}'  # a port block from the job id
   single = spec('slurm', dict(step, SLURM_STEP_NUM_TASKS='1', SLURM_STEP_NODELIST='node2',
                               SLURM_STEP_TASKS_PER_NODE='1'))
   assert not single.is_multi_client and single.under_scheduler
@@ -472,6 +493,38 @@ def test_the_cluster_comes_from_slurm_variables_or_tf_config(slurm, monkeypatch)
   with pytest.raises(ConfigError, match='worker 5 but the cluster lists 2'):
     spec('tf_config', {'TF_CONFIG': json.dumps(dict(
         kubernetes, task={'type': 'worker', 'index': 5}))})
+
+
+def slurm_step(job_id, node='localhost', tasks=16):
+  """The variables srun gives task 0 of `tasks` on one node."""
+  return {'SLURM_JOB_ID': str(job_id), 'SLURM_STEP_NUM_TASKS': str(tasks),
+          'SLURM_STEP_NODELIST': node, 'SLURM_STEP_TASKS_PER_NODE': str(tasks),
+          'SLURMD_NODENAME': node, 'SLURM_LOCALID': '0'}
+
+
+def test_ports_picked_from_the_slurm_job_id_avoid_this_hosts_ephemeral_ports(monkeypatch):
+  """The kernel gives outgoing connections local ports from
+  ip_local_port_range: a task must not be told to listen on one."""
+  from layout_core.layout import scheduler
+  monkeypatch.setattr(scheduler, 'expand_hostlist', lambda text: text.split(','))  # no scontrol
+  with open('/proc/sys/net/ipv4/ip_local_port_range') as f:
+    low, high = (int(n) for n in f.read().split())
+  for job in [*range(0, 100000, 7), 2**31 - 1, 2**32 - 2]:
+    _, addresses = scheduler.from_slurm(slurm_step(job))
+    ports = [int(address.rpartition(':')[2]) for address in addresses]
+    assert len(ports) == 16 and all(1024 <= p < low or high < p < 65536 for p in ports), (
+        f'job {job}: ports {ports[0]}..{ports[-1]}, ephemeral {low}..{high}')
+
+
+def test_a_slurm_node_name_that_does_not_resolve_is_named(monkeypatch):
+  """An error naming it, not a cluster start that waits for a task no peer can reach."""
+  from layout_core.errors import ConfigError
+  from layout_core.layout import scheduler
+  monkeypatch.setattr(scheduler, 'expand_hostlist', lambda text: text.split(','))  # no scontrol
+  with pytest.raises(ConfigError) as raised:
+    scheduler.from_slurm(slurm_step(7, node='no-such-node.invalid'))
+  assert "SLURMD_NODENAME='no-such-node.invalid' does not resolve" in str(raised.value)
+  assert raised.value.where == 'SLURMD_NODENAME' and '/etc/hosts' in raised.value.fix
 
 
 def test_a_scheduler_stop_signal_is_a_clean_stop_that_asks_to_run_again():

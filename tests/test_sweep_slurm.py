@@ -4,7 +4,8 @@ One real sweep of three trials, two jobs at a time, is stopped by SIGTERM and
 run again; what it did is read back from Slurm itself (squeue), the trials'
 own run_status.json and logs, and a real TensorBoard's HParams dashboard. A
 stand-in trial (no TensorFlow) checks --slurm_on_stop=leave and the adoption
-of the job it leaves. Bad input exits 2 before Slurm sees a job.
+of the job it leaves, and of jobs Slurm no longer knows. Bad input exits 2
+before Slurm sees a job.
 """
 
 import io
@@ -22,6 +23,7 @@ import pytest
 from plugins import run_status, sweep as sweep_lib
 from plugins.sweep import slurm as slurm_lib
 from plugins.sweep.spec import expand, parse_axis
+from plugins.sweep.trial_process import write_json
 from tests.conftest import REPO_ROOT, read_events, run_modules
 from tests.test_sweep import TINY, TensorBoard, attempt_header, read_tsv
 
@@ -52,6 +54,40 @@ def all_jobs(cluster):
 def new_jobs(cluster, before: set) -> set:
   """Jobs submitted since `before = all_jobs(cluster)` (ids only grow)."""
   return all_jobs(cluster) - before
+
+
+def when(condition, then, timeout=60):
+  """Runs `then()` in a thread once `condition()` holds, or after `timeout`
+  seconds all the same (so the test's main thread is not left waiting).
+  Returns a check that waits for the thread and fails the test if the
+  condition never held: the action then came from the timeout."""
+  held = []
+
+  def watch():
+    give_up = time.monotonic() + timeout
+    while not held and time.monotonic() < give_up:
+      if condition():
+        held.append(True)
+      else:
+        time.sleep(0.1)
+    then()
+
+  thread = threading.Thread(target=watch, daemon=True)
+  thread.start()
+
+  def check():
+    thread.join()
+    assert held, f'{getattr(condition, "__name__", condition)} did not hold within {timeout} s'
+  return check
+
+
+def test_when_fails_the_test_if_its_condition_never_held():
+  done = []
+  check = when(lambda: False, lambda: done.append(True), timeout=0.3)
+  with pytest.raises(AssertionError, match='did not hold within 0.3 s'):
+    check()
+  assert done  # the action ran all the same: the main thread was not left waiting
+  when(lambda: True, lambda: None)()  # held: passes
 
 
 def wait_for_status(trial_dir, process, status='running', timeout=120):
@@ -167,16 +203,6 @@ def test_leave_exits_at_once_and_a_rerun_adopts_the_job_it_left(slurm, tmp_path)
     return sweep_lib.SweepRunner(sweep, python=str(fake), out=out, environment=environment,
                                  launcher=launcher)
 
-  def when(condition, then):
-    def watch():
-      give_up = time.monotonic() + 60
-      while not condition() and time.monotonic() < give_up:
-        time.sleep(0.1)
-      then()
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
-
   def running():
     recorded = run_status.read_run_status(trial_dir)
     return recorded is not None and recorded.status == 'running'
@@ -184,7 +210,7 @@ def test_leave_exits_at_once_and_a_rerun_adopts_the_job_it_left(slurm, tmp_path)
   stopper = when(running, lambda: os.kill(os.getpid(), signal.SIGTERM))
   first = runner(io.StringIO())
   [record] = first.run()
-  stopper.join()
+  stopper()
   assert first.stop_signal == 'SIGTERM'
   job_id = record['slurm_job_id']
   assert record['status'] == 'RUNNING' and sweep_lib.read_status(trial_dir)['status'] == (
@@ -196,7 +222,7 @@ def test_leave_exits_at_once_and_a_rerun_adopts_the_job_it_left(slurm, tmp_path)
   releaser = when(lambda: 'watching 1 trials' in out.getvalue(),
                   lambda: open(os.path.join(trial_dir, 'release'), 'w').close())
   [record] = runner(out).run()
-  releaser.join()
+  releaser()
   assert 'still queued or running from an earlier sweep: seed=0' in out.getvalue()
   assert (record['status'], record['attempts'], record['slurm_job_ids']) == (
       'SUCCESS', 1, [job_id]), record
@@ -206,6 +232,53 @@ def test_leave_exits_at_once_and_a_rerun_adopts_the_job_it_left(slurm, tmp_path)
   # A multi-task trial: one job step of 2 tasks, each a client (--cluster=slurm).
   assert {n for n in os.listdir(trial_dir) if n.startswith('task-')} == {
       'task-0-of-2', 'task-1-of-2'}
+
+
+def test_an_adopted_job_slurm_no_longer_knows_has_ended(slurm, tmp_path):
+  """Slurm forgets a job MinJobAge after it ends (squeue: "Invalid job id
+  specified"); a trial an earlier sweep left running on such a job has ended,
+  however long ago: its run_status.json says how (completed: kept), and with
+  none it crashed (run again), as for any trial. Here the jobs are ids this
+  Slurm never knew."""
+  fake = tmp_path / 'fake_python'
+  fake.write_text(STAND_IN_TRIAL.format(python=sys.executable))
+  fake.chmod(0o755)
+  environment = slurm.environment()
+  jobs_before = all_jobs(slurm)
+  for job_id, completed in (('67000001', True), ('67000002', False)):
+    sweep = sweep_lib.Sweep(root=str(tmp_path / job_id),
+                            gin_files=['configs/experiments/quickstart.gin'],
+                            axes=[parse_axis('train.seed=[0]')])
+    trial_dir = os.path.join(sweep.root, 'seed=0')
+    os.makedirs(trial_dir)
+    write_json(os.path.join(trial_dir, sweep_lib.STATUS_FILE), {
+        'status': 'RUNNING', 'attempts': 1, 'base': sweep.base(), 'wall_seconds': 0.0,
+        'slurm_job_id': job_id, 'slurm_job_ids': [job_id]})
+    if completed:
+      run_status.RunStatusFile(trial_dir).write(run_status.COMPLETED, step=1, exit_code=0)
+    open(os.path.join(trial_dir, 'release'), 'w').close()  # a new attempt completes at once
+    out = io.StringIO()
+    runner = sweep_lib.SweepRunner(
+        sweep, python=str(fake), out=out, environment=environment,
+        launcher=slurm_lib.SlurmLauncher(on_stop='leave', environment=environment))
+    returned = threading.Event()  # a job watched forever: stopped (leave) after 120 s
+    guard = when(returned.is_set, lambda: returned.is_set() or os.kill(os.getpid(),
+                                                                        signal.SIGTERM),
+                 timeout=120)
+    [record] = runner.run()
+    returned.set()
+    assert runner.stop_signal is None, out.getvalue()
+    guard()
+    verdict = 'success' if completed else 'failure'
+    assert f'[sweep] {verdict} seed=0 (its job ended while no sweep was watching)' in (
+        out.getvalue()), out.getvalue()
+    if completed:  # kept as it is
+      assert (record['status'], record['attempts'], record['slurm_job_ids']) == (
+          'SUCCESS', 1, [job_id]), record
+    else:  # crashed, so run again: a second attempt, a new job
+      assert (record['status'], record['attempts'], record['slurm_job_ids'][0]) == (
+          'SUCCESS', 2, job_id), record
+      assert new_jobs(slurm, jobs_before) == {record['slurm_job_id']}
 
 
 def test_bad_slurm_input_exits_2_before_any_job_is_submitted(slurm, tmp_path):

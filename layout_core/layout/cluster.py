@@ -28,6 +28,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from layout_core import tf_internals
 from layout_core.errors import ConfigError
 from layout_core.layout import scheduler
 from layout_core.lazy import dtensor, tf
@@ -105,6 +106,7 @@ class ClusterSpec:
     if len(addresses) == 1 and addresses[0] in scheduler.SOURCES:
       return cls._from_scheduler(addresses[0], client_id=client_id, num_clients=num_clients,
                                  init_timeout=init_timeout, port=port, environ=environ)
+    scheduler.check_cluster_list(addresses)  # a typo ('slurmm') is no single process
     if not addresses and environ.get(ENV_JOBS):
       addresses = [a for a in environ[ENV_JOBS].split(',') if a]
     if not addresses:
@@ -204,16 +206,13 @@ def exchange(spec: ClusterSpec, *, key: str, value: str, timeout: float) -> list
   store of TF's coordination service (which DTensor's multi-client start
   runs on client 0). Call after `connect`, with the same key on every client;
   a peer that never posts its value is a TimeoutError after `timeout` s."""
-  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
   if not spec.is_multi_client:
     return [value]
-  runtime = context.context()
-  runtime.set_config_key_value(f'meshgin/{key}/{spec.client_id}', value)
+  tf_internals.put_key_value(f'meshgin/{key}/{spec.client_id}', value)
   values = []
   for client in range(spec.num_clients):
     try:
-      values.append(runtime.get_config_key_value(f'meshgin/{key}/{client}',
-                                                 timeout_in_ms=int(timeout * 1000)))
+      values.append(tf_internals.get_key_value(f'meshgin/{key}/{client}', timeout_s=timeout))
     except tf.errors.OpError as e:
       raise TimeoutError(f'client {client} did not post {key!r} within {timeout:g} s: '
                          f'{str(e).splitlines()[0]}') from None

@@ -9,7 +9,9 @@ its peers and its own place in its environment:
 * **Slurm** (`srun`, or `srun` inside an `sbatch` script): the step's node
   list and tasks per node give every task's host; each task on a node gets
   `port + SLURM_LOCALID`, where `port` defaults to a block picked from the job
-  id (two jobs sharing a node do not collide). The node list is expanded by
+  id (`job_port`: two jobs sharing a node do not collide, and the block lies
+  below the kernel's ephemeral ports, which outgoing connections take). This
+  task's node name (`SLURMD_NODENAME`) must resolve. The node list is expanded by
   Slurm's own `scontrol show hostnames`. TensorFlow's `SlurmClusterResolver`
   is not used: it assigns task ranks to hosts by packing the sorted host list,
   which names the wrong host for a task under `srun --distribution=cyclic`, and
@@ -27,8 +29,10 @@ Nothing here imports TensorFlow: a task outside an allocation fails at once.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
+import socket
 import subprocess
 from typing import Mapping, Sequence
 
@@ -36,9 +40,49 @@ from layout_core.errors import ConfigError
 
 SLURM, TF_CONFIG = 'slurm', 'tf_config'
 SOURCES = (SLURM, TF_CONFIG)
-FIRST_PORT = 20000   # ports picked from the job id lie in [20000, 52000)
+# Ports picked from the job id lie in [FIRST_PORT, END_PORT): below Linux's
+# ephemeral range (ip_local_port_range, 32768-60999 by default), from which the
+# kernel picks the local port of every outgoing connection, so no connection on
+# the node can hold a port a task is about to listen on.
+FIRST_PORT, END_PORT = 12000, 32000
 PORTS_PER_JOB = 16   # a block per job id: up to 16 tasks per node without overlap
 TF_CONFIG_TASK_TYPES = ('chief', 'worker')  # 'master' is read as 'chief'
+
+
+def job_port(job_id: int) -> int:
+  """The first port of the job's block (module doc): in [FIRST_PORT, END_PORT)."""
+  return FIRST_PORT + job_id % ((END_PORT - FIRST_PORT) // PORTS_PER_JOB) * PORTS_PER_JOB
+
+
+def check_cluster_list(values: Sequence[str]) -> None:
+  """ConfigError unless --cluster's `values` are host:port addresses (the one
+  scheduler name, e.g. ['slurm'], is taken before this is asked)."""
+  for value in values:
+    host, _, port = value.rpartition(':')
+    if host and port.isdigit():
+      continue
+    close = difflib.get_close_matches(value.lower(), SOURCES, n=1)
+    raise ConfigError(
+        f'--cluster={",".join(values)}: {value!r} is neither a scheduler '
+        f'({", ".join(SOURCES)}) nor a host:port address'
+        + (f' (did you mean {close[0]!r}?)' if close else ''), where='--cluster',
+        fix=f'give --cluster={" or --cluster=".join(SOURCES)}, or every client\'s host:port '
+            '(e.g. --cluster=10.0.0.1:9000,10.0.0.2:9000), or leave it out to train in one '
+            'process')
+
+
+def check_resolves(host: str, *, where: str) -> None:
+  """ConfigError unless `host` resolves: a name that does not would leave
+  the cluster waiting for a client its peers can never reach."""
+  try:
+    socket.getaddrinfo(host, None)
+  except (OSError, UnicodeError) as e:
+    raise ConfigError(f'{where}={host!r} does not resolve to an address '
+                      f'({getattr(e, "strerror", None) or e}), so the other tasks could not '
+                      'reach this one', where=where,
+                      fix='make every node\'s Slurm node name resolve on every node (DNS or '
+                          '/etc/hosts), or give --cluster every client\'s address as '
+                          'host:port') from None
 
 
 def expand_tasks_per_node(text: str) -> list[int]:
@@ -93,6 +137,8 @@ def from_slurm(environ: Mapping[str, str], *, port: int | None = None) -> tuple[
           f'(Slurm gave: {_job_summary(environ)})', where='--cluster=slurm',
           fix=f'start launch.train with srun inside the script, so that all {tasks} tasks run it')
     return 0, []
+  if environ.get('SLURMD_NODENAME'):
+    check_resolves(environ['SLURMD_NODENAME'], where='SLURMD_NODENAME')
   hosts = expand_hostlist(environ.get('SLURM_STEP_NODELIST', ''))
   counts = expand_tasks_per_node(environ.get('SLURM_STEP_TASKS_PER_NODE', ''))
   total = int(environ['SLURM_STEP_NUM_TASKS'])
@@ -102,8 +148,7 @@ def from_slurm(environ: Mapping[str, str], *, port: int | None = None) -> tuple[
         f'{_job_summary(environ)})', where='--cluster=slurm',
         fix='start launch.train with srun, one task per client')
   if port is None:
-    job = int(environ['SLURM_JOB_ID'])
-    port = FIRST_PORT + (job % 2000) * PORTS_PER_JOB
+    port = job_port(int(environ['SLURM_JOB_ID']))
   addresses = [f'{host}:{port + local}' for host, count in zip(hosts, counts)
                for local in range(count)]
   mine = f'{environ.get("SLURMD_NODENAME", "")}:{port + int(environ.get("SLURM_LOCALID", 0))}'

@@ -37,10 +37,12 @@ It then saves a checkpoint, writes run_status 'preempted' and exits 143
 (`run_status.EXIT_REQUEUE`); the shell, still alive, records that status.
 
 Polling is one `squeue` call for all the sweep's live jobs, at most once a
-second. A trial's clock (for `--trial_timeout` and its wall time) starts when
-its job runs, not while it waits in the queue; with a timeout the job also gets
-`--time`, the timeout plus the stop grace in whole minutes, as the scheduler's
-hard backstop.
+second. A job squeue no longer knows (Slurm forgets a job MinJobAge after it
+ends, e.g. one an earlier sweep left running) has ended: its outcome is read
+from `slurm_exit` and run_status.json like any other's. A trial's clock (for
+`--trial_timeout` and its wall time) starts when its job runs, not while it
+waits in the queue; with a timeout the job also gets `--time`, the timeout
+plus the stop grace in whole minutes, as the scheduler's hard backstop.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ ON_STOP = ('cancel', 'leave')
 CLUSTER_FLAG = '--cluster=slurm'  # launch.train takes its clients from Slurm's variables
 PENDING, RUNNING = 'PENDING', 'RUNNING'
 GONE = 'GONE'  # no longer listed by squeue: finished long enough ago to be forgotten
+FORGOTTEN = 'Invalid job id specified'  # squeue's answer for one job it does not know
 TERMINAL_STATES = frozenset({'COMPLETED', 'FAILED', 'CANCELLED', 'TIMEOUT', 'NODE_FAIL',
                              'PREEMPTED', 'OUT_OF_MEMORY', 'BOOT_FAIL', 'DEADLINE', GONE})
 # A job that waits again after it ran (requeued by the cluster's own policy).
@@ -259,8 +262,10 @@ class SlurmLauncher:
                             '-j', ','.join(ids), timeout=30)
     except subprocess.TimeoutExpired:
       return  # the controller is busy: the states stay as they were, asked again later
-    if result.returncode != 0:
-      return
+    # squeue lists none of the jobs it has forgotten (MinJobAge after they
+    # ended), but asked for one such job alone it refuses: that one is GONE too.
+    if result.returncode != 0 and not (len(ids) == 1 and FORGOTTEN in result.stderr):
+      return  # e.g. the controller is down: asked again later
     listed = {}
     for line in result.stdout.splitlines():
       fields = line.split()
