@@ -21,12 +21,17 @@ from typing import Sequence
 import gin
 import pytest
 
+from layout_core import tf_internals
 from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus
 from tests.zygote import Zygote, ZygoteUnavailable, close_session_zygote, session_zygote
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_DEVICES = 8
 assert configure_virtual_cpus(NUM_DEVICES) >= NUM_DEVICES
+# This process builds meshes of every shape, in whatever order the tests run:
+# DTensor's default all-gather lowering, decided before the first mesh (a
+# one-axis first mesh would choose CollectiveGatherV2, then refuse 2-D ones).
+tf_internals.lower_gathers_once(False, reason="the tests' shared process (tests/conftest.py)")
 
 
 # The quick tier (`pytest -m "not slow"`, a few minutes, for iteration) leaves
@@ -43,6 +48,7 @@ SLOW = {
     'test_fsdp': {'test_fsdp_trains_as_the_same_run_with_whole_parameters',
                   'test_bfloat16_fsdp_stays_within_bfloat16_rounding_of_the_run_without_it'},
     'test_layout_scope': {'test_sharded_run_matches_replicated_run'},
+    'test_lost_peer': {'test_a_killed_peer_ends_the_other_client_with_one_paragraph'},
     'test_pipeline': {'test_gpipe_training_on_sub_meshes_equals_plain_tf'},
     'test_tasks': {'test_resume_from_a_checkpoint_reads_exactly_the_same_batches',
                    'test_classifier_example_trains_end_to_end_from_gin'},
@@ -86,18 +92,21 @@ def clean_gin():
   gin.clear_config()
 
 
-def run_module(module: str, *args: str, timeout: float = 300,
-               env: dict | None = None) -> subprocess.CompletedProcess:
+def run_module(module: str, *args: str, timeout: float = 300, env: dict | None = None,
+               fresh: bool = False) -> subprocess.CompletedProcess:
   """Runs `python -m module args...` from the repo root, capturing output.
   A None in `env` removes that variable (TF_CPP_MIN_LOG_LEVEL=None: the
   console a user gets, quieted by the launcher itself).
 
   The process is forked from the session's zygote (tests/zygote.py: an
   interpreter that has imported TensorFlow already) unless `env` changes
-  what TensorFlow reads at import time; then it is a fresh interpreter."""
+  what TensorFlow reads at import time, or `fresh`; then it is a fresh
+  interpreter. A forked run ends with os._exit after its exit handlers, so
+  only a fresh one goes through the interpreter's own shutdown, where a
+  hang at exit would show."""
   full_env = {name: value for name, value in launcher_environment(env).items()
               if value is not None}
-  done = _from_zygote('run', [module, *args], env=full_env, timeout=timeout)
+  done = None if fresh else _from_zygote('run', [module, *args], env=full_env, timeout=timeout)
   return done if done is not None else subprocess.run([sys.executable, '-m', module, *args], cwd=REPO_ROOT,
                         capture_output=True, text=True, timeout=timeout, env=full_env)
 

@@ -1,11 +1,15 @@
 """launch.train end to end in real subprocesses, read back from real event files."""
 
+import concurrent.futures
 import os
 import re
+import subprocess
+import time
 
 import pytest
 
-from tests.conftest import read_events, run_module, run_modules
+from plugins.run_status import COMPLETED, read_run_status
+from tests.conftest import read_events, run_module
 
 def short_run(gin_file: str, *, num_steps: int, eval_every: int) -> list[str]:
   """launch flags for a few steps of `gin_file`, logging every 2 steps."""
@@ -24,24 +28,53 @@ PIPELINE = [*short_run('configs/experiments/lm_pipeline.gin', num_steps=4, eval_
             '--gin_bindings=pipeline.num_micro_batches = 2']
 
 
+# The quick run's limit, and how soon after its final run_status.json it must
+# have exited (about 1 s when nothing hangs, several on a loaded machine).
+QUICK_TIMEOUT, EXIT_SECONDS = 240, 20
+
+
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-  """{'quick': (result, model_dir), 'pipeline': (result, model_dir)}: the two
-  real trainings this module checks, started together."""
+  """{'quick': (result, model_dir, when it exited), 'pipeline': (result,
+  model_dir)}: the two real trainings this module checks, started together.
+  The quick run is the suite's one `launch.train` that must be a fresh
+  interpreter (`fresh`): a run forked from the test zygote ends with
+  os._exit, past the interpreter's shutdown, where a hang at exit would
+  hide. Its result is the TimeoutExpired if it did not end in time."""
   root = tmp_path_factory.mktemp('launch')
   model_dirs = {'quick': str(root / 'run'), 'pipeline': str(root / 'pipe')}
-  results = run_modules(
-      [('launch.train', *QUICK, f'--model_dir={model_dirs["quick"]}'),
-       ('launch.train', *PIPELINE, f'--model_dir={model_dirs["pipeline"]}',
-        '--gin_bindings=mesh.peak_flops_per_device = 1e9')],
-      # As a user runs it (no TF_CPP_MIN_LOG_LEVEL): the launcher quiets its own console.
-      envs=[{'TF_CPP_MIN_LOG_LEVEL': None}, None])
-  return {name: (result, model_dirs[name]) for name, result in zip(model_dirs, results)}
+
+  def quick():
+    try:
+      result = run_module('launch.train', *QUICK, f'--model_dir={model_dirs["quick"]}',
+                          timeout=QUICK_TIMEOUT, fresh=True,
+                          # As a user runs it (no TF_CPP_MIN_LOG_LEVEL): the launcher
+                          # quiets its own console.
+                          env={'TF_CPP_MIN_LOG_LEVEL': None})
+    except subprocess.TimeoutExpired as e:
+      result = e
+    return result, time.time()
+
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    quick_run = pool.submit(quick)
+    pipeline = run_module('launch.train', *PIPELINE, f'--model_dir={model_dirs["pipeline"]}',
+                          '--gin_bindings=mesh.peak_flops_per_device = 1e9')
+    result, exited_at = quick_run.result()
+  return {'quick': (result, model_dirs['quick'], exited_at),
+          'pipeline': (pipeline, model_dirs['pipeline'])}
 
 
-def test_train_writes_run_record_and_tensorboard_events(runs):
-  result, model_dir = runs['quick']
+def test_train_writes_run_record_and_tensorboard_events_and_exits_promptly(runs):
+  result, model_dir, exited_at = runs['quick']
+  record = read_run_status(model_dir)
+  if isinstance(result, subprocess.TimeoutExpired):  # its output so far comes as bytes
+    pytest.fail(f'no exit in {QUICK_TIMEOUT} s; its run_status.json: {record}\n'
+                + (result.stderr or b'').decode(errors='replace')[-3000:])
   assert result.returncode == 0, result.stderr[-3000:]
+  # The final record is the run's last act: the interpreter's shutdown after it
+  # (threads joined, TensorFlow's runtime torn down) takes about a second.
+  assert record is not None and record.status == COMPLETED and record.step == 6, record
+  assert exited_at - record.updated_at < EXIT_SECONDS, (exited_at - record.updated_at, record)
   # TensorFlow's C++ info lines (shown with --verbose: see test_sweep's verbose
   # trials) stay off the console; the run's own log lines do not.
   tensorflow_info = re.search(r'^I\d{4} [^\]]*\.cc:\d+\] .*', result.stderr, re.M)

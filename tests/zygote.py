@@ -12,8 +12,11 @@ environment and output pipes and runs the module as `__main__` with
 It is a real, separate process (its own pid, devices, TensorFlow context
 and exit status): nothing TensorFlow initialises at run time (the eager
 context, devices, threads) exists in the zygote when it forks, which is
-what makes the fork safe. Modules that define absl flags (`launch.*`) are
-not preloaded: each child defines them fresh, as `python -m` does.
+what makes the fork safe. The zygote checks that before each fork
+(`fork_hazards`) and refuses a run it cannot fork safely, which then gets a
+fresh interpreter like the runs below. Modules that define absl flags
+(`launch.*`) are not preloaded: each child defines them fresh, as `python -m`
+does.
 
 The one thing a child cannot change is what TensorFlow read from the
 environment at import time, so a run whose environment differs from the
@@ -23,15 +26,20 @@ fresh interpreter instead: `Zygote.start` refuses it (ZygoteUnavailable) and
 
 Protocol, on a Unix socket: the client sends a length-prefixed JSON request
 ({argv, cwd, env}) with its stdout and stderr descriptors (SCM_RIGHTS); the
-zygote answers `pid N` at the fork and `exit CODE` when the child ends.
-The zygote ends when its stdin (a pipe from the test process) closes.
+zygote answers `pid N` at the fork and `exit CODE` when the child ends, or
+`refused WHY` instead of forking. The zygote ends when its stdin (a pipe from
+the test process) closes.
 
-    python -m tests.zygote SOCKET_PATH
+    python -m tests.zygote SOCKET_PATH [MODULE:FUNCTION ...]
+
+Each MODULE:FUNCTION is called once after the preload: tests/test_runner.py
+makes a zygote of its own unsafe to fork with one.
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib
 import io
 import json
 import os
@@ -67,6 +75,38 @@ def differs_at_import(env: Mapping[str, str], base: Mapping[str, str]) -> list[s
 
 
 # ---------------------------------------------------------------- the server
+
+
+def _threads() -> frozenset[int]:
+  """The ids of this process's threads, native ones included."""
+  return frozenset(int(task) for task in os.listdir('/proc/self/task'))
+
+
+def fork_hazards(known_threads: frozenset[int]) -> list[str]:
+  """Why a fork now would not be safe ([] when it is). A child inherits
+  only the forking thread, so any other thread's locks (TensorFlow's
+  runtime, a thread pool's queue) may be held forever in the child; and an
+  initialised eager context or device list (CUDA's included) is state
+  TensorFlow does not expect to find copied into another process. The
+  threads allowed are `known_threads`, those numpy's import started (see
+  `serve`), by id: a thread started since is not one of them even where the
+  count is unchanged."""
+  # pylint: disable=protected-access
+  hazards = []
+  eager = sys.modules.get('tensorflow.python.eager.context')
+  context = eager._context if eager is not None else None  # made by context(), not at import
+  # Read directly, not with getattr defaults: a TensorFlow that renames them
+  # fails here (every run then falls back to a fresh interpreter, and
+  # test_runner's forking test says so) instead of passing as safe.
+  if context is not None and (context._context_handle is not None
+                              or context._physical_devices is not None):
+    hazards.append("TensorFlow's eager context or its physical devices are initialised")
+  extra = _threads() - known_threads
+  if extra:
+    named = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    hazards.append(f'{len(extra)} thread(s) besides the main thread and those numpy\'s import '
+                   f'started' + (f' (Python threads: {", ".join(named)})' if named else ''))
+  return hazards
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -123,9 +163,19 @@ def _run_child(request: dict, fds: Sequence[int]) -> None:
     os._exit(code)  # pylint: disable=protected-access
 
 
-def serve(path: str) -> None:
+def serve(path: str, setup: Sequence[str] = ()) -> None:
+  # numpy first, alone: its import starts OpenBLAS's thread server (one thread
+  # per core but one), the only threads besides the main one that a fork may
+  # find here. OpenBLAS stops them itself before a fork (pthread_atfork) and
+  # starts new ones when it next multiplies; whatever thread the rest of the
+  # preload, or anything later, starts makes the zygote refuse to fork.
+  __import__('numpy')
+  known_threads = _threads()
   for name in PRELOAD:
     __import__(name)
+  for hook in setup:
+    module, _, function = hook.partition(':')
+    getattr(importlib.import_module(module), function)()
   listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
   listener.bind(path)
   listener.listen(16)
@@ -149,6 +199,16 @@ def serve(path: str) -> None:
       except (OSError, ValueError) as e:
         conn.close()
         print(f'zygote: bad request: {e}', file=sys.stderr, flush=True)
+        continue
+      hazards = fork_hazards(known_threads)
+      if hazards:  # the client starts the run with a fresh interpreter instead
+        for fd in fds:
+          os.close(fd)
+        try:
+          conn.sendall(f'refused {"; ".join(hazards)}\n'.encode())
+        except OSError:
+          pass
+        conn.close()
         continue
       sys.stdout.flush()
       sys.stderr.flush()
@@ -210,10 +270,11 @@ class ZygoteUnavailable(RuntimeError):
 class Zygote:
   """A zygote process and the runs forked from it (see the module doc)."""
 
-  def __init__(self, scratch: str, env: Mapping[str, str]):
+  def __init__(self, scratch: str, env: Mapping[str, str], setup: Sequence[str] = ()):
+    """`setup`: MODULE:FUNCTION names the zygote calls after its preload."""
     self.env = dict(env)
     self.path = os.path.join(scratch, 'zygote.sock')
-    self.process = subprocess.Popen([sys.executable, '-m', 'tests.zygote', self.path],
+    self.process = subprocess.Popen([sys.executable, '-m', 'tests.zygote', self.path, *setup],
                                     cwd=REPO_ROOT, env=self.env, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     ready = self.process.stdout.readline()
@@ -230,8 +291,9 @@ class Zygote:
     """`python [-u] -m argv...` (argv[0] the module) from the repo root, started
     like `subprocess.Popen(..., stdout=PIPE, stderr=STDOUT (or PIPE with
     `stderr_apart`), text=True, start_new_session=new_session)`.
-    ZygoteUnavailable if nothing was started: the zygote is gone, or `env`
-    sets an import-time variable differently from the zygote's."""
+    ZygoteUnavailable if nothing was started: the zygote is gone, refused
+    to fork (`fork_hazards`), or `env` sets an import-time variable
+    differently from the zygote's."""
     differs = differs_at_import(env, self.env)
     if differs:
       raise ZygoteUnavailable(f'set differently from the zygote\'s at import: {differs}')
@@ -268,7 +330,11 @@ class Zygote:
       conn.close()
       raise ZygoteUnavailable(f'test zygote {self.path}: {e}') from e
     line, pending = reply.split(b'\n', 1)
-    return conn, int(line.split()[1]), pending
+    word, _, rest = line.decode(errors='replace').partition(' ')
+    if word == 'refused':
+      conn.close()
+      raise ZygoteUnavailable(f'test zygote {self.path} refused to fork: {rest}')
+    return conn, int(rest), pending
 
   def run(self, argv: Sequence[str], *, env: Mapping[str, str],
           timeout: float) -> subprocess.CompletedProcess:
@@ -355,4 +421,4 @@ class Forked:
 
 
 if __name__ == '__main__':
-  serve(sys.argv[1])
+  serve(sys.argv[1], sys.argv[2:])
