@@ -34,7 +34,8 @@ SECONDS = {
     'test_launch.py': 33, 'test_tasks.py': 30, 'test_pipeline.py': 29,
     'test_own_model.py': 23, 'test_streams.py': 21, 'test_layout_scope.py': 17,
     'test_pipeline_training.py': 17, 'test_gather.py': 10, 'test_prepare_data.py': 9,
-    'test_keras_models.py': 7,
+    'test_keras_models.py': 7, 'test_composition.py': 150, 'test_tf_internals.py': 35,
+    'test_lost_peer.py': 20,
 }
 UNLISTED = 5
 
