@@ -18,7 +18,7 @@ from layout_core.model.lm import transformer_block_params, transformer_lm_params
 from layout_core.model.random import current_random, random_context, step_seed
 
 __all__ = ['BaseLayer', 'Declared', 'Dropout', 'Embedding', 'FeedForward', 'LayerMeta',
-           'LayerNorm', 'LayerWeights', 'MultiHeadAttention', 'Sequential', 'Softmax', 'TransformerBlock',
-           'attention', 'current_random', 'dense', 'flatten_layers', 'leaf_layers',
-           'leaf_modules', 'num_parameters', 'random_context', 'step_seed',
-           'transformer_block_params', 'transformer_lm_params', 'Weights']
+           'LayerNorm', 'LayerWeights', 'MultiHeadAttention', 'Sequential', 'Softmax',
+           'TransformerBlock', 'Weights', 'attention', 'current_random', 'dense',
+           'flatten_layers', 'leaf_layers', 'leaf_modules', 'num_parameters', 'random_context',
+           'step_seed', 'transformer_block_params', 'transformer_lm_params']

@@ -46,7 +46,8 @@ from layout_core.model.activations import residual_pin
 from layout_core.model.base import as_float32
 from layout_core.model.built import BuiltModel, StepFunction
 from layout_core.model.random import step_seed
-from layout_core.step_context import RandomState, SequenceInputs, StepContext, entered
+from layout_core.step_context import (RandomState, SequenceInputs, StepContext, current,
+                                      entered)
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig
 from layout_core.train.micro_steps import MicroSteps, client_rows
@@ -191,9 +192,10 @@ class SingleProgramEngine:
                        parts=self.micro_steps.count * self.program.rows_parts)
 
   def loss_and_metrics(self, packed, training: bool = False):
-    """The program's loss and metrics in its step context (no dropout), not
-    compiled (to trace inside a caller's function)."""
-    with entered(self.program.context(packed)):
+    """The program's loss and metrics in its step context, not compiled (to
+    trace inside a caller's function); dropout is on where the caller's
+    context has a random state (`layout_core.model.random.random_context`)."""
+    with entered(self.program.context(packed).replace(random=current().random)):
       return self.program.loss_and_metrics(packed, training)
 
   def _gradients_fn(self, packed):
