@@ -124,8 +124,15 @@ def name(cell: Cell) -> str:
   return '+'.join(parts)
 
 
-# With a process of two clients: the multi-client tests that run these
-# settings (2 clients x 4 devices against one process of 8, same values).
+# Runs on 2 clients x 4 devices (launch.local_cluster), each against one
+# process of 8 devices running its reference (test_composition.py) ...
+TWO_CLIENT_CELLS = [
+    {'engine': 'plain', 'remat': 'block', 'packed': False, 'fsdp': False, 'dtype': 'float32',
+     'accum': 2, 'shard_state': True, 'optimizer': 'adafactor'},
+    {'engine': 'keras', 'remat': 'full', 'packed': False, 'fsdp': False, 'dtype': 'bfloat16',
+     'accum': 2, 'shard_state': False, 'optimizer': 'adam'},
+]
+# ... and the settings other multi-client tests run against one process.
 TWO_CLIENTS = {
     ('engine', 'plain'): 'test_multi_client.py',
     ('engine', 'spmd'): 'test_pipeline_clients.py',
@@ -133,6 +140,15 @@ TWO_CLIENTS = {
     ('fsdp', True): 'test_multi_client.py',
     ('dtype', 'bfloat16'): 'test_multi_client.py',
 }
+GIN = {'remat': 'train.remat', 'fsdp': 'train.fsdp', 'dtype': 'train.compute_dtype',
+       'accum': 'train.grad_accum_steps', 'shard_state': 'optimizer.shard_state',
+       'optimizer': 'optimizer.name'}
+
+
+def gin_bindings(cell: Cell) -> list[str]:
+  """`cell`'s settings as launch.train's --gin_bindings (engine and packed
+  come from the config file)."""
+  return [f'--gin_bindings={GIN[f]} = {cell[f]!r}' for f in GIN]
 
 
 def _label(feature: str, setting) -> str:
@@ -162,7 +178,9 @@ def table() -> str:
         continue
       first = next((c for c in cells if all(c[k] == v for k, v in pair.items())), None)
       row.append(f'{index[id(first)]}' if first else '')
-    clients = TWO_CLIENTS.get((a, x), '')
+    tests = {TWO_CLIENTS.get((a, x), '')} | {
+        'test_composition.py' for c in TWO_CLIENT_CELLS if c[a] == x}
+    clients = ', '.join(sorted(tests - {''}))
     lines.append(f'| `{_label(a, x)}` | ' + ' | '.join(row) + f' | {clients} |')
   runs = ['| run | settings | reference | tolerance |', '|---|---|---|---|']
   for i, cell in enumerate(cells, 1):

@@ -31,7 +31,7 @@ from layout_core.tasks.corpus import LMCorpusTask
 from layout_core.tasks.lm import MarkovTask
 from layout_core.train.config import TrainConfig
 from tests import composition
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, read_events, run_modules
 from tests.test_layout_scope import MEGATRON
 
 sys.path.insert(0, os.path.join(REPO_ROOT, 'tests', 'fixtures'))
@@ -169,6 +169,44 @@ def test_remat_on_packed_documents_trains_the_function_without_it(remat, traces)
   np.testing.assert_allclose(recomputed['loss'], kept['loss'], rtol=1e-6, atol=1e-6)
   assert recomputed['eval'] == pytest.approx(kept['eval'], rel=1e-6)
   assert traces(base)['loss'][0] != pytest.approx(kept['loss'][0], rel=1e-3)
+
+
+# The base runs of the 2-client cells: a small LM on lm_2d's 2x4 mesh, the
+# user's Keras model; 4 steps, every loss logged.
+CLIENT_BASE = {
+    'plain': ['--gin_file=configs/experiments/lm_2d.gin',
+              '--gin_bindings=transformer_lm.num_layers = 1',
+              '--gin_bindings=transformer_lm.max_len = 16', '--gin_bindings=data.seq_len = 16',
+              '--gin_bindings=train.batch_size = 8'],
+    'keras': ['--gin_search_paths=tests/fixtures', '--gin_file=my_project/keras.gin'],
+}
+CLIENT_STEPS = ['--gin_bindings=train.num_steps = 4', '--gin_bindings=train.eval_every = 0',
+                '--gin_bindings=train.log_every = 1', '--gin_bindings=train.eval_batches = 1',
+                '--gin_bindings=checkpoint.every_steps = 0']
+
+
+def test_two_clients_train_as_one_process_running_the_reference(tmp_path):
+  """Each 2-client cell (2 processes x 4 devices, launch.local_cluster, the
+  features on) logs the losses of its reference run in one process of 8
+  devices (the features off), within the cell's tolerance; the processes
+  exit 0."""
+  calls = []
+  for i, cell in enumerate(composition.TWO_CLIENT_CELLS):
+    base = CLIENT_BASE[cell['engine']] + CLIENT_STEPS
+    calls.append(('launch.train', *base, *composition.gin_bindings(composition.reference(cell)),
+                  f'--model_dir={tmp_path}/{i}/one'))
+    calls.append(('launch.local_cluster', '--num_clients=2', '--devices_per_client=4', '--',
+                  *base, *composition.gin_bindings(cell), f'--model_dir={tmp_path}/{i}/two'))
+  done = run_modules(calls)
+  for call, result in zip(calls, done):
+    assert result.returncode == 0, (call, result.stderr[-3000:])
+  for i, cell in enumerate(composition.TWO_CLIENT_CELLS):
+    one, two = (dict(read_events(f'{tmp_path}/{i}/{run}')['scalars']['train/loss'])
+                for run in ('one', 'two'))
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4], (one, two)
+    tolerance = composition.TOLERANCES[composition.tolerance(cell)]
+    np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)],
+                               rtol=tolerance, atol=tolerance, err_msg=composition.name(cell))
 
 
 def test_the_docs_table_is_the_tests_own_list():
