@@ -9,6 +9,11 @@ except TensorFlow's info noise (`NOISE`):
     W0000 00:00:1795653199.52 7956 some_op.cc:12] a warning                          kept
     F0000 00:00:1795653199.53 7956 check.cc:42] Check failed: ...                   kept
 
+and the error lines every device's collective writes when a peer of a
+multi-client run is lost (`ABORTS`: 'Aborting RingReduce with UNAVAILABLE',
+gRPC's detail lines), a dozen per step; the launcher says what happened in
+one paragraph instead (`plugins.training.PeerLost`), and --verbose shows them.
+
 Why a process and not a thread in the launcher: a thread dies with the process,
 so the fatal line TensorFlow writes just before it aborts could be left unread
 in the pipe; and a thread that stopped (an exception) would leave fd 2 a pipe
@@ -29,6 +34,12 @@ import signal
 NOISE = re.compile(rb'I\d{4} [^\]]*\.cc:\d+\] '
                    rb'|WARNING: All log messages before absl::InitializeLog'
                    rb'|To enable the following instructions|E\d{4} .*failed call to cuInit')
+# A lost peer's collective aborts, logged by TensorFlow on every device, and
+# the detail lines of those multi-line messages.
+ABORTS = re.compile(rb'E\d{4} [^\]]*(base_collective_executor|ring_alg)\.cc:\d+\] '
+                    rb'|Additional GRPC error information from remote target '
+                    rb'|:UNKNOWN:Error received from peer '
+                    rb'|The error could be from a previous operation\. Restart your program')
 
 
 def _write_all(descriptor: int, data: bytes) -> None:
@@ -42,7 +53,7 @@ def copy_lines(*, source: int, sink: int) -> None:
   sink_open = True
   with os.fdopen(source, 'rb', closefd=False) as lines:
     for line in lines:
-      if not sink_open or NOISE.match(line):
+      if not sink_open or NOISE.match(line) or ABORTS.match(line):
         continue
       try:
         _write_all(sink, line)

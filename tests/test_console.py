@@ -23,6 +23,15 @@ NOISE = [
     b'I0000 00:00:1795653199.599596    7956 cpu_feature_guard.cc:227] This TensorFlow binary',
     b'To enable the following instructions: AVX2 AVX512F FMA, in other operations, rebuild',
     b'E0000 00:00:1795653204.243867    7956 cuda_platform.cc:52] failed call to cuInit: INTERNAL',
+    # A lost peer's collective aborts (every device, every step; the launcher
+    # says it in one paragraph).
+    b'E0000 00:00:1795765890.433310   18752 base_collective_executor.cc:252] BaseCollectiveExec'
+    b'utor::StartAbort UNAVAILABLE: recvmsg:Connection reset by peer',
+    b'E0000 00:00:1795765890.433351   18752 ring_alg.cc:291] Aborting RingReduce with UNAVAILABLE'
+    b': Collective ops is aborted by: recvmsg:Connection reset by peer',
+    b'Additional GRPC error information from remote target /job:worker/replica:0/task:1 while',
+    b':UNKNOWN:Error received from peer  {grpc_message:"recvmsg:Connection reset by peer"',
+    b'The error could be from a previous operation. Restart your program to reset. [type.goo',
 ]
 KEPT = [
     b'W0000 00:00:1795653204.3    7956 dtensor_device.cc:99] a warning from C++',

@@ -77,6 +77,7 @@ def test_a_killed_peer_ends_the_other_client_with_one_paragraph(tmp_path):
   output = clients[0].output
   assert 'Traceback' not in output, output[-3000:]
   assert '__inference_' not in output, output[-3000:]
+  assert 'Aborting RingReduce' not in output and 'GRPC error' not in output, output[-3000:]
   assert clients[0].process.returncode == run_status.EXIT_PEER_LOST, output[-3000:]
   peer = cluster.split(',')[1]
   assert re.search(r'Client 0 of 2 failed: lost (client 1 \(' + re.escape(peer) +
