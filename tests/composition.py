@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import sys
-from typing import Iterator
 
 FACTORS = {  # feature -> its settings, the reference's first
     'engine': ('plain', 'spmd', 'gpipe', 'keras'),
@@ -193,11 +192,6 @@ def table() -> str:
                    f'{" and ".join(words)} |')
   return '\n'.join(lines + ['', '## The runs', ''] + runs + ['', '## Refused pairs', '']
                    + refused) + '\n'
-
-
-def cells_text() -> Iterator[str]:
-  for cell in all_pairs():
-    yield f'{name(cell)}  ~  {name(reference(cell))}  [{tolerance(cell)}]'
 
 
 if __name__ == '__main__':

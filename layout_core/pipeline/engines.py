@@ -46,7 +46,7 @@ from layout_core.layout.variables import to_numpy
 from layout_core.model.base import Sequential, as_float32
 from layout_core.model.built import BuiltModel, StepFunction
 from layout_core.model.random import current_random, random_context, step_seed
-from layout_core.step_context import StepContext
+from layout_core.step_context import current
 from layout_core.params import Params
 from layout_core.pipeline import spmd as spmd_lib
 from layout_core.pipeline.plan import PipelinePlan
@@ -286,10 +286,11 @@ class SpmdProgram:
     return packed
 
   def context(self, packed):
-    """No packed documents (refused for pipelines), no residual pin or batch
-    split outside the stack: the stack pins its own (`spmd.SpmdPipeline`)."""
+    """The context in force as it is: no packed documents (refused for
+    pipelines), no residual pin or batch split outside the stack, which pins
+    its own (`spmd.SpmdPipeline`)."""
     del packed
-    return StepContext()
+    return current()
 
   def loss_and_metrics(self, batch, training: bool = False):
     """The mean over micro-batches of the task's loss and metrics."""

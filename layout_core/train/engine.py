@@ -45,9 +45,8 @@ from layout_core.layout.variables import Zeros, to_numpy
 from layout_core.model.activations import residual_pin
 from layout_core.model.base import as_float32
 from layout_core.model.built import BuiltModel, StepFunction
-from layout_core.model.random import step_seed
-from layout_core.step_context import (RandomState, SequenceInputs, StepContext, current,
-                                      entered)
+from layout_core.model.random import random_context, step_seed
+from layout_core.step_context import SequenceInputs, StepContext, current, entered
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig
 from layout_core.train.micro_steps import MicroSteps, client_rows
@@ -121,9 +120,10 @@ class Program(Protocol):
     """A host batch placed on the devices as `loss_and_metrics` takes it."""
 
   def context(self, packed) -> StepContext:
-    """What the model's math needs to know of this batch besides its inputs
-    (packed segments, residual pin, batch split): the step context the
-    engine enters, with the step's random state added when training."""
+    """The step context in force (`current()`, with the step's random state
+    when training) plus what the model's math needs to know of this batch
+    besides its inputs (packed segments, residual pin, batch split): what the
+    engine enters around the forward and backward pass."""
 
   def loss_and_metrics(self, packed, training: bool = False) -> tuple[Any, dict[str, Any]]:
     """Traced inside the engine's functions, in `context(packed)`."""
@@ -148,8 +148,8 @@ class ModelProgram:
     if self.task.needs_segments:  # packed documents
       sequence = SequenceInputs(*self.task.sequence_inputs(packed))
     split = None if self.batch_axis == UNSHARDED else self.batch_axis
-    return StepContext(sequence=sequence, batch_split=split,
-                       residual=residual_pin(mesh=self.mesh, batch_axis=self.batch_axis))
+    return current().replace(sequence=sequence, batch_split=split,
+                             residual=residual_pin(mesh=self.mesh, batch_axis=self.batch_axis))
 
   def loss_and_metrics(self, packed, training: bool = False):
     outputs = self.model.call(self.task.model_inputs(packed), training)
@@ -193,9 +193,9 @@ class SingleProgramEngine:
 
   def loss_and_metrics(self, packed, training: bool = False):
     """The program's loss and metrics in its step context, not compiled (to
-    trace inside a caller's function); dropout is on where the caller's
-    context has a random state (`layout_core.model.random.random_context`)."""
-    with entered(self.program.context(packed).replace(random=current().random)):
+    trace inside a caller's function); dropout is on inside a caller's
+    `layout_core.model.random.random_context`."""
+    with entered(self.program.context(packed)):
       return self.program.loss_and_metrics(packed, training)
 
   def _gradients_fn(self, packed):
@@ -207,8 +207,7 @@ class SingleProgramEngine:
   def _micro_step(self, batch, *, seed, first_row: int):
     # The one place a training step's context is entered: around the forward
     # and the backward pass alike.
-    context = self.program.context(batch).replace(random=RandomState(seed, first_row))
-    with entered(context):
+    with random_context(seed=seed, batch_offset=first_row), entered(self.program.context(batch)):
       with tf.GradientTape() as tape:
         loss, metrics = self.program.loss_and_metrics(batch, training=True)
       # Dense gradients: an embedding's IndexedSlices gradient passed on to the
