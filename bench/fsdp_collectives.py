@@ -64,7 +64,6 @@ def main() -> None:
   from layout_core.layout import fsdp  # pylint: disable=import-outside-toplevel
   from layout_core.layout.mesh import MeshSpec, build_mesh  # pylint: disable=import-outside-toplevel
   from layout_core.layout.variables import to_numpy  # pylint: disable=import-outside-toplevel
-  from layout_core.step_context import StepContext, entered  # pylint: disable=import-outside-toplevel
   tf.config.set_logical_device_configuration(
       tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * 8)
   mesh = build_mesh(MeshSpec(shape={'data': 8}))
@@ -88,9 +87,8 @@ def main() -> None:
                                                    dtype=tf.bfloat16))
 
   def per_replica_way():
-    with entered(StepContext(batch_split='data')):
-      replicas = fsdp.per_replica(w, tf.bfloat16)
-      return fsdp.replica_einsum('btd,df->btf', fsdp.as_rows(x, 8), w, replicas)
+    replicas = fsdp.per_replica(w, tf.bfloat16, axis='data')
+    return fsdp.replica_einsum('btd,df->btf', fsdp.as_rows(x, 8), w, replicas, axis='data')
 
   whole = d * f * 2
   results, gradients, functions = {}, {}, {}

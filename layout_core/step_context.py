@@ -8,11 +8,14 @@ frozen `StepContext`, set for the length of a block:
 
     context = StepContext(random=RandomState(seed, batch_offset=0))
     with entered(context.replace(sequence=SequenceInputs(segments, positions))):
-      logits = model(tokens)          # layers read current().sequence, ...
+      logits = model(tokens)          # each layer's weights carry it: w.context
 
 `entered` is the only way to set it, and a change is always a whole new
 object made by `replace` from the one in force, so a block that adds one
-fact keeps all the others. What runs later, outside the block, takes the
+fact keeps all the others. It is read where a layer's weights are made
+(`layout_core.model.weights`: `BaseLayer.fprop`, the SPMD engine's cells)
+and handed to the layer's math with them (`w.context`), not looked up inside
+it. What runs later, outside the block, takes the
 object with it: `layout_core.model.base.rematerialized` keeps the forward
 pass's `current()` and enters that same object again for the recomputation
 in the backward pass, so a recomputed layer sees exactly the step its

@@ -284,8 +284,8 @@ def test_a_block_gathers_its_weights_at_use_and_again_when_recomputed(mesh_data8
   gather_all, per_replica = fsdp.gather_all, fsdp.per_replica
   monkeypatch.setattr(fsdp, 'gather_all', lambda values, **where: buckets.append(
       len(values)) or gather_all(values, **where))
-  monkeypatch.setattr(fsdp, 'per_replica', lambda variable, dtype=None: replicas.append(
-      variable) or per_replica(variable, dtype))
+  monkeypatch.setattr(fsdp, 'per_replica', lambda variable, dtype=None, **where: replicas.append(
+      variable) or per_replica(variable, dtype, **where))
   counts = {}
   for remat in ('none', 'block'):
     t = trainer(mesh_data8, fsdp=True, remat=remat, compute_dtype='bfloat16')

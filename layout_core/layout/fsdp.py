@@ -22,9 +22,9 @@ device sums only its own slice of the batch's gradient. Under
 pass instead of keeping the gathered copies (FSDP2's reshard after forward).
 
 Where the batch is split over the FSDP axis (the step context's
-`batch_split`, set by the engine around the model) and the math runs
-narrower than the weights (bfloat16), a layer's matrices take another way, through its
-`Weights.dense` / `Weights.project`: one copy per replica of the batch
+`batch_split`, which a layer's `Weights` carry) and the math runs narrower
+than the weights (bfloat16), a layer's matrices take another way, through
+its `Weights.dense` / `Weights.project`: one copy per replica of the batch
 (`per_replica`, an all-to-all), used with each replica's rows of the input
 (`replica_einsum`), so the weight's gradient is each replica's own and comes
 back to the slices with the inverse all-to-all and a float32 sum on the
@@ -47,7 +47,6 @@ from layout_core.errors import ConfigError
 from layout_core.lazy import dtensor, tf
 from layout_core.layout.gather import gather_together
 from layout_core.layout.rules import UNSHARDED
-from layout_core.step_context import current
 
 _TAG = '_meshgin_use_layout'
 
@@ -169,17 +168,12 @@ def gather_all(values: Sequence, *, to: Sequence, stored: Sequence,
 
 
 # -- per-replica weights: gathered and summed with all-to-alls ------------------------
-def split_axis() -> str | None:
-  """The axis the running step splits the batch over (the step context's
-  `batch_split`; None: none)."""
-  return current().batch_split
-
-
-def replica_axis(variable, dtype=None) -> str | None:
-  """The axis `variable`, used in `dtype`, is used per replica over inside
-  `batch_split` (`per_replica`): the axis FSDP splits it over when that is
-  the batch's, it is a matrix (vectors are gathered whole, `gather_at_use`)
-  and `dtype` is narrower than the variable's; else None.
+def replica_axis(variable, dtype=None, batch_split: str | None = None) -> str | None:
+  """The axis `variable`, used in `dtype` in a step whose batch is split
+  over `batch_split` (the step context's), is used per replica over
+  (`per_replica`): the axis FSDP splits it over when that is the batch's,
+  it is a matrix (vectors are gathered whole, `gather_at_use`) and `dtype`
+  is narrower than the variable's; else None.
 
   Only narrower: DTensor's CPU collectives move float32 whatever the
   compute dtype, so in bfloat16 the all-to-alls move half the bytes and hold
@@ -188,7 +182,7 @@ def replica_axis(variable, dtype=None) -> str | None:
   bought no larger model (width 1472 either way) and measured 0.93x
   lm_small's steps/s (`bench/step.py --groups fsdp`), so float32 weights
   keep DTensor's collectives."""
-  use, axis = use_layout(variable), split_axis()
+  use, axis = use_layout(variable), batch_split
   if use is None or axis is None or len(use.sharding_specs) < 2:
     return None
   if dtype is None or tf.as_dtype(dtype).size >= variable.dtype.size:
@@ -197,7 +191,7 @@ def replica_axis(variable, dtype=None) -> str | None:
       else None
 
 
-def per_replica(variable, dtype=None):
+def per_replica(variable, dtype=None, *, axis: str):
   """`variable` as `n` copies, one per replica of the batch axis (`axis`, of
   size n): [n, *shape], laid out as its use layout with `axis` in front, so
   each device holds the whole weight once, cast to `dtype`. For a
@@ -214,7 +208,6 @@ def per_replica(variable, dtype=None):
   weight on every device (`bench/peak_breakdown.py`); this moves the
   compute dtype and keeps one whole copy per device
   (`bench/fsdp_collectives.py`)."""
-  axis = split_axis()
   stored, use = variable.layout, use_layout(variable)
   mesh = stored.mesh
   n = dict(zip(mesh.dim_names, mesh.shape()))[axis]
@@ -248,10 +241,10 @@ def lead_equation(equation: str, lead: str) -> str:
   return f'{lead}{x_in},{lead}{w_in}->{lead}{out}'
 
 
-def replica_einsum(equation: str, rows, variable, replicas):
+def replica_einsum(equation: str, rows, variable, replicas, *, axis: str):
   """`tf.einsum(equation, x, w)` for x [batch, ...] split over the batch
-  axis, given as `rows` = `as_rows(x, n)`, and `replicas` =
-  `per_replica(variable)` [n, ...]: every operand gets the replica letter
+  axis `axis`, given as `rows` = `as_rows(x, n)`, and `replicas` =
+  `per_replica(variable, axis=axis)` [n, ...]: every operand gets the replica letter
   in front, so the contraction's gradient for the weights stays on each
   replica. `equation`'s x and output both start with the batch letter; the
   result is [batch, ...].
@@ -265,7 +258,7 @@ def replica_einsum(equation: str, rows, variable, replicas):
   inputs, out = equation.split('->')
   x_in, w_in = inputs.split(',')
   letter = next(c for c in 'rzyxwvutsqponmlkjihgfedcba' if c not in equation)
-  use, axis = use_layout(variable), split_axis()
+  use = use_layout(variable)
 
   def pin(value, subscripts, *lead):
     specs = [use.sharding_specs[w_in.index(c)] if c in w_in else UNSHARDED

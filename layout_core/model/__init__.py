@@ -1,6 +1,7 @@
 """Models: the Params layer framework (`base`), the library's layers
-(`layers`), the weights their math reads (`weights`), step randomness (`random`), the LM recipes (`lm`) and the Keras 3
-adapter (`keras`, imported on its own: it loads Keras).
+(`layers`), the weights their math reads (`weights`), step randomness
+(`random`), the LM recipes (`lm`) and the Keras 3 adapter (`keras`, imported
+on its own: it loads Keras).
 
     from layout_core import model
     p = model.transformer_lm_params(num_layers=2)

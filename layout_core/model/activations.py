@@ -6,14 +6,15 @@ through the graph; for the residual stream between Megatron-sharded blocks
 Megatron's own choice, which this module makes explicit: the stream split
 over the batch axis only, whole on every model shard, a block's row-parallel
 output summed into it once. (Split over the model axis on the time axis,
-sequence-parallel style, measured slower again.) In a step context whose
-`residual` is `residual_pin(mesh=mesh, batch_axis='data')`
+sequence-parallel style, measured slower again.) The pin is the step
+context's `residual` (`layout_core.step_context`), which a block receives
+with its weights:
 
-    with entered(current().replace(residual=residual_pin(mesh=mesh, batch_axis='data'))):
-      outputs = model.call(inputs, training)
+    pin = residual_pin(mesh=mesh, batch_axis='data')   # None on a data-only mesh
+    residual(x, pin)                                    # in a block: x relaid to it
 
-`residual(x)` relays `x` ([batch, ...]) to that layout; without a pin, and on
-a mesh whose only axis is the batch axis, it returns `x` as it is. The
+`residual(x, pin)` relays `x` ([batch, ...]) to that layout; without a pin
+(and a mesh whose only axis is the batch axis has none) it returns `x` as it is. The
 one-program engine and the SPMD pipeline's stage slots pin it; the sub-mesh
 pipeline's stages do not: there the relayout inside a
 stage broke the backward pass's crossing between meshes ("CopyToMeshOp must
@@ -29,7 +30,7 @@ from typing import Sequence
 
 from layout_core.lazy import dtensor
 from layout_core.layout.rules import UNSHARDED
-from layout_core.step_context import ResidualPin, current
+from layout_core.step_context import ResidualPin
 
 
 def residual_pin(*, mesh, batch_axis: str, lead_axes: Sequence[str] = ()) -> ResidualPin | None:
@@ -42,10 +43,9 @@ def residual_pin(*, mesh, batch_axis: str, lead_axes: Sequence[str] = ()) -> Res
   return ResidualPin(mesh, (*lead_axes, batch)) if others else None
 
 
-def residual(x):
+def residual(x, pin: ResidualPin | None):
   """`x` ([*lead, batch, ...]) split over the batch axis (and the lead
-  axes), whole elsewhere."""
-  pin = current().residual
+  axes), whole elsewhere, as `pin` says (None: `x` as it is)."""
   if pin is None or x.shape.rank <= len(pin.split):
     return x
   return dtensor.relayout(

@@ -31,7 +31,7 @@ from layout_core.errors import ConfigError
 from layout_core.params import Params
 from layout_core.layout import fsdp
 from layout_core.layout.variables import Initializer, VariableSpec, create_variable
-from layout_core.model.weights import LayerWeights, cast, waits_for
+from layout_core.model.weights import LayerWeights, cast
 from layout_core.step_context import current, entered
 
 Shape = tuple[int, ...]
@@ -161,7 +161,7 @@ class BaseLayer(Module):
   def fprop(self, *inputs):
     if self.apply is None:
       raise NotImplementedError(f'{type(self).__name__}.fprop')
-    return self.apply(self.params, LayerWeights(self, after=waits_for(inputs)), *inputs)
+    return self.apply(self.params, LayerWeights(self, inputs=inputs), *inputs)
 
   def __call__(self, *inputs):
     inputs = tuple(cast(x, self.compute_dtype) if _floating(x) else x for x in inputs)

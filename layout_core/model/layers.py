@@ -209,7 +209,7 @@ def attention(x, w, *, head_dim: int, causal: bool):
   if causal:
     length = x.shape[-2]
     mask = tf.linalg.band_part(tf.ones([length, length], logits.dtype), -1, 0)
-    sequence = current().sequence
+    sequence = w.context.sequence
     if sequence is not None and not lead:  # packed documents: stay in one's own
       segments = sequence.segments
       same = tf.equal(tf.expand_dims(segments, 2), tf.expand_dims(segments, 1))  # [b, t, u]
@@ -288,15 +288,16 @@ class TransformerBlock(BaseLayer):
     def run(name, value):
       child = children[name]
       return child.cls.apply(child, w.child(name), value)
-    x = residual(x)
+    pin = w.context.residual
+    x = residual(x, pin)
     attn = run('attn', run('ln_attn', x))
     if p.dropout_rate:
       attn = run('attn_dropout', attn)
-    x = x + residual(attn)
+    x = x + residual(attn, pin)
     ffn = run('ffn', run('ln_ffn', x))
     if p.dropout_rate:
       ffn = run('ffn_dropout', ffn)
-    return residual(x + residual(ffn))
+    return residual(x + residual(ffn, pin), pin)
 
 
 class Softmax(BaseLayer):

@@ -9,6 +9,11 @@ Two kinds of `Weights` feed it:
   * `layout_core.pipeline.spmd.SlotWeights`: the SPMD pipeline's stage slots,
     each holding another cell's weights (every tensor with a lead dim 's').
 
+Both carry the step's context (`w.context`, a `layout_core.step_context`
+`StepContext`: dropout's random state, packed segments, the residual pin,
+FSDP's batch split, remat), read once where the weights are made, so a
+layer's math receives it rather than looking it up.
+
 Both reach FSDP's gather at use through one `GatheredAtUse`: the first split
 weight read gathers every split weight of the layer (or cell) being run at
 once, a few collectives for the whole block, and the reads after it share
@@ -16,8 +21,8 @@ the gathered copies. Inside a rematerialized layer the gathers wait for the
 layer's inputs (`after`), so a recomputation gathers again only when it is
 reached.
 
-    w = LayerWeights(layer)            # in a layer's fprop
-    y = w.dense(x, 'w_in')             # x @ w_in, gathered first under FSDP
+    w = LayerWeights(layer, inputs=(x,))   # in a layer's fprop
+    y = w.dense(x, 'w_in')                 # x @ w_in, gathered first under FSDP
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from layout_core.lazy import tf
 from layout_core.layout import fsdp
 from layout_core.layout.variables import path_seed
 from layout_core.model.random import DropoutInputs
-from layout_core.step_context import current
+from layout_core.step_context import StepContext, current
 
 
 def dense(x: tf.Tensor, w: tf.Tensor, *, lead: str = '') -> tf.Tensor:
@@ -98,9 +103,9 @@ class GatheredAtUse:
     return self._values[key]
 
 
-def waits_for(inputs) -> tuple:
+def waits_for(inputs, context: StepContext) -> tuple:
   """What a layer's gathers wait for: its tensor inputs inside a rematerialized
-  layer, else nothing.
+  layer (`context.remat`), else nothing.
 
   A gather depends on nothing but variables, and the executor may run an op
   as soon as its inputs are ready. Inside a rematerialized layer, whose
@@ -109,7 +114,7 @@ def waits_for(inputs) -> tuple:
   wait, 4.09 without). Elsewhere the backward keeps every gathered copy
   anyway, and the wait only stalled the math behind each gather (float32
   FSDP, width 1472, 3 steps: peak RSS 4.02 GiB with it, 3.80 without)."""
-  return tuple(x for x in inputs if tf.is_tensor(x)) if current().remat else ()
+  return tuple(x for x in inputs if tf.is_tensor(x)) if context.remat else ()
 
 
 class Weights:
@@ -117,9 +122,11 @@ class Weights:
 
   `lead` names leading dimensions every weight and activation carries: ''
   for a layer's own variables, 's' for the SPMD pipeline's stage slots. The
-  broadcasting helpers make one body of math serve both."""
+  broadcasting helpers make one body of math serve both. `context` is the
+  step's (`layout_core.step_context`)."""
   lead = ''
   dtype = None  # the compute dtype weights are cast to (None: as stored)
+  context = StepContext()
 
   def __call__(self, name: str) -> tf.Tensor:
     raise NotImplementedError
@@ -150,15 +157,21 @@ class Weights:
 
 class LayerWeights(Weights):
   """A built layer's own variables (lead ''), gathered at use under FSDP for
-  the whole layer `root` being run (its sub-layers share the group). Where
-  the step splits the batch over FSDP's axis and the math is narrower than
-  the weights, the matrices its contractions use (`dense`, `project`) are
-  used per replica instead (`fsdp.per_replica`), each once per layer call."""
+  the whole layer being run (its sub-layers share the group; their gathers
+  wait for `inputs` inside a rematerialized layer). Where the step splits
+  the batch over FSDP's axis and the math is narrower than the weights, the
+  matrices its contractions use (`dense`, `project`) are used per replica
+  instead (`fsdp.per_replica`), each once per layer call. `context`: the
+  step context in force (default: `current()`)."""
 
-  def __init__(self, layer, at_use: GatheredAtUse | None = None, after: tuple = ()):
+  def __init__(self, layer, *, inputs: tuple = (), context: StepContext | None = None,
+               at_use: GatheredAtUse | None = None):
     self.layer = layer
     self.dtype = layer.compute_dtype
-    self._at_use = at_use or GatheredAtUse(lambda: _layer_splits(layer), after)
+    self.context = current() if context is None else context
+    self._at_use = at_use or GatheredAtUse(
+        lambda: _layer_splits(layer, self.context.batch_split),
+        waits_for(inputs, self.context))
 
   def __call__(self, name):
     variable = getattr(self.layer, name)
@@ -166,38 +179,43 @@ class LayerWeights(Weights):
       return cast(variable, self.dtype)
     return self._at_use.get(id(variable))
 
+  def _replica_axis(self, variable) -> str | None:
+    return fsdp.replica_axis(variable, self.dtype, self.context.batch_split)
+
   def dense(self, x, name):
     variable = getattr(self.layer, name)
-    if fsdp.replica_axis(variable, self.dtype) is None or x.shape.rank < 2:
+    if self._replica_axis(variable) is None or x.shape.rank < 2:
       return super().dense(x, name)
     return self.project(dense_equation(x.shape.rank), x, name)
 
   def project(self, equation, x, name):
     variable = getattr(self.layer, name)
-    if fsdp.replica_axis(variable, self.dtype) is None:
+    axis = self._replica_axis(variable)
+    if axis is None:
       return super().project(equation, x, name)
     # An input's rows made once, so the projections of one input (attention's
     # q, k, v) sum their gradients in one place, in the order a run without
     # FSDP does.
     replicas = self._at_use.once(('replicas', id(variable)),
-                                 lambda: fsdp.per_replica(variable, self.dtype), wait=True)
+                                 lambda: fsdp.per_replica(variable, self.dtype, axis=axis),
+                                 wait=True)
     rows = self._at_use.once(('rows', id(x)),
                              lambda: (x, fsdp.as_rows(x, replicas.shape[0])))[1]
-    return fsdp.replica_einsum(equation, rows, variable, replicas)
+    return fsdp.replica_einsum(equation, rows, variable, replicas, axis=axis)
 
   def child(self, name):
-    return LayerWeights(getattr(self.layer, name), self._at_use)
+    return LayerWeights(getattr(self.layer, name), context=self.context, at_use=self._at_use)
 
   def random(self):
-    state = current().random
+    state = self.context.random
     if state is None:
       return None
     return DropoutInputs(seed=state.seed, keys=path_seed(self.layer.path, 0),
                          first_rows=state.batch_offset)
 
 
-def _layer_splits(layer) -> dict:
+def _layer_splits(layer, batch_split: str | None) -> dict:
   """id(variable) -> Split for every split weight of `layer` and its sub-layers."""
   return {id(v): Split(v, v.layout, fsdp.use_layout(v), dtype,
-                       per_replica=fsdp.replica_axis(v, dtype) is not None)
+                       per_replica=fsdp.replica_axis(v, dtype, batch_split) is not None)
           for v, dtype in layer.split_weights()}

@@ -63,7 +63,7 @@ from layout_core.layout.variables import dvariable, initial_value, path_seed
 from layout_core.model.base import rematerialized
 from layout_core.model.random import DropoutInputs
 from layout_core.model.weights import GatheredAtUse, Split, Weights, cast, waits_for
-from layout_core.step_context import current, entered
+from layout_core.step_context import StepContext, current
 
 # The path component that stands for "every cell" in stacked variable paths:
 # lm/stack/stacked_cells/ffn/w_in holds lm/stack/block_000/ffn/w_in, ...
@@ -228,19 +228,23 @@ class SlotWeights(Weights):
   row per slot, cast to `dtype` (the cell's compute dtype). Those FSDP
   stores split (`use_layouts[name]` = (the row's use layout, its stored
   layout)) are gathered at use as a layer's are (`GatheredAtUse`: the
-  cell's split weights at once, after `after`); `below` is the layer's
-  path below the cell."""
+  cell's split weights at once, after `inputs` when recomputed); `below`
+  is the layer's path below the cell; `context` the step's, with the
+  cells' residual pin."""
   lead = 's'
 
   def __init__(self, select: Callable[[str], tf.Tensor], random: SlotRandom | None,
                below: str = '', dtype: str | None = None,
                use_layouts: Mapping[str, tuple[dtensor.Layout, dtensor.Layout]] | None = None,
-               at_use: GatheredAtUse | None = None, after: tuple = ()):
+               context: StepContext | None = None, inputs: tuple = (),
+               at_use: GatheredAtUse | None = None):
     self.select, self.slot_random, self.below, self.dtype = select, random, below, dtype
     self.use_layouts = use_layouts or {}
+    self.context = current() if context is None else context
     self._at_use = at_use or GatheredAtUse(
         lambda: {path: Split(select(path), stored, use, dtype)
-                 for path, (use, stored) in self.use_layouts.items()}, after)
+                 for path, (use, stored) in self.use_layouts.items()},
+        waits_for(inputs, self.context))
 
   def __call__(self, name):
     path = f'{self.below}/{name}' if self.below else name
@@ -252,7 +256,7 @@ class SlotWeights(Weights):
   def child(self, name):
     return SlotWeights(self.select, self.slot_random,
                        f'{self.below}/{name}' if self.below else name, self.dtype,
-                       self.use_layouts, self._at_use)
+                       self.use_layouts, context=self.context, at_use=self._at_use)
 
   def random(self):
     """Each slot's mask from its own cell's layer path and its micro-batch's
@@ -412,10 +416,10 @@ class SpmdPipeline:
 
         def run_cell(x, *picked, random=random):
           by_name = dict(zip(names, picked))
-          weights = SlotWeights(by_name.__getitem__, random, dtype=dtype,
-                                use_layouts=use_layouts, after=waits_for((x,)))
-          with entered(current().replace(residual=pin)):
-            return cell.cls.apply(cell, weights, x)
+          context = current().replace(residual=pin)  # a recomputation's: remat
+          return cell.cls.apply(cell, SlotWeights(by_name.__getitem__, random, dtype=dtype,
+                                                  use_layouts=use_layouts, context=context,
+                                                  inputs=(x,)), x)
         # The picked weights are inputs, not captures: a recomputed cell's
         # gradients reach only its inputs and the variables it reads itself.
         x = rematerialized(run_cell, x, *picked) if cell.remat else run_cell(x, *picked)
