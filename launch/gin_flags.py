@@ -120,6 +120,15 @@ def _drop_tensorflow_info(record) -> bool:
   return not (from_tensorflow and record.levelno < python_logging.WARNING)
 
 
+def require_model_dir(model_dir: str | None, what: str) -> None:
+  """--model_dir has no default: one would quietly resume whatever used it last."""
+  if not model_dir:
+    raise ConfigError(f'--model_dir is not given: {what} needs its own directory, '
+                      'which it resumes from when run again', where='the command line',
+                      fix='add --model_dir=runs/<name>: a new directory starts afresh, '
+                      'the directory given before resumes')
+
+
 def run_guarded(body: Callable[[PreemptionWatcher], object]) -> None:
   """Runs `body(watcher)` with SIGTERM/SIGINT watched from the first moment.
 

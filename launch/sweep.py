@@ -63,8 +63,9 @@ NUM_TRIALS = flags.DEFINE_integer(
     'first N trials (0: all).')
 SEED = flags.DEFINE_integer('seed', 0, 'Random search seed (same seed, same trials).')
 MODEL_DIR = flags.DEFINE_string(
-    'model_dir', '/tmp/meshgin/sweep', 'Sweep root: one directory per trial, plus '
-    'sweep.json, sweep.tsv and the HParams experiment config.')
+    'model_dir', None, 'Required. The sweep\'s root: one directory per trial, plus '
+    'sweep.json, sweep.tsv and the HParams experiment config; the root of an earlier '
+    'sweep resumes it.')
 PARALLEL = flags.DEFINE_integer(
     'parallel', 1, 'Trials run at once; the CPU threads are divided between them.')
 TRIAL_TIMEOUT = flags.DEFINE_float(
@@ -82,8 +83,9 @@ SLURM_PARTITION = flags.DEFINE_string(
     'submitted to (default: the cluster\'s default partition).')
 SLURM_TASKS = flags.DEFINE_integer(
     'slurm_tasks', 1, '--launcher=slurm: tasks per trial, each one launch.train client '
-    '(sbatch --ntasks); must divide every trial\'s mesh size, and be 1 for pipelined '
-    'configs. 1: a plain single process.')
+    '(sbatch --ntasks); must divide every trial\'s mesh size, and on the sub-mesh '
+    'pipeline engine leave each task a multiple of the stage count in devices. '
+    '1: a plain single process.')
 SLURM_CPUS_PER_TASK = flags.DEFINE_integer(
     'slurm_cpus_per_task', None, '--launcher=slurm: sbatch --cpus-per-task for every '
     'trial (default: the cluster\'s).')
@@ -110,6 +112,7 @@ def main(argv):
     # pylint: disable=g-import-not-at-top
     from plugins import sweep as sweep_lib
     from plugins.sweep import spec as sweep_spec
+    gin_flags.require_model_dir(MODEL_DIR.value, 'a sweep')
     values = {'gin_file': list(gin_flags.GIN_FILES.value),
               'gin_bindings': list(gin_flags.GIN_BINDINGS.value),
               'sweep': list(SWEEP.value), 'sweep_mode': SWEEP_MODE.value,

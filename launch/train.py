@@ -8,12 +8,24 @@ and writes to --model_dir: config.gin (operative config), params.txt,
 layouts.txt, checkpoints and TensorBoard events (`tensorboard --logdir <model_dir>`).
 Running the same command again resumes from the newest checkpoint.
 
-Exit status: 0 on success (also when stopped by SIGTERM/SIGINT: the current
-step finishes and a checkpoint is saved); 2 on a configuration error, with a
-one-paragraph message saying what, where (gin file and line) and how to fix
-it; 3 when the loss became NaN or infinite (one line: 'Training diverged: ...');
-5 when a data file turned out corrupt or truncated mid-run ('Data error: data
-file F cannot be read: ...'; the checkpoints written before it stay).
+--model_dir is required: there is no default directory that a forgotten flag
+would quietly resume.
+
+Exit status (docs/configuration.md#exit-statuses-and-run_statusjson):
+  0    success; also when stopped by SIGTERM, SIGINT or SIGUSR1 (the current
+       step finishes and a checkpoint is saved)
+  1    a crash: a bug, with its traceback (single process), or a peer client
+       lost or failed (multi-client; see below)
+  2    a configuration error: one paragraph saying what, where (gin file and
+       line) and how to fix it
+  3    the loss became NaN or infinite (one line: 'Training diverged: ...')
+  5    a data file turned out corrupt or truncated mid-run ('Data error: data
+       file F cannot be read: ...'; the checkpoints written before it stay)
+  143  under a scheduler (--cluster=slurm or tf_config): stopped by a signal,
+       after saving; asks the scheduler to requeue the job, which resumes
+  -9   a client killed by its start-up watchdog: the cluster did not form
+       within --cluster_init_timeout (it names the peers that never joined)
+
 Nothing in --model_dir is created or changed before the config, the machine
 and any existing checkpoint have been checked, except its lock file: one run
 per --model_dir (a second one exits 2 naming the first), and no checkpoint
@@ -28,8 +40,7 @@ Several processes or hosts train one model as the clients of one global mesh
 A client whose peer is lost mid-run (killed, hung, its host gone) exits 1
 with one paragraph, no traceback: 'Client 0 of 2 failed: lost client 1
 (host:port) ...' and the checkpoint a rerun resumes from (run_status.json:
-peer_lost); any other failure of a peer also exits 1, naming this client;
--9/137 when the cluster did not form within --cluster_init_timeout.
+peer_lost); any other failure of a peer also exits 1, naming this client.
 
 Under a scheduler every task runs the same command, and the scheduler's
 environment says who is who (docs/cluster.md):
@@ -37,8 +48,8 @@ environment says who is who (docs/cluster.md):
   srun -n 2 python -m launch.train ... --cluster=slurm     # Slurm: srun / sbatch
   python -m launch.train ... --cluster=tf_config           # TF_CONFIG (Kubernetes)
 
-There a run stopped by a signal saves and exits 143 (EXIT_REQUEUE), which
-asks the scheduler to run the job again; the requeued job resumes.
+There a run stopped by a signal saves and exits 143, which asks the scheduler
+to run the job again; the requeued job resumes.
 """
 
 from __future__ import annotations
@@ -59,8 +70,9 @@ from launch import gin_flags
 flags.adopt_module_key_flags(gin_flags)  # show the gin flags in --help
 
 MODEL_DIR = flags.DEFINE_string(
-    'model_dir', '/tmp/meshgin/run', 'Directory for checkpoints, TensorBoard '
-    'events and the run record (config.gin, params.txt, layouts.txt).')
+    'model_dir', None, 'Required. The run\'s directory: checkpoints, TensorBoard '
+    'events and the run record (config.gin, params.txt, layouts.txt). A new directory '
+    'starts a run; the directory of an earlier run resumes it (same config).')
 
 CLIENT_ID = flags.DEFINE_integer(
     'client_id', None, 'This process\'s index in --cluster (default: $DTENSOR_CLIENT_ID or 0).')
@@ -144,6 +156,7 @@ def main(argv):
     from layout_core.errors import ConfigError
     from layout_core.layout import scheduler
     from plugins import plan, run_status, training
+    gin_flags.require_model_dir(MODEL_DIR.value, 'a run')
     record = run_status.RunStatusFile(MODEL_DIR.value)
     try:
       with gin_flags.parsed_config():

@@ -43,7 +43,7 @@ SLOW = {
     'test_pipeline_clients': None, 'test_pipeline_launch': None, 'test_pipeline_spmd': None,
     'test_pipeline_training': None,
     'test_precision': None, 'test_resume': None, 'test_speed_paths': None, 'test_sweep': None,
-    'test_sweep_slurm': None,
+    'test_sweep_slurm': None, 'test_wheel': None,
     'test_optimizer_state': None,
     'test_fsdp': {'test_fsdp_trains_as_the_same_run_with_whole_parameters',
                   'test_bfloat16_fsdp_stays_within_bfloat16_rounding_of_the_run_without_it'},

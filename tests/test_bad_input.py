@@ -143,6 +143,8 @@ CASES = [
          ("mesh.device_type = 'CPU'",), train_only=True),
     Case('checkpoint of another model', (binding('transformer_lm.num_layers = 3'),),
          ('does not match this model', 'block_002'), train_only=True),
+    Case('no model_dir', ('--model_dir=',),  # the flag has no default to fall back on
+         ('--model_dir is not given', 'add --model_dir=runs/<name>'), train_only=True),
     Case('model_dir that is a file', ('--model_dir={tmp}/a_file',),
          ('is a file, not a directory',), train_only=True),
     Case('model_dir that cannot be written', ('--model_dir=/proc/meshgin-run',),

@@ -1,0 +1,1 @@
+"""Gin configs (no code): see configs/__init__.py."""
