@@ -278,6 +278,11 @@ def _module_exists(module: str) -> bool:
   return os.path.isfile(base + '.py') or os.path.isfile(os.path.join(base, '__main__.py'))
 
 
+# Flags an entry point refuses to run without (exit 2); a command shortened
+# with `...` may leave them out.
+REQUIRED_FLAGS = {'launch.train': ('model_dir',), 'launch.sweep': ('model_dir',)}
+
+
 def check_entry_point(module: str, args: list[str], where: str, page: Page = Page()) -> Report:
   """Checks one `python -m launch.X args...` (see the module doc)."""
   report = Report(entry_point_commands=1)
@@ -286,7 +291,7 @@ def check_entry_point(module: str, args: list[str], where: str, page: Page = Pag
     report.problems.append(f'{where}: launch/{name}.py does not exist (python -m {module})')
     return report
   defined = entry_point_flags(module)
-  files, bindings, search_paths = [], [], []
+  files, bindings, search_paths, given = [], [], [], set()
   index = 0
   while index < len(args):
     word = args[index]
@@ -312,12 +317,17 @@ def check_entry_point(module: str, args: list[str], where: str, page: Page = Pag
     else:
       report.problems.append(f'{where}: {module} has no flag --{flag}')
       continue
+    given.add(flag)
     if flag == 'gin_file':
       files.append(value)
     elif flag == 'gin_bindings':
       bindings.append(value)
     elif flag == 'gin_search_paths':
       search_paths += [p for p in value.split(',') if p]
+  abbreviated = '...' in args or given & {'help', 'helpfull', 'helpshort'}
+  for flag in REQUIRED_FLAGS.get(module, ()):
+    if flag not in given and not abbreviated:
+      report.problems.append(f'{where}: {module} needs --{flag} (it has no default)')
   real_files = []
   for path in files:
     if gin_setup.find_gin_file(path, [REPO_ROOT] + [os.path.join(REPO_ROOT, p)
@@ -516,11 +526,18 @@ def test_a_good_command_passes():
 
 def test_an_unknown_flag_is_reported():
   problems = _problems('```sh\npython -m launch.train --gin_file=configs/experiments/'
-                       'quickstart.gin --num_stepz=3\n```\n')
+                       'quickstart.gin --num_stepz=3 --model_dir=runs/x\n```\n')
   assert problems == ['synthetic.md:2: launch.train has no flag --num_stepz']
   # a flag of another entry point is not one of this one's
   assert _problems('```sh\npython -m launch.inspect --model_dir=runs/x\n```\n') == [
       'synthetic.md:2: launch.inspect has no flag --model_dir']
+
+
+def test_a_command_without_a_required_flag_is_reported():
+  problems = _problems('```sh\npython -m launch.train --gin_file=configs/experiments/'
+                       'quickstart.gin\n```\n')
+  assert problems == ['synthetic.md:2: launch.train needs --model_dir (it has no default)']
+  assert _problems('```sh\npython -m launch.train ... --cluster=slurm\n```\n') == []
 
 
 def test_a_missing_entry_point_is_reported():
@@ -528,15 +545,18 @@ def test_a_missing_entry_point_is_reported():
 
 
 def test_a_missing_gin_file_is_reported_and_a_placeholder_skipped():
-  problems = _problems('```sh\npython -m launch.train --gin_file=configs/nope.gin\n```\n')
+  problems = _problems('```sh\npython -m launch.train --gin_file=configs/nope.gin '
+                       '--model_dir=runs/x\n```\n')
   assert problems == ['synthetic.md:2: --gin_file=configs/nope.gin does not exist']
-  report = check_markdown('```sh\npython -m launch.train --gin_file=my_project/x.gin\n```\n')
+  report = check_markdown('```sh\npython -m launch.train --gin_file=my_project/x.gin '
+                          '--model_dir=runs/x\n```\n')
   assert report.problems == [] and len(report.skipped) == 1
 
 
 def test_a_bad_binding_is_reported():
   problems = _problems('```sh\npython -m launch.train --gin_file=configs/experiments/'
-                       "quickstart.gin --gin_bindings='train.num_stepz = 10'\n```\n")
+                       "quickstart.gin --gin_bindings='train.num_stepz = 10' --model_dir=runs/x"
+                       "\n```\n")
   assert len(problems) == 1 and "--gin_bindings='train.num_stepz = 10' does not parse" in \
       problems[0]
 
@@ -569,11 +589,12 @@ def test_local_cluster_passes_what_follows_double_dash_to_launch_train():
   assert _problems('```sh\npython -m launch.local_cluster --num_clients=2 -- '
                    '--gin_file=configs/nope.gin --modeldir=/tmp/r\n```\n') == [
       'synthetic.md:2: launch.train has no flag --modeldir',
+      'synthetic.md:2: launch.train needs --model_dir (it has no default)',
       'synthetic.md:2: --gin_file=configs/nope.gin does not exist']
 
 
 def test_data_a_page_writes_first_may_be_missing_other_data_may_not():
-  train = ('python -m launch.train --gin_file=configs/experiments/lm_corpus.gin '
+  train = ('python -m launch.train --gin_file=configs/experiments/lm_corpus.gin --model_dir=r '
            "--gin_bindings=\"lm_corpus.train_files = '/tmp/meshgin_nowhere/c/train-*.tfrecord'\"")
   problems = _problems(f'```sh\n{train}\n```\n')
   assert len(problems) == 1 and 'no file matches the train pattern' in problems[0]
