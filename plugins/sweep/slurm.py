@@ -17,7 +17,7 @@ directory:
     exit $status
 
 and submits it with `sbatch --parsable --job-name=<sweep>/<trial>
---output=<trial dir>/trial.log --open-mode=append --chdir=<repository>
+--output=<trial dir>/trial.log --open-mode=append --chdir=<where the sweep started>
 --ntasks=N [--partition=P] [--cpus-per-task=C] [--time=M] <extra args>`,
 in the trial environment the runner builds (the CPU threads are not divided:
 a job has its own allocation).
@@ -58,7 +58,6 @@ import time
 from typing import Any, Mapping, Sequence
 
 from layout_core.errors import ConfigError
-from plugins.sweep.driver import REPO_ROOT
 from plugins.sweep.spec import Trial
 from plugins.sweep.trial_process import LOG_FILE, write_attempt_header
 
@@ -104,7 +103,7 @@ class SlurmLauncher:
   def __init__(self, *, partition: str | None = None, tasks: int = 1,
                cpus_per_task: int | None = None, sbatch_args: Sequence[str] = (),
                on_stop: str = 'cancel', time_limit_minutes: int | None = None,
-               repo_root: str | None = None,
+               workdir: str | None = None,
                environment: Mapping[str, str] | None = None, poll_seconds: float = 1.0):
     self.partition = partition or None
     self.tasks = tasks                        # tasks (launch.train clients) per trial
@@ -112,7 +111,10 @@ class SlurmLauncher:
     self.sbatch_args = list(sbatch_args)      # passed to sbatch as written
     self.on_stop = on_stop                    # 'cancel' or 'leave' the jobs on a stop
     self.time_limit_minutes = time_limit_minutes
-    self.repo_root = REPO_ROOT if repo_root is None else repo_root  # the jobs' --chdir
+    # The jobs' --chdir: where the sweep was started, as for local trials, so
+    # relative --gin_file paths mean the same (meshgin itself is found through
+    # PYTHONPATH, checkout or installed).
+    self.workdir = os.getcwd() if workdir is None else workdir
     # For squeue, scancel and the option check: the launcher's environment
     # (SLURM_CONF and PATH as the user has them); sbatch gets each trial's.
     self.environment = dict(os.environ if environment is None else environment)
@@ -216,7 +218,7 @@ class SlurmLauncher:
     try:
       result = self.command('sbatch', '--parsable', *self.options(job_name),
                             f'--output={log_path}', '--open-mode=append',
-                            f'--chdir={self.repo_root}', script, environment=environment)
+                            f'--chdir={self.workdir}', script, environment=environment)
       job_id, refusal = result.stdout.strip().split(';')[0], ' '.join(result.stderr.split())
       if result.returncode != 0:
         job_id = ''
