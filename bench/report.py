@@ -1,203 +1,484 @@
-"""docs/performance.md, rendered from the measured results in bench/results/.
+"""docs/performance.md: the results in bench/results/, as a page to read.
 
     python -m bench.report > docs/performance.md
 
-Every bench/results/*.json (sorted by name) becomes one section: the script
-that measured it, when (date), on which commit and machine, the command as
-run ('not recorded' for results written before bench/common.py's write_json
-recorded it), and the headline figures as a table. tests/test_docs_figures.py
-checks that the page on disk is exactly this output, so no figure in the docs
-can drift from its measurement.
+The page opens with a summary table of the headline figures (bench/figures.py,
+those with a `what`), then a section per results file, grouped by topic:
+`SECTIONS` gives each file a heading, a sentence on what its script measures
+and a small renderer that says what the figures show (in the words of
+`FIGURES`, so every figure another page quotes is on this one) and picks the
+columns that matter. A results file with no entry there is still shown, by
+`_generic`. TensorFlow's error messages become a short plain `outcome`
+(bench/figures.py); a commit measured with uncommitted changes is marked †,
+explained once.
+
+tests/test_docs_figures.py checks that the page on disk is exactly this
+rendering: after a benchmark writes new results, run the command above.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
+import re
 from typing import Any, Callable
+
+from bench.figures import (CLOCKS, FIGURES, Results, figure, in_bytes, in_millions, in_ms, in_s,
+                           outcome, times)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, 'bench', 'results')
 COMMAND = 'python -m bench.report > docs/performance.md'
+DIRTY = ' (with uncommitted changes)'  # how bench/common.py marks a commit
+Rendered = tuple[str, list[str]]  # (what the figures show, table lines)
 
 
-def _seconds(value: Any) -> str:
-  return '' if value is None else f'{value:.2f}'
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+  """A markdown table; columns of figures right-aligned."""
+  cells = [[str(c).replace('|', '\\|') for c in row] for row in rows]
+  numeric = [i > 0 and all(re.match(r'[\d.,+-]', row[i]) for row in cells if row[i])
+             for i in range(len(header))]
+  return (['| ' + ' | '.join(header) + ' |',
+           '| ' + ' | '.join('---:' if n else '---' for n in numeric) + ' |']
+          + ['| ' + ' | '.join(row) + ' |' for row in cells])
 
 
-def _tenths(value: Any) -> str:
-  return '' if value is None else f'{value:.1f}'
+def _pivot(rows: list[dict], row_key: Callable, column_key: Callable, cell: Callable,
+           first: str) -> list[str]:
+  """A table of a row per row_key and a column per column_key, first seen first."""
+  columns = list(dict.fromkeys(column_key(r) for r in rows))
+  table: dict[str, dict] = {}
+  for r in rows:
+    table.setdefault(row_key(r), {})[column_key(r)] = cell(r)
+  return _table([first] + columns,
+                [[key] + [cells.get(c, '') for c in columns] for key, cells in table.items()])
 
 
-def _number(value: int | float) -> str:
-  if isinstance(value, int):
-    return str(value)
-  if value != 0 and abs(value) < 0.01:
-    return f'{value:.3g}'
-  return f'{value:.2f}'
+def _ok(row: dict) -> str:
+  return 'right' if row.get('ok') else outcome(row.get('error'))
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-  right = ['---'] + ['---:'] * (len(header) - 1)
-  lines = ['| ' + ' | '.join(header) + ' |', '| ' + ' | '.join(right) + ' |']
-  lines += ['| ' + ' | '.join(cells) + ' |' for cells in rows]
-  return lines
+# ------------------------------------------------------------------ sections
 
 
-def _cell(text: Any) -> str:
-  return str(text).replace('|', '\\|')
+def _step_breakdown(r: Results) -> Rendered:
+  shows = (f"One device takes {figure('step.one_device', r)} a step, `data=8` "
+           f"{figure('step.data8', r)} ({figure('step.data8_unsharded', r)} with unsharded "
+           f"optimizer state); on `data=2 x model=4` sharded state is slower: "
+           f"{figure('step.2x4_sharded', r)} against {figure('step.2x4', r)}.")
+  rows = [[name, in_ms(f['loop_step_ms']), in_ms(f['ms']['gradients']), in_ms(f['ms']['update']),
+           in_ms(f['ms']['batch'] + f['ms']['pack'])]
+          for name, f in r.items() if isinstance(f, dict) and 'loop_step_ms' in f]
+  return shows, _table(['mesh', 'step', 'gradients', 'update', 'batch + pack'], rows)
 
 
-def _startup(results: dict) -> list[str]:
-  best = results.get('best', {})
-  ratios = results.get('ratio_first_step_wall', {})
-  rows = []
-  for name, figures in best.items():
-    wall = (figures.get('first_step') or [None])[0]
-    ratio = 1.0 if name == 'plain' else ratios.get(name)
-    rows.append([_cell(name), _seconds(wall), _seconds(figures.get('first_step_cpu_best')),
-                 '' if ratio is None else f'{ratio:.1f}x'])
-  return _table(['contender', 'first step, wall s', 'first step, CPU s',
-                 'wall vs plain'], rows)
+# Each mesh's default optimizer state is the other of these (data=8 shards it).
+SPLIT_VARIANTS = {'unsharded state': 'state sharding switched',
+                  'shard_state': 'state sharding switched'}
 
 
-def _dtensor_compile_limit(results: dict) -> list[str]:
-  best = results.get('best', {})
-  plain = best.get('plain', {}).get('first_call')
-  rows = []
-  for name, figures in best.items():
-    first = figures.get('first_call')
-    ratio = f'{first / plain:.1f}x' if first is not None and plain else ''
-    later = figures.get('later_call')
-    rows.append([_cell(name), str(figures.get('ops', '')), _seconds(figures.get('trace')),
-                 _seconds(first), _seconds(figures.get('first_call_cpu')), ratio,
-                 '' if later is None else _tenths(1000 * later)])
-  lines = _table(['contender', 'ops', 'trace s', 'first call s', 'CPU s',
-                  'first call vs plain', 'later call ms'], rows)
-  variables = results.get('variables_ms_each')
-  if variables:
-    lines += ['', 'Making a DVariable (replicated, 8 devices), ms each:', '']
-    lines += _table(['variables named', 'ms each'],
-                    [[_cell(name), _tenths(ms)] for name, ms in variables.items()])
-  return lines
+def _step_split(r: Results) -> Rendered:
+  shows = (f"`data=8` keeps {figure('split.data8', r)} of one device's rate (gradients and update "
+           f"in one function: {figure('split.fused', r)}, with XLA {figure('split.fused_xla', r)}); "
+           f"unsharded optimizer state makes its step {figure('split.unsharded_state', r)} as "
+           f"long, and on 2x4 a residual stream left to DTensor {figure('split.residual', r)}.")
+  runs = [(name,) + tuple(name.split(', ', 1)) + (f,) for name, f in r['split'].items()]
+  return shows, _pivot(
+      runs, lambda run: run[1],
+      lambda run: SPLIT_VARIANTS.get(run[2], run[2]) if len(run) == 4 else 'as configured',
+      lambda run: in_ms(run[-1]['ms_per_step']) + (
+          f" ({run[-1]['ratio']['value']:.2f})" if 'ratio' in run[-1] else ''),
+      'step (rate of meshgin 1 device)')
 
 
-PROVENANCE = ('date', 'commit', 'machine', 'command', 'rounds_run')
+def _split_matmul(r: Results) -> Rendered:
+  shows = (f"Cut 8 ways they take {figure('matmul.tf_devices', r)} one device's time on plain "
+           f"`tf.device`s and {figure('matmul.dtensor', r)} on DTensor: the split itself costs.")
+  names = {'meshgin': 'meshgin threads', 'TF default': 'TF default', '[1]': '1 thread',
+           '[1, 8]': 'intra-op 1, inter-op 8', '[2, 2]': 'intra-op 2, inter-op 2'}
+  return shows, _pivot(r['rows'], lambda row: row['form'].replace(', 1 thread', ''),
+                       lambda row: names.get(str(row['threads']), str(row['threads'])),
+                       lambda row: f"{in_ms(row['ms'])} ({times(row['ratio_to_one_device'])})",
+                       'form')
 
 
-def _value(value: Any) -> str:
-  if isinstance(value, bool) or not isinstance(value, (int, float)):
-    return _cell(value if not isinstance(value, (list, dict)) else json.dumps(value))
-  return _number(value)
+def _devices_concurrent(r: Results) -> Rendered:
+  settings = {k: v for k, v in r.items() if isinstance(v, dict) and 'one device' in v}
+  header = [re.sub(r'x\[(\d+).*\]( \(.*?\))?, (.*?)( \(.*\))?$', r'\1 rows, \3', k)
+            for k in settings]
+  rows = [[name] + [times(s[name]['time_ratio']) for s in settings.values()]
+          for name in next(iter(settings.values()))]
+  return ("With meshgin's threads twice the work takes about the time of one at 256 rows: the "
+          'devices run at once; at the 16-row micro-batch dispatch shows.'), _table(
+              ['twice the work on'] + header, rows)
 
 
-def _rows_table(rows: list[dict]) -> list[str]:
-  """A list of flat dicts as one table, a column per key (first seen first)."""
-  columns: list[str] = []
-  for row in rows:
-    columns += [key for key in row if key not in columns]
-  return _table(columns, [[_value(row.get(key, '')) for key in columns] for row in rows])
+def _step_pipeline(r: Results) -> Rendered:
+  shows = (f"The SPMD engine runs at {figure('pipeline.spmd', r)} of the unpipelined rate and "
+           f"the sub-mesh engine at {figure('pipeline.submesh', r)} of serial; fed the same 8 "
+           f"micro-batches one after another the unpipelined models run at "
+           f"{figure('pipeline.unpipelined_m8', r)} and {figure('pipeline.serial_m8', r)}, so "
+           f"the engines keep {figure('pipeline.spmd_kept', r)} and "
+           f"{figure('pipeline.submesh_kept', r)} of what their micro-batches allow: cut into 8, "
+           f"a batch runs at {figure('pipeline.about', r)} of its rate, pipelined or not. An "
+           f"SPMD step takes {figure('pipeline.spmd_step', r)}.")
+  rows = [[name, f['mesh'].replace('CPU mesh ', ''), in_ms(f['ms_per_step']),
+           f"{f['ratio']['value']:.2f} of {f['ratio']['to']}" if 'ratio' in f else '']
+          for name, f in r['pipeline'].items()]
+  return shows, _table(['contender', 'mesh', 'step', 'rate'], rows)
 
 
-def _generic(results: Any) -> list[str]:
-  """Whatever a results file holds, as tables: top-level figures; a list of
-  rows; a {name: {figure: value}} dict as a table per name's figures; a
-  {name: value} dict as two columns; one level deeper, a table per key."""
-  if isinstance(results, list):
-    results = {'rows': results}
-  lines: list[str] = []
-  scalars = [(key, value) for key, value in results.items()
-             if key not in PROVENANCE and not isinstance(value, (dict, list))]
-  if scalars:
-    lines += _table(['figure', 'value'], [[_cell(key), _value(value)] for key, value in scalars])
-  for key, value in results.items():
-    if key in PROVENANCE or not isinstance(value, (dict, list)) or not value:
-      continue
-    if isinstance(value, list) and all(isinstance(row, dict) for row in value):
-      table = _rows_table(value)
-    elif isinstance(value, dict) and all(isinstance(v, dict) for v in value.values()):
-      inner = list(value.values())
-      if all(all(isinstance(v, dict) for v in row.values()) for row in inner):
-        for name, row in value.items():  # one table per key, one level deeper
-          lines += ['', f'{_cell(key)} / {_cell(name)}:', '']
-          lines += _rows_table([{'': n, **r} for n, r in row.items()])
-        continue
-      table = _rows_table([{'': name, **row} for name, row in value.items()])
-    elif isinstance(value, dict):
-      table = _table(['', 'value'], [[_cell(k), _value(v)] for k, v in value.items()])
-    else:
-      table = _table(['value'], [[_value(v)] for v in value])
-    lines += ['', f'{_cell(key)}:', ''] + table
-  return lines or ['(no figures)']
+def _pipeline(r: Results) -> Rendered:
+  first = r['runtime_limits'][0]
+  shows = (f"At a {first['rows']}-row micro-batch on 2 stages no engine can beat serial (at "
+           f"best {times(first['max_speedup_any_engine'])}).")
+  limits = [[row['stages'], row['rows'], f"{row['stage_concurrency']:.2f}",
+             times(row['max_speedup_any_engine']), in_ms(row['fc_layer_ms']),
+             in_ms(row['shift_ms'])] for row in r['runtime_limits']]
+  balance = _pivot(r['balance'], lambda row: row['stack'], lambda row: f"{row['stages']} stages",
+                   lambda row: f"{times(row['balanced'])} / {times(row['lingvo'])}",
+                   'stack: slowest stage over ideal, balanced / lingvo')
+  return shows, _table(['stages', 'rows', 'stage concurrency', 'best speed-up', 'FC layer',
+                        'shift'], limits) + [''] + balance
 
 
-def _small_input_recompile(results: dict) -> list[str]:
-  measured = {k: v for k, v in results.items() if isinstance(v, dict) and 'calls' in v}
-  values = [str(c.get('value')) for c in next(iter(measured.values()), {}).get('calls', [])]
-  rows = [[_cell(name)] + [f"{'miss' if c.get('missed') else 'hit'}, {c.get('seconds', 0):.3f} s"
-                           for c in figures['calls']]
-          for name, figures in measured.items()]
-  return _table(['extra input'] + [f'call {i + 1} (value {v})' for i, v in enumerate(values)],
-                rows)
+def _shift_moves(r: Results) -> Rendered:
+  shows = (f"Only the all-to-all route beats the engine's einsum shift, at "
+           f"{figure('shift.all_to_all', r)}; the {CLOCKS} shifts of an SPMD lm_small step take "
+           f"{figure('shift.per_step', r)}, of which it would save {figure('shift.saving', r)}.")
+
+  def cell(f: dict | None) -> str:
+    if not f:
+      return 'not tried'
+    return f"{in_ms(f['ms'])} ({times(f['vs_einsum'])})" if f.get('ok') else outcome(f['error'])
+
+  rows = [[n, cell(r['shift'].get(n)), cell(r['take_last'].get(n))]
+          for n in dict.fromkeys([*r['shift'], *r['take_last']])]
+  return shows, _table(['move', 'shift a slot', 'take the last slot'], rows)
 
 
-RENDERERS: dict[str, Callable[[dict], list[str]]] = {
-    'startup': _startup,
-    'dtensor_compile_limit': _dtensor_compile_limit,
-    'small_input_recompile': _small_input_recompile,
+def _step_fsdp(r: Results) -> Rendered:
+  shows = (f"FSDP runs at {figure('fsdp.lm_small', r)}, {figure('fsdp.wide', r)} and "
+           f"{figure('fsdp.megatron', r)} the default's rate.")
+  runs = r['fsdp']
+  rows = [[name.removesuffix(', fsdp'), in_millions(f['parameters']),
+           in_ms(runs[f['ratio']['to']]['ms_per_step']), in_ms(f['ms_per_step']),
+           times(f['ratio']['value'])] for name, f in runs.items() if name.endswith(', fsdp')]
+  return shows, _table(['model and mesh', 'parameters', 'default step', 'fsdp step',
+                        'fsdp rate'], rows)
+
+
+def _bf16_matmul(r: Results) -> Rendered:
+  shows = (f"bf16 runs {figure('bf16.speedup', r)} as fast as float32 with oneDNN and without "
+           'XLA (the default).')
+  return shows, _pivot(
+      r['rows'], lambda row: f"{'oneDNN' if row['onednn'] else 'no oneDNN'}, "
+                             f"{row['intra_op_threads']} threads",
+      lambda row: f"{row['size']}" + (', XLA' if row['jit_compile'] else ''),
+      lambda row: times(row['bf16_speedup']), 'bf16 speed / float32; size')
+
+
+def _memory(r: Results) -> Rendered:
+  shows = (f"In {figure('memory.budget', r)}, bf16 + remat + FSDP trains "
+           f"{figure('memory.largest_width', r)}, {figure('memory.largest_params', r)} "
+           f"parameters: {figure('memory.largest_vs_float32', r)} the "
+           f"{figure('memory.float32_params', r)} of float32 data parallelism; float32 FSDP "
+           f"reaches {figure('memory.fsdp_width', r)}.")
+  rows = [[name, in_bytes(f['at_width']['peak_bytes']), in_bytes(f['predicted_bytes']),
+           f"{f['at_width']['steps_per_sec']:.2f}", f"width {f['largest_width']}",
+           in_millions(f['largest_parameters'])] for name, f in r['settings'].items()]
+  return shows, _table(['setting', f"peak at width {r['width']}", 'predicted', 'steps/s',
+                        'largest that fits', 'its parameters'], rows)
+
+
+def _peak_breakdown(r: Results) -> Rendered:
+  shows = (f"At width {r['width']} ({in_millions(r['parameters'])} parameters, {r['setting']}) "
+           f"the allocator peaks at {in_bytes(r['allocator_peak_bytes'])}, "
+           f"{in_bytes(r['held_before_call_bytes'])} of it held before the call.")
+  rows = [[row['op'].split('/')[-1], in_bytes(row['bytes']), sum(row['tensors'].values())]
+          for row in r['by_op']]
+  return shows, _table(['made by op', 'live at the peak', 'tensors'], rows)
+
+
+def _fsdp_collectives(r: Results) -> Rendered:
+  shows = (f"All-to-alls leave {figure('collectives.per_replica', r)} bf16 weights live at the "
+           f"peak against {figure('collectives.dtensor', r)}, at "
+           f"{times(r['speed_ratio_per_replica_vs_dtensor'])} DTensor's speed; the gradients "
+           f"are {'the same' if r.get('same_gradient') else 'NOT the same'}.")
+  rows = [[name, in_bytes(f['peak_bytes']), f"{f['peak_in_whole_bf16_weights']:.3g}",
+           in_ms(1000 * f['seconds_per_call'])] for name, f in r['ways'].items()]
+  return shows, _table(['way', 'peak', 'in whole bf16 weights', 'per call'], rows)
+
+
+def _all_gather(r: Results) -> Rendered:
+  return 'RSS added by the first call and by later calls, and the time per call.', _pivot(
+      r['rows'], lambda row: f"{row['shape']} on dim {row['dim']}", lambda row: row['setting'],
+      lambda row: (f"{in_bytes(row['first_call_bytes'])}, {in_bytes(row['later_calls_bytes'])}, "
+                   f"{in_ms(1000 * row['seconds_per_call'])}"), 'shape (4 variables)')
+
+
+def _startup(r: Results) -> Rendered:
+  shows = (f"The quickstart's first step comes {figure('startup.quickstart', r)} after start, "
+           f"plain TF's {in_s(r['best']['plain']['first_step'][0])}.")
+  ratios = r.get('ratio_first_step_wall', {})
+  rows = [[name, in_s(f['first_step'][0]), in_s(f['first_step_cpu_best']),
+           times(ratios.get(name, 1.0))] for name, f in r['best'].items()]
+  return shows, _table(['contender', 'first step (wall)', 'CPU', 'wall vs plain'], rows)
+
+
+def _dtensor_compile(r: Results) -> Rendered:
+  plain = r['best']['plain']['first_call']
+  named = ', '.join(f'{k} {in_ms(v)}' for k, v in r.get('variables_ms_each', {}).items())
+  shows = (f"The first call grows with the devices: {figure('compile.dtensor8', r)} on 8, "
+           f"{in_s(plain)} in plain TF. A DVariable takes {named} to make, by its name.")
+  rows = [[name, in_s(f['trace']), in_s(f['first_call']), times(f['first_call'] / plain),
+           in_ms(1000 * f['later_call'])] for name, f in r['best'].items()]
+  return shows, _table(['contender', 'trace', 'first call', 'vs plain', 'later call'], rows)
+
+
+def _small_input(r: Results) -> Rendered:
+  runs = {k: v for k, v in r.items() if isinstance(v, dict) and 'calls' in v}
+  size = {k: int(k.split(' x ')[0]) for k in runs}
+  recompiled = [size[k] for k, v in runs.items() if v['recompiled_at_new_value']]
+  never = [size[k] for k, v in runs.items() if not v['recompiled_at_new_value']]
+  shows = (f"An input of up to {max(recompiled, default=0)} elements recompiles the function "
+           f"at every new value; from {min(never, default='none')} elements on it does not.")
+  return shows, _pivot(
+      list(runs.items()), lambda run: run[0].split(' x ')[0],
+      lambda run: run[0].split(' x ')[1],
+      lambda run: (f"{'recompiles' if run[1]['recompiled_at_new_value'] else 'no'} "
+                   f"({times(run[1]['new_value_vs_same_value'])})"),
+      'elements: recompiled at a new value (time / same value)')
+
+
+def _checkpoint(r: Results) -> Rendered:
+  shows = (f"Save and restore run at {r['save_vs_raw']:.2f} and {r['restore_vs_raw']:.2f} of "
+           f"raw disk; a save adds {r['save_peak_extra_host_mib']:.0f} MiB of host memory "
+           f"({r['save_peak_extra_host_fraction_of_state']:.0%} of the state; gathering it: "
+           f"{r['host_gather_peak_extra_fraction_of_state']:.0%}).")
+  rows = [[name] + [f'{r[key]:.0f}' if key in r else '' for key in keys] for name, *keys in [
+      ('meshgin', 'meshgin_save_mib_s', 'meshgin_restore_mib_s'),
+      ('plain `tf.train.Checkpoint`', 'plain_tf_save_mib_s', 'plain_tf_restore_mib_s'),
+      ("DTensor's own write", 'dtensor_native_save_mib_s', ''),
+      ('raw disk (write + fsync, read)', 'raw_write_fsync_mib_s', 'raw_read_mib_s')]]
+  return shows, _table([f"{r['mib']:.0f} MiB of state", 'save MiB/s', 'restore MiB/s'], rows)
+
+
+def _input(r: Results) -> Rendered:
+  lm = r['lm_small_input']
+  shows = (f"meshgin's reader runs at {figure('input.ratio', r)} a bare read; `next(reader)` is "
+           f"{lm['input_fraction']:.2%} of a {in_ms(1000 * lm['step_seconds'])} lm_small step.")
+  rates = [[k, f'{v:,.0f}'] for k, v in r['examples_per_sec'].items()]
+  return shows, _table(['reader', 'examples/s'], rates)
+
+
+def _layout_resolution(r: Results) -> Rendered:
+  shows = (f"{figure('layouts.speedup', r)} faster over {r['paths']:,} paths and {r['rules']} "
+           f"rules, with {r['mismatches']} different answers.")
+  return shows, _table(['resolver', 'time'], [['meshgin', in_s(r['meshgin_seconds'])],
+                                              ['per-rule loop', in_s(r['naive_seconds'])]])
+
+
+def _outcomes(columns: list[str], result: Callable[[dict], str], shows: str) -> Callable:
+  """Rows of settings and their outcome; identical rows are listed once."""
+  def render(r: Results) -> Rendered:
+    rows = dict.fromkeys(tuple([str(row.get(c, '')) for c in columns] + [result(row)])
+                         for row in r['rows'])
+    return shows, _table(columns + ['outcome'], [list(row) for row in rows])
+  return render
+
+
+def _gather_lowering(r: Results) -> Rendered:
+  return 'CollectiveGatherV2 fails to compile most relayouts on `data=2 x model=4`.', _pivot(
+      r['rows'], lambda row: f"{row['mesh']}, {row['mode']}", lambda row: row['lowering'],
+      lambda row: f"{row['ok']} right, {row['error']} fail, {row['wrong']} wrong", 'relayouts')
+
+
+def _grappler(r: Results) -> Rendered:
+  shows = (f"From {figure('grappler.first_failing', r)} up the sharded sum fails with "
+           "TensorFlow's default; with the optimizer off every case is right.")
+  return shows, _pivot(r['rows'], lambda row: row['weight'],
+                       lambda row: f"{row['layout']}, {row['setting'].split(' (')[0]}", _ok,
+                       'weight')
+
+
+def _cross_client(row: dict) -> str:
+  first, second = outcome(row['client 0']), outcome(row['client 1'])
+  return first if first == second else f'client 0: {first}; client 1: {second}'
+
+
+def _keras_remat(r: Results) -> Rendered:
+  failing = [k for k, v in r['results'].items() if outcome(v) != 'ok']
+  return f"Keras {r['keras']}, TF {r['tensorflow']}. Fails: {'; '.join(failing)}.", _table(
+      ['remat', 'outcome'], [[k, outcome(v)] for k, v in r['results'].items()])
+
+
+def _truncated(r: Results) -> Rendered:
+  def cell(run: dict) -> str:
+    return f"{run['records']} read, {outcome(run['error']) if run['error'] else 'no error'}"
+  runs = [(*name.split(', buffer '), v) for name, v in r.items()
+          if isinstance(v, dict) and 'records' in v]
+  return "Cut inside a record's header a file reads as shorter, with no error.", _pivot(
+      runs, lambda run: run[0], lambda run: f'buffer {run[1]}', lambda run: cell(run[2]),
+      'damage in record 500')
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+  heading: str
+  measures: str  # one sentence: what the script measures
+  render: Callable[[Results], Rendered]
+
+
+SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its section
+    'Training speed': {
+        'step_breakdown.json': Section("Where a step's time goes",
+                                       "lm_small's step, part by part, on 1 and 8 devices.",
+                                       _step_breakdown),
+        'step_split.json': Section('Meshes and variants side by side', '`bench/step.py --groups '
+                                   "split`: lm_small on 1 device, `data=8` and 2x4, in turns.",
+                                   _step_split),
+        'split_matmul_limit.json': Section('Matmuls cut over devices', "lm_small's matmuls, one "
+                                           'device against cut 8 ways.', _split_matmul),
+        'devices_concurrent.json': Section('Logical CPU devices at once', 'A matmul on each of 2 '
+                                           'devices at once, against one.', _devices_concurrent),
+        'step.json': Section('Pipeline engines', "`bench/step.py --groups pipeline`: lm_small, 8 "
+                             'micro-batches, `stage=2 x data=2 x model=2`.', _step_pipeline),
+        'pipeline.json': Section("The pipeline runtime's costs", 'FC cells, a device per stage; '
+                                 "partitions' balance.", _pipeline),
+        'shift.json': Section("The SPMD engine's per-clock moves", 'Each way DTensor offers to '
+                              'move the stage buffer a slot, on 2x2x2.', _shift_moves),
+        'step_fsdp.json': Section('Fully sharded parameters', '`bench/step.py --groups fsdp`: '
+                                  '`train.fsdp = True` against the default.', _step_fsdp),
+        'bf16_matmul.json': Section('bfloat16 matmuls', 'Square MatMuls, bf16 against float32.',
+                                    _bf16_matmul),
+    },
+    'Memory': {
+        'memory.json': Section('The largest model in a memory budget', 'Peak host memory of '
+                               'training runs, predicted and measured.', _memory),
+        'peak_breakdown.json': Section("What makes a step's peak", "Tensors live at a gradients "
+                                       "call's allocator peak, by op.", _peak_breakdown),
+        'fsdp_collectives.json': Section("FSDP's collectives on one weight", "A [2048, 8192] "
+                                         "weight's bf16 gradients on `data=8`.", _fsdp_collectives),
+        'all_gather_memory.json': Section('All-gather lowerings', 'A sharded -> replicated '
+                                          'relayout on 8 devices, both lowerings.', _all_gather),
+    },
+    'Start-up': {
+        'startup.json': Section('Time to the first step', '`launch.train` against a hand-written '
+                                'TF program of the same model.', _startup),
+        'dtensor_compile_limit.json': Section("A DTensor function's first call", 'One Adam update '
+                                              'in a fresh process.', _dtensor_compile),
+        'small_input_recompile.json': Section('Recompiles on a changed small input', 'A step '
+                                              'function given an extra input.', _small_input),
+    },
+    'Checkpoints, input and layouts': {
+        'checkpoint.json': Section('Checkpoint throughput', 'Save and restore of a sharded state '
+                                   'on 2x4.', _checkpoint),
+        'input.json': Section('The input pipeline', "`tfrecord_task`'s reader alone, and its "
+                              'share of a step.', _input),
+        'layout_resolution.json': Section('Layout rule resolution', 'Many paths against many '
+                                          'rules, answers compared.', _layout_resolution),
+    },
+    'TensorFlow limits': {
+        'gather_lowering.json': Section('Relayouts under each gather lowering', 'Every relayout '
+                                        'of a small tensor.', _gather_lowering),
+        'grappler_addn.json': Section("Grappler's memory optimizer on a sharded sum", 'A weight '
+                                      'used four times on `data=8`.', _grappler),
+        'cross_client_submesh.json': Section('Sub-meshes across clients', 'A value moved between '
+                                             'stage sub-meshes of 2 real clients.', _outcomes(
+            ['placement', 'source layout'], _cross_client,
+            'Only replicated values between stages that span every client move.')),
+        'submesh_residual.json': Section("Pinning the sub-mesh engine's residual stream",
+                                         'lm_pipeline.gin, 3 steps.', _outcomes(
+            ['variation'], _ok, 'Pinned in the backward step function (alone or everywhere) it fails.')),
+        'keras_remat_limit.json': Section("Keras' remat under tf.function", 'Whole-layer and '
+                                          'activation remat, eager and traced.', _keras_remat),
+        'truncated_tfrecord.json': Section('Damaged TFRecord files', '`TFRecordDataset` on a file '
+                                           'cut or changed.', _truncated),
+    },
 }
 
 
-def _script(name: str, results: Any) -> str:
-  command = results.get('command') if isinstance(results, dict) else None
-  if command:
-    for part in command.split():
-      if part.endswith('.py'):
-        return part
-  if os.path.isfile(os.path.join(REPO, 'bench', f'{name}.py')):
-    return f'bench/{name}.py'
-  return f'{name}.json'
+# ------------------------------------------------------------------ the page
 
 
-def _provenance(results: Any) -> list[str]:
-  results = results if isinstance(results, dict) else {}
-  machine = results.get('machine')
-  if isinstance(machine, dict):
-    where = (f'{machine.get("cores", "?")} cores, processor {machine.get("processor", "?")}, '
-             f'host {machine.get("host", "?")}')
-  else:
-    where = 'not recorded'
-  lines = [f'- date: {results.get("date") or "not recorded"}',
-           f'- commit: {results.get("commit") or "not recorded"}',
-           f'- machine: {where}']
-  command = results.get('command')
-  lines.append(f'- command: `{command}`' if command else '- command: not recorded')
-  if isinstance(results.get('rounds_run'), int):
-    lines.append(f'- best of {results["rounds_run"]} rounds')
-  return lines
+def _generic(r: Any) -> Rendered:
+  """Any results file: its numbers and outcomes by key path (at most 30)."""
+  rows: list[list[str]] = []
+  def walk(value: Any, path: str) -> None:
+    if isinstance(value, dict):
+      for key, inner in value.items():
+        if path or key not in ('date', 'commit', 'machine', 'command'):
+          walk(inner, f'{path} / {key}' if path else str(key))
+    elif isinstance(value, list) and all(isinstance(v, (dict, list)) for v in value):
+      for i, inner in enumerate(value):
+        walk(inner, f'{path} / {i + 1}')
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+      rows.append([path, value if isinstance(value, int) else f'{value:.4g}'])
+    else:
+      rows.append([path, outcome(value) if isinstance(value, str) else value])
+  walk(r if isinstance(r, dict) else {'rows': r}, '')
+  return 'Shown by key (no renderer in bench/report.py yet).', (
+      _table(['figure', 'value'], rows[:30]) if rows else ['(no figures)'])
+
+
+def script_of(r: Results, name: str) -> str:
+  for part in str(r.get('command') or '').split():
+    if part.endswith('.py'):
+      return part
+  return f"bench/{name.removesuffix('.json')}.py"
+
+
+def _machine(r: Results) -> str:
+  machine = r.get('machine') or {}
+  return f"{machine.get('cores', '?')} cores, {machine.get('processor', '?')}"
+
+
+def _measured(r: Results, name: str) -> str:
+  commit = str(r.get('commit') or 'not recorded')
+  command = f"`{r['command']}`" if r.get('command') else 'a command not recorded'
+  return (f"Measured {str(r.get('date') or 'on a date not recorded')[:10]} by {command}, commit "
+          f"`{commit.removesuffix(DIRTY)[:7]}`{'†' if commit.endswith(DIRTY) else ''}, "
+          f"{_machine(r)}: `bench/results/{name}`.")
+
+
+def load(results_dir: str = RESULTS) -> dict[str, Results]:
+  """Every results file in results_dir, by file name."""
+  loaded = {}
+  for path in sorted(glob.glob(os.path.join(results_dir, '*.json'))):
+    with open(path) as f:
+      loaded[os.path.basename(path)] = json.load(f)
+  return loaded
 
 
 def performance_markdown(results_dir: str = RESULTS) -> str:
-  """The page: one section per results file, in name order."""
+  """The page, from every results file in results_dir."""
+  results = load(results_dir)
+  summary = [[f.what, f.render(results[f.file]), f.against(results[f.file]),
+              _machine(results[f.file]), f'`{script_of(results[f.file], f.file)}`']
+             for f in FIGURES.values() if f.what and f.file in results]
   lines = ['# Performance', '',
-           f'This page is generated by `{COMMAND}` from bench/results/*.json; '
-           'each figure on it was measured by the script named in its section.']
-  for path in sorted(glob.glob(os.path.join(results_dir, '*.json'))):
-    name = os.path.splitext(os.path.basename(path))[0]
-    with open(path) as f:
-      results = json.load(f)
-    render = RENDERERS.get(name, _generic)
-    lines += ['', f'## {_script(name, results)}', '',
-              f'Results: `bench/results/{os.path.basename(path)}`', '']
-    lines += _provenance(results)
-    lines += [''] + render(results)
+           'What the scripts in `bench/` measured ([what each measures](benchmarks.md)), on '
+           'small shared virtual machines: absolute times are noisy, and the ratios, measured '
+           'side by side in turns, are the figures to compare. Generated from '
+           f'`bench/results/*.json` by `{COMMAND}`.', '', '## Summary', '']
+  lines += _table(['what was measured', 'figure', 'against', 'machine', 'script'], summary)
+  known = {name for group in SECTIONS.values() for name in group}
+  others = {name: Section(f'Other results: {name}', f'`{script_of(r, name)}`.', _generic)
+            for name, r in results.items() if name not in known}
+  for group, sections in {**SECTIONS, 'Other results': others}.items():
+    present = [(name, section) for name, section in sections.items() if name in results]
+    lines += ['', f'## {group}'] if present else []
+    for name, section in present:
+      shows, table = section.render(results[name])
+      lines += ['', f'### {section.heading}',
+                f'{section.measures} {shows} {_measured(results[name], name)}', ''] + table
+  if any(str(r.get('commit', '')).endswith(DIRTY) for r in results.values()):
+    lines += ['', '† measured with uncommitted changes on top of that commit.']
   return '\n'.join(lines) + '\n'
 
 
-def main() -> None:
-  print(performance_markdown(), end='')
-
-
 if __name__ == '__main__':
-  main()
+  print(performance_markdown(), end='')

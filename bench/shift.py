@@ -34,7 +34,7 @@ Measured (TF 2.21, bench/results/shift.json): `tf.roll` and
 chains fail to compile (a relayout whose propagated layout does not match);
 the all-to-all route is the one that beats the einsum, at 0.85x of its
 3.2 ms. The nine shifts of an lm_small step (M=8, S=2) are 29 ms of its
-657 ms (`bench/step.py`); the all-to-all would save 4 ms of them: the shift
+593 ms (`bench/step.py`, bench/results/step.json); the all-to-all would save 4 ms of them: the shift
 is not what keeps the SPMD engine below the unpipelined rate, and the engine
 keeps the einsum. Taking the last slot costs the same
 every way (within 0.9-1.2x).

@@ -182,7 +182,7 @@ def meshgin_step(spec: dict):
   from layout_core.layout.variables import to_numpy
   if spec.get('free_residual'):  # the residual stream's layout left to DTensor, as before
     from layout_core.model import layers
-    layers.residual = lambda x: x
+    layers.residual = lambda x, pin=None: x
   with parsed_config(files=spec['gin'], bindings=spec['bindings']):
     plan = make_plan()
   trainer = build_trainer(plan)
