@@ -14,10 +14,26 @@ from __future__ import annotations
 
 
 class ConfigError(ValueError):
-  """A user-fixable configuration problem: what was wrong, where, and the fix."""
+  """A user-fixable configuration problem: what was wrong, where, and the fix.
+
+  Raise it from your own layers and tasks for a setting the user can change;
+  the launchers print its one paragraph and exit with status 2.
+
+      raise ConfigError(f'{p.name}.activation is {p.activation!r}',
+                        where=f'{p.name}.activation', fix="use 'relu' or 'gelu'")
+      # "gated.activation is 'tanh'. Where: gated.activation. Fix: use 'relu' or 'gelu'."
+  """
 
   def __init__(self, message: str, *, where: str | None = None,
                fix: str | None = None):
+    """Composes the message: `message.`, then `Where: ...` and `Fix: ...`.
+
+    Args:
+      message: What is wrong, with the values involved.
+      where: The setting or place to change (`gated_dense.output_dim`),
+        kept as `self.where`.
+      fix: What to do instead, kept as `self.fix`.
+    """
     parts = [message.rstrip('.') + '.']
     if where:
       parts.append(f'Where: {where}.')

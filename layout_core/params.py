@@ -47,7 +47,18 @@ def _value_text(value: Any) -> str:
 
 
 class Params:
-  """A tree of named, documented hyper-parameters (see module docstring)."""
+  """A tree of named, documented hyper-parameters (see the module docstring).
+
+  Values are read and set as attributes (`p.hidden_dim`, `p.name = 'ffn'`);
+  only defined names exist, and a misspelt one is an error that suggests the
+  closest. A layer's params come from its class (`FeedForward.Params()`),
+  are changed with `Set` (or gin, through `plugins.registry.register_layer`)
+  and built with `Instantiate`:
+
+      p = FeedForward.Params().Set(name='ffn', input_dim=64)
+      p.hidden_dim = 512
+      layer = p.Instantiate(parent_path='model')   # FeedForward(p, parent_path=...)
+  """
 
   def __init__(self):
     object.__setattr__(self, '_params', {})
@@ -55,7 +66,20 @@ class Params:
 
   # -- definition -------------------------------------------------------------
   def Define(self, name: str, default: Any, doc: str) -> None:
-    """Adds a new parameter `name` with a default value and a docstring."""
+    """Adds a new parameter `name` with a default value and a docstring.
+
+        p.Define('output_dim', 32, 'Output width.')
+
+    Args:
+      name: A public identifier, not yet defined here.
+      default: Its value until set: a plain value, nested `Params` or a list
+        of `Params`.
+      doc: What it means, for `Doc` and the reader of the layer.
+
+    Raises:
+      ConfigError: The params are frozen, `name` is not a public identifier,
+        or it is already defined.
+    """
     if self._frozen:
       raise ConfigError(f"cannot Define '{name}' on frozen params")
     if not name.isidentifier() or name.startswith('_'):
@@ -128,7 +152,8 @@ class Params:
     return value
 
   def Get(self, dotted: str) -> Any:
-    """Returns the value at a dotted path, e.g. p.Get('stack.block.ffn.hidden_dim')."""
+    """Returns the value at a dotted path, e.g. `p.Get('stack.block.ffn.hidden_dim')`
+    or, into a list of params, `p.Get('cells[1].name')`."""
     holder, leaf = self._resolve(dotted)
     try:
       return holder._lookup(leaf).value
@@ -139,7 +164,20 @@ class Params:
     """Sets values; keys may be dotted (`p.Set(**{'ffn.hidden_dim': 8})`).
 
     Dotted keys may also be written with '__' in place of '.' so that plain
-    keyword syntax works: `p.Set(ffn__hidden_dim=8)`. Returns self.
+    keyword syntax works: `p.Set(ffn__hidden_dim=8)`.
+
+        p = GatedDense.Params().Set(name='gate', output_dim=16)
+
+    Args:
+      **kwargs: {key: value}: each key a defined name, or a dotted path into
+        nested params.
+
+    Returns:
+      self, so calls chain.
+
+    Raises:
+      ConfigError: The params are frozen, or a key is not defined (the
+        message suggests the closest defined name).
     """
     for key, value in kwargs.items():
       holder, leaf = self._resolve(key.replace('__', '.'))
@@ -147,10 +185,12 @@ class Params:
     return self
 
   def IterParams(self) -> Iterator[tuple[str, Any]]:
+    """(name, value) of each parameter, in definition order (not nested)."""
     for name, param in self._params.items():
       yield name, param.value
 
   def Doc(self, name: str) -> str:
+    """The docstring `name` was defined with."""
     return self._lookup(name).doc
 
   # -- lifecycle ----------------------------------------------------------------
@@ -170,10 +210,23 @@ class Params:
     return self
 
   def IsFrozen(self) -> bool:
+    """Whether `Freeze` made these params read-only."""
     return self._frozen
 
   def Instantiate(self, **kwargs: Any) -> Any:
-    """Builds `self.cls(self, **kwargs)`."""
+    """Builds `self.cls(self, **kwargs)`.
+
+        layer = p.Instantiate(parent_path='model')   # a built BaseLayer
+
+    Args:
+      **kwargs: Passed on to the class, e.g. a layer's `parent_path`.
+
+    Returns:
+      The object built (for a layer's params, the built layer).
+
+    Raises:
+      ConfigError: The params define no `cls`, or it is None.
+    """
     if 'cls' not in self._params or self.cls is None:
       raise ConfigError('params have no cls to instantiate',
                         fix="Define('cls', ...) or build from SomeLayer.Params()")

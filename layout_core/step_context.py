@@ -56,9 +56,30 @@ class ResidualPin(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class StepContext:
-  """The facts above; the defaults are an evaluation step's: no dropout, one
-  document per row, the residual stream where DTensor puts it, no FSDP batch
-  split, nothing recomputed."""
+  """What a step's math needs besides its inputs and weights (module doc).
+
+  The defaults are an evaluation step's: no dropout, one document per row,
+  the residual stream where DTensor puts it, no FSDP batch split, nothing
+  recomputed.
+
+  A layer reads it from its weights, `w.context` in `apply` (or
+  `current()` in an `fprop` that builds no `Weights`):
+
+      sequence = w.context.sequence
+      if sequence is not None:             # packed rows: stay in one document
+        same = tf.equal(sequence.segments[:, :, None], sequence.segments[:, None, :])
+
+  Attributes:
+    random: The dropout state (`RandomState`); None: random layers are the
+      identity.
+    sequence: Packed documents' segments and positions (`SequenceInputs`);
+      None: each row is one sequence (causal over the whole row).
+    residual: Where a transformer's residual stream lives (`ResidualPin`);
+      None: left to DTensor.
+    batch_split: The mesh axis FSDP splits the batch over; None: no split.
+    remat: Whether this runs inside a rematerialized layer (the forward pass
+      recomputed in the backward one).
+  """
   random: RandomState | None = None        # None: random layers are the identity
   sequence: SequenceInputs | None = None   # None: causal over the whole row
   residual: ResidualPin | None = None      # None: left to DTensor
@@ -66,6 +87,7 @@ class StepContext:
   remat: bool = False                      # inside a rematerialized layer
 
   def replace(self, **changes) -> 'StepContext':
+    """A copy with `changes` (field: value); the others kept."""
     return dataclasses.replace(self, **changes)
 
 

@@ -75,9 +75,22 @@ def _uniform_pair(shape: tuple[int, ...], seed: int) -> tuple[tf.Tensor, tf.Tens
 
 
 class Initializer:
-  """Maps (shape, dtype, seed) to a tensor; must be layout-independent."""
+  """Maps (shape, dtype, seed) to a tensor; must be layout-independent.
+
+  A subclass computes the whole value as a pure function of (shape, dtype,
+  seed), `seed` derived from the run's seed and the variable's path, so a
+  variable starts from the same value on any layout; meshgin computes it on
+  the host and gives each device its slice
+  (`layout_core.layout.scope.initial_dtensor`). Use `Normal`, `Constant`,
+  `Zeros()` or `Ones()`, or write one:
+
+      class Eye(Initializer):             # an identity matrix
+        def __call__(self, shape, dtype, seed):
+          return tf.eye(shape[0], shape[1], dtype=dtype)
+  """
 
   def __call__(self, shape: tuple[int, ...], dtype: tf.DType, seed: int) -> tf.Tensor:
+    """The initial value of a variable of `shape` and `dtype`."""
     raise NotImplementedError
 
   def __repr__(self) -> str:
@@ -100,6 +113,8 @@ class Normal(Initializer):
 
 
 class Constant(Initializer):
+  """Every element `value` (a float, or an integer for counters)."""
+
   def __init__(self, value: float = 0.0):
     self.value = value
 
@@ -110,10 +125,12 @@ class Constant(Initializer):
 
 
 def Zeros() -> Constant:  # pylint: disable=invalid-name
+  """`Constant(0.0)`: biases, counters."""
   return Constant(0.0)
 
 
 def Ones() -> Constant:  # pylint: disable=invalid-name
+  """`Constant(1.0)`: scales (a layer norm's gain)."""
   return Constant(1.0)
 
 

@@ -38,6 +38,19 @@ Shape = tuple[int, ...]
 
 @dataclasses.dataclass(frozen=True)
 class LayerMeta:
+  """What `BaseLayer.fprop_meta` answers: a layer's output shapes and the
+  FLOPs of its forward pass, for given input shapes.
+
+      LayerMeta(out_shapes=((8, 32),), flops=2 * 8 * 16 * 32 + 8 * 32,
+                matmul_flops=2 * 8 * 16 * 32)   # x [8, 16] @ w [16, 32] + b
+
+  Attributes:
+    out_shapes: The shape of each output, in order (one tuple per output).
+    flops: All forward FLOPs: `matmul_flops` plus one per output element of
+      each elementwise op (bias, activation, residual add).
+    matmul_flops: 2 x the multiply-adds of the dense contractions (matmuls,
+      einsums with weights).
+  """
   out_shapes: tuple[Shape, ...]
   flops: int         # all forward FLOPs, matmul + elementwise
   matmul_flops: int  # 2 * multiply-adds of the dense contractions
@@ -45,8 +58,22 @@ class LayerMeta:
 
 @dataclasses.dataclass(frozen=True)
 class Declared:
-  """A variable a layer owns: its attribute name, shape and initializer, and
-  the dimensions DTensor cannot run it sharded on (with why, and what works)."""
+  """A variable a layer owns, as `BaseLayer.declare_variables` lists it.
+
+      Declared('w', (p.input_dim, p.output_dim), Normal(p.init_stddev))
+      Declared('b', (p.output_dim,), Zeros())
+
+  Attributes:
+    name: The variable's attribute name on the built layer (`self.w`) and the
+      last component of its path (`clf/gated/w`); an identifier.
+    shape: Its shape, from the params.
+    initializer: A `layout_core.layout.variables.Initializer` (`Normal`,
+      `Constant`, `Zeros()`, `Ones()`): initial values do not depend on the
+      layout.
+    unshardable: Dimensions DTensor cannot run the variable sharded on,
+      {dimension: why, and what works instead}; a layout rule that shards one
+      of them is a configuration error with that text.
+  """
   name: str
   shape: Shape
   initializer: Initializer
@@ -58,11 +85,67 @@ def num_elements(shape: Shape) -> int:
 
 
 class BaseLayer(Module):
-  """Params-built module (a tf.Module once built, see `layout_core.lazy`);
-  subclasses declare variables, children and costs."""
+  """The base of Params layers: a layer declared from its params alone.
+
+  A subclass answers, from its params and without building anything:
+
+    * `Params()`: its settings (`super().Params()`, then `p.Define(...)`);
+    * `declare_variables(p)`: its own variables (`Declared`);
+    * `child_params(p)`: its sub-layers' params, by attribute name;
+    * `fprop_meta(p, *input_shapes)`: its output shapes and forward FLOPs;
+
+  and computes in `fprop(self, *inputs)`, reading its variables with
+  `self.weight(name)`, or, to be stackable as an SPMD pipeline cell, in a
+  classmethod `apply(cls, p, w, *inputs)` (see `apply`).
+
+  `p.Instantiate(parent_path=...)` builds it. The class is plain Python until
+  then (`layout_core.lazy.Module`); an instance is a `tf.Module`. Building
+  creates each declared variable as the attribute `self.<name>` at the path
+  `<parent_path>/<p.name>/<name>`, through the one door that lets a layout
+  scope shard it as it is born
+  (`layout_core.layout.variables.create_variable`), then builds each child
+  as `self.<child name>`. A call casts floating inputs to `compute_dtype`
+  and runs `fprop` (recomputed in the backward pass when `p.remat`).
+
+      @register_layer                     # gin: @scale()
+      class Scale(BaseLayer):             # x * s, s a learned scale per feature
+
+        @classmethod
+        def Params(cls):
+          p = super().Params()
+          p.name = 'scale'
+          p.Define('dim', 8, 'Feature width.')
+          return p
+
+        @classmethod
+        def declare_variables(cls, p):
+          return [Declared('s', (p.dim,), Ones())]
+
+        @classmethod
+        def fprop_meta(cls, p, x_shape):
+          return LayerMeta(out_shapes=(tuple(x_shape),),
+                           flops=num_elements(x_shape), matmul_flops=0)
+
+        def fprop(self, x):
+          return x * self.weight('s')
+
+      layer = Scale.Params().Set(dim=4).Instantiate(parent_path='model')
+      layer(tf.ones([2, 4]))              # its variable layer.s: path 'model/scale/s'
+  """
 
   @classmethod
   def Params(cls) -> Params:
+    """The layer's default params. A subclass extends its parent's:
+
+        p = super().Params()
+        p.name = 'gated'                     # the default name
+        p.Define('output_dim', 32, 'Output width.')
+        return p
+
+    Every layer has `cls` (the class `Instantiate` builds), `name` (its
+    variable path component, an identifier), `dtype` (its variables'),
+    `fprop_dtype` (its math's; None: `dtype`) and `remat`.
+    """
     p = Params()
     p.Define('cls', cls, 'Layer class that Instantiate() builds.')
     p.Define('name', cls.__name__.lower(), 'Layer name: its variable path component.')
@@ -74,6 +157,16 @@ class BaseLayer(Module):
     return p
 
   def __init__(self, params: Params, *, parent_path: str = ''):
+    """Builds the layer: its variables, then its children (see the class doc).
+
+    Args:
+      params: The layer's params; a frozen copy becomes `self.params`.
+      parent_path: The path of the layer above (`''` for the root): the
+        layer's own path, `self.path`, is `<parent_path>/<params.name>`.
+
+    Raises:
+      ConfigError: `params.name` is not an identifier.
+    """
     if not params.name or not params.name.isidentifier():
       raise ConfigError(f'layer name {params.name!r} must be an identifier',
                         where=f"{parent_path or '<root>'} ({type(self).__name__})")
@@ -94,10 +187,25 @@ class BaseLayer(Module):
   # -- declarations (classmethods: usable without building) ---------------------
   @classmethod
   def declare_variables(cls, p: Params) -> list[Declared]:
+    """The layer's own variables (not its children's), from its params.
+
+        return [Declared('w', (p.input_dim, p.output_dim), Normal(p.init_stddev)),
+                Declared('b', (p.output_dim,), Zeros())]
+
+    Default: none. `launch.inspect`, the layout plan and the checkpoint's
+    variable list read it without building the layer.
+    """
     return []
 
   @classmethod
   def child_params(cls, p: Params) -> dict[str, Params]:
+    """The layer's sub-layers' params, {attribute name: params}, in order.
+
+    A composite layer builds its children from its own settings, e.g.
+    `{'ffn': FeedForward.Params().Set(input_dim=p.model_dim)}`; each is built
+    as `self.<name>` under this layer's path, and inherits its
+    `fprop_dtype` when it sets none. Default: none.
+    """
     return {}
 
   @classmethod
@@ -118,6 +226,21 @@ class BaseLayer(Module):
 
   @classmethod
   def fprop_meta(cls, p: Params, *input_shapes: Shape) -> LayerMeta:
+    """Output shapes and forward FLOPs for inputs of `input_shapes`, from the
+    params alone.
+
+    Every run plans with it before anything is built: the cost report of
+    `launch.inspect`, the activation memory estimate, the FLOP-rate scalars
+    (`train/model_flops_per_sec`, `train/mfu`) and the pipeline's stage
+    balancing. A subclass must define it.
+
+    Args:
+      p: The layer's params.
+      *input_shapes: One shape per input `fprop` takes, e.g. `(batch, dim)`.
+
+    Returns:
+      The output shapes and FLOPs (`LayerMeta`).
+    """
     raise NotImplementedError(f'{cls.__name__}.fprop_meta')
 
   # -- running ------------------------------------------------------------------
@@ -135,6 +258,7 @@ class BaseLayer(Module):
     return fsdp.at_use(getattr(self, name), self.compute_dtype)
 
   def children(self) -> list['BaseLayer']:
+    """The built sub-layers, in `child_params` order."""
     return [getattr(self, n) for n in self.child_names]
 
   def split_weights(self):
@@ -147,10 +271,20 @@ class BaseLayer(Module):
     for child in self.children():
       yield from child.split_weights()
 
-  # A layer may write its math once as a classmethod `apply(cls, p, w, *inputs)`
-  # over `Weights` w: its fprop is then `apply` on its own variables, and the
-  # SPMD pipeline runs the same `apply` on stacked cells (`stackable`).
   apply = None
+  """None, or the layer's math as a classmethod `apply(cls, p, w, *inputs)`.
+
+  Written once over `Weights` `w` (`w(name)`, `w.dense`, `w.project`,
+  `w.vector`, `w.child`, `w.random()`, `w.context`), it serves both the
+  layer's own `fprop` (`w` a `LayerWeights` over its variables) and the SPMD
+  pipeline's stacked cells (every weight with a leading slot dimension), so
+  a pipeline can stack the layer (`stackable`).
+
+      @classmethod
+      def apply(cls, p, w, x):
+        h = tf.nn.relu(w.dense(x, 'w_in') + w.vector('b_in', x))
+        return w.dense(h, 'w_out') + w.vector('b_out', h)
+  """
 
   @classmethod
   def stackable(cls, p: Params) -> bool:
@@ -159,6 +293,14 @@ class BaseLayer(Module):
         c.cls.stackable(c) for c in cls.child_params(p).values())
 
   def fprop(self, *inputs):
+    """The layer's forward pass on inputs already in `compute_dtype`.
+
+    Override it, reading variables with `self.weight(name)` and running
+    children as `self.<child name>(x)`; or define `apply` instead, which this
+    default runs on the layer's own variables. Return one tensor, or a tuple
+    for several outputs (a `Sequential` passes a tuple on as the next
+    layer's inputs).
+    """
     if self.apply is None:
       raise NotImplementedError(f'{type(self).__name__}.fprop')
     return self.apply(self.params, LayerWeights(self, inputs=inputs), *inputs)

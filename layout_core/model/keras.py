@@ -76,7 +76,15 @@ class KerasModel:
 
 
 def import_keras():
-  """Keras 3 with the TensorFlow backend (imported on first use: ~5 s)."""
+  """Keras 3 with the TensorFlow backend (imported on first use: ~5 s).
+
+  A model module calls it once at the top, so Keras is set to TensorFlow
+  before it loads: `keras = import_keras()`.
+
+  Raises:
+    ConfigError: Keras runs on another backend (`KERAS_BACKEND` names
+      another, or Keras was loaded with one before).
+  """
   os.environ.setdefault('KERAS_BACKEND', 'tensorflow')
   import keras  # pylint: disable=g-import-not-at-top
   if keras.backend.backend() != 'tensorflow':

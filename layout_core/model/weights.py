@@ -40,7 +40,10 @@ def dense(x: tf.Tensor, w: tf.Tensor, *, lead: str = '') -> tf.Tensor:
   """x[..., d] @ w[d, f]: a matmul for 2-D x (on CPU the einsum kernel's
   forward + backward took 2x as long at [16, 1024] x [1024, 1024]), else an
   einsum with explicit letters (DTensor's einsum has no '...' broadcasting).
-  With lead 's': per slot, x[s, ..., d] @ w[s, d, f]."""
+  With lead 's': per slot, x[s, ..., d] @ w[s, d, f].
+
+  A layer's `fprop` uses it for its weights: `dense(x, self.weight('w'))`.
+  """
   if lead:
     return tf.einsum(fsdp.lead_equation(dense_equation(x.shape.rank - len(lead)), lead), x, w)
   if x.shape.rank == 2:
@@ -123,22 +126,46 @@ class Weights:
   `lead` names leading dimensions every weight and activation carries: ''
   for a layer's own variables, 's' for the SPMD pipeline's stage slots. The
   broadcasting helpers make one body of math serve both. `context` is the
-  step's (`layout_core.step_context`)."""
+  step's (`layout_core.step_context`).
+
+      @classmethod
+      def apply(cls, p, w, x):                  # x [b, t, d]
+        norm = cls.child_params(p)['ln']
+        x = norm.cls.apply(norm, w.child('ln'), x)   # a sub-layer, on its weights
+        h = w.dense(x, 'w_in') + w.vector('b_in', x)  # x @ w_in + b_in
+        return w.project('btd,dhk->bthk', h, 'wq')   # any contraction with a weight
+  """
   lead = ''
-  dtype = None  # the compute dtype weights are cast to (None: as stored)
+  """Leading dimensions of every weight and activation: '' for a layer's own
+  variables, 's' for the SPMD pipeline's stage slots."""
+  dtype = None
+  """The compute dtype weights are cast to (None: as stored)."""
   context = StepContext()
+  """The step's `StepContext` (dropout state, packed segments, ...): read
+  `w.context.sequence`, not `layout_core.step_context.current()`."""
 
   def __call__(self, name: str) -> tf.Tensor:
+    """Weight `name` as the math uses it: in the compute dtype, gathered
+    first when FSDP stores it split. `w('w')`."""
     raise NotImplementedError
 
   def child(self, name: str) -> 'Weights':
+    """The weights of sub-layer `name` (a key of `child_params`), sharing
+    this layer's context and FSDP gather."""
     raise NotImplementedError
 
   def random(self) -> DropoutInputs | None:
-    """None outside a training step (evaluation): random layers are the identity."""
+    """None outside a training step (evaluation): random layers are the identity.
+
+    In a training step, what this layer's dropout mask is drawn from (the
+    step seed, a key from the layer's path, the batch's first row), for
+    `layout_core.model.random.dropout(x, rate=..., inputs=w.random(),
+    lead=w.lead)`: the same mask however the batch and the model are split.
+    """
     raise NotImplementedError
 
   def dense(self, x: tf.Tensor, name: str) -> tf.Tensor:
+    """x[..., d] @ w[d, f] with weight `name` (per slot under a lead)."""
     return dense(x, self(name), lead=self.lead)
 
   def project(self, equation: str, x: tf.Tensor, name: str) -> tf.Tensor:

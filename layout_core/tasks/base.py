@@ -60,7 +60,45 @@ Batch = Mapping[str, np.ndarray]
 
 class Task:
   """The interface (see the module docstring). Subclasses override the four
-  questions and `describe`; `iterate` serves consecutive steps from `features`."""
+  questions and `describe`; `iterate` serves consecutive steps from `features`.
+
+  A task's settings are its constructor's keyword arguments, bindable in gin
+  once the class is registered (`plugins.registry.register_task`). The
+  trainer asks for global batches (every device's rows) and splits each
+  array over `train.batch_axis` along its first dimension.
+
+      class Denoise(Task):                # y from x = y + noise
+        def __init__(self, *, dim: int = 8, seed: int = 3):
+          self.dim, self.seed = dim, seed
+
+        def features(self, *, split, step, batch_size):
+          rng = split_rng(self.seed, split, step)
+          y = rng.normal(size=(batch_size, self.dim)).astype(np.float32)
+          return {'x': y + 0.1 * rng.normal(size=y.shape).astype(np.float32), 'y': y}
+
+        def model_inputs(self, batch):
+          return (batch['x'],)
+
+        def loss_and_metrics(self, outputs, batch):
+          return tf.reduce_mean(tf.square(outputs - batch['y'])), {}
+
+        def input_specs(self, batch_size):
+          return (((batch_size, self.dim), 'float32'),)
+
+  Attributes:
+    deterministic: `features` is a pure function of (seed, split, step), so a
+      resumed run sees the batches it would have seen. A task that cannot
+      promise it (a live stream) sets False and overrides `iterate`.
+    tokens_per_example: Tokens per batch row, for the train/tokens_per_sec
+      scalar.
+    needs_segments: A row may hold several documents (packed): the model must
+      attend within each document only, so the trainer puts the task's
+      `sequence_inputs(batch)` (segments, positions) in the step context
+      (`StepContext.sequence`) and refuses engines that cannot.
+    settings_name: The configurable the task's settings are bound under, for
+      messages that name a setting ('lm_corpus.seq_len'): the name the user
+      wrote.
+  """
 
   deterministic: bool = True   # features() is a pure function of (seed, split, step)
   tokens_per_example: int = 1  # for the train/tokens_per_sec scalar
@@ -73,20 +111,59 @@ class Task:
   settings_name: str = 'data'
 
   def features(self, *, split: str, step: int, batch_size: int) -> dict[str, np.ndarray]:
+    """One global batch: the whole batch of step `step`, every device's rows.
+
+    Args:
+      split: 'train' or 'eval'.
+      step: The step the batch is for (0, 1, ...): after a restart the
+        trainer asks for the checkpoint's step, so a batch that is a pure
+        function of (seed, split, step) resumes exactly (`split_rng`).
+      batch_size: The global batch size (rows).
+
+    Returns:
+      {name: numpy array}, each with `batch_size` rows as its first
+      dimension.
+    """
     raise NotImplementedError
 
   def model_inputs(self, batch: Mapping[str, 'tf.Tensor']) -> tuple['tf.Tensor', ...]:
+    """The model's inputs, in the order it takes them, from a batch (the
+    arrays of `features`, as tensors laid out over the mesh).
+
+        return (batch['x'],)
+    """
     raise NotImplementedError
 
   def loss_and_metrics(self, outputs: 'tf.Tensor', batch: Mapping[str, 'tf.Tensor']
                        ) -> tuple['tf.Tensor', dict[str, 'tf.Tensor']]:
+    """The scalar loss to minimise and extra scalar metrics.
+
+    `outputs` is the model's output on `model_inputs(batch)`, floating
+    outputs as float32 whatever the compute dtype. Each metric is written
+    to TensorBoard as `train/<name>` and `eval/<name>`.
+
+        return (softmax_cross_entropy(outputs, batch['label']),
+                {'accuracy': accuracy(outputs, batch['label'])})
+
+    Returns:
+      (loss, {metric name: scalar}).
+    """
     raise NotImplementedError
 
   def input_specs(self, batch_size: int) -> tuple[tuple[tuple[int, ...], str], ...]:
-    """(shape, dtype) of each model input, in `model_inputs` order."""
+    """(shape, dtype) of each model input, in `model_inputs` order.
+
+    Plans a model without data: a Params model's FLOPs (`fprop_meta`), a
+    Keras model's stateless build.
+
+        return (((batch_size, self.dim), 'float32'),)
+    """
     raise NotImplementedError
 
   def describe(self) -> str:
+    """One line naming the task and its settings (default: the class name),
+    for the run's log (`Data: ...`) and the check that every client of a
+    multi-host run trains the same: so the same on every host."""
     return type(self).__name__
 
   def iterate(self, *, start_step: int, batch_size: int,
@@ -126,7 +203,17 @@ BatchReader = StepReader | streams.StreamReader
 
 
 def split_rng(seed: int, split: str, step: int) -> np.random.Generator:
-  """The generator for one (seed, split, step): independent streams per split."""
+  """The generator for one (seed, split, step): independent streams per split.
+
+  A task that draws each batch from it is a pure function of (seed, split,
+  step), and so resumes exactly:
+
+      rng = split_rng(self.seed, split, step)
+      labels = rng.integers(0, self.num_classes, batch_size)
+
+  Raises:
+    ValueError: `split` is not 'train' or 'eval'.
+  """
   if split not in SPLIT_INDEX:
     raise ValueError(f'split {split!r} is not one of {SPLITS}')
   return np.random.default_rng([seed, SPLIT_INDEX[split], step])
@@ -134,11 +221,16 @@ def split_rng(seed: int, split: str, step: int) -> np.random.Generator:
 
 # -- objectives shared by tasks --------------------------------------------------
 def softmax_cross_entropy(logits, labels) -> 'tf.Tensor':
+  """The mean softmax cross entropy of logits [..., classes] against integer
+  labels [...], a scalar: a classifier's loss."""
   return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
       labels=tf.cast(labels, tf.int32), logits=logits))
 
 
 def accuracy(logits, labels) -> 'tf.Tensor':
+  """The fraction of predictions (rows, or positions for logits [B, T,
+  classes]) whose largest logit is at the label, a float32 scalar: a
+  classifier's metric."""
   predicted = tf.argmax(logits, axis=-1, output_type=tf.int32)
   return tf.reduce_mean(tf.cast(tf.equal(predicted, tf.cast(labels, tf.int32)), tf.float32))
 
