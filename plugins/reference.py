@@ -7,7 +7,9 @@ Every configurable in the `meshgin` gin module gets a section: what it builds
 bind, with its default and its description. Descriptions come from the code:
 a dataclass field's comment (the one after the field, else the comment lines
 directly above it), an `Args:`/`Attributes:` docstring section, or a layer's
-`Params.Define` text. Nothing here is typed by hand; `tests/test_docs_reference.py`
+`Params.Define` text. A description may name a constant of its module
+(`REMAT_POLICIES`); the page shows its value (`'none' | 'block' | 'full'`).
+Nothing here is typed by hand; `tests/test_docs_reference.py`
 fails when the page on disk differs from this output.
 """
 
@@ -18,6 +20,7 @@ import dataclasses
 import inspect
 import io
 import re
+import sys
 import textwrap
 import tokenize
 from typing import Any, Callable
@@ -151,6 +154,36 @@ def parameters(target: Any) -> list[tuple[str, str, str]]:
   return rows
 
 
+_CONSTANT = re.compile(r'\b[A-Z][A-Z0-9_]*[A-Z0-9]\b')  # REMAT_POLICIES, not a lone T
+
+
+def constant_text(value: Any) -> str | None:
+  """How a code constant reads on the page (None: it has no short form):
+  a tuple of choices as `'none' | 'block' | 'full'`, a count as `1,200,000`."""
+  if isinstance(value, (tuple, list, frozenset)) and value and all(
+      isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+    return ' | '.join(repr(v) for v in (sorted(value) if isinstance(value, frozenset) else value))
+  if isinstance(value, int) and not isinstance(value, bool):
+    return f'{value:,}'
+  if isinstance(value, (str, float)):
+    return repr(value)
+  return None
+
+
+def with_constant_values(text: str, *owners: Any) -> str:
+  """`text` with every ALL_CAPS constant of the owners' modules replaced by its
+  value: a comment may name `REMAT_POLICIES`, the page shows the choices."""
+  namespace: dict[str, Any] = {}
+  for owner in owners:
+    namespace.update(vars(sys.modules[owner.__module__]))
+
+  def value(match: re.Match) -> str:
+    name = match.group(0)
+    shown = constant_text(namespace[name]) if name in namespace else None
+    return name if shown is None else shown
+  return _CONSTANT.sub(value, text)
+
+
 def _cell(text: str, code: bool = False) -> str:
   text = ' '.join(text.split()).replace('|', '\\|')
   return f'`{text}`' if code and text != 'required' and '`' not in text else text
@@ -165,13 +198,14 @@ def section(name: str) -> str:
   else:
     what = f'Builds `{_value_text(built)}`' if inspect.isclass(built) else \
         f'Calls `{_value_text(built)}`'
-  summary = first_paragraph(built)
+  summary = with_constant_values(first_paragraph(built), target, built)
   out = [f'## {name}', '', f'{what}{": " + summary if summary else "."}', '']
   rows = parameters(target)
   if not rows:
     return '\n'.join(out + ['No parameters.', ''])
   out += ['| parameter | default | description |', '|---|---|---|']
-  out += [f'| `{p}` | {_cell(d, code=True)} | {_cell(t)} |' for p, d, t in rows]
+  out += [f'| `{p}` | {_cell(d, code=True)} | {_cell(with_constant_values(t, target, built))} |'
+          for p, d, t in rows]
   return '\n'.join(out + [''])
 
 

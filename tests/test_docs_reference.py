@@ -2,10 +2,12 @@
 configurables (`plugins.reference`), never typed: these tests fail when the
 page on disk is stale or misses a configurable that configs/ use."""
 
+import ast
 import dataclasses
 import glob
 import inspect
 import os
+import re
 
 from gin import config_parser
 
@@ -82,3 +84,50 @@ def test_every_configurable_used_in_configs_has_a_section():
               if line.startswith('## ')}
   assert not used - headings, f'configurables used in configs/ without a section: {used - headings}'
   assert len(headings) == len(reference.registered_names())  # one unique heading each
+
+
+def _code_constants() -> dict[str, str]:
+  """ALL_CAPS names assigned at the top of a module of layout_core/, plugins/
+  or launch/ -> that module's path (read with ast: nothing imported)."""
+  constants: dict[str, str] = {}
+  for package in ('layout_core', 'plugins', 'launch'):
+    for path in sorted(glob.glob(os.path.join(REPO_ROOT, package, '**', '*.py'), recursive=True)):
+      with open(path, encoding='utf-8') as f:
+        body = ast.parse(f.read()).body
+      for node in body:
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        for target in targets:
+          if isinstance(target, ast.Name) and re.fullmatch(r'[A-Z][A-Z0-9_]*[A-Z0-9]', target.id):
+            constants.setdefault(target.id, os.path.relpath(path, REPO_ROOT))
+  return constants
+
+
+def test_page_shows_values_not_constant_names():
+  """A reader of the reference sees 'none' | 'block' | 'full', not REMAT_POLICIES."""
+  constants = _code_constants()
+  assert {'REMAT_POLICIES', 'AUTO_MIN_PARAMETERS', 'DEVICE_TYPES'} <= set(constants)
+  with open(PAGE, encoding='utf-8') as f:
+    lines = f.read().splitlines()
+  found = [f'line {number}: {name} (defined in {constants[name]})'
+           for number, line in enumerate(lines, 1)
+           for name in re.findall(r'\b[A-Z][A-Z0-9_]*[A-Z0-9]\b', line) if name in constants]
+  assert not found, (
+      f'{os.path.relpath(PAGE, REPO_ROOT)} names code constants instead of their values: '
+      f'{"; ".join(found)}. Give the constant a short form in '
+      f'plugins.reference.constant_text, or write the value in the comment or docstring '
+      f'the page reads; then regenerate it with: {reference.COMMAND}')
+
+
+def test_constant_names_become_their_values():
+  """Positive control for the check above: the generator replaces a constant
+  of the owner's module by its value, and leaves other capitals alone."""
+  assert (reference.with_constant_values('remat: REMAT_POLICIES, on CPU', TrainConfig)
+          == "remat: 'none' | 'block' | 'full', on CPU")
+  from layout_core.optim.config import OptimizerConfig  # pylint: disable=import-outside-toplevel
+  assert (reference.with_constant_values('at least AUTO_MIN_PARAMETERS', OptimizerConfig)
+          == 'at least 1,200,000')
+  text = reference.configuration_markdown()
+  assert "'none' \\| 'block' \\| 'full'" in _row(text, 'train', 'remat')
+  assert '1,200,000 parameters' in _row(text, 'optimizer', 'shard_state')
+  assert "'CPU' \\| 'GPU' \\| 'TPU'" in _row(text, 'mesh', 'device_type')

@@ -37,7 +37,7 @@ class MeshSpec:
   """Axis names and sizes, in order (outermost first), and the device type."""
   shape: Mapping[str, int] = dataclasses.field(  # ordered {axis: size}; product = devices used
       default_factory=lambda: {'data': 8})
-  device_type: str = 'CPU'  # 'CPU' | 'GPU' | 'TPU' (DEVICE_TYPES)
+  device_type: str = 'CPU'  # one of DEVICE_TYPES
   # Declared per-device capacity, for `launch.inspect`'s memory report (fits or not)
   # and the `train/mfu` scalar; None: not declared.
   device_memory_gb: float | None = None

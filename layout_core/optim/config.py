@@ -43,8 +43,8 @@ class OptimizerConfig:
   weight_decay: float = 0.0         # decoupled (AdamW), on every parameter
   clip_norm: float = 1.0            # global-norm clipping; 0 disables
   # ZeRO-1: 'auto' (the batch axis on a one-axis mesh for models of at
-  # least AUTO_MIN_PARAMETERS, else off: `state_axis`); False; True (the
-  # batch axis); or a mesh axis name.
+  # least AUTO_MIN_PARAMETERS parameters, else off: `state_axis`); False;
+  # True (the batch axis); or a mesh axis name.
   shard_state: bool | str = 'auto'
   # Adafactor (Shazeer & Stern 2018), with T5X's defaults.
   adafactor_decay_rate: float = 0.8           # second-moment decay 1 - t^-rate
