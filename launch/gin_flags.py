@@ -29,8 +29,8 @@ from layout_core.train.preemption import Interrupted, PreemptionWatcher
 
 GIN_FILES = flags.DEFINE_multi_string(
     'gin_file', [], 'A .gin config file; repeat to combine several (later files '
-    'override earlier ones). Paths are looked up in --gin_search_paths, the '
-    'current directory and the repository root.')
+    'override earlier ones). Looked up in the current directory, then in the configs '
+    'that ship with meshgin (configs/...), then in --gin_search_paths.')
 GIN_BINDINGS = flags.DEFINE_multi_string(
     'gin_bindings', [], "One gin binding, e.g. 'train.num_steps = 100'; repeat "
     'for more. Applied after all --gin_file files.')

@@ -168,7 +168,7 @@ def main(argv):
         plan.check_model_dir(MODEL_DIR.value)
         if cluster.client_id == 0:  # one writer per model_dir, before anything else
           held.append(DirectoryLock.acquire(MODEL_DIR.value, purpose='launch.train'))
-        training.join_cluster(run_plan, cluster, devices_per_client=DEVICES_PER_CLIENT.value)
+        join(run_plan, cluster, record)
         result = train(run_plan, cluster, watcher, record)
         final = run_status.PREEMPTED if result.stopped_early else run_status.COMPLETED
         # Stopped under a scheduler: ask it to run the job again (it resumes).
@@ -188,6 +188,29 @@ def main(argv):
       raise
     finally:
       release_lock()
+
+  def join(run_plan, cluster, record):
+    """Joins the cluster; a peer that fails to agree (e.g. times out comparing
+    settings) ends a multi-client process at once, as a failure in training does."""
+    # pylint: disable=g-import-not-at-top
+    from layout_core.errors import ConfigError
+    from plugins import training
+    try:
+      training.join_cluster(run_plan, cluster, devices_per_client=DEVICES_PER_CLIENT.value)
+    except ConfigError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      crashed(cluster, record, e)
+      raise
+
+  def crashed(cluster, record, error):
+    """Records a crash; a multi-client process then ends at once (a single
+    process raises on, with its traceback, exit 1)."""
+    from plugins import run_status  # pylint: disable=g-import-not-at-top
+    record.write(run_status.CRASHED, exit_code=1,
+                 error=f'{type(error).__name__}: {run_status.one_line(str(error))}')
+    if cluster.is_multi_client:
+      leave(cluster, error)
 
   def train(run_plan, cluster, watcher, record):
     # pylint: disable=g-import-not-at-top
@@ -220,11 +243,8 @@ def main(argv):
       logging.error('Data error: %s', e)
       sys.exit(run_status.EXIT_DATA_ERROR)
     except Exception as e:  # pylint: disable=broad-except
-      record.write(run_status.CRASHED, exit_code=1,
-                   error=f'{type(e).__name__}: {run_status.one_line(str(e))}')
-      if not cluster.is_multi_client:
-        raise
-      leave(cluster, e)
+      crashed(cluster, record, e)
+      raise
 
   gin_flags.run_guarded(body)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import importlib.util  # noqa: F401  gin 0.5 uses importlib.util without importing it
+import importlib.util  # also for gin 0.5, which uses importlib.util without importing it
 import inspect
 import os
 import re
@@ -90,13 +90,29 @@ class GinSources:
 
 
 def find_gin_file(name: str, paths: Sequence[str]) -> str | None:
-  """`name`'s absolute path, as gin finds it: itself (from the current
-  directory), else under each search path in turn; None if nowhere."""
-  for base in [''] + list(paths):
-    candidate = os.path.join(base, name)
-    if os.path.isfile(candidate):
+  """`name`'s absolute path, in gin's order: itself (from the current
+  directory), then as a file of an importable package (`configs/runs/x.gin`
+  in the `configs` package that ships with meshgin, checkout or installed),
+  then under each search path in turn; None if nowhere."""
+  for candidate in [name, _in_package(name)] + [os.path.join(p, name) for p in paths]:
+    if candidate and os.path.isfile(candidate):
       return os.path.abspath(candidate)
   return None
+
+
+def _in_package(name: str) -> str | None:
+  """Where gin's package reader looks for `name`: `a/b/x.gin` in package
+  `a.b`'s directory. None for a name it does not read, or no such package."""
+  head, filename = os.path.split(name)
+  if not head or os.path.isabs(name) or '.' in head:
+    return None
+  try:
+    spec = importlib.util.find_spec(head.replace('/', '.'))
+  except (ImportError, ValueError):
+    return None
+  if spec is None or not spec.origin:
+    return None
+  return os.path.join(os.path.dirname(spec.origin), filename)
 
 
 def _display(path: str) -> str:
@@ -239,7 +255,10 @@ def explain_gin_error(error: BaseException) -> ConfigError:
       hint += f" '{configurable}' takes: {', '.join(known)}."
   elif isinstance(error, RuntimeError) and 'Required bindings' in text:
     hint = ' Set them in a .gin file or with --gin_bindings.'
-  return ConfigError('gin config error: ' + ' '.join(text.split()) + hint)
+  text = ' '.join(text.split())
+  if hint and not text.endswith(('.', '?', '!')):
+    text += '.'  # gin's text ends where the hint starts a sentence
+  return ConfigError('gin config error: ' + text + hint)
 
 
 def parse_gin(*, files: Sequence[str], bindings: Sequence[str],

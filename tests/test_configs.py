@@ -90,3 +90,26 @@ def test_sweep_file_plans_every_trial(path):
     assert plan.records and plan.meta.flops > 0
     for key, text in trial.values.items():
       assert gin.query_parameter(key) == sweep_spec.literal(text), (trial.name, key)
+
+
+def test_configs_are_found_from_any_directory_and_a_local_file_comes_first(
+    tmp_path, monkeypatch):
+  """`configs/...` names resolve in gin's order: the current directory, then
+  the `configs` package that ships with meshgin, then the search paths."""
+  name = 'configs/runs/train.gin'
+  elsewhere = tmp_path / 'elsewhere'
+  (elsewhere / 'configs' / 'runs').mkdir(parents=True)
+  shadow = tmp_path / 'search' / name
+  shadow.parent.mkdir(parents=True)
+  shadow.write_text('train.num_steps = 1\n')
+  monkeypatch.chdir(elsewhere)
+  search = [str(tmp_path / 'search')]
+  assert gin_setup.find_gin_file(name, search) == os.path.join(REPO_ROOT, name)
+  (elsewhere / name).write_text('train.num_steps = 2\n')
+  assert gin_setup.find_gin_file(name, search) == str(elsewhere / name)
+  assert gin_setup.find_gin_file('configs/runs/nope.gin', search) is None
+  # gin itself reads the file the walk above found (gin keeps every search path
+  # it is given for the rest of the process: none is given here)
+  gin_setup.parse_gin(files=[name], bindings=[], search_paths=[])
+  assert gin.query_parameter('train.num_steps') == 2
+  gin.clear_config()

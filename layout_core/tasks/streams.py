@@ -374,7 +374,8 @@ class StreamReader:
                files: list | None = None):
     if batch_size % num_streams:
       raise ConfigError(f'the batch of {batch_size} rows does not split into '
-                        f'{num_streams} streams', where='data num_streams',
+                        f'{num_streams} streams',
+                        where="the task's num_streams (tfrecord_task or lm_corpus)",
                         fix=f'use a number of streams that divides {batch_size} (0 chooses one)')
     self.sources, self.batch_size, self.num_streams = dict(sources), batch_size, num_streams
     self.block = batch_size // num_streams
