@@ -268,17 +268,18 @@ def _checkpoint(r: Results) -> Rendered:
 
 def _input(r: Results) -> Rendered:
   lm = r['lm_small_input']
-  shows = (f"meshgin's reader runs at {figure('input.ratio', r)} a bare read; `next(reader)` is "
-           f"{lm['input_fraction']:.2%} of a {in_ms(1000 * lm['step_seconds'])} lm_small step.")
-  rates = [[k, f'{v:,.0f}'] for k, v in r['examples_per_sec'].items()]
-  return shows, _table(['reader', 'examples/s'], rates)
+  rates = ' and '.join(f'{k} {v:,.0f}' for k, v in r['examples_per_sec'].items())
+  shows = (f"meshgin's reader runs at {figure('input.ratio', r)} a bare read (examples/s: "
+           f"{rates}); `next(reader)` is {lm['input_fraction']:.2%} of a "
+           f"{in_ms(1000 * lm['step_seconds'])} lm_small step.")
+  return shows, []  # no table: the page's 300 lines
 
 
 def _layout_resolution(r: Results) -> Rendered:
-  shows = (f"{figure('layouts.speedup', r)} faster over {r['paths']:,} paths and {r['rules']} "
-           f"rules, with {r['mismatches']} different answers.")
-  return shows, _table(['resolver', 'time'], [['meshgin', in_s(r['meshgin_seconds'])],
-                                              ['per-rule loop', in_s(r['naive_seconds'])]])
+  shows = (f"{figure('layouts.speedup', r)} faster ({in_s(r['meshgin_seconds'])} against a "
+           f"per-rule loop's {in_s(r['naive_seconds'])}) over {r['paths']:,} paths and "
+           f"{r['rules']} rules, with {r['mismatches']} different answers.")
+  return shows, []  # no table: the page's 300 lines
 
 
 def _outcomes(columns: list[str], result: Callable[[dict], str], shows: str) -> Callable:
@@ -323,6 +324,33 @@ def _truncated(r: Results) -> Rendered:
   return "Cut inside a record's header a file reads as shorter, with no error.", _pivot(
       runs, lambda run: run[0], lambda run: f'buffer {run[1]}', lambda run: cell(run[2]),
       'damage in record 500')
+
+
+DECODERS = {'meshgin cached': 'meshgin, cached', 'meshgin recomputing': 'recomputing',
+            'plain TF cached loop': 'plain TF loop', 'keras_hub GPT2CausalLM': 'keras_hub',
+            'SavedModel generate': 'SavedModel', 'launch.decode path': 'launch.decode'}
+
+
+def _decode(r: Results) -> Rendered:
+  ratios = r.get('ratios', {})
+  said = {'cached / recomputing': 'With the cache meshgin runs {} as fast as recomputing',
+          'cached / plain TF cached loop': "at {} a hand-written plain-TF cached loop's rate",
+          'cached / keras_hub': "at {} keras_hub's GPT2CausalLM's",
+          'SavedModel / launch.decode path': "the exported SavedModel's `generate` runs at {} "
+                                             "`launch.decode`'s path (DTensor, one device)"}
+  parts = [words.format(times(ratios[k])) for k, words in said.items() if k in ratios]
+  cells = []
+  for name, info in r['contenders'].items():
+    cell = (f"{info['tokens_per_sec']:,.0f}" if 'tokens_per_sec' in info else
+            'not installed' if 'unavailable' in info else outcome(info.get('error')))
+    cells.append((DECODERS.get(name, name), cell))
+  setting = r['setting']
+  exported = [p for p in parts if p.startswith("the exported")]
+  shows = (f"{setting['batch']} prompts of {setting['prompt']} tokens, {setting['new_tokens']} "
+           f"new tokens each, greedy. "
+           + '; '.join([', '.join(p for p in parts if p not in exported)] + exported) + '.')
+  return shows, _table(['decoder'] + [c[0] for c in cells],
+                       [['new tokens/s'] + [c[1] for c in cells]])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,6 +400,10 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
                                               'in a fresh process.', _dtensor_compile),
         'small_input_recompile.json': Section('Recompiles on a changed small input', 'A step '
                                               'function given an extra input.', _small_input),
+    },
+    'Inference': {
+        'decode.json': Section('Decoding with the KV cache', '`bench/decode.py`: an lm_small-'
+                               'sized LM (max_len 256), in turns.', _decode),
     },
     'Checkpoints, input and layouts': {
         'checkpoint.json': Section('Checkpoint throughput', 'Save and restore of a sharded state '
@@ -474,7 +506,8 @@ def performance_markdown(results_dir: str = RESULTS) -> str:
     for name, section in present:
       shows, table = section.render(results[name])
       lines += ['', f'### {section.heading}',
-                f'{section.measures} {shows} {_measured(results[name], name)}', ''] + table
+                f'{section.measures} {shows} {_measured(results[name], name)}']
+      lines += [''] + table if table else []
   if any(str(r.get('commit', '')).endswith(DIRTY) for r in results.values()):
     lines += ['', '† measured with uncommitted changes on top of that commit.']
   return '\n'.join(lines) + '\n'

@@ -1,4 +1,5 @@
-"""absl entry points: `train`, `inspect`, `sweep`, `local_cluster`.
+"""absl entry points: `train`, `inspect`, `sweep`, `local_cluster`, `prepare_data`;
+using a trained model: `eval`, `decode`, `export`, `lm_eval`.
 
 The first thing each does (in its `__main__` block, before absl parses flags
 or anything heavy is imported) is `install_start_up_handlers()`: until a run

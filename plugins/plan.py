@@ -28,6 +28,7 @@ from layout_core.layout import scope as layout_scope
 from layout_core import pipeline as pipeline_lib
 from layout_core.checkpoint.manager import CheckpointConfig
 from layout_core.errors import ConfigError
+from layout_core.infer.text_samples import check_text_samples
 from layout_core.model.base import LayerMeta
 from layout_core.layout.mesh import MeshSpec
 from layout_core.optim import OptimizerConfig, check_shard_state, count_parameters
@@ -85,6 +86,7 @@ def make_plan() -> RunPlan:
   check_shard_state(optimizer, batch_axis=batch_axis, mesh_axes=mesh_spec.shape)
   pipeline = plan_pipeline_run(pipeline_config, model=params, task=task, config=train,
                                mesh_axes=mesh_spec.shape, batch_axis=batch_axis)
+  check_text_samples(config=train, params=params, task=task, pipelined=pipeline is not None)
   records, meta = plan_model(params, rules=rules, mesh_axes=mesh_spec.shape, task=task,
                              config=train, pipeline_plan=pipeline,
                              stage_axis=pipeline_config.stage_axis)

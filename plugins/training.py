@@ -35,6 +35,7 @@ from layout_core.layout import mesh as mesh_lib
 from layout_core.checkpoint.files import latest_valid
 from layout_core.checkpoint.manager import Checkpointer
 from layout_core.errors import ConfigError
+from layout_core.infer.text_samples import text_samples_for
 from layout_core.lazy import tf
 from layout_core.train.preemption import PreemptionWatcher
 from layout_core.train.summaries import NullWriter, SummaryWriter
@@ -96,6 +97,8 @@ def build_trainer(plan: RunPlan, *, watcher: PreemptionWatcher | None = None,
                          optimizer=plan.optimizer, config=plan.train,
                          pipeline=plan.pipeline_config if plan.pipeline else None,
                          pipeline_plan=plan.pipeline, writer=writer, profile_dir=profile_dir,
+                         text_samples=text_samples_for(config=plan.train, params=plan.params,
+                                                       task=plan.task),
                          **flop_figures(plan))
   variables = trainer.engine.variables
   logging.info('Model: %s parameters in %d variables',

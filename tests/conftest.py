@@ -38,7 +38,8 @@ tf_internals.lower_gathers_once(False, reason="the tests' shared process (tests/
 # out what trains for real: whole modules of subprocess trainings, and the
 # slow tests of otherwise quick modules. The full suite runs everything.
 SLOW = {
-    'test_data_runs': None, 'test_launch': None, 'test_mesh_tab': None,
+    'test_data_runs': None, 'test_eval': None, 'test_export': None, 'test_launch': None,
+    'test_mesh_tab': None,
     'test_multi_client': None, 'test_never_lose_work': None, 'test_own_model': None,
     'test_pipeline_clients': None, 'test_pipeline_launch': None, 'test_pipeline_spmd': None,
     'test_pipeline_training': None,
@@ -50,6 +51,10 @@ SLOW = {
     'test_layout_scope': {'test_sharded_run_matches_replicated_run'},
     'test_lost_peer': {'test_a_killed_peer_ends_the_other_client_with_one_paragraph'},
     'test_pipeline': {'test_gpipe_training_on_sub_meshes_equals_plain_tf'},
+    'test_decode': {'test_sample_every_writes_text_samples',
+                    'test_decode_writes_jsonl_and_refuses_bad_input'},
+    'test_lm_eval': {'test_lm_eval_runs_the_local_tasks_end_to_end',
+                     'test_lm_eval_refuses_unknown_tasks_and_runs_without_text'},
     'test_tasks': {'test_resume_from_a_checkpoint_reads_exactly_the_same_batches',
                    'test_classifier_example_trains_end_to_end_from_gin'},
 }  # module -> None (all of it) or the names of its slow tests

@@ -35,7 +35,8 @@ SECONDS = {
     'test_own_model.py': 23, 'test_streams.py': 21, 'test_layout_scope.py': 17,
     'test_pipeline_training.py': 17, 'test_gather.py': 10, 'test_prepare_data.py': 9,
     'test_keras_models.py': 7, 'test_composition.py': 150, 'test_tf_internals.py': 35,
-    'test_lost_peer.py': 20, 'test_wheel.py': 30,
+    'test_lost_peer.py': 20, 'test_wheel.py': 30, 'test_eval.py': 90,
+    'test_decode.py': 40, 'test_export.py': 200, 'test_lm_eval.py': 70,
 }
 UNLISTED = 5
 

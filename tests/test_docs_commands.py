@@ -279,8 +279,10 @@ def _module_exists(module: str) -> bool:
 
 
 # Flags an entry point refuses to run without (exit 2); a command shortened
-# with `...` may leave them out.
-REQUIRED_FLAGS = {'launch.train': ('model_dir',), 'launch.sweep': ('model_dir',)}
+# with `...` may leave them out. A tuple of names: any one of them will do.
+REQUIRED_FLAGS = {'launch.train': ('model_dir',), 'launch.sweep': ('model_dir',),
+                  'launch.eval': (('model_dir', 'checkpoint'),),
+                  'launch.decode': (('model_dir', 'checkpoint'),)}
 
 
 def check_entry_point(module: str, args: list[str], where: str, page: Page = Page()) -> Report:
@@ -326,8 +328,10 @@ def check_entry_point(module: str, args: list[str], where: str, page: Page = Pag
       search_paths += [p for p in value.split(',') if p]
   abbreviated = '...' in args or given & {'help', 'helpfull', 'helpshort'}
   for flag in REQUIRED_FLAGS.get(module, ()):
-    if flag not in given and not abbreviated:
-      report.problems.append(f'{where}: {module} needs --{flag} (it has no default)')
+    choices = (flag,) if isinstance(flag, str) else flag
+    if not given & set(choices) and not abbreviated:
+      report.problems.append(f'{where}: {module} needs --{" or --".join(choices)} '
+                             '(it has no default)')
   real_files = []
   for path in files:
     if gin_setup.find_gin_file(path, [REPO_ROOT] + [os.path.join(REPO_ROOT, p)
@@ -538,6 +542,11 @@ def test_a_command_without_a_required_flag_is_reported():
                        'quickstart.gin\n```\n')
   assert problems == ['synthetic.md:2: launch.train needs --model_dir (it has no default)']
   assert _problems('```sh\npython -m launch.train ... --cluster=slurm\n```\n') == []
+  # launch.eval takes either of two flags
+  assert _problems('```sh\npython -m launch.eval --name=x\n```\n') == [
+      'synthetic.md:2: launch.eval needs --model_dir or --checkpoint (it has no default)']
+  assert _problems('```sh\npython -m launch.eval --checkpoint=runs/x/checkpoints/ckpt-3\n'
+                   'python -m launch.eval --model_dir=runs/x\n```\n') == []
 
 
 def test_a_missing_entry_point_is_reported():

@@ -67,15 +67,26 @@ class Embedding(BaseLayer):
                      matmul_flops=0)
 
   def fprop(self, ids):
+    sequence = current().sequence  # packed documents: each token's position within its own
+    return self.lookup(self.params, ids, table=fsdp.at_use(self.table),
+                       pos_table=fsdp.at_use(self.pos_table) if self.params.max_len else None,
+                       positions=None if sequence is None else sequence.positions,
+                       dtype=self.compute_dtype)
+
+  @classmethod
+  def lookup(cls, p, ids, *, table, pos_table, positions=None, dtype) -> tf.Tensor:
+    """The embedding's math: rows of `table` for `ids` [B, T], plus rows of
+    `pos_table` for `positions` ([B, T] or [1, T]; None: 0..T-1), in `dtype`.
+    The tables are float32 as stored (the cached decoder,
+    `layout_core.infer.decode`, calls this with one position per row)."""
     # Rows looked up in float32, then cast (a bfloat16 table would sum the
     # gradients of repeated ids in bfloat16).
-    x = cast(tf.gather(fsdp.at_use(self.table), ids), self.compute_dtype)
-    if self.params.max_len:
-      sequence, positions = current().sequence, fsdp.at_use(self.pos_table)
-      if sequence is None:
-        x += cast(positions[:ids.shape[1]], self.compute_dtype)
-      else:  # packed documents: each token's position within its own
-        x += cast(tf.gather(positions, sequence.positions), self.compute_dtype)
+    x = cast(tf.gather(table, ids), dtype)
+    if p.max_len:
+      if positions is None:
+        x += cast(pos_table[:ids.shape[1]], dtype)
+      else:
+        x += cast(tf.gather(pos_table, positions), dtype)
     return x
 
 
@@ -200,23 +211,51 @@ def attention(x, w, *, head_dim: int, causal: bool):
   'wq', 'wk', 'wv' [*lead, dim, heads, head_dim] and 'wo' [*lead, heads,
   head_dim, dim]. `w.lead` names leading dimensions every operand shares: ''
   for a layer, 's' for the SPMD pipeline's stage slots (each slot with its
-  own cell's weights)."""
-  lead = w.lead
-  q = w.project('btd,dhk->bthk', x, 'wq')
-  k = w.project('btd,dhk->bthk', x, 'wk')
-  v = w.project('btd,dhk->bthk', x, 'wv')
-  logits = tf.einsum(f'{lead}bthk,{lead}buhk->{lead}bhtu', q, k) * (head_dim ** -0.5)
+  own cell's weights).
+
+  Its three parts are also the cached decoder's (`layout_core.infer.decode`),
+  which keeps each position's keys and values instead of recomputing them:
+  `attention_inputs` (q, k, v), `attend` (scores, mask, softmax, the
+  weighted values) and `attention_output`."""
+  q, k, v = attention_inputs(x, w)
+  mask = None
   if causal:
-    length = x.shape[-2]
-    mask = tf.linalg.band_part(tf.ones([length, length], logits.dtype), -1, 0)
     sequence = w.context.sequence
-    if sequence is not None and not lead:  # packed documents: stay in one's own
-      segments = sequence.segments
-      same = tf.equal(tf.expand_dims(segments, 2), tf.expand_dims(segments, 1))  # [b, t, u]
-      mask = mask * tf.expand_dims(tf.cast(same, logits.dtype), 1)  # [b, 1, t, u]
+    segments = sequence.segments if sequence is not None and not w.lead else None
+    mask = causal_mask(x.shape[-2], dtype=q.dtype, segments=segments)
+  context = attend(q, k, v, mask=mask, head_dim=head_dim, lead=w.lead, dtype=x.dtype)
+  return attention_output(context, w)
+
+
+def attention_inputs(x, w):
+  """(q, k, v), each [*lead, batch, time, heads, head_dim]: x's projections."""
+  return (w.project('btd,dhk->bthk', x, 'wq'), w.project('btd,dhk->bthk', x, 'wk'),
+          w.project('btd,dhk->bthk', x, 'wv'))
+
+
+def causal_mask(length: int, *, dtype, segments=None):
+  """1 where query t may see key u (u <= t), else 0: [t, u]; with packed
+  documents' `segments` [b, t] also only within one's own document: [b, 1, t, u]."""
+  mask = tf.linalg.band_part(tf.ones([length, length], dtype), -1, 0)
+  if segments is not None:  # packed documents: stay in one's own
+    same = tf.equal(tf.expand_dims(segments, 2), tf.expand_dims(segments, 1))  # [b, t, u]
+    mask = mask * tf.expand_dims(tf.cast(same, dtype), 1)  # [b, 1, t, u]
+  return mask
+
+
+def attend(q, k, v, *, mask, head_dim: int, lead: str = '', dtype):
+  """Queries q [*lead, b, t, h, k] over keys k and values v [*lead, b, u, h, k]:
+  the weighted values [*lead, b, t, h, k], in `dtype`. `mask` (1: may see,
+  0: may not; broadcast to the scores [*lead, b, h, t, u]) or None."""
+  logits = tf.einsum(f'{lead}bthk,{lead}buhk->{lead}bhtu', q, k) * (head_dim ** -0.5)
+  if mask is not None:
     logits += (1.0 - mask) * -1e9
-  probs = cast(tf.nn.softmax(as_float32(logits), axis=-1), x.dtype)  # softmax in float32
-  context = tf.einsum(f'{lead}bhtu,{lead}buhk->{lead}bthk', probs, v)
+  probs = cast(tf.nn.softmax(as_float32(logits), axis=-1), dtype)  # softmax in float32
+  return tf.einsum(f'{lead}bhtu,{lead}buhk->{lead}bthk', probs, v)
+
+
+def attention_output(context, w):
+  """The heads' weighted values [*lead, b, t, h, k] projected back: [*lead, b, t, d]."""
   return w.project('bthk,hkd->btd', context, 'wo')
 
 
@@ -283,6 +322,13 @@ class TransformerBlock(BaseLayer):
 
   @classmethod
   def apply(cls, p, w, x):
+    return cls.apply_with(p, w, x)
+
+  @classmethod
+  def apply_with(cls, p, w, x, *, attend_fn=None):
+    """`apply`, the attention sub-layer replaced by `attend_fn(h)` on the
+    normalised stream h when given: the cached decoder's attention
+    (`layout_core.infer.decode`), which reads and writes its keys and values."""
     children = cls.child_params(p)
 
     def run(name, value):
@@ -290,7 +336,8 @@ class TransformerBlock(BaseLayer):
       return child.cls.apply(child, w.child(name), value)
     pin = w.context.residual
     x = residual(x, pin)
-    attn = run('attn', run('ln_attn', x))
+    normed = run('ln_attn', x)
+    attn = run('attn', normed) if attend_fn is None else attend_fn(normed)
     if p.dropout_rate:
       attn = run('attn_dropout', attn)
     x = x + residual(attn, pin)
@@ -326,4 +373,9 @@ class Softmax(BaseLayer):
                      flops=matmul + tokens * p.num_classes, matmul_flops=matmul)
 
   def fprop(self, x):
-    return as_float32(dense(x, self.weight('w')) + self.weight('b'))  # float32 logits
+    return self.logits(x, w=self.weight('w'), b=self.weight('b'))
+
+  @classmethod
+  def logits(cls, x, *, w, b) -> tf.Tensor:
+    """The projection's math: float32 logits of x [..., input_dim]."""
+    return as_float32(dense(x, w) + b)  # float32 logits

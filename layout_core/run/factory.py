@@ -16,6 +16,8 @@ build on the training loop's pieces without the loop knowing about them.
 
 from __future__ import annotations
 
+from typing import Any, Callable, Mapping
+
 from layout_core.layout import fsdp
 from layout_core.layout import mesh as mesh_lib
 from layout_core.layout.rules import LayoutRules
@@ -98,13 +100,15 @@ def make_trainer(*, model, mesh, rules: LayoutRules | None, task: Task,
                  pipeline_plan: PipelinePlan | None = None, writer=None,
                  profile_dir: str | None = None, bubble_fill: float | None = None,
                  model_flops_per_step: float | None = None,
-                 peak_flops: float | None = None) -> Trainer:
+                 peak_flops: float | None = None,
+                 text_samples: Callable[[Mapping[str, Any]], str] | None = None) -> Trainer:
   """Counters, the engine (`make_engine`) and the loop around them (the FLOP
-  figures feed train/model_flops_per_sec and train/mfu, see `Trainer`)."""
+  figures feed train/model_flops_per_sec and train/mfu, and `text_samples`
+  samples/text, see `Trainer`)."""
   counters = Counters(mesh)
   engine = make_engine(model=model, mesh=mesh, rules=rules, task=task, optimizer=optimizer,
                        config=config, counters=counters, pipeline=pipeline,
                        pipeline_plan=pipeline_plan, bubble_fill=bubble_fill)
   return Trainer(engine=engine, counters=counters, task=task, config=config, writer=writer,
                  profile_dir=profile_dir, model_flops_per_step=model_flops_per_step,
-                 peak_flops=peak_flops)
+                 peak_flops=peak_flops, text_samples=text_samples)

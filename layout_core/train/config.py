@@ -48,11 +48,19 @@ class TrainConfig:
   # state are stored split; each layer gathers its weights when it runs
   # (layout_core.layout.fsdp, docs/memory-precision.md).
   fsdp: bool | str = False
+  # Text samples (layout_core.infer.text_samples): every sample_every steps,
+  # greedy continuations of sample_prompts held-out prompts (the first half
+  # of eval rows), sample_tokens new tokens each, to TensorBoard's
+  # samples/text. A Transformer LM on the plain engine only; 0: off.
+  sample_every: int = 0
+  sample_prompts: int = 4    # held-out prompts per sample
+  sample_tokens: int = 32    # new tokens per prompt
 
   def __post_init__(self):
     check_types(self, name='train')
     at_least(self, 'train', num_steps=1, batch_size=1, log_every=1, eval_batches=1,
-             eval_every=0, seed=0, grad_accum_steps=1)
+             eval_every=0, seed=0, grad_accum_steps=1, sample_every=0, sample_prompts=1,
+             sample_tokens=1)
     for field, allowed in (('compute_dtype', COMPUTE_DTYPES), ('remat', REMAT_POLICIES)):
       if getattr(self, field) not in allowed:
         raise ConfigError(f'train.{field} is {getattr(self, field)!r}', where=f'train.{field}',

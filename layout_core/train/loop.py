@@ -10,7 +10,8 @@
 The engine (`layout_core.train.engine`) decides how a step runs (the whole mesh,
 GPipe on sub-meshes, the SPMD stage axis); the loop owns everything around
 the steps: the data position, progress logging, evaluation, the task's
-metrics (`train/<name>`, `eval/<name>`), summaries, profiling, and the
+metrics (`train/<name>`, `eval/<name>`), summaries, text samples
+(`samples/text`, through a `text_samples` callable it is given), profiling, and the
 `after_step` hook through which the caller checkpoints and stops on a signal.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 from absl import logging
@@ -39,10 +40,15 @@ class Trainer:
   def __init__(self, *, engine: StepEngine, counters: Counters, task: Task,
                config: TrainConfig, writer: SummaryWriter | NullWriter | None = None,
                profile_dir: str | None = None, model_flops_per_step: float | None = None,
-               peak_flops: float | None = None):
+               peak_flops: float | None = None,
+               text_samples: Callable[[Mapping[str, Any]], str] | None = None):
     """`model_flops_per_step` (train/model_flops_per_sec) and `peak_flops`, the
-    whole mesh's peak FLOP/s (train/mfu), are left out of the scalars when None."""
+    whole mesh's peak FLOP/s (train/mfu), are left out of the scalars when None.
+    `text_samples(engine.variables)`, markdown, is written to `samples/text`
+    every `config.sample_every` steps (`layout_core.infer.text_samples`;
+    every client calls it: decoding runs on the whole mesh)."""
     self.engine, self.counters, self.task, self.config = engine, counters, task, config
+    self.text_samples = text_samples
     self.model_flops_per_step, self.peak_flops = model_flops_per_step, peak_flops
     self.writer = writer or NullWriter()
     self.profile_dir = profile_dir
@@ -185,6 +191,10 @@ class Trainer:
         window_start, window_steps = time.perf_counter(), 0
       if last or (config.eval_every and done % config.eval_every == 0):
         eval_losses.append((done, self._run_eval(done)))
+      if self.text_samples is not None and config.sample_every and (
+          done % config.sample_every == 0):
+        self.writer.text(step=done, tag='samples/text',
+                         markdown=self.text_samples(self.engine.variables))
       if after_step is not None and after_step(done):
         stopped_early = True
         break

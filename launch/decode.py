@@ -1,0 +1,248 @@
+r"""Sample text from a trained Transformer LM's checkpoint, with a KV cache.
+
+  python -m launch.decode --model_dir=/tmp/quickstart --prompt_ids=1,2,3 --max_new_tokens=20
+  python -m launch.decode --model_dir=/tmp/meshgin/lm_corpus --prompt='def main(' \
+      --temperature=0.8 --top_p=0.95 --seed=7 --output=/tmp/samples.jsonl
+
+The config is the run's own (`<model_dir>/config.gin`, or the checkpoint's
+copy), then any --gin_file and --gin_bindings on top (another mesh:
+--gin_bindings="mesh.shape = {'data': 1}"); --norun_config uses only the
+files given. The newest complete checkpoint of --model_dir is read, or
+--checkpoint (a ckpt-N directory or its prefix), into the model built on the
+config's mesh, without its pipeline if it has one (a pipelined run's
+checkpoint holds the same keys). Read only: nothing is written under the run.
+
+Prompts: --prompt (text, repeatable), --prompt_ids ("1,2,3", repeatable),
+--prompts_file (one prompt a line; .jsonl: {"prompt": text} or {"ids": [...]}
+a line). Text goes through the run's tokenizer (`layout_core.infer.tokens`):
+an lm_corpus run's SentencePiece model (or --spm_model), a bytes run's UTF-8;
+a Markov run has ids only. Each prompt gets --max_new_tokens new tokens
+(`layout_core.infer.decode.CachedLM.generate`): greedy, or sampled with
+--temperature, --top_k, --top_p and --seed (the same seed gives the same
+text on any mesh). A row ends at a --stop id (or one-token text). The
+continuations are printed, and written as JSON lines to --output:
+{"prompt", "ids", "continuation", "text"}.
+
+Exit status: 0 done; 2 a configuration error in one paragraph (no
+checkpoint, a checkpoint of another model, a model that is not a Transformer
+LM, a prompt too long for the model's max_len, a tokenizer that is not the
+model's), nothing written.
+"""
+
+from __future__ import annotations
+
+if __name__ == '__main__':  # first, before the imports below take their time
+  import launch
+  launch.install_start_up_handlers()
+
+import codecs
+import json
+import os
+import re
+import time
+
+from absl import app, flags, logging
+
+from launch import gin_flags
+
+flags.adopt_module_key_flags(gin_flags)
+
+MODEL_DIR = flags.DEFINE_string(
+    'model_dir', None, 'The run\'s directory: its newest complete checkpoint is read, with '
+    'its config.gin. Read only.')
+CHECKPOINT = flags.DEFINE_string(
+    'checkpoint', None, 'A checkpoint to read instead of the newest: a ckpt-N directory or '
+    'its prefix (.../ckpt-N/ckpt). Its own config.gin is the run\'s config.')
+RUN_CONFIG = flags.DEFINE_bool(
+    'run_config', True, 'Start from the run\'s config.gin (then --gin_file, --gin_bindings); '
+    '--norun_config: only the --gin_file files given.')
+PROMPT = flags.DEFINE_multi_string(
+    'prompt', [], 'A prompt as text (repeat for more), through the run\'s tokenizer.')
+PROMPT_IDS = flags.DEFINE_multi_string(
+    'prompt_ids', [], 'A prompt as token ids, e.g. "1,2,3" (repeat for more).')
+PROMPTS_FILE = flags.DEFINE_string(
+    'prompts_file', None, 'A file of prompts, one a line: text (ids "1,2,3" for a run '
+    'without text), or with .jsonl {"prompt": text} or {"ids": [...]}.')
+MAX_NEW_TOKENS = flags.DEFINE_integer(
+    'max_new_tokens', 32, 'New tokens per prompt; a prompt plus these, less one, must fit '
+    'the model\'s max_len.')
+TEMPERATURE = flags.DEFINE_float(
+    'temperature', 0.0, '0: greedy (the most likely token); > 0: sample from '
+    'softmax(logits / temperature).')
+TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample among the k most likely tokens; 0: all.')
+TOP_P = flags.DEFINE_float(
+    'top_p', 1.0, 'Sample among the fewest most likely tokens whose probability reaches '
+    'top_p, in (0, 1]; 1: all.')
+SEED = flags.DEFINE_integer(
+    'seed', 0, 'Sampling seed: the samples are a function of (seed, prompt index, position).')
+STOP = flags.DEFINE_multi_string(
+    'stop', [], 'A token that ends a prompt\'s continuation: an id ("1"), or text that is '
+    'one token (escapes such as "\\n" allowed). Repeat for more.')
+OUTPUT = flags.DEFINE_string(
+    'output', None, 'Also write the continuations here as JSON lines: prompt, ids (the '
+    'prompt\'s), continuation (ids), text.')
+SPM_MODEL = flags.DEFINE_string(
+    'spm_model', None, 'The SentencePiece model for text (default: the one beside an '
+    'lm_corpus run\'s train files).')
+BATCH_SIZE = flags.DEFINE_integer(
+    'batch_size', 32, 'Prompts decoded together (each batch padded to its longest).')
+
+
+def config_files() -> list[str]:
+  from layout_core.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from plugins.inference import run_config  # pylint: disable=g-import-not-at-top
+  files = list(gin_flags.GIN_FILES.value)
+  if RUN_CONFIG.value:
+    return [run_config(model_dir=MODEL_DIR.value, checkpoint=CHECKPOINT.value)] + files
+  if not files:
+    raise ConfigError('--norun_config and no --gin_file: there is no config', where='--gin_file',
+                      fix='give the config with --gin_file, or leave out --norun_config')
+  return files
+
+
+def parse_ids(text: str, where: str) -> list[int]:
+  from layout_core.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  parts = [p for p in re.split(r'[,\s]+', text.strip()) if p]
+  if not parts or not all(re.fullmatch(r'\d+', p) for p in parts):
+    raise ConfigError(f'{text!r} is not a list of token ids', where=where,
+                      fix='give ids separated by commas, e.g. 1,2,3')
+  return [int(p) for p in parts]
+
+
+def read_prompts(tokenizer) -> list[tuple[str, list[int]]]:
+  """(prompt as given, its ids) for every prompt of the flags, in order."""
+  from layout_core.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  prompts = [(text, tokenizer.encode(text)) for text in PROMPT.value]
+  prompts += [(text, parse_ids(text, '--prompt_ids')) for text in PROMPT_IDS.value]
+  path = PROMPTS_FILE.value
+  if path:
+    if not os.path.isfile(path):
+      raise ConfigError(f'--prompts_file {path!r} does not exist', where='--prompts_file',
+                        fix='give a file of prompts, one a line')
+    with open(path, encoding='utf-8') as f:
+      lines = [line.rstrip('\n') for line in f]
+    for number, line in enumerate(lines, 1):
+      where = f'--prompts_file {path}, line {number}'
+      if not line.strip():
+        continue
+      if path.endswith('.jsonl'):
+        try:
+          record = json.loads(line)
+        except ValueError as e:
+          raise ConfigError(f'{where} is not JSON ({e})', where=where,
+                            fix='write {"prompt": "text"} or {"ids": [1, 2]} a line') from None
+        if isinstance(record, dict) and isinstance(record.get('prompt'), str):
+          prompts.append((record['prompt'], tokenizer.encode(record['prompt'])))
+        elif isinstance(record, dict) and isinstance(record.get('ids'), list):
+          prompts.append((str(record['ids']), parse_ids(','.join(map(str, record['ids'])), where)))
+        else:
+          raise ConfigError(f'{where} has neither "prompt" (text) nor "ids" (a list)',
+                            where=where, fix='write {"prompt": "text"} or {"ids": [1, 2]}')
+      elif tokenizer.has_text:
+        prompts.append((line, tokenizer.encode(line)))
+      else:
+        prompts.append((line, parse_ids(line, where)))
+  if not prompts:
+    raise ConfigError('no prompt given', where='the command line',
+                      fix='add --prompt="text", --prompt_ids=1,2,3 or --prompts_file=FILE')
+  return prompts
+
+
+def stop_ids(tokenizer) -> list[int]:
+  from layout_core.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  found = []
+  for value in STOP.value:
+    if re.fullmatch(r'\d+', value):
+      found.append(int(value))
+      continue
+    if not tokenizer.has_text:
+      raise ConfigError(f'--stop={value!r} is text, but {tokenizer.why}', where='--stop',
+                        fix='give the stop token as an id, e.g. --stop=1')
+    text = codecs.decode(value, 'unicode_escape') if '\\' in value else value
+    ids = tokenizer.encode(text)
+    if len(ids) != 1:
+      raise ConfigError(f'--stop={value!r} is {len(ids)} tokens ({ids}), not one',
+                        where='--stop', fix='give one token: its id, or text that is one token')
+    found.append(ids[0])
+  return found
+
+
+def load_unpipelined(plan):
+  """The run's model with the checkpoint in it, as one program on the whole
+  mesh (a pipelined run's checkpoint has the unpipelined model's keys)."""
+  from layout_core.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from plugins import inference  # pylint: disable=g-import-not-at-top
+  try:
+    return inference.load_trained(plan, model_dir=MODEL_DIR.value, checkpoint=CHECKPOINT.value,
+                                  pipelined=False)
+  except ConfigError as e:
+    if plan.pipeline is None:
+      raise
+    raise ConfigError(f'this pipelined run\'s checkpoint does not load into its model without '
+                      f'the pipeline, which decoding needs: {str(e).split(" Where:")[0]}',
+                      where='the checkpoint (--model_dir / --checkpoint)',
+                      fix='decode a checkpoint whose keys are the plain model\'s (meshgin\'s '
+                          'pipelines save those), or train without a pipeline') from None
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  logging.set_verbosity(logging.INFO)
+
+  def body(watcher):
+    # pylint: disable=g-import-not-at-top
+    import numpy as np
+    from layout_core.infer import decode, sampling as sampling_lib, tokens as tokens_lib
+    from layout_core.layout.variables import to_numpy
+    from plugins import gin_setup, inference, plan as plan_lib
+    # All that needs no model first: a bad flag or prompt exits 2 in a second.
+    inference.find_checkpoint(model_dir=MODEL_DIR.value, checkpoint=CHECKPOINT.value)
+    sampling = sampling_lib.Sampling(temperature=TEMPERATURE.value, top_k=TOP_K.value,
+                                     top_p=TOP_P.value)
+    with gin_setup.parsed_config(files=config_files(), bindings=gin_flags.GIN_BINDINGS.value,
+                                 search_paths=gin_flags.GIN_SEARCH_PATHS.value):
+      plan = plan_lib.make_plan()
+      layers = decode.lm_layers(plan.params)
+      tokenizer = tokens_lib.tokenizer_for(plan.task, spm_model=SPM_MODEL.value)
+      tokens_lib.check_vocabulary(tokenizer, model_vocab=layers.vocab_size,
+                                  task_vocab=getattr(plan.task, 'vocab_size', None))
+      prompts, stops = read_prompts(tokenizer), stop_ids(tokenizer)
+      for index, (text, ids) in enumerate(prompts):
+        decode.check_fits(prompt_length=len(ids), max_new_tokens=MAX_NEW_TOKENS.value,
+                          max_len=layers.max_len,
+                          where=f'prompt {index} ({text[:40]!r}) / --max_new_tokens')
+      trained = load_unpipelined(plan)
+      lm = decode.CachedLM(plan.params, trained.variables, batch_axis=plan.train.batch_axis)
+    start, results = time.perf_counter(), []
+    size = max(BATCH_SIZE.value, 1)
+    for first in range(0, len(prompts), size):
+      batch = prompts[first:first + size]
+      width = max(len(ids) for _, ids in batch)
+      array = np.zeros([len(batch), width], np.int32)
+      for row, (_, ids) in enumerate(batch):
+        array[row, :len(ids)] = ids
+      new = to_numpy(lm.generate(array, np.array([len(ids) for _, ids in batch], np.int32),
+                                 max_new_tokens=MAX_NEW_TOKENS.value, sampling=sampling,
+                                 seed=SEED.value, first_row=first, stop_ids=stops))
+      results += [[int(t) for t in row if t != decode.DONE] for row in new]
+    seconds = time.perf_counter() - start
+    records = [{'prompt': text, 'ids': ids, 'continuation': new, 'text': tokenizer.decode(new)}
+               for (text, ids), new in zip(prompts, results)]
+    watcher.defer()  # writing: a signal now waits for the file to be whole
+    if OUTPUT.value:
+      from layout_core.durable import write_atomically  # pylint: disable=g-import-not-at-top
+      write_atomically(OUTPUT.value,
+                       ''.join(json.dumps(r) + '\n' for r in records).encode('utf-8'))
+    for index, record in enumerate(records):
+      print(f'[{index}] {record["prompt"]}\n  -> {record["text"]!r}', flush=True)
+    made = sum(len(r) for r in results)
+    print(f'Decoded {len(records)} prompt(s) from {trained.checkpoint} (step {trained.step}) '
+          f'on {plan.mesh_spec.describe()}, {sampling.describe()}: {made} new tokens in '
+          f'{seconds:.2f} s' + (f'; wrote {OUTPUT.value}' if OUTPUT.value else ''), flush=True)
+
+  gin_flags.run_guarded(body)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,118 @@
+r"""Export a trained model as a SavedModel that loads with TensorFlow alone.
+
+  python -m launch.export --model_dir=runs/quickstart --export_dir=exports/quickstart/1
+
+Reads the newest complete checkpoint of the run in --model_dir (or the one
+--checkpoint names), whatever mesh, layout or pipeline wrote it, rebuilds the
+model from the run's config.gin (then any --gin_file and --gin_bindings) on
+plain variables on one device, and writes a SavedModel with no DTensor op in
+it:
+
+  serving_default   LM: tokens int32 [batch, seq_len] -> logits float32
+                    [batch, seq_len, vocab]; other tasks: the model's inputs
+                    -> predictions
+  generate          LM: prompts int32 [batch, prompt_len], lengths int32
+                    [batch] -> tokens int32 [batch, max_new_tokens], the
+                    cached decoder's loop in the graph (greedy, or
+                    --temperature, --top_k, --top_p and a seed input)
+
+The export directory appears whole or not at all (written beside it under a
+temporary name, checked, renamed). --tflite also converts the signatures
+for TensorFlow Lite, into `model.tflite` inside it.
+
+Exit status: 0 exported; 2 a configuration error, one paragraph (no
+checkpoint, the export directory exists, a config that is not the
+checkpoint's model, TFLite cannot convert); 1 a crash, with its traceback.
+Nothing is left behind in either failure, and nothing is written under
+--model_dir.
+"""
+
+from __future__ import annotations
+
+if __name__ == '__main__':  # first, before the imports below take their time
+  import launch
+  launch.install_start_up_handlers()
+
+import os
+
+from absl import app, flags, logging
+
+from launch import gin_flags
+
+flags.adopt_module_key_flags(gin_flags)  # show the gin flags in --help
+
+MODEL_DIR = flags.DEFINE_string(
+    'model_dir', None, 'The run directory launch.train wrote: its newest complete '
+    'checkpoint is exported, with the model its config.gin describes.')
+CHECKPOINT = flags.DEFINE_string(
+    'checkpoint', None, 'A checkpoint to export instead of the newest: a ckpt-N directory '
+    'or its prefix (.../ckpt-N/ckpt); its own config.gin describes the model.')
+EXPORT_DIR = flags.DEFINE_string(
+    'export_dir', None, 'Required. The SavedModel directory to create (TF Serving reads '
+    '<model>/<version>/, e.g. exports/lm/1). It must not exist, unless --overwrite.')
+OVERWRITE = flags.DEFINE_bool(
+    'overwrite', False, 'Replace an earlier export at --export_dir.')
+SEQ_LEN = flags.DEFINE_integer(
+    'seq_len', None, "LM: serving_default's token positions (default: the task's "
+    'seq_len; at most transformer_lm.max_len).')
+PROMPT_LEN = flags.DEFINE_integer(
+    'prompt_len', None, "LM: generate's prompt positions (default: seq_len - "
+    'max_new_tokens); each prompt\'s own length is an input.')
+MAX_NEW_TOKENS = flags.DEFINE_integer(
+    'max_new_tokens', 32, 'LM: tokens generate decodes after each prompt.')
+TEMPERATURE = flags.DEFINE_float(
+    'temperature', 0.0, 'LM: generate samples at this temperature (0: greedy); sampling '
+    'adds a seed input to generate.')
+TOP_K = flags.DEFINE_integer('top_k', 0, 'LM: sample from the k likeliest tokens (0: all).')
+TOP_P = flags.DEFINE_float('top_p', 1.0, 'LM: sample from the smallest set of tokens '
+                           'whose probability reaches p (1: all).')
+TFLITE = flags.DEFINE_bool(
+    'tflite', False, 'Also convert the signatures with TensorFlow Lite, built-in ops '
+    'only (<export_dir>/model.tflite).')
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  logging.set_verbosity(logging.INFO)
+
+  def body(watcher):
+    del watcher  # nothing is written before the export is complete
+    # pylint: disable=g-import-not-at-top
+    from layout_core.errors import ConfigError
+    from layout_core.infer import export
+    from layout_core.infer.sampling import Sampling
+    from plugins import gin_setup, inference, plan
+    if not EXPORT_DIR.value:
+      raise ConfigError('--export_dir is not given', where='the command line',
+                        fix='add --export_dir=exports/<name>/1 (a new directory)')
+    export.check_target(EXPORT_DIR.value, overwrite=OVERWRITE.value)
+    step, prefix = inference.find_checkpoint(model_dir=MODEL_DIR.value,
+                                             checkpoint=CHECKPOINT.value)
+    files = [inference.run_config(model_dir=MODEL_DIR.value, checkpoint=CHECKPOINT.value),
+             *gin_flags.GIN_FILES.value]
+    with gin_setup.parsed_config(files=files, bindings=gin_flags.GIN_BINDINGS.value,
+                                 search_paths=gin_flags.GIN_SEARCH_PATHS.value):
+      run_plan = plan.make_plan()
+    model = export.load_plain_model(run_plan.params, task=run_plan.task, prefix=prefix,
+                                    compute_dtype=run_plan.train.compute_dtype)
+    if model.is_lm():
+      seq_len = SEQ_LEN.value or model.input_specs[0][0][1]
+      signatures = export.lm_signatures(
+          model, seq_len=seq_len, prompt_len=PROMPT_LEN.value or seq_len - MAX_NEW_TOKENS.value,
+          max_new_tokens=MAX_NEW_TOKENS.value, decoder=export.cached_decoder(model),
+          sampling=Sampling(temperature=TEMPERATURE.value, top_k=TOP_K.value,
+                            top_p=TOP_P.value))
+    else:
+      signatures = export.task_signatures(model)
+    record = export.export_saved_model(
+        model, signatures, export_dir=EXPORT_DIR.value, overwrite=OVERWRITE.value,
+        about={'checkpoint': os.path.abspath(prefix), 'step': step},
+        tflite=TFLITE.value)
+    print(export.describe(record, export_dir=EXPORT_DIR.value, checkpoint=prefix), flush=True)
+
+  gin_flags.run_guarded(body)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,394 @@
+"""A trained model as a SavedModel on one device: no DTensor, no meshgin to load it.
+
+A checkpoint holds every variable's global value whatever mesh wrote it
+(each device wrote its slices of one ordinary `tf.train` checkpoint, and a
+pipelined run wrote its stacked cells under the unstacked model's keys), so
+the export reads those values straight from the checkpoint into plain
+`tf.Variable`s on one device, runs the model's own layers over them, and
+saves that:
+
+    model = load_plain_model(params, task=task, prefix='runs/lm/checkpoints/ckpt-300/ckpt')
+    signatures = lm_signatures(model, seq_len=64, prompt_len=32, max_new_tokens=32,
+                               decoder=cached_decoder(model))
+    export_saved_model(model, signatures, export_dir='exports/lm/1',
+                       about={'checkpoint': 'runs/lm/checkpoints/ckpt-300/ckpt'})
+
+    # anywhere, with TensorFlow alone:
+    loaded = tf.saved_model.load('exports/lm/1')
+    loaded.signatures['serving_default'](tokens=ids)['logits']   # [batch, 64, vocab]
+    loaded.signatures['generate'](prompts=p, lengths=n)['tokens']   # [batch, 32]
+
+Signatures: an LM (one int32 [batch, time] input, logits [batch, time,
+vocab] out) gets `serving_default` (tokens -> logits) and `generate`
+(prompts, lengths -> new tokens, the cached decoder's loop of
+`layout_core.infer.decode.CachedLM` inside the graph); any other model gets
+`serving_default` from the task's model inputs to the model's outputs
+('predictions').
+
+The directory appears whole or not at all: it is written beside the target
+under a temporary name, checked (its graphs hold no DTensor op), then
+renamed. `tflite_bytes` converts signatures with TensorFlow Lite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from layout_core.checkpoint.matching import check_fits
+from layout_core.checkpoint.shard_io import CheckpointEntry, checkpoint_entries
+from layout_core.durable import sync_directory
+from layout_core.errors import ConfigError
+from layout_core.infer.decode import CachedLM, lm_layers
+from layout_core.infer.decode import check_fits as check_decoding_fits
+from layout_core.infer.sampling import Sampling
+from layout_core.layout.variables import VariableSpec, variable_creator
+from layout_core.lazy import tf
+from layout_core.model.base import compute_params
+from layout_core.params import Params
+from layout_core.tasks import Task
+
+if TYPE_CHECKING:
+  from layout_core.model.keras import KerasModel
+
+# Op types that only DTensor's graphs hold; an export must have none.
+DTENSOR_OP_MARKERS = ('DTensor', 'Relayout', 'CopyToMesh', 'Mesh')
+EXPORT_INFO = os.path.join('assets.extra', 'meshgin_export.json')
+TFLITE_FILE = 'model.tflite'
+
+
+# -- the model on plain variables ------------------------------------------------------
+@dataclasses.dataclass
+class PlainModel:
+  """A model on one device: plain `tf.Variable`s holding a checkpoint's values."""
+  call: Callable[..., Any]            # (*model inputs) -> outputs, inference mode
+  variables: dict[str, Any]           # variable path -> tf.Variable
+  input_specs: tuple                  # ((shape with batch None, dtype), ...), the task's
+  params: Params | None               # the Params tree (None: a Keras model)
+
+  def is_lm(self) -> bool:
+    """One int32 [batch, time] input and [batch, time, vocab] outputs."""
+    if self.params is None or len(self.input_specs) != 1:
+      return False
+    shape, dtype = self.input_specs[0]
+    if dtype != 'int32' or len(shape) != 2:
+      return False
+    [out] = self.params.cls.fprop_meta(self.params, (1, shape[1])).out_shapes
+    return len(out) == 3 and tuple(out[:2]) == (1, shape[1])
+
+
+def load_plain_model(model: Params | KerasModel, *, task: Task, prefix: str,
+                     compute_dtype: str = 'float32') -> PlainModel:
+  """`model` (a Params tree or a `layout_core.model.keras.KerasModel`) on
+  plain variables, each assigned the global value the checkpoint at `prefix`
+  holds under the key a training run of it saves (`checkpoint_entries`).
+  ConfigError when the checkpoint is not this model's (keys or shapes)."""
+  specs = tuple(((None,) + tuple(shape[1:]), str(dtype)) for shape, dtype in task.input_specs(1))
+  if isinstance(model, Params):
+    params = compute_params(model.Copy().Freeze(), dtype=compute_dtype)
+    variables: dict[str, Any] = {}
+
+    def zeros(spec: VariableSpec):  # its value comes from the checkpoint
+      variables[spec.path] = tf.Variable(tf.zeros(spec.shape, spec.dtype), trainable=False,
+                                         name=spec.path.replace('/', '.'))
+      return variables[spec.path]
+    with variable_creator(zeros):
+      module = params.Instantiate()
+    root, call = module, module
+  else:
+    params, (root, call) = None, _keras_on_one_device(model, specs, compute_dtype)
+    variables = dict(root.by_path)
+  entries = checkpoint_entries({'model': root})
+  values = read_values(prefix, entries)
+  for entry in entries:
+    entry.variable.assign(values[entry.key])
+  return PlainModel(call=call, variables=variables, input_specs=specs, params=params)
+
+
+def _keras_on_one_device(model: KerasModel, specs: tuple, compute_dtype: str):
+  """(checkpoint root, call) of a Keras model built with plain variables:
+  the root holds them by path, as `layout_core.model.keras.build` does, so
+  its checkpoint keys are the training run's. Keras' automatic layer names
+  restart with a cleared session, as there."""
+  from layout_core.model.keras import import_keras  # pylint: disable=g-import-not-at-top
+  keras = import_keras()
+  keras.backend.clear_session()
+  policy = keras.config.dtype_policy()
+  if compute_dtype != 'float32':
+    keras.config.set_dtype_policy(f'mixed_{compute_dtype}')
+  try:
+    built = model.build_fn()
+    if not built.built:
+      symbolic = [keras.KerasTensor((1,) + tuple(shape[1:]), dtype=dtype)
+                  for shape, dtype in specs]
+      built(symbolic[0] if len(symbolic) == 1 else symbolic)
+  finally:
+    keras.config.set_dtype_policy(policy)
+  root = tf.Module(name=model.name)
+  root.by_path = {weight.path: weight.value for weight in built.variables}
+
+  def call(*inputs):
+    return built(inputs[0] if len(inputs) == 1 else list(inputs), training=False)
+  return root, call
+
+
+def read_values(prefix: str, entries: Sequence[CheckpointEntry]) -> dict[str, np.ndarray]:
+  """{key: global value} of every entry's key, read from the checkpoint at
+  `prefix` (a sharded save's slices come back as one array). ConfigError
+  listing the variables that differ (missing, other shapes, only in the
+  checkpoint) when it is not this model's checkpoint."""
+  try:
+    check_fits(prefix, entries, roots=['model/'])
+  except ConfigError as e:
+    what = str(e).split(' Where: ')[0].rstrip('.')
+    raise ConfigError(what, where='the config (--gin_file / --gin_bindings)',
+                      fix="export with the config the checkpoint was trained with (its "
+                          "config.gin, which launch.export reads first); the checkpoint was "
+                          'left untouched') from None
+  reader = tf.train.load_checkpoint(prefix)
+  return {entry.key: reader.get_tensor(entry.key) for entry in entries}
+
+
+# -- signatures ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Signature:
+  """One signature: a function of named tensors, its inputs' specs and a note."""
+  name: str
+  function: Callable[..., dict]
+  inputs: tuple                       # tf.TensorSpec, named
+  note: str = ''
+
+
+def task_signatures(model: PlainModel) -> list[Signature]:
+  """`serving_default`: the task's model inputs ('inputs', or 'input_0',
+  'input_1', ...) -> {'predictions': the model's output}, batch of any size."""
+  names = (['inputs'] if len(model.input_specs) == 1
+           else [f'input_{i}' for i in range(len(model.input_specs))])
+  specs = tuple(tf.TensorSpec(shape, dtype, name=name)
+                for name, (shape, dtype) in zip(names, model.input_specs))
+
+  def serving(*inputs):
+    return {'predictions': model.call(*inputs)}
+  return [Signature('serving_default', serving, specs, 'model inputs -> predictions')]
+
+
+def lm_signatures(model: PlainModel, *, seq_len: int, prompt_len: int, max_new_tokens: int,
+                  sampling=None, decoder=None) -> list[Signature]:
+  """An LM's signatures (module doc). `serving_default`: tokens int32 [batch,
+  seq_len] -> logits float32 [batch, seq_len, vocab]; the model is causal
+  (position t's logits depend on tokens 0..t only), so a shorter sequence
+  padded on the right has its own logits in front. With a `decoder`
+  (`CachedLM`, whose `logits` then serve too) also `generate`: prompts int32
+  [batch, prompt_len] and lengths int32 [batch] (1..prompt_len) -> tokens
+  int32 [batch, max_new_tokens], decoded with the KV cache inside the graph,
+  picked by `sampling` (a `Sampling`; None: greedy), which, when it draws,
+  takes a `seed` int64 scalar input too."""
+  model.params.cls.fprop_meta(model.params, (1, seq_len))  # ConfigError past max_len
+  logits = decoder.logits if decoder is not None else model.call
+
+  def serving(tokens):
+    return {'logits': logits(tokens)}
+  signatures = [Signature('serving_default', serving,
+                          (tf.TensorSpec([None, seq_len], tf.int32, name='tokens'),),
+                          f'tokens [batch, {seq_len}] -> logits')]
+  if decoder is None:
+    return signatures
+  sampling = sampling or Sampling()
+  check_decoding_fits(prompt_length=prompt_len, max_new_tokens=max_new_tokens,
+                      max_len=decoder.max_len, where='--prompt_len / --max_new_tokens')
+  inputs = (tf.TensorSpec([None, prompt_len], tf.int32, name='prompts'),
+            tf.TensorSpec([None], tf.int32, name='lengths'))
+
+  def generate(prompts, lengths, seed=0):
+    return {'tokens': decoder.generate(prompts, lengths, max_new_tokens=max_new_tokens,
+                                       sampling=sampling, seed=seed)}
+  if not sampling.greedy:
+    inputs += (tf.TensorSpec([], tf.int64, name='seed'),)
+  signatures.append(Signature(
+      'generate', generate, inputs,
+      f'prompts [batch, {prompt_len}], lengths [batch] -> {max_new_tokens} new tokens, '
+      f'{sampling.describe()}'))
+  return signatures
+
+
+def cached_decoder(model: PlainModel) -> CachedLM | None:
+  """The cached decoder over the model's plain variables (the LM's own
+  layers, no DTensor op); None for an LM that is not a Transformer LM of
+  `layout_core.model.lm`, which then exports `serving_default` alone."""
+  try:
+    lm_layers(model.params)
+  except ConfigError:
+    return None
+  return CachedLM(model.params, model.variables)
+
+
+def describe(record: Mapping[str, Any], *, export_dir: str, checkpoint: str) -> str:
+  """What an export holds, for the console: one line per signature."""
+  def tensors(named):
+    return ', '.join(f'{name} {dtype} {shape}'.replace('None', 'batch')
+                     for name, (shape, dtype) in named.items())
+  lines = [f"Exported step {record.get('step')} ({checkpoint}) to {export_dir}:"]
+  for name, signature in record['signatures'].items():
+    lines.append(f"  {name}: {tensors(signature['inputs'])} -> {tensors(signature['outputs'])}")
+  if 'tflite' in record:
+    lines.append(f"  TensorFlow Lite, the same signatures: "
+                 f"{os.path.join(export_dir, record['tflite'])}")
+  return '\n'.join(lines)
+
+
+# -- writing ----------------------------------------------------------------------
+def check_target(export_dir: str, *, overwrite: bool) -> None:
+  """ConfigError unless `export_dir` can be written: absent (or, with
+  `overwrite`, an earlier export to replace), its nearest existing parent a
+  writable directory."""
+  where = f'--export_dir={export_dir}'
+  if os.path.lexists(export_dir) and not overwrite:
+    raise ConfigError(f'{export_dir} already exists; it was left untouched', where=where,
+                      fix='give a new --export_dir (e.g. the next version number), or '
+                          'add --overwrite to replace it')
+  if os.path.lexists(export_dir) and not os.path.isfile(os.path.join(export_dir,
+                                                                     'saved_model.pb')):
+    raise ConfigError(f'{export_dir} exists and is not a SavedModel; --overwrite replaces '
+                      'only an earlier export', where=where, fix='give another --export_dir')
+  existing = os.path.dirname(os.path.abspath(export_dir))
+  while not os.path.isdir(existing):  # the parents are created when the export is written
+    if os.path.lexists(existing):
+      raise ConfigError(f'{existing} is not a directory', where=where,
+                        fix='give a path whose parents are directories')
+    existing = os.path.dirname(existing)
+  if not os.access(existing, os.W_OK):
+    raise ConfigError(f'{existing} is not writable', where=where,
+                      fix='choose a directory you can write to')
+
+
+def export_saved_model(model: PlainModel, signatures: Sequence[Signature], *, export_dir: str,
+                       overwrite: bool = False, about: Mapping[str, Any] | None = None,
+                       tflite: bool = False) -> dict:
+  """Writes the SavedModel of `model` with `signatures` to `export_dir`, whole
+  or not at all (module doc), with `assets.extra/meshgin_export.json` (what
+  it was made from, `about`, and each signature's tensors). `tflite`: every
+  signature converted for TensorFlow Lite too (`model.tflite`). Returns
+  that record."""
+  check_target(export_dir, overwrite=overwrite)
+  export_dir = os.path.abspath(export_dir)
+  parent = os.path.dirname(export_dir)
+  created = _missing_directories(parent)
+  os.makedirs(parent, exist_ok=True)
+  temporary = os.path.join(parent, f'.{os.path.basename(export_dir)}.partial-{os.getpid()}')
+  shutil.rmtree(temporary, ignore_errors=True)
+  done = False
+  try:
+    root = tf.Module(name='exported')
+    root.by_path = dict(model.variables)  # every captured variable is tracked
+    concrete = {}
+    for signature in signatures:
+      function = tf.function(signature.function, input_signature=signature.inputs)
+      setattr(root, signature.name, function)
+      concrete[signature.name] = function.get_concrete_function()
+    tf.saved_model.save(root, temporary, signatures=concrete)
+    ops = graph_op_types(temporary)
+    dtensor_ops = sorted(op for op in ops if any(m in op for m in DTENSOR_OP_MARKERS))
+    if dtensor_ops:
+      raise RuntimeError(f'the exported graph holds DTensor ops {dtensor_ops}')
+    record = {**(about or {}), 'signatures': {
+        s.name: {'note': s.note, 'inputs': _tensors(s.inputs),
+                 'outputs': _tensors(concrete[s.name].structured_outputs)}
+        for s in signatures}}
+    if tflite:
+      with open(os.path.join(temporary, TFLITE_FILE), 'wb') as f:
+        f.write(tflite_bytes(temporary, [s.name for s in signatures]))
+      record['tflite'] = TFLITE_FILE
+    os.makedirs(os.path.join(temporary, 'assets.extra'), exist_ok=True)
+    with open(os.path.join(temporary, EXPORT_INFO), 'w') as f:
+      json.dump(record, f, indent=1)
+    _sync_tree(temporary)
+    _move_into_place(temporary, export_dir, overwrite=overwrite)
+    done = True
+    return record
+  finally:
+    shutil.rmtree(temporary, ignore_errors=True)
+    for directory in reversed(created if not done else []):  # a failed export leaves none
+      if os.path.isdir(directory) and not os.listdir(directory):
+        os.rmdir(directory)
+
+
+def _missing_directories(path: str) -> list[str]:
+  """The directories of `path` that do not exist yet, outermost first."""
+  missing = []
+  while not os.path.isdir(path):
+    missing.append(path)
+    path = os.path.dirname(path)
+  return missing[::-1]
+
+
+def _tensors(tensors) -> dict[str, list]:
+  """{name: [shape, dtype]} of named TensorSpecs, or of a {name: tensor} dict."""
+  named = tensors.items() if isinstance(tensors, Mapping) else [(t.name, t) for t in tensors]
+  return {name: [t.shape.as_list(), t.dtype.name] for name, t in named}
+
+
+def _sync_tree(directory: str) -> None:
+  """Every file under `directory`, and the directories' names, on disk."""
+  for path, _, files in os.walk(directory):
+    for name in files:
+      with open(os.path.join(path, name), 'rb') as f:
+        os.fsync(f.fileno())
+    sync_directory(path)
+
+
+def _move_into_place(temporary: str, export_dir: str, *, overwrite: bool) -> None:
+  """One rename makes the export appear whole. Replacing an earlier one moves
+  it aside first (a reader sees the old export, the new one, or for the
+  instant between the two renames none), then deletes it."""
+  check_target(export_dir, overwrite=overwrite)  # again: time has passed
+  old = None
+  if os.path.lexists(export_dir):
+    old = f'{temporary}.old'
+    os.rename(export_dir, old)
+  try:
+    os.rename(temporary, export_dir)
+  except OSError:
+    if old is not None:
+      os.rename(old, export_dir)
+    raise
+  sync_directory(os.path.dirname(export_dir))
+  if old is not None:
+    shutil.rmtree(old)
+
+
+def graph_op_types(export_dir: str) -> set[str]:
+  """Every op type in a SavedModel's graphs and their function library."""
+  from tensorflow.core.protobuf import saved_model_pb2  # pylint: disable=g-import-not-at-top
+  saved = saved_model_pb2.SavedModel()
+  with open(os.path.join(export_dir, 'saved_model.pb'), 'rb') as f:
+    saved.ParseFromString(f.read())
+  ops = set()
+  for graph in saved.meta_graphs:
+    ops.update(node.op for node in graph.graph_def.node)
+    for function in graph.graph_def.library.function:
+      ops.update(node.op for node in function.node_def)
+  return ops
+
+
+def tflite_bytes(export_dir: str, signatures: Sequence[str]) -> bytes:
+  """One TensorFlow Lite flatbuffer holding `signatures` of a SavedModel,
+  with TFLite's built-in ops only. A model the converter refuses (an op
+  TFLite lacks) is a ConfigError with the converter's reason."""
+  converter = tf.lite.TFLiteConverter.from_saved_model(export_dir,
+                                                       signature_keys=list(signatures))
+  try:
+    return converter.convert()
+  except Exception as e:  # pylint: disable=broad-except
+    # The converter's ConverterError lives in a private module: known by name.
+    if type(e).__name__ != 'ConverterError':
+      raise
+    reason = ' '.join(str(e).split())[:600]
+    raise ConfigError(f'TensorFlow Lite cannot convert the signatures {list(signatures)}: '
+                      f'{reason}', where='--tflite',
+                      fix='export without --tflite; the SavedModel serves with TensorFlow '
+                          '(docs/use-your-model.md, "Export a SavedModel")') from e

@@ -1,0 +1,153 @@
+"""Text to token ids and back, for the task a model was trained on.
+
+    tokenizer = tokenizer_for(task)          # the run's task (plan.task)
+    ids = tokenizer.encode('def main():')    # [..] ids
+    tokenizer.decode(ids)                    # 'def main():'
+
+An `lm_corpus` run's text goes through the SentencePiece model its corpus was
+tokenized with: `spm.model` beside the corpus's train files
+(`launch.prepare_data` writes it there, named in `corpus.json`), or the file
+given. A bytes run (`data.text_file`) reads text as its UTF-8 bytes. The
+Markov task has no text: its tokens are ids, shown as numbers, and encoding
+text is a ConfigError that says to give ids.
+
+Importing this module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Sequence
+
+from layout_core.errors import ConfigError
+
+
+class Tokenizer:
+  """Text <-> ids: `encode`, `decode`, and `vocab_size` (None: any ids)."""
+  vocab_size: int | None = None
+  has_text = True
+
+  def encode(self, text: str) -> list[int]:
+    raise NotImplementedError
+
+  def decode(self, ids: Sequence[int]) -> str:
+    raise NotImplementedError
+
+  def describe(self) -> str:
+    raise NotImplementedError
+
+
+class SentencePieceTokenizer(Tokenizer):
+  """A SentencePiece model file (an `lm_corpus` run's `spm.model`)."""
+
+  def __init__(self, model_file: str):
+    import sentencepiece  # pylint: disable=g-import-not-at-top
+    self.model_file = model_file
+    try:
+      self._processor = sentencepiece.SentencePieceProcessor(model_file=model_file)
+    except (OSError, RuntimeError) as e:
+      raise ConfigError(f'{model_file} is not a SentencePiece model ({e})',
+                        where='the tokenizer (--spm_model)',
+                        fix='give the spm.model that launch.prepare_data wrote') from None
+    self.vocab_size = self._processor.vocab_size()
+
+  def encode(self, text: str) -> list[int]:
+    return list(self._processor.encode(text))
+
+  def decode(self, ids: Sequence[int]) -> str:
+    # Ids past the tokenizer's vocabulary (a model with a larger one) have no text.
+    return self._processor.decode([int(i) for i in ids if 0 <= i < self.vocab_size])
+
+  def describe(self) -> str:
+    return f'SentencePiece {self.model_file} ({self.vocab_size} pieces)'
+
+
+class ByteTokenizer(Tokenizer):
+  """Bytes as tokens (a `data.text_file` run): UTF-8 in, UTF-8 out (invalid
+  sequences shown as U+FFFD)."""
+  vocab_size = 256
+
+  def encode(self, text: str) -> list[int]:
+    return list(text.encode('utf-8'))
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return bytes(int(i) for i in ids if 0 <= i < 256).decode('utf-8', errors='replace')
+
+  def describe(self) -> str:
+    return 'UTF-8 bytes'
+
+
+class IdTokenizer(Tokenizer):
+  """No text: ids are shown as numbers; encoding text is a ConfigError saying `why`."""
+  has_text = False
+
+  def __init__(self, why: str, *, fix: str):
+    self.why, self.fix = why, fix
+
+  def encode(self, text: str) -> list[int]:
+    raise ConfigError(f'the prompt {text!r} is text, but {self.why}', where='--prompt',
+                      fix=self.fix)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return ' '.join(str(int(i)) for i in ids)
+
+  def describe(self) -> str:
+    return f'token ids ({self.why})'
+
+
+def tokenizer_for(task, *, spm_model: str | None = None) -> Tokenizer:
+  """The tokenizer of `task` (module doc); `spm_model` names a SentencePiece
+  model file instead of the one found beside an `lm_corpus` run's files."""
+  from layout_core.tasks.corpus import LMCorpusTask  # pylint: disable=g-import-not-at-top
+  from layout_core.tasks.lm import TextFileTask  # pylint: disable=g-import-not-at-top
+  if spm_model:
+    if not os.path.isfile(spm_model):
+      raise ConfigError(f'--spm_model {spm_model!r} does not exist', where='--spm_model',
+                        fix='give the spm.model file of the run\'s corpus')
+    return SentencePieceTokenizer(spm_model)
+  if isinstance(task, LMCorpusTask):
+    found = corpus_spm_model(task.patterns['train'])
+    if found is None:
+      return IdTokenizer(
+          f'no SentencePiece model was found beside the corpus '
+          f'({os.path.dirname(task.patterns["train"]) or "."}/spm.model)',
+          fix='give the corpus\'s tokenizer with --spm_model, or the prompt as ids '
+              '(--prompt_ids)')
+    return SentencePieceTokenizer(found)
+  if isinstance(task, TextFileTask):
+    return ByteTokenizer()
+  return IdTokenizer(f'the run\'s task ({task.describe()}) has no text, only token ids',
+                     fix='give the prompt as ids: --prompt_ids=3,1,4')
+
+
+def corpus_spm_model(train_files: str) -> str | None:
+  """The SentencePiece model of the corpus whose train files match
+  `train_files`: the `spm_model` corpus.json names, else `spm.model`, in the
+  files' directory; None when there is none."""
+  directory = os.path.dirname(train_files) or '.'
+  if glob.has_magic(directory):
+    return None
+  name = 'spm.model'
+  try:
+    with open(os.path.join(directory, 'corpus.json')) as f:
+      name = json.load(f).get('spm_model') or name
+  except (OSError, ValueError, AttributeError):
+    pass
+  path = os.path.join(directory, name)
+  return path if os.path.isfile(path) else None
+
+
+def check_vocabulary(tokenizer: Tokenizer, *, model_vocab: int, task_vocab: int | None) -> None:
+  """ConfigError when `tokenizer` is not the one the model was trained with:
+  it has ids the model has no row for, or another vocabulary than the task's."""
+  size = tokenizer.vocab_size
+  if size is None:
+    return
+  if size > model_vocab or (task_vocab is not None and size != task_vocab):
+    trained = f', and the run\'s data {task_vocab}' if task_vocab is not None else ''
+    raise ConfigError(f'the tokenizer ({tokenizer.describe()}) has {size} ids, but the model '
+                      f'has {model_vocab}{trained}: it is not the model\'s tokenizer',
+                      where='the tokenizer (--spm_model, or the corpus\'s spm.model)',
+                      fix='give the SentencePiece model of the corpus the run trained on')

@@ -1,0 +1,230 @@
+"""A trained run's model on a mesh, restored read-only from its checkpoint.
+
+    from plugins.inference import load_trained, run_config
+
+    # launch.eval, launch.decode and launch.export parse the run's config first:
+    with gin_setup.parsed_config(files=[run_config(model_dir='/tmp/run')], bindings=[]):
+      plan = make_plan()
+    trained = load_trained(plan, model_dir='/tmp/run')   # or checkpoint='.../ckpt-300'
+    trained.step, trained.checkpoint        # 300, '/tmp/run/checkpoints/ckpt-300/ckpt'
+    trained.trainer.evaluate()              # the training loop's evaluation
+    logits = trained.model.call((tokens,), False)   # a BuiltModel (unpipelined engines)
+
+The API (imported by `launch.eval`, `launch.decode`, `launch.export`):
+
+    load_trained(plan: RunPlan, *, model_dir: str | None = None,
+                 checkpoint: str | None = None, pipelined: bool = True) -> Trained
+    find_checkpoint(*, model_dir: str | None = None,
+                    checkpoint: str | None = None) -> tuple[int | None, str]
+    run_config(*, model_dir: str | None = None, checkpoint: str | None = None) -> str
+    Trained(trainer, mesh, step, checkpoint, plan)  # frozen; .engine, .model, .variables
+
+The model is built exactly as training builds it (`plugins.training.build_trainer`:
+the mesh, the step engine the plan asks for, every variable laid out by the
+plan's rules), so the config may name another mesh or other layout rules
+than the run's: the checkpoint is read slice by slice into whatever layout
+the model has now, as a resume reads it (docs/checkpoints.md, "Reshard").
+Only the model and the step counters are read; the optimizer's state is not
+needed, so a checkpoint of another optimizer loads too.
+
+Read-only: nothing is created, moved or written under `model_dir` (no lock,
+no run record, no directory preparation, no state-file repair, no
+checkpoint). A damaged checkpoint is skipped with a warning when it came
+from `model_dir` (the previous one is used) and refused when named, never
+moved aside: that is the training run's business.
+
+A pipelined run's checkpoint has the unpipelined model's keys
+(`layout_core.layout.stacked_keys`), so it loads both into the pipelined
+model its config builds (`pipelined=True`: GPipe stages on sub-meshes, or
+the SPMD stage axis, evaluated by that engine) and into the same model
+without the pipeline (`pipelined=False`: one program on the whole mesh, the
+stage axis replicated), which is the one `Trained.model` can call directly.
+
+Errors a user can fix are ConfigErrors (exit 2 in the launchers): no
+checkpoint in `model_dir`, a `checkpoint` that does not exist or is damaged,
+a checkpoint of another model (the variables that differ are listed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from absl import logging
+
+from layout_core.checkpoint import shard_io
+from layout_core.checkpoint.damage import CheckpointDamage, describe, is_damage
+from layout_core.checkpoint.files import MANIFEST, checkpoint_dirs, validate
+from layout_core.checkpoint.matching import check_fits
+from layout_core.errors import ConfigError
+from layout_core.lazy import tf
+from layout_core.train.loop import Trainer
+from plugins.plan import RunPlan
+from plugins.training import build_trainer
+
+CONFIG_FILE = 'config.gin'     # the run's operative config, beside its checkpoints too
+_RESTORED = ('model', 'counters')  # the parts of a checkpoint inference needs
+
+
+@dataclasses.dataclass(frozen=True)
+class Trained:
+  """A run's model built on a mesh with a checkpoint's values in it."""
+  trainer: Trainer    # the loop around the engine: `evaluate()` is training's evaluation
+  mesh: Any           # the whole mesh the model is laid out on
+  step: int           # the step the checkpoint was saved at
+  checkpoint: str     # its prefix (`.../checkpoints/ckpt-300/ckpt`)
+  plan: RunPlan       # the plan the model was built from
+
+  @property
+  def engine(self):
+    """The step engine (`layout_core.train.engine.StepEngine`) holding the variables."""
+    return self.trainer.engine
+
+  @property
+  def variables(self) -> dict[str, Any]:
+    """path -> variable, with the checkpoint's values."""
+    return dict(self.engine.variables)
+
+  @property
+  def model(self):
+    """The `layout_core.model.built.BuiltModel` (`.call(inputs, training)`),
+    for engines that run the model as one program; ConfigError for a
+    pipelined one, whose model is a schedule rather than one call."""
+    program = getattr(self.engine, 'program', None)
+    model = getattr(program, 'model', None)
+    if model is None or model.call is None:
+      raise ConfigError(
+          f'the model was built with its pipeline ({self.plan.pipeline.engine} engine): '
+          'it runs as a pipeline schedule, not as one call',
+          where='pipeline.num_stages',
+          fix='load it with load_trained(plan, ..., pipelined=False) (the same checkpoint '
+              'loads into the unpipelined model), or use a config without the pipeline '
+              '(pipeline.num_stages = 1, one micro-batch)')
+    return model
+
+
+def find_checkpoint(*, model_dir: str | None = None,
+                    checkpoint: str | None = None) -> tuple[int | None, str]:
+  """(step, prefix) of the checkpoint to load, reading only.
+
+  `checkpoint`: a prefix (`.../ckpt-300/ckpt`) or a `ckpt-N` directory,
+  refused when damaged. Otherwise the newest complete, undamaged checkpoint
+  in `model_dir/checkpoints` (a damaged newer one is skipped with a
+  warning). The step is None only for a prefix without meshgin's manifest."""
+  if checkpoint:
+    step, prefix = _named_checkpoint(checkpoint)
+    return step, os.path.abspath(prefix)
+  if not model_dir:
+    raise ConfigError('neither a model_dir nor a checkpoint is given', where='the command line',
+                      fix='add --model_dir=<the run\'s directory> or --checkpoint=<a ckpt-N '
+                          'directory or prefix>')
+  directory = os.path.join(model_dir, 'checkpoints')
+  found = checkpoint_dirs(directory)
+  for step, path in found:
+    problem = validate(path, check_contents=True)
+    if problem is None:
+      return step, os.path.abspath(os.path.join(path, 'ckpt'))
+    logging.warning('Skipping checkpoint %s: %s', path, problem)
+  if not os.path.isdir(model_dir):
+    raise ConfigError(f'--model_dir {model_dir!r} does not exist', where='--model_dir',
+                      fix='give the directory a launch.train run wrote')
+  what = (f'{len(found)} checkpoint(s) there, none complete and undamaged' if found
+          else 'no checkpoint there')
+  raise ConfigError(f'{directory} holds {what}', where='--model_dir',
+                    fix='give the model_dir of a run that saved a checkpoint (launch.train '
+                        'saves at the end and every checkpoint.every_steps), or '
+                        '--checkpoint=<a ckpt-N directory>')
+
+
+def _named_checkpoint(checkpoint: str) -> tuple[int | None, str]:
+  prefix = checkpoint.rstrip('/')
+  if os.path.isdir(prefix):
+    if os.path.isdir(os.path.join(prefix, 'checkpoints')):  # a model_dir given here
+      return find_checkpoint(model_dir=prefix)
+    prefix = os.path.join(prefix, 'ckpt')
+  if not tf.io.gfile.exists(prefix + '.index'):
+    raise ConfigError(f'no checkpoint at {checkpoint!r} ({prefix}.index does not exist)',
+                      where='--checkpoint',
+                      fix='give a ckpt-N directory (model_dir/checkpoints/ckpt-N), its '
+                          'prefix (.../ckpt-N/ckpt), or use --model_dir for the newest one')
+  directory = os.path.dirname(prefix)
+  if not os.path.isfile(os.path.join(directory, MANIFEST)):
+    return None, prefix  # a plain tf.train checkpoint: nothing to check it against
+  problem = validate(directory, check_contents=True)
+  if problem is not None:
+    raise ConfigError(f'the checkpoint {directory} is damaged: {problem}',
+                      where='--checkpoint', fix='give another ckpt-N of the run (its files '
+                      'were left as they are)')
+  name = os.path.basename(directory)
+  step = int(name[len('ckpt-'):]) if name[len('ckpt-'):].isdigit() else None
+  return step, prefix
+
+
+def run_config(*, model_dir: str | None = None, checkpoint: str | None = None) -> str:
+  """The path of the config the checkpoint was trained with: the named
+  checkpoint's own `config.gin` (every meshgin checkpoint holds one), else
+  `model_dir/config.gin`, else the newest checkpoint's. ConfigError when none exists."""
+  candidates = []
+  if checkpoint:
+    path = checkpoint.rstrip('/')
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    candidates.append(os.path.join(directory, CONFIG_FILE))  # a ckpt-N's, or a model_dir's
+  if model_dir:
+    candidates.append(os.path.join(model_dir, CONFIG_FILE))
+    candidates += [os.path.join(path, CONFIG_FILE)
+                   for _, path in checkpoint_dirs(os.path.join(model_dir, 'checkpoints'))]
+  for candidate in candidates:
+    if os.path.isfile(candidate):
+      return os.path.normpath(candidate)
+  looked = ', '.join(os.path.normpath(c) for c in candidates) or 'nowhere (no directory given)'
+  raise ConfigError(f'no {CONFIG_FILE} of the run found (looked at {looked})',
+                    where='--model_dir / --checkpoint',
+                    fix='give the model_dir of a launch.train run, or give the config '
+                        'yourself with --gin_file (and --norun_config)')
+
+
+def load_trained(plan: RunPlan, *, model_dir: str | None = None,
+                 checkpoint: str | None = None, pipelined: bool = True) -> Trained:
+  """Builds `plan`'s model on its mesh and reads the checkpoint into it
+  (`find_checkpoint` says which), writing nothing (see the module doc).
+
+  `pipelined=False` builds a pipelined plan's model without its pipeline
+  (one program on the whole mesh), which reads the same checkpoint."""
+  step, prefix = find_checkpoint(model_dir=model_dir, checkpoint=checkpoint)
+  if not pipelined and plan.pipeline is not None:
+    plan = dataclasses.replace(plan, pipeline=None)  # build_trainer then ignores pipeline.*
+  trainer = build_trainer(plan)  # writer and profile dir left out: nothing is written
+  state = trainer.state()
+  parts = {name: state[name] for name in _RESTORED}
+  entries = shard_io.checkpoint_entries(parts)
+  try:
+    check_fits(prefix, entries, roots=[shard_io.escape(name) + '/' for name in parts])
+  except ConfigError as e:
+    what = str(e).split(' Where: ')[0].rstrip('.')
+    raise ConfigError(what, where='the config (--gin_file / --gin_bindings)',
+                      fix='use the config of the run that wrote the checkpoint (its '
+                          'config.gin; only mesh.shape and layout_rules may differ); the '
+                          'checkpoint was left untouched') from None
+  except CheckpointDamage as e:
+    raise _damaged(prefix, e) from None
+  try:
+    shard_io.read_entries(prefix, entries)
+  except Exception as e:  # pylint: disable=broad-except  # all but damage re-raised
+    if not is_damage(e):
+      raise
+    raise _damaged(prefix, e) from None
+  restored_step = trainer.current_step
+  if step is not None and restored_step != step:
+    logging.warning('%s is named for step %d but holds step %d', prefix, step, restored_step)
+  logging.info('Loaded %s (step %d) into %s', prefix, restored_step,
+               plan.mesh_spec.describe())
+  return Trained(trainer=trainer, mesh=trainer.engine.mesh, step=restored_step,
+                 checkpoint=prefix, plan=plan)
+
+
+def _damaged(prefix: str, error: BaseException) -> ConfigError:
+  return ConfigError(f'reading the checkpoint {prefix} failed: {describe(error)}',
+                     where='--checkpoint / --model_dir',
+                     fix='give another ckpt-N of the run with --checkpoint (nothing was moved '
+                         'or changed)')
