@@ -64,6 +64,12 @@ IMPORT_TIME_VARIABLES = ('TF_CPP_', 'TF_ENABLE_', 'TF_USE_LEGACY', 'KERAS_', 'CU
 PRELOAD = ('tensorflow', 'tensorflow.experimental.dtensor', 'numpy', 'gin', 'absl.app',
            'absl.logging', 'tensorboard.summary.writer.event_file_writer',
            'plugins.training', 'plugins.gin_setup', 'plugins.plan')
+# Imported by Keras inside `import tensorflow` when installed (lm-eval, in the
+# test extra, brings them), and each starts native threads at import
+# (scikit-learn: OpenMP's; pandas: pyarrow's), which would make every fork
+# unsafe. The zygote's preload finds them missing (Keras takes them as
+# optional); a forked run that imports them gets them afresh.
+KEPT_OUT = ('sklearn', 'pandas', 'pyarrow')
 _LENGTH = struct.Struct('!I')
 
 
@@ -137,6 +143,9 @@ def _run_child(request: dict, fds: Sequence[int]) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+    for name in KEPT_OUT:
+      if name in sys.modules and sys.modules[name] is None:
+        del sys.modules[name]  # importable again, started in this process
     os.chdir(request['cwd'])
     os.environ.clear()
     os.environ.update(request['env'])
@@ -171,6 +180,8 @@ def serve(path: str, setup: Sequence[str] = ()) -> None:
   # preload, or anything later, starts makes the zygote refuse to fork.
   __import__('numpy')
   known_threads = _threads()
+  for name in KEPT_OUT:
+    sys.modules.setdefault(name, None)  # `import name` raises ImportError
   for name in PRELOAD:
     __import__(name)
   for hook in setup:
