@@ -310,10 +310,23 @@ def _cross_client(row: dict) -> str:
   return first if first == second else f'client 0: {first}; client 1: {second}'
 
 
+def _in_words(cases: list[tuple[str, str]]) -> str:
+  """(setting, outcome) pairs as one sentence, settings of one outcome
+  together: where a table would say no more (the page's 300 lines)."""
+  settings: dict[str, list[str]] = {}
+  for setting, said in cases:
+    settings.setdefault(said, []).append(setting)
+  return 'Outcomes: ' + '; '.join(f"{' / '.join(names)}: {said}"
+                                 for said, names in settings.items()) + '.'
+
+
 def _keras_remat(r: Results) -> Rendered:
-  failing = [k for k, v in r['results'].items() if outcome(v) != 'ok']
-  return f"Keras {r['keras']}, TF {r['tensorflow']}. Fails: {'; '.join(failing)}.", _table(
-      ['remat', 'outcome'], [[k, outcome(v)] for k, v in r['results'].items()])
+  return f"Keras {r['keras']}, TF {r['tensorflow']}. " + _in_words(
+      [(k, outcome(v)) for k, v in r['results'].items()]), []
+
+
+def _submesh_residual(r: Results) -> Rendered:
+  return _in_words([(row['variation'], _ok(row)) for row in r['rows']]), []
 
 
 def _truncated(r: Results) -> Rendered:
@@ -324,6 +337,44 @@ def _truncated(r: Results) -> Rendered:
   return "Cut inside a record's header a file reads as shorter, with no error.", _pivot(
       runs, lambda run: run[0], lambda run: f'buffer {run[1]}', lambda run: cell(run[2]),
       'damage in record 500')
+
+
+def _while_loop(r: Results) -> Rendered:
+  """A few rows: what fails, how often over every run, and what works."""
+  def said(message: str) -> str:
+    if 'Cannot add function' in message:
+      return 'fails: a loop body of that name exists'
+    if 'StridedSlice' in message or 'garbled' in message:
+      return 'fails to compile (garbled layout error)'
+    return outcome(message)
+
+  def runs(rows: list[dict]) -> str:
+    seen = [said(run['outcome']) for row in rows for run in row.get('runs', [row])]
+    counts = {o: seen.count(o) for o in dict.fromkeys(seen)}
+    if len(counts) == 1:
+      return f'{seen[0]} in all {len(seen)} runs'
+    return ', '.join(f'{o} in {n} of {len(seen)} runs' for o, n in counts.items())
+
+  rows = r['rows']
+  decoder_fails = [row for row in rows if row['claim'] == 'decoder' and 'layers' not in row
+                   and 'cached' not in row and row['second'] != 'same call']
+  second_ok = [row for row in rows if row['claim'] in ('second_loop', 'attention_loop', 'decoder')
+               and row not in decoder_fails]
+  relaid = [row for row in rows if row['claim'] == 'unchanged_variable'
+            and row['returned'] in ('relaid out', 'times one, relaid out')]
+  new_axis = [row for row in rows if row.get('how') == 'x[:, None]']
+  rest = [row for row in rows if row['claim'] in ('unchanged_variable', 'slicing')
+          and row not in relaid and row not in new_axis]
+  table = [["a second function with `CachedLM.generate`'s loop (2 layers, cached), retraced "
+            'or another decoder', runs(decoder_fails)],
+           [f'a second function with any other loop ({len(second_ok)} variations)',
+            runs(second_ok)],
+           ['a loop variable returned unchanged through `relayout` (or `* 1`)', runs(relaid)],
+           ['`x[:, None]` on a sharded DTensor', runs(new_axis)],
+           ['the rest: that variable as is, or recomputed; `tf.expand_dims`, `x[:, -1]`', runs(rest)]]
+  shows = ("A second function fails only with meshgin's own decoder loop, not with any minimal "
+           'loop; the crash needs the relayout, not the unchanged variable alone.')
+  return shows, _table(['in `tf.function` on a DTensor mesh', 'outcome'], table)
 
 
 DECODERS = {'meshgin cached': 'meshgin, cached', 'meshgin recomputing': 'recomputing',
@@ -423,12 +474,14 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
             ['placement', 'source layout'], _cross_client,
             'Only replicated values between stages that span every client move.')),
         'submesh_residual.json': Section("Pinning the sub-mesh engine's residual stream",
-                                         'lm_pipeline.gin, 3 steps.', _outcomes(
-            ['variation'], _ok, 'Pinned in the backward step function (alone or everywhere) it fails.')),
+                                         'lm_pipeline.gin, 3 steps.', _submesh_residual),
         'keras_remat_limit.json': Section("Keras' remat under tf.function", 'Whole-layer and '
                                           'activation remat, eager and traced.', _keras_remat),
         'truncated_tfrecord.json': Section('Damaged TFRecord files', '`TFRecordDataset` on a file '
                                            'cut or changed.', _truncated),
+        'dtensor_while_loop.json': Section('While loops on a mesh', 'A DTensor `tf.while_loop` run '
+                                           'by a second function, or returning a variable '
+                                           'unchanged; slicing.', _while_loop),
     },
 }
 

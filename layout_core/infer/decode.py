@@ -359,8 +359,10 @@ class CachedLM:
 
     def body(*variables):
       return self._next(*variables, lengths, seed, first_row, **settings)
-    # A name of its own per trace: DTensor keeps every traced loop's cond and
-    # body in one process-wide function library by name ('while2_cond').
+    # A name per trace, for reading graphs. It does not avoid TF 2.21's
+    # "Cannot add function 'decode_0_body'" on a second traced decoder on a
+    # mesh, which is why a mesh decodes step by step (_generate_on_mesh;
+    # bench/dtensor_while_loop_limit.py isolates it).
     return tf.while_loop(more, body, loop, name=f'decode_{next(_LOOP_NUMBERS)}')[3]
 
   def _first(self, prompts, lengths, seed, first_row, *, max_new_tokens: int,
@@ -402,9 +404,9 @@ class CachedLM:
     token = sample(self._lay(logits, self.batch_axis), sampling=sampling, seed=seed, rows=rows,
                    positions=positions)
     token = tf.where(done, tf.ones_like(token) * DONE, token)
-    # Computed from the token, never `done` passed on as it is: a loop
-    # variable a DTensor while loop returns unchanged crashed TF 2.21
-    # (segmentation fault) when the loop also carried the caches.
+    # Computed from the token, never `done` passed on as it is: relaying out
+    # a loop variable that the body returns unchanged crashes TF 2.21 on a
+    # mesh (segmentation fault; bench/dtensor_while_loop_limit.py).
     stopped = tf.equal(token, DONE)
     for stop in stop_ids:
       stopped = tf.logical_or(stopped, tf.equal(token, stop))
