@@ -43,19 +43,12 @@ import time
 
 from absl import app, flags, logging
 
-from launch import gin_flags
+from launch import checkpoint_flags, gin_flags
 
 flags.adopt_module_key_flags(gin_flags)
+flags.adopt_module_key_flags(checkpoint_flags)
+MODEL_DIR, CHECKPOINT = checkpoint_flags.MODEL_DIR, checkpoint_flags.CHECKPOINT
 
-MODEL_DIR = flags.DEFINE_string(
-    'model_dir', None, 'The run\'s directory: its newest complete checkpoint is read, with '
-    'its config.gin. Read only.')
-CHECKPOINT = flags.DEFINE_string(
-    'checkpoint', None, 'A checkpoint to read instead of the newest: a ckpt-N directory or '
-    'its prefix (.../ckpt-N/ckpt). Its own config.gin is the run\'s config.')
-RUN_CONFIG = flags.DEFINE_bool(
-    'run_config', True, 'Start from the run\'s config.gin (then --gin_file, --gin_bindings); '
-    '--norun_config: only the --gin_file files given.')
 PROMPT = flags.DEFINE_multi_string(
     'prompt', [], 'A prompt as text (repeat for more), through the run\'s tokenizer.')
 PROMPT_IDS = flags.DEFINE_multi_string(
@@ -86,18 +79,6 @@ SPM_MODEL = flags.DEFINE_string(
     'lm_corpus run\'s train files).')
 BATCH_SIZE = flags.DEFINE_integer(
     'batch_size', 32, 'Prompts decoded together (each batch padded to its longest).')
-
-
-def config_files() -> list[str]:
-  from layout_core.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from plugins.inference import run_config  # pylint: disable=g-import-not-at-top
-  files = list(gin_flags.GIN_FILES.value)
-  if RUN_CONFIG.value:
-    return [run_config(model_dir=MODEL_DIR.value, checkpoint=CHECKPOINT.value)] + files
-  if not files:
-    raise ConfigError('--norun_config and no --gin_file: there is no config', where='--gin_file',
-                      fix='give the config with --gin_file, or leave out --norun_config')
-  return files
 
 
 def parse_ids(text: str, where: str) -> list[int]:
@@ -200,7 +181,8 @@ def main(argv):
     inference.find_checkpoint(model_dir=MODEL_DIR.value, checkpoint=CHECKPOINT.value)
     sampling = sampling_lib.Sampling(temperature=TEMPERATURE.value, top_k=TOP_K.value,
                                      top_p=TOP_P.value)
-    with gin_setup.parsed_config(files=config_files(), bindings=gin_flags.GIN_BINDINGS.value,
+    with gin_setup.parsed_config(files=checkpoint_flags.config_files(),
+                                 bindings=gin_flags.GIN_BINDINGS.value,
                                  search_paths=gin_flags.GIN_SEARCH_PATHS.value):
       plan = plan_lib.make_plan()
       layers = decode.lm_layers(plan.params)

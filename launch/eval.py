@@ -34,16 +34,12 @@ import sys
 
 from absl import app, flags, logging
 
-from launch import gin_flags
+from launch import checkpoint_flags, gin_flags
 
 flags.adopt_module_key_flags(gin_flags)
+flags.adopt_module_key_flags(checkpoint_flags)
+MODEL_DIR, CHECKPOINT = checkpoint_flags.MODEL_DIR, checkpoint_flags.CHECKPOINT
 
-MODEL_DIR = flags.DEFINE_string(
-    'model_dir', None, 'The run\'s directory: its newest complete checkpoint is evaluated, '
-    'with its config.gin. Read only; eval_<name>/ is written there unless --output_dir.')
-CHECKPOINT = flags.DEFINE_string(
-    'checkpoint', None, 'A checkpoint to evaluate instead of the newest: a ckpt-N '
-    'directory or its prefix (.../ckpt-N/ckpt). Its own config.gin is the run\'s config.')
 OUTPUT_DIR = flags.DEFINE_string(
     'output_dir', None, 'Where eval_<name>/ goes (default: --model_dir, or the model_dir '
     'holding --checkpoint).')
@@ -54,9 +50,6 @@ NAME = flags.DEFINE_string(
 EVAL_BATCHES = flags.DEFINE_string(
     'eval_batches', None, 'Batches of train.batch_size rows of the eval split: a number, '
     'or "all" (a streamed eval split read once). Default: the config\'s train.eval_batches.')
-RUN_CONFIG = flags.DEFINE_bool(
-    'run_config', True, 'Start from the run\'s config.gin (then --gin_file, --gin_bindings); '
-    '--norun_config: only the --gin_file files given.')
 
 
 def eval_batches(text: str | None, plan) -> int:
@@ -77,18 +70,6 @@ def eval_batches(text: str | None, plan) -> int:
   return count
 
 
-def config_files() -> list[str]:
-  from layout_core.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from plugins.inference import run_config  # pylint: disable=g-import-not-at-top
-  files = list(gin_flags.GIN_FILES.value)
-  if RUN_CONFIG.value:
-    return [run_config(model_dir=MODEL_DIR.value, checkpoint=CHECKPOINT.value)] + files
-  if not files:
-    raise ConfigError('--norun_config and no --gin_file: there is no config', where='--gin_file',
-                      fix='give the config with --gin_file, or leave out --norun_config')
-  return files
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
@@ -103,7 +84,8 @@ def main(argv):
     directory = evaluate_lib.output_directory(
         name=NAME.value, output_dir=OUTPUT_DIR.value, model_dir=MODEL_DIR.value,
         checkpoint=CHECKPOINT.value)
-    with gin_setup.parsed_config(files=config_files(), bindings=gin_flags.GIN_BINDINGS.value,
+    with gin_setup.parsed_config(files=checkpoint_flags.config_files(),
+                                 bindings=gin_flags.GIN_BINDINGS.value,
                                  search_paths=gin_flags.GIN_SEARCH_PATHS.value):
       plan = plan_lib.make_plan()
       count = eval_batches(EVAL_BATCHES.value, plan)

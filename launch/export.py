@@ -37,16 +37,12 @@ import os
 
 from absl import app, flags, logging
 
-from launch import gin_flags
+from launch import checkpoint_flags, gin_flags
 
 flags.adopt_module_key_flags(gin_flags)  # show the gin flags in --help
+flags.adopt_module_key_flags(checkpoint_flags)
+MODEL_DIR, CHECKPOINT = checkpoint_flags.MODEL_DIR, checkpoint_flags.CHECKPOINT
 
-MODEL_DIR = flags.DEFINE_string(
-    'model_dir', None, 'The run directory launch.train wrote: its newest complete '
-    'checkpoint is exported, with the model its config.gin describes.')
-CHECKPOINT = flags.DEFINE_string(
-    'checkpoint', None, 'A checkpoint to export instead of the newest: a ckpt-N directory '
-    'or its prefix (.../ckpt-N/ckpt); its own config.gin describes the model.')
 EXPORT_DIR = flags.DEFINE_string(
     'export_dir', None, 'Required. The SavedModel directory to create (TF Serving reads '
     '<model>/<version>/, e.g. exports/lm/1). It must not exist, unless --overwrite.')
@@ -89,9 +85,8 @@ def main(argv):
     export.check_target(EXPORT_DIR.value, overwrite=OVERWRITE.value)
     step, prefix = inference.find_checkpoint(model_dir=MODEL_DIR.value,
                                              checkpoint=CHECKPOINT.value)
-    files = [inference.run_config(model_dir=MODEL_DIR.value, checkpoint=CHECKPOINT.value),
-             *gin_flags.GIN_FILES.value]
-    with gin_setup.parsed_config(files=files, bindings=gin_flags.GIN_BINDINGS.value,
+    with gin_setup.parsed_config(files=checkpoint_flags.config_files(),
+                                 bindings=gin_flags.GIN_BINDINGS.value,
                                  search_paths=gin_flags.GIN_SEARCH_PATHS.value):
       run_plan = plan.make_plan()
     model = export.load_plain_model(run_plan.params, task=run_plan.task, prefix=prefix,

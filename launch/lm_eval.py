@@ -42,19 +42,13 @@ import os
 
 from absl import app, flags, logging
 
-from launch import gin_flags
+from launch import checkpoint_flags, gin_flags
 
 flags.adopt_module_key_flags(gin_flags)
+flags.adopt_module_key_flags(checkpoint_flags)
+MODEL_DIR, CHECKPOINT, RUN_CONFIG = (
+    checkpoint_flags.MODEL_DIR, checkpoint_flags.CHECKPOINT, checkpoint_flags.RUN_CONFIG)
 
-MODEL_DIR = flags.DEFINE_string(
-    'model_dir', None, 'The run\'s directory: its newest complete checkpoint is read, with '
-    'its config.gin. Read only.')
-CHECKPOINT = flags.DEFINE_string(
-    'checkpoint', None, 'A checkpoint to read instead of the newest: a ckpt-N directory or '
-    'its prefix (.../ckpt-N/ckpt). Its own config.gin is the run\'s config.')
-RUN_CONFIG = flags.DEFINE_bool(
-    'run_config', True, 'Start from the run\'s config.gin (then --gin_file, --gin_bindings); '
-    '--norun_config: only the --gin_file files given.')
 TASKS = flags.DEFINE_list(
     'tasks', [], 'lm-eval tasks, groups or tags, comma-separated (patterns such as '
     '"meshgin_*" allowed).')

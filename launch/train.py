@@ -155,7 +155,7 @@ def main(argv):
     from layout_core.checkpoint.lock import DirectoryLock, LockedError
     from layout_core.errors import ConfigError
     from layout_core.layout import scheduler
-    from plugins import plan, run_status, training
+    from plugins import plan, run_status
     gin_flags.require_model_dir(MODEL_DIR.value, 'a run')
     record = run_status.RunStatusFile(MODEL_DIR.value)
     try:

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from absl import logging
 
@@ -159,6 +159,19 @@ def _named_checkpoint(checkpoint: str) -> tuple[int | None, str]:
   name = os.path.basename(directory)
   step = int(name[len('ckpt-'):]) if name[len('ckpt-'):].isdigit() else None
   return step, prefix
+
+
+def config_files(*, model_dir: str | None, checkpoint: str | None, gin_files: Sequence[str],
+                 from_run: bool = True) -> list[str]:
+  """The gin files of a run read back: its own config (`run_config` below),
+  then `gin_files` on top; only `gin_files` when `from_run` is False
+  (--norun_config)."""
+  if from_run:
+    return [run_config(model_dir=model_dir, checkpoint=checkpoint), *gin_files]
+  if not gin_files:
+    raise ConfigError('--norun_config and no --gin_file: there is no config', where='--gin_file',
+                      fix='give the config with --gin_file, or leave out --norun_config')
+  return list(gin_files)
 
 
 def run_config(*, model_dir: str | None = None, checkpoint: str | None = None) -> str:

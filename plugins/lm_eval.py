@@ -310,12 +310,8 @@ def load_harness_lm(*, model_dir: str | None = None, checkpoint: str | None = No
   # pylint: disable=g-import-not-at-top
   from plugins import gin_setup, inference, plan as plan_lib
   inference.find_checkpoint(model_dir=model_dir, checkpoint=checkpoint)
-  files = list(gin_files)
-  if run_config:
-    files.insert(0, inference.run_config(model_dir=model_dir, checkpoint=checkpoint))
-  if not files:
-    raise ConfigError('no config: --norun_config and no --gin_file', where='--gin_file',
-                      fix='give the config with --gin_file, or leave out --norun_config')
+  files = inference.config_files(model_dir=model_dir, checkpoint=checkpoint,
+                                 gin_files=gin_files, from_run=run_config)
   with gin_setup.parsed_config(files=files, bindings=list(gin_bindings),
                                search_paths=list(search_paths)):
     plan = plan_lib.make_plan()

@@ -107,30 +107,8 @@ class BaseLayer(Module):
   as `self.<child name>`. A call casts floating inputs to `compute_dtype`
   and runs `fprop` (recomputed in the backward pass when `p.remat`).
 
-      @register_layer                     # gin: @scale()
-      class Scale(BaseLayer):             # x * s, s a learned scale per feature
-
-        @classmethod
-        def Params(cls):
-          p = super().Params()
-          p.name = 'scale'
-          p.Define('dim', 8, 'Feature width.')
-          return p
-
-        @classmethod
-        def declare_variables(cls, p):
-          return [Declared('s', (p.dim,), Ones())]
-
-        @classmethod
-        def fprop_meta(cls, p, x_shape):
-          return LayerMeta(out_shapes=(tuple(x_shape),),
-                           flops=num_elements(x_shape), matmul_flops=0)
-
-        def fprop(self, x):
-          return x * self.weight('s')
-
-      layer = Scale.Params().Set(dim=4).Instantiate(parent_path='model')
-      layer(tf.ones([2, 4]))              # its variable layer.s: path 'model/scale/s'
+  A whole layer, tested: `tests/fixtures/my_project/layers.py` (shown on
+  docs/own-model.md and the API reference).
   """
 
   @classmethod

@@ -67,23 +67,8 @@ class Task:
   trainer asks for global batches (every device's rows) and splits each
   array over `train.batch_axis` along its first dimension.
 
-      class Denoise(Task):                # y from x = y + noise
-        def __init__(self, *, dim: int = 8, seed: int = 3):
-          self.dim, self.seed = dim, seed
-
-        def features(self, *, split, step, batch_size):
-          rng = split_rng(self.seed, split, step)
-          y = rng.normal(size=(batch_size, self.dim)).astype(np.float32)
-          return {'x': y + 0.1 * rng.normal(size=y.shape).astype(np.float32), 'y': y}
-
-        def model_inputs(self, batch):
-          return (batch['x'],)
-
-        def loss_and_metrics(self, outputs, batch):
-          return tf.reduce_mean(tf.square(outputs - batch['y'])), {}
-
-        def input_specs(self, batch_size):
-          return (((batch_size, self.dim), 'float32'),)
+  A whole task, tested: `tests/fixtures/my_project/tasks.py` (shown on
+  docs/own-model.md and the API reference).
 
   Attributes:
     deterministic: `features` is a pure function of (seed, split, step), so a
