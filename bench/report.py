@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from bench.figures import (CLOCKS, FIGURES, Results, figure, in_bytes, in_millions, in_ms, in_s,
                            outcome, times)
+from bench.report_layouts import calibration_section, suggest_section
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, 'bench', 'results')
@@ -451,6 +452,13 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
                                               'in a fresh process.', _dtensor_compile),
         'small_input_recompile.json': Section('Recompiles on a changed small input', 'A step '
                                               'function given an extra input.', _small_input),
+    },
+    'Choosing a layout': {
+        'suggest.json': Section('The suggester against every candidate', '`bench/suggest.py`: '
+                                'lm_small and a width-768 LM on 8 devices, every candidate '
+                                'trained.', suggest_section),
+        'calibration.json': Section("The cost model's rates", '`bench/calibrate.py`: this '
+                                    "machine's 8 CPU devices.", calibration_section),
     },
     'Inference': {
         'decode.json': Section('Decoding with the KV cache', '`bench/decode.py`: an lm_small-'

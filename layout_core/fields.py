@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any
@@ -79,7 +80,7 @@ def matches(value: Any, hint: Any) -> bool:
 def check_types(config: Any, *, name: str) -> None:
   """ConfigError for the first field of dataclass `config` whose value does
   not fit its annotation; `name` is the gin configurable (e.g. 'train')."""
-  hints = typing.get_type_hints(type(config))
+  hints = _class_hints(type(config))
   for field in dataclasses.fields(config):
     value = getattr(config, field.name)
     hint = hints.get(field.name, Any)
@@ -98,6 +99,13 @@ def check_value(value: Any, hint: Any, *, parameter: str) -> None:
     raise ConfigError(f'{parameter} = {value!r} is {_kind(value)}, but it must be '
                       f'{_describe(hint)}', where=parameter,
                       fix=f'give {parameter} {_describe(hint)}')
+
+
+@functools.lru_cache(maxsize=None)
+def _class_hints(cls: type) -> dict[str, Any]:
+  """A dataclass's resolved annotations, once per class (a `replace` checks
+  them again: the layout suggester replaces configs thousands of times)."""
+  return typing.get_type_hints(cls)
 
 
 def check_arguments(function: Any, *, name: str, values: dict[str, Any]) -> None:

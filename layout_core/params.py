@@ -299,3 +299,18 @@ def _copy_value(value: Any) -> Any:
   if isinstance(value, type) or callable(value):
     return value
   return copy.deepcopy(value)
+
+
+def once_per_frozen(cache: dict, p: 'Params', key, make):
+  """`make()`, kept in `cache` under `key` (its first part `id(p)`) while `p`
+  is frozen, so a frozen tree's derived values (leaves, FLOPs, texts) are
+  worked out once; an unfrozen `p`'s are made afresh each time. The cache
+  holds `p` itself, so its id is not reused while the entry lives."""
+  if not p.IsFrozen():
+    return make()
+  hit = cache.get(key)
+  if hit is None or hit[0] is not p:
+    if len(cache) >= 4096:
+      cache.clear()
+    hit = cache[key] = (p, make())
+  return hit[1]

@@ -74,27 +74,41 @@ class RunPlan:
 
 def make_plan() -> RunPlan:
   """Calls every configurable once and validates the result (see module doc)."""
-  mesh_spec = configurables.mesh()
-  params = configurables.model()
-  rules = configurables.layout_rules()
-  task = configurables.data()
-  optimizer = configurables.optimizer()
-  train = configurables.train()
-  checkpoint = configurables.checkpoint()
-  pipeline_config = configurables.pipeline()
+  parts = dict(mesh_spec=configurables.mesh(), params=configurables.model(),
+               rules=configurables.layout_rules(), task=configurables.data(),
+               optimizer=configurables.optimizer(), train=configurables.train(),
+               checkpoint=configurables.checkpoint(), pipeline_config=configurables.pipeline())
+  return build_plan(**parts, operative_config=operative_config())
+
+
+def build_plan(*, mesh_spec: MeshSpec, params, rules: LayoutRules, task: Task,
+               optimizer: OptimizerConfig, train: TrainConfig, checkpoint: CheckpointConfig,
+               pipeline_config: pipeline_lib.PipelineConfig, operative_config: str = '',
+               quiet: bool = False, layouts_of: RunPlan | None = None) -> RunPlan:
+  """The plan of these parts, checked as `launch.train` checks it (a
+  ConfigError when it cannot run). The layout suggester (`plugins.suggest`)
+  plans each candidate through here with its parts replaced; `quiet` skips
+  the warning about rules that matched nothing (the strict check stays);
+  `layouts_of`: a plan of the same model, mesh, rules, FSDP switch and
+  pipeline stages and repeats (only accumulation or micro-batches differ),
+  whose layout records are reused instead of planned again."""
   batch_axis = batch_axis_for(train, mesh_spec.shape)  # the batch splits over its axis
   check_shard_state(optimizer, batch_axis=batch_axis, mesh_axes=mesh_spec.shape)
   pipeline = plan_pipeline_run(pipeline_config, model=params, task=task, config=train,
                                mesh_axes=mesh_spec.shape, batch_axis=batch_axis)
   check_text_samples(config=train, params=params, task=task, pipelined=pipeline is not None)
-  records, meta = plan_model(params, rules=rules, mesh_axes=mesh_spec.shape, task=task,
-                             config=train, pipeline_plan=pipeline,
-                             stage_axis=pipeline_config.stage_axis)
-  layout_scope.report_unused_rules(rules, records)
+  if layouts_of is not None:
+    records, meta = layouts_of.records, layouts_of.meta
+  else:
+    records, meta = plan_model(params, rules=rules, mesh_axes=mesh_spec.shape, task=task,
+                               config=train, pipeline_plan=pipeline,
+                               stage_axis=pipeline_config.stage_axis)
+  if not quiet or rules.strict:
+    layout_scope.report_unused_rules(rules, records)
   return RunPlan(mesh_spec=mesh_spec, params=params, rules=rules, task=task,
                  optimizer=optimizer, train=train, checkpoint=checkpoint,
                  pipeline_config=pipeline_config, records=records, meta=meta,
-                 pipeline=pipeline, operative_config=operative_config())
+                 pipeline=pipeline, operative_config=operative_config)
 
 
 def operative_config() -> str:

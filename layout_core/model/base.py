@@ -28,7 +28,7 @@ from typing import Mapping
 
 from layout_core.lazy import Module, tf
 from layout_core.errors import ConfigError
-from layout_core.params import Params
+from layout_core.params import Params, once_per_frozen
 from layout_core.layout import fsdp
 from layout_core.layout.variables import Initializer, VariableSpec, create_variable
 from layout_core.model.weights import LayerWeights, cast
@@ -307,6 +307,13 @@ class Sequential(BaseLayer):
 
   @classmethod
   def child_params(cls, p):
+    if not p.IsFrozen():
+      return cls._children(p)
+    return dict(once_per_frozen(_CHILDREN, p, id(p), lambda: {  # a plan's: frozen too
+        name: child.Freeze() for name, child in cls._children(p).items()}))
+
+  @classmethod
+  def _children(cls, p):
     if p.repeat < 1:
       raise ConfigError(f'{p.name}.repeat is {p.repeat}', fix='use a positive count')
     children = {}
@@ -432,13 +439,32 @@ def flatten_layers(p: Params) -> list[Params]:
 
 def leaf_layers(p: Params, parent_path: str = '') -> list[tuple[str, Params]]:
   """(path, params) of every leaf layer, in execution order: the paths the
-  leaves get when `p` is instantiated (`lm/emb`, `lm/stack/block_000`, ...)."""
+  leaves get when `p` is instantiated (`lm/emb`, `lm/stack/block_000`, ...).
+  A frozen tree's leaves (a run's plan) are frozen too, and found once."""
+  if parent_path or not p.IsFrozen():
+    return _leaf_layers(p, parent_path)
+  return list(once_per_frozen(_LEAVES, p, id(p), lambda: [
+      (path, leaf.Freeze()) for path, leaf in _leaf_layers(p, '')]))
+
+
+def frozen_meta(p: Params, shapes: tuple) -> LayerMeta:
+  """`p.cls.fprop_meta(p, *shapes)`, once per frozen `p` and shapes (the
+  layout suggester plans one model for hundreds of candidates)."""
+  return once_per_frozen(_METAS, p, (id(p), shapes), lambda: p.cls.fprop_meta(p, *shapes))
+
+
+_METAS: dict = {}
+_LEAVES: dict = {}
+_CHILDREN: dict = {}
+
+
+def _leaf_layers(p: Params, parent_path: str) -> list[tuple[str, Params]]:
   path = f'{parent_path}/{p.name}' if parent_path else p.name
   if p.cls is not Sequential:
     return [(path, p.Copy())]
   leaves = []
   for child in Sequential.child_params(p).values():
-    leaves += leaf_layers(child, path)
+    leaves += _leaf_layers(child, path)
   return leaves
 
 

@@ -58,9 +58,10 @@ class PartitionPlan:
 
 def layer_costs(layers: Sequence[Params], input_shapes: Sequence[Shape]) -> list[int]:
   """Forward FLOPs of each layer for the real input shapes, threading shapes."""
+  from layout_core.model.base import frozen_meta  # pylint: disable=import-outside-toplevel
   costs, shapes = [], tuple(tuple(s) for s in input_shapes)
   for p in layers:
-    meta: LayerMeta = p.cls.fprop_meta(p, *shapes)
+    meta: LayerMeta = frozen_meta(p, shapes)
     costs.append(meta.flops)
     shapes = meta.out_shapes
   return costs

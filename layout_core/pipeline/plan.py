@@ -18,7 +18,7 @@ from layout_core.layout import scope as layout_scope_lib
 from layout_core.tasks.lm import LMTask
 from layout_core.errors import ConfigError
 from layout_core.model.base import Sequential, leaf_layers
-from layout_core.params import Params
+from layout_core.params import Params, once_per_frozen
 from layout_core.pipeline import partitioning as partition_lib
 from layout_core.pipeline import schedule as schedule_lib
 from layout_core.pipeline.config import PipelineConfig
@@ -40,8 +40,9 @@ def check_pipelinable(params, task) -> None:
 # -- which cells, where ---------------------------------------------------------
 def check_identical_cells(cells: Sequence[Params], *, where: str) -> None:
   """A ConfigError unless every cell has the same params apart from its name."""
-  def text(p: Params) -> str:
-    return p.Copy().Set(name='cell').ToText()
+  def text(p: Params) -> str:  # a plan's cells: compared once
+    return once_per_frozen(_CELL_TEXTS, p, id(p),
+                           lambda: p.Copy().Set(name='cell').ToText())
   first = text(cells[0])
   for cell in cells[1:]:
     if text(cell) != first:
@@ -51,6 +52,9 @@ def check_identical_cells(cells: Sequence[Params], *, where: str) -> None:
           where=where,
           fix="use identical cells (transformer_lm without `cells`), or "
               "pipeline.engine = 'submesh' for heterogeneous stages")
+
+
+_CELL_TEXTS: dict = {}  # once_per_frozen: a cell's text without its name
 
 
 def check_cell_count(num_cells: int, num_stages: int, repeats: int) -> int:

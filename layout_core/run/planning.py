@@ -21,7 +21,7 @@ from layout_core.errors import ConfigError
 from layout_core.layout import fsdp
 from layout_core.layout.rules import LayoutRules
 from layout_core.layout.scope import LayoutRecord, plan_layouts
-from layout_core.model.base import LayerMeta, leaf_layers
+from layout_core.model.base import LayerMeta, frozen_meta, leaf_layers
 from layout_core.model.layers import Embedding
 from layout_core.params import Params
 from layout_core.pipeline.config import PipelineConfig
@@ -61,7 +61,8 @@ def plan_model(model, *, rules: LayoutRules, mesh_axes: Mapping[str, int], task:
     return keras.plan(model, rules=rules, mesh_axes=mesh_axes,
                       input_specs=task.input_specs(config.batch_size), seed=config.seed), None
   _check_embedding_fits(model, task)
-  meta = model.cls.fprop_meta(model, *[shape for shape, _ in task.input_specs(config.batch_size)])
+  meta = frozen_meta(model, tuple(tuple(shape) for shape, _ in
+                                  task.input_specs(config.batch_size)))
   if pipeline_plan is not None:
     records = plan_layout_records(pipeline_plan, params=model, rules=rules,
                                   mesh_axes=mesh_axes, stage_axis=stage_axis,

@@ -88,10 +88,11 @@ without declared FLOPs (Keras), 6 x parameters x tokens per step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping, Sequence
 
-from layout_core.model.base import LayerMeta, Sequential, leaf_layers
+from layout_core.model.base import LayerMeta, Sequential, frozen_meta, leaf_layers
 from layout_core.model.layers import (Dropout, Embedding, FeedForward, LayerNorm,
                                       MultiHeadAttention, Softmax, TransformerBlock)
 from layout_core.layout import fsdp
@@ -99,7 +100,7 @@ from layout_core.layout.rules import UNSHARDED
 from layout_core.layout.scope import bytes_at_use
 from layout_core.optim.config import OptimizerConfig, state_axis
 from layout_core.optim.make import optimizer_class
-from layout_core.params import Params
+from layout_core.params import Params, once_per_frozen
 from layout_core.train.config import batch_axis_for
 
 MIB = 2**20
@@ -135,11 +136,18 @@ class MemoryEstimate:
   @property
   def host_peak(self) -> int:
     """The whole process when every device is in its memory (CPU meshes)."""
-    activations = self.total.get('activations', 0)
-    copies = self.total.get('weight copies', 0)
+    return self.process_peak(processes=1)
+
+  def process_peak(self, processes: int = 1) -> int:
+    """One process's peak when the devices are split evenly over `processes`
+    (CPU meshes; `host_peak` is the one-process case): the fit of the module
+    docstring on that process's share of the totals."""
+    activations = self.total.get('activations', 0) / processes
+    copies = self.total.get('weight copies', 0) / processes
+    state = self.peak_total / processes - activations - copies
     return int(HOST_BASE_BYTES + HOST_PER_LAYER_BYTES * self.num_layers
                + HOST_ACTIVATION_FACTOR * activations + HOST_COPIES_FACTOR * copies
-               + HOST_STATE_FACTOR * (self.peak_total - activations - copies))
+               + HOST_STATE_FACTOR * state)
 
 
 def estimate_memory(*, records: Sequence[Any], params: Any,
@@ -160,15 +168,12 @@ def estimate_memory(*, records: Sequence[Any], params: Any,
   slot_axis = state_axis(optimizer, batch_axis=batch_axis, mesh_axes=mesh_axes,
                          parameter_shapes=[r.shape for r in records], fsdp_axis=split_axis)
   known = isinstance(params, Params)
-  remat_of = _remat_leaves(params, config) if known else {}
+  remat_of = remat_leaves(params, config) if known else {}
   width = 2 if config.compute_dtype == 'bfloat16' else 4
-  per_mesh: dict[str, dict[str, int]] = {}
+  per_mesh = {name: dict(held) for name, held in
+              _state_bytes(records, optimizer, mesh_axes, slot_axis).items()}
   gathered: dict[str, dict[str, int]] = {}  # mesh -> leaf -> gathered bytes (FSDP)
   for r in records:
-    held = per_mesh.setdefault(r.mesh, dict.fromkeys(CATEGORIES, 0))
-    held['parameters'] += r.bytes_per_device
-    held['gradients'] += r.bytes_per_device
-    held['optimizer'] += _slot_bytes(r, optimizer, mesh_axes, slot_axis)
     if r.use_spec is not None:
       leaf = _owner(r.path, remat_of)
       # The copy the math uses: the rule's split, the compute dtype (float32 variables).
@@ -176,7 +181,7 @@ def estimate_memory(*, records: Sequence[Any], params: Any,
       by_leaf = gathered.setdefault(r.mesh, {})
       by_leaf[leaf] = by_leaf.get(leaf, 0) + nbytes
     elif config.compute_dtype == 'bfloat16':
-      held['weight copies'] += r.bytes_per_device // 2
+      per_mesh[r.mesh]['weight copies'] += r.bytes_per_device // 2
   for name, by_leaf in gathered.items():  # kept for the backward unless recomputed
     kept = sum(n for leaf, n in by_leaf.items() if not remat_of.get(leaf, False))
     transient = max((n for leaf, n in by_leaf.items() if remat_of.get(leaf, False)), default=0)
@@ -215,10 +220,39 @@ def model_flops_per_step(*, meta: LayerMeta | None, num_parameters: int,
   return 6.0 * num_parameters * tokens_per_step
 
 
+# -- parameters, gradients, optimizer state -------------------------------------
+def _state_bytes(records, optimizer, mesh_axes, slot_axis) -> dict[str, dict[str, int]]:
+  """{mesh: {category: bytes per device}} of parameters, gradients and
+  optimizer state (the other categories 0); once per records list and
+  optimizer (the layout suggester sizes many settings of one plan)."""
+  key = (id(records), optimizer, tuple(mesh_axes.items()), slot_axis)
+  hit = _STATE.get(key)
+  if hit is None or hit[0] is not records:
+    per_mesh: dict[str, dict[str, int]] = {}
+    for r in records:
+      held = per_mesh.setdefault(r.mesh, dict.fromkeys(CATEGORIES, 0))
+      held['parameters'] += r.bytes_per_device
+      held['gradients'] += r.bytes_per_device
+      held['optimizer'] += _slot_bytes(r, optimizer, mesh_axes, slot_axis)
+    if len(_STATE) >= 4096:
+      _STATE.clear()
+    hit = _STATE[key] = (records, per_mesh)
+  return hit[1]
+
+
+_STATE: dict = {}  # see _state_bytes; the records list kept, so its id is not reused
+
+
 # -- optimizer state ------------------------------------------------------------
 def _slot_bytes(record, optimizer: OptimizerConfig, mesh_axes, slot_axis) -> int:
   """One parameter's optimizer state on one device: the slots its optimizer
   creates (`slot_specs`), each laid out as the optimizer lays it out."""
+  return _slot_bytes_on(record, optimizer, tuple(mesh_axes.items()), slot_axis)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _slot_bytes_on(record, optimizer: OptimizerConfig, axes: tuple, slot_axis) -> int:
+  mesh_axes = dict(axes)
   axis_size = mesh_axes.get(slot_axis, 1) if slot_axis else 1
   total = 0
   for slot in optimizer_class(optimizer.name).slot_specs(record.shape, optimizer):
@@ -247,7 +281,7 @@ def _activations(params, records, input_shapes, config, mesh_axes, pipeline, sta
   leaves, notes = [], []
   shapes = tuple(tuple(s) for s in input_shapes)
   for path, p in leaf_layers(params):
-    meta = p.cls.fprop_meta(p, *shapes)
+    meta = frozen_meta(p, shapes)
     leaves.append(_leaf(path, p, shapes, meta.out_shapes, splits, batch_split, width,
                         remat_of[path], notes))
     shapes = meta.out_shapes
@@ -291,7 +325,7 @@ def _peak(leaves: Sequence[_Leaf]) -> int:
   return stored + recomputed + working
 
 
-def _remat_leaves(params: Params, config) -> dict[str, bool]:
+def remat_leaves(params: Params, config) -> dict[str, bool]:
   """Leaf path -> whether the run's remat policy recomputes it."""
   repeated = _repeated_cells(params)
   return {path: config.remat == 'full' or (
@@ -309,7 +343,15 @@ def _owner(path: str, leaves) -> str:
 
 
 def _repeated_cells(params: Params) -> set[str]:
-  """Leaf paths that are cells of a Sequential with repeat > 1."""
+  """Leaf paths that are cells of a Sequential with repeat > 1 (once per
+  frozen tree)."""
+  return once_per_frozen(_REPEATED, params, id(params), lambda: _find_repeated_cells(params))
+
+
+_REPEATED: dict = {}
+
+
+def _find_repeated_cells(params: Params) -> set[str]:
   found: set[str] = set()
 
   def walk(p, parent):

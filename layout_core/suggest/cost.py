@@ -1,0 +1,326 @@
+"""Predicted step time of a planned run: compute, communication, overheads.
+
+    profile = ModelProfile.of(params, input_shapes=[(32, 64)])   # once per model
+    cost = predict_step(profile, records=plan.records, mesh_axes={'data': 2, 'model': 4},
+                        config=plan.train, optimizer=plan.optimizer, pipeline=plan.pipeline,
+                        rates=load_rates(device_type='CPU'))
+    cost.seconds, cost.terms          # {'matmul': ..., 'tensor all-reduce': ..., ...}
+
+What one optimizer step costs on the busiest device, from the plan alone
+(`docs/choosing-a-layout.md` walks through it):
+
+  * compute: each leaf layer's forward FLOPs (`fprop_meta`), x3 for forward
+    and backward, +1 forward when it is rematerialised, split over the batch
+    (data axis) and over the axes its weights are split on (tensor
+    parallelism), at the calibrated matmul rate for the size of its matmuls
+    and the compute dtype; its other FLOPs at the elementwise rate;
+  * communication, each collective at the calibrated time for its kind, mesh
+    axis size and message size (across hosts when the axis spans them):
+    data-parallel gradient all-reduce per micro-step; ZeRO-1's all-gather of
+    the updated parameters per step; FSDP's all-gather of each weight at use
+    (again in the backward of a recomputed layer) and its gradient's
+    reduction; tensor parallelism's all-reduce of a split layer's output in
+    the forward and of its input gradient in the backward (two each for a
+    Transformer block); a pipeline's shift of each micro-batch's activations
+    between stages, forward and backward;
+  * the pipeline bubble: a stage idles for S - 1 of M + S - 1 slots
+    (`PipelinePlan.bubble_fraction`) on devices of its own; where the devices
+    share the host's cores (CPU) the sub-mesh engine's idle stages give their
+    cores to the busy ones in part (the calibrated `shared_bubble` of it
+    shows), while the SPMD engine computes every slot;
+  * fixed costs, measured on real training steps of tiny models
+    (`bench/calibrate.py`): per Transformer block run and device its program
+    spans, per engine (x micro-batches or SPMD ticks x accumulation; x1.5
+    recomputed; a pipeline's shifts included), per tensor-parallel
+    all-reduce, FSDP-split and ZeRO-1 variable, and per step; collectives
+    add their bytes over the calibrated bandwidth.
+
+The sum is the step time; nothing overlaps (a CPU runtime runs collectives
+on the cores that compute). Plain Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Mapping, Sequence
+
+from layout_core.layout.rules import UNSHARDED
+from layout_core.layout.scope import bytes_at_use
+from layout_core.model.base import leaf_layers
+from layout_core.model.layers import LayerNorm, TransformerBlock
+from layout_core.suggest.calibration import Rates
+from layout_core.train.config import batch_axis_for
+
+UPDATE_OPS_PER_ELEMENT = 12  # an Adam update: moments, bias correction, step, clip
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafProfile:
+  """One leaf layer's forward work for the global batch."""
+  path: str
+  matmul_flops: float
+  other_flops: float
+  out_elements: float       # its output, global batch
+  matmuls: int              # dense contractions in its forward
+  tensor_reductions: int    # all-reduces of its output when its weights are split
+  block: bool = False       # a Transformer block: the unit of the calibrated fixed cost
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelProfile:
+  """Per-leaf work of a Params model for one global batch (computed once)."""
+  leaves: tuple[LeafProfile, ...]
+  batch_size: int
+
+  @classmethod
+  def of(cls, params, *, input_shapes: Sequence[tuple[int, ...]]) -> 'ModelProfile':
+    shapes = tuple(tuple(s) for s in input_shapes)
+    leaves = []
+    for path, p in leaf_layers(params):
+      meta = p.cls.fprop_meta(p, *shapes)
+      block = p.cls is TransformerBlock
+      leaves.append(LeafProfile(
+          path=path, matmul_flops=float(meta.matmul_flops),
+          other_flops=float(meta.flops - meta.matmul_flops),
+          out_elements=float(sum(math.prod(s) for s in meta.out_shapes)),
+          matmuls=6 if block else (0 if p.cls is LayerNorm else 1),
+          tensor_reductions=2 if block else 1, block=block))
+      shapes = meta.out_shapes
+    return cls(leaves=tuple(leaves), batch_size=shapes and input_shapes[0][0])
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+  seconds: float
+  terms: dict[str, float]   # what each part adds, seconds
+
+  def describe(self, top: int = 3) -> str:
+    big = sorted(self.terms.items(), key=lambda kv: -kv[1])[:top]
+    return ', '.join(f'{name} {value * 1e3:.0f} ms' for name, value in big if value > 0)
+
+
+def _owner_splits(records, leaves, mesh_axes, skip) -> dict[str, int]:
+  """Leaf path -> how many ways its math is split by its weights' layouts
+  (the largest split of any of its weights, over axes other than `skip`).
+  Keyed with layer indices generalised (`block_#`): the SPMD engine stores a
+  stack's cells as the first cells' stacked variables."""
+  paths = sorted({_general(l.path) for l in leaves}, key=len, reverse=True)
+  split: dict[str, int] = {}
+  for r in records:
+    ways = math.prod(mesh_axes.get(a, 1) for a in r.compute_spec
+                     if a != UNSHARDED and a not in skip)
+    key = _general(r.path)
+    for leaf in paths:
+      if key.startswith(leaf + '/'):
+        split[leaf] = max(split.get(leaf, 1), ways)
+        break
+  return split
+
+
+def _general(path: str) -> str:
+  return re.sub(r'_\d+(?=/|$)', '_#', path)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanFacts:
+  """What the cost model reads from a plan's layout records, worked out once
+  per plan (the settings that do not change the plan vary around it)."""
+  splits: dict          # generalised leaf path -> ways its math is split
+  variables: int        # on the fullest stage
+  param_bytes: int      # per device, the fullest stage
+  split_variables: int  # FSDP-split ones
+  split_bytes: int      # their stored bytes per device
+  at_use_bytes: int     # their gathered bytes per device (float32)
+  spans: frozenset      # mesh axes across hosts
+
+  @classmethod
+  def of(cls, records, *, profile: ModelProfile, mesh_axes: Mapping[str, int],
+         skip_axes, hosts: int = 1) -> 'PlanFacts':
+    fullest = _fullest_stage_records(records)
+    split = [r for r in fullest if r.use_spec is not None]
+    return cls(splits=_owner_splits(records, profile.leaves, mesh_axes, set(skip_axes)),
+               variables=len(fullest), param_bytes=sum(r.bytes_per_device for r in fullest),
+               split_variables=len(split), split_bytes=sum(r.bytes_per_device for r in split),
+               at_use_bytes=sum(bytes_at_use(r, mesh_axes) for r in split),
+               spans=frozenset(_spanning_axes(mesh_axes, hosts)))
+
+
+def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int], config,
+                 optimizer, rates: Rates, pipeline=None, stage_axis: str = 'stage',
+                 remat_of: Mapping[str, bool] | None = None, fsdp_axis: str | None = None,
+                 state_axis: str | None = None, hosts: int = 1,
+                 facts: PlanFacts | None = None) -> StepCost:
+  """The step time of the module docstring, seconds. `facts`: the plan's
+  `PlanFacts`, when the caller keeps them (else worked out from `records`)."""
+  del optimizer  # its update is counted per parameter element, whatever its kind
+  num_devices = math.prod(mesh_axes.values())
+  batch_axis = batch_axis_for(config, mesh_axes)
+  data = mesh_axes.get(batch_axis, 1)
+  facts = facts or PlanFacts.of(records, profile=profile, mesh_axes=mesh_axes,
+                                skip_axes=(batch_axis, stage_axis), hosts=hosts)
+  stages = mesh_axes.get(stage_axis, 1) if pipeline else 1
+  accum = config.grad_accum_steps
+  dtype = config.compute_dtype
+  width = 2 if dtype == 'bfloat16' else 4
+  scale = 1.0 / accum  # one micro-step's share of the global batch
+  remat_of = remat_of or {}
+  splits, spans = facts.splits, facts.spans
+  terms = dict.fromkeys(('matmul', 'elementwise', 'fixed per layer', 'update',
+                         'data all-reduce', 'ZeRO-1 all-gather', 'ZeRO-1 fixed',
+                         'FSDP gathers', 'FSDP fixed',
+                         'tensor all-reduce', 'pipeline shifts', 'pipeline bubble'), 0.0)
+  stage_of = dict(getattr(pipeline, 'layer_stages', None) or {}) if pipeline else {}
+  engine = getattr(pipeline, 'engine', '')
+  micro = pipeline.num_micro_batches if pipeline else 1
+  repeats = pipeline.circular_repeats if pipeline else 1
+  ticks = micro * repeats + stages - 1  # the SPMD engine's clock
+  tensor_cross = bool(spans - {batch_axis, stage_axis})
+  # Compute and tensor-parallel traffic per leaf, summed per stage (None: outside).
+  parts: dict[int | None, dict[str, float]] = {}
+  for leaf in profile.leaves:
+    split = splits.get(_general(leaf.path), 1)
+    remat = remat_of.get(leaf.path, False)
+    passes = 3 + (1 if remat else 0)
+    stage = _stage(leaf.path, stage_of)
+    runs = micro if stage is not None else 1  # once per micro-batch inside a pipeline
+    mm = leaf.matmul_flops * scale / (data * split)
+    per_call = mm / max(leaf.matmuls, 1) / runs
+    part = parts.setdefault(stage, dict.fromkeys(('matmul', 'elementwise', 'tensor'), 0.0))
+    if mm:
+      part['matmul'] += passes * mm / rates.matmul_rate(dtype, max(per_call, 1.0))
+    part['elementwise'] += (passes * leaf.other_flops * scale / (data * split)
+                            / rates.elementwise_rate(dtype))
+    if split > 1:
+      out = leaf.out_elements * scale / data * width / runs
+      calls = leaf.tensor_reductions * (2 + (1 if remat else 0)) * runs
+      part['tensor'] += calls * (rates.tensor_latency(split) + rates.transfer(
+          'all_reduce', split, out, cross_host=tensor_cross))
+    if leaf.block:  # the fixed cost of a block run, per device its program spans
+      if stage is None:
+        block_runs, spanned = 1, num_devices
+      elif engine == 'spmd':  # each tick runs L / (S r) stacked cells on every device
+        block_runs, spanned = ticks / (stages * repeats), num_devices
+      else:
+        block_runs, spanned = micro, num_devices // stages
+      terms['fixed per layer'] += (rates.block_device_s[engine or 'plain'] * spanned
+                                   * block_runs * (1.5 if remat else 1.0))
+  shared = parts.pop(None, {})
+  share = _stage_share(parts, engine=engine, rates=rates, stages=stages)
+  for name, term in (('matmul', 'matmul'), ('elementwise', 'elementwise'),
+                     ('tensor', 'tensor all-reduce')):
+    terms[term] += shared.get(name, 0.0) + share * sum(p[name] for p in parts.values())
+  busy = sum(shared.values()) + share * sum(sum(p.values()) for p in parts.values())
+  if parts:
+    stage_sums = [sum(p.values()) for p in parts.values()]
+    terms['pipeline bubble'] = _bubble(stage_sums, engine=engine, pipeline=pipeline,
+                                       rates=rates, stages=stages)
+  compute = busy + terms['pipeline bubble']
+  # Per micro-step: the data axis's gradient sums (their fixed costs are the
+  # blocks' and the step's), FSDP's gathers, the pipeline's shifts.
+  param_bytes = facts.param_bytes
+  data_cross = batch_axis in spans
+  if fsdp_axis:
+    at_use = facts.at_use_bytes
+    gathers = 2 if config.remat != 'none' else 1
+    terms['FSDP fixed'] = facts.split_variables * gathers * rates.fsdp_variable_s
+    terms['FSDP gathers'] = rates.collective_scale.get('fsdp', 1.0) * (
+        gathers * rates.transfer('all_gather', data, at_use * width / 4, cross_host=data_cross)
+        + rates.transfer('all_reduce', data, at_use, cross_host=data_cross))
+    unsplit = param_bytes - facts.split_bytes
+  else:
+    unsplit = param_bytes
+  terms['data all-reduce'] = rates.collective_scale.get('data', 1.0) * rates.transfer(
+      'all_reduce', data, unsplit, cross_host=data_cross)
+  if pipeline is not None and stages > 1:
+    per = _boundary_elements(profile, stage_of) * scale / data * width / micro
+    cross = stage_axis in spans
+    shifts = ticks if engine == 'spmd' else micro  # their fixed costs: in the blocks'
+    terms['pipeline shifts'] = shifts * 2 * rates.transfer('all_gather', 2, per,
+                                                           cross_host=cross)
+    if engine == 'spmd':
+      terms['pipeline shifts'] += ticks * rates.spmd_tick_s
+  per_micro_step = (compute + terms['data all-reduce'] + terms['FSDP gathers']
+                    + terms['FSDP fixed'] + terms['pipeline shifts'] + terms['fixed per layer'])
+  for name in ('data all-reduce', 'FSDP gathers', 'FSDP fixed', 'pipeline shifts',
+               'fixed per layer',
+               'matmul', 'elementwise', 'tensor all-reduce', 'pipeline bubble'):
+    terms[name] *= accum
+  # Once per step: the update, ZeRO-1's gather of the new parameters, the step's own.
+  state_split = mesh_axes.get(state_axis, 1) if state_axis and not fsdp_axis else 1
+  elements = param_bytes / 4 / state_split
+  terms['update'] = (elements * UPDATE_OPS_PER_ELEMENT / rates.elementwise_rate('float32')
+                     + rates.step_s)
+  if state_split > 1:
+    terms['ZeRO-1 fixed'] = facts.variables * rates.zero_variable_s
+    terms['ZeRO-1 all-gather'] = rates.collective_scale.get('zero1', 1.0) * rates.transfer(
+        'all_gather', state_split, param_bytes, cross_host=state_axis in spans)
+  seconds = (accum * per_micro_step + terms['update'] + terms['ZeRO-1 all-gather']
+             + terms['ZeRO-1 fixed'])
+  return StepCost(seconds=seconds, terms=terms)
+
+
+def _stage_share(parts, *, engine, rates: Rates, stages: int) -> float:
+  """The share of the stages' summed work one device does per micro-step:
+  its own stage's (the fullest, on devices of their own), or 1/S of all
+  (the SPMD engine's stacked cells; or where the devices share the host's
+  cores, which the idle stages give to the busy ones)."""
+  if not parts:
+    return 0.0
+  sums = [sum(p.values()) for p in parts.values()]
+  if engine == 'spmd' or rates.devices_share_cores:
+    return 1.0 / stages
+  return max(sums) / max(sum(sums), 1e-30)
+
+
+def _bubble(stage_sums, *, engine, pipeline, rates: Rates, stages: int) -> float:
+  """Seconds the pipeline's idle slots add per micro-step: a fraction
+  `bubble_fraction` of the slots; where the sub-mesh engine's stages share the
+  host's cores, the share of that the calibration measured (the idle stages'
+  cores serve the busy ones, in part)."""
+  fraction = pipeline.bubble_fraction()
+  if engine != 'spmd' and rates.devices_share_cores:
+    return rates.shared_bubble * sum(stage_sums) / stages * fraction / (1.0 - fraction)
+  busy = sum(stage_sums) / stages if engine == 'spmd' else max(stage_sums)
+  return busy * fraction / (1.0 - fraction)
+
+
+def _stage(path: str, stage_of: Mapping[str, int]) -> int | None:
+  if path in stage_of:
+    return stage_of[path]
+  for cell, stage in stage_of.items():
+    if path.startswith(cell + '/'):
+      return stage
+  return None
+
+
+def _fullest_stage_records(records):
+  """The records of the stage mesh that holds the most parameter bytes."""
+  by_mesh: dict[str, list] = {}
+  for r in records:
+    by_mesh.setdefault(r.mesh, []).append(r)
+  if len(by_mesh) <= 1:
+    return list(records)
+  return max(by_mesh.values(), key=lambda rs: sum(r.bytes_per_device for r in rs))
+
+
+def _boundary_elements(profile: ModelProfile, stage_of) -> float:
+  """Elements of the activations that cross a stage boundary (global batch):
+  the first pipelined leaf's input size, i.e. the widest residual stream."""
+  inside = [l for l in profile.leaves if _stage(l.path, stage_of) is not None]
+  return max((l.out_elements for l in inside), default=0.0)
+
+
+def _spanning_axes(mesh_axes: Mapping[str, int], hosts: int) -> set[str]:
+  """Mesh axes whose devices sit on more than one host (devices numbered in
+  mesh order, each host holding a contiguous block)."""
+  if hosts <= 1:
+    return set()
+  per_host = math.prod(mesh_axes.values()) // hosts
+  spans, inner = set(), 1
+  for axis, size in reversed(list(mesh_axes.items())):
+    if size > 1 and inner * size > per_host:
+      spans.add(axis)
+    inner *= size
+  return spans

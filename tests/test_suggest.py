@@ -1,0 +1,220 @@
+"""launch.inspect --suggest: candidates that launch.train plans the same, a cost
+model checked against independent counts, the exit-2 paths, and --measure."""
+
+import dataclasses
+import json
+import math
+import os
+import re
+
+import pytest
+
+from layout_core.suggest import space
+from layout_core.suggest.calibration import (Collective, Rates, load_margins, load_rates,
+                                             machine_facts)
+from layout_core.suggest.cost import ModelProfile, predict_step
+from layout_core.train import memory
+from plugins import gin_setup, plan as plan_lib
+from plugins.suggest.planner import Suggester
+from tests.conftest import REPO_ROOT, run_module
+
+SMALL = ['configs/runs/train.gin', 'configs/models/lm_small.gin']
+
+
+def base_plan(files=SMALL, bindings=()):
+  with gin_setup.parsed_config(files=list(files), bindings=list(bindings), search_paths=[]):
+    return plan_lib.make_plan()
+
+
+@pytest.fixture(scope='module')
+def small_search():
+  """lm_small on 8 devices in 2 GiB, no margins: every family ranked."""
+  suggester = Suggester.from_plan(base_plan(), num_devices=8, memory_gb=2, margins=({}, 0.0))
+  return suggester, suggester.run()
+
+
+def test_every_suggestion_plans_through_gin_exactly_as_the_search_planned_it(small_search):
+  """The bindings printed for each candidate, on the user's config, give
+  launch.train's plan (make_plan via gin) the memory and predicted time
+  the search computed by replacing the plan's parts."""
+  suggester, result = small_search
+  assert len(result.ranked) >= 20  # data, FSDP, ZeRO-1, model axes, both pipelines
+  kinds = {(e.candidate.layout.engine, e.candidate.layout.state) for e in result.ranked}
+  assert {('', 'replicated'), ('', 'fsdp'), ('', 'zero1'), ('submesh', 'replicated'),
+          ('spmd', 'replicated')} <= kinds
+  for e in result.ranked:
+    plan = base_plan(bindings=suggester.bindings(e.candidate))
+    estimate = memory.estimate_memory(
+        records=plan.records, params=plan.params,
+        input_shapes=[s for s, _ in plan.task.input_specs(
+            plan.train.batch_size // plan.train.grad_accum_steps)],
+        config=plan.train, optimizer=plan.optimizer, mesh_axes=plan.mesh_spec.shape,
+        pipeline=plan.pipeline, stage_axis=plan.pipeline_config.stage_axis)
+    assert estimate.process_peak(1) == e.need, e.candidate.describe()
+    assert dict(plan.mesh_spec.shape) == e.candidate.layout.mesh_shape
+    cost = predict_step(ModelProfile.of(plan.params, input_shapes=[(32, 64)]),
+                        records=plan.records, mesh_axes=plan.mesh_spec.shape,
+                        config=plan.train, optimizer=plan.optimizer, rates=suggester.rates,
+                        pipeline=plan.pipeline, remat_of=memory.remat_leaves(plan.params,
+                                                                             plan.train),
+                        fsdp_axis=estimate.fsdp_axis, state_axis=estimate.state_axis)
+    assert cost.seconds == pytest.approx(e.seconds, rel=1e-9), e.candidate.describe()
+
+
+def test_each_layout_keeps_the_fastest_settings_that_fit(small_search):
+  """Brute force over every settings combination of the top layouts: none
+  that fits is predicted faster than the one kept, and the kept one fits."""
+  suggester, result = small_search
+  for kept in result.ranked[:3]:
+    layout = kept.candidate.layout
+    assert suggester.budget.fits(kept.need, layout)
+    for ladder in suggester.ladders(layout):
+      for settings in ladder:
+        e = suggester.evaluate(space.Candidate(layout, settings))
+        if suggester.budget.fits(e.need, layout):
+          assert e.seconds >= kept.seconds - 1e-12, (settings, kept.candidate)
+
+
+def flat_rates(**changes) -> Rates:
+  """Rates that turn the cost model into a counter: 1 FLOP/s, free rest."""
+  free = Collective(0.0, float('inf'))
+  base = dict(device_type='CPU', matmul={'float32': [(1.0, 1.0)]},
+              elementwise={'float32': float('inf')},
+              collectives={'all_reduce': {2: free}, 'all_gather': {2: free}},
+              cross_host=free, block_device_s={'plain': 0.0, 'submesh': 0.0, 'spmd': 0.0},
+              step_s=0.0, tensor_s={2: 0.0}, spmd_tick_s=0.0, fsdp_variable_s=0.0,
+              zero_variable_s=0.0, devices_share_cores=False)
+  return Rates(**{**base, **changes})
+
+
+def predict(plan, rates, **train):
+  config = dataclasses.replace(plan.train, **train)
+  profile = ModelProfile.of(plan.params, input_shapes=[(plan.train.batch_size, 64)])
+  return predict_step(profile, records=plan.records, mesh_axes=plan.mesh_spec.shape,
+                      config=config, optimizer=plan.optimizer, rates=rates,
+                      pipeline=plan.pipeline, remat_of=memory.remat_leaves(plan.params, config))
+
+
+def test_compute_counts_the_plans_training_flops_split_over_devices():
+  """At 1 FLOP/s the predicted seconds are FLOPs: 3x the forward matmuls
+  (model_flops_per_step, written independently), over the data axis, plus a
+  forward for recomputed layers."""
+  one = base_plan(bindings=["mesh.shape = {'data': 1}"])
+  eight = base_plan()
+  reference = memory.model_flops_per_step(meta=one.meta, num_parameters=one.num_parameters,
+                                          tokens_per_step=0)
+  assert predict(one, flat_rates()).terms['matmul'] == pytest.approx(reference)
+  assert predict(eight, flat_rates()).terms['matmul'] == pytest.approx(reference / 8)
+  assert predict(one, flat_rates(), remat='full').terms['matmul'] == pytest.approx(
+      reference * 4 / 3)
+  assert predict(one, flat_rates(), grad_accum_steps=4).terms['matmul'] == pytest.approx(
+      reference)
+
+
+def test_collectives_count_bytes_and_calls_by_hand():
+  """At 1 byte/s a data all-reduce costs the gradient bytes of one device;
+  at 1 s per call a Megatron 2 x 4 step makes 4 tensor all-reduces per
+  block (2 forward, 2 backward), 2 each for the split embedding and softmax."""
+  per_byte = Collective(0.0, 1.0)
+  rates = flat_rates(matmul={'float32': [(1.0, float('inf'))]},
+                     collectives={'all_reduce': {2: per_byte}, 'all_gather': {2: per_byte}})
+  plan = base_plan()
+  assert predict(plan, rates).terms['data all-reduce'] == sum(r.bytes_per_device
+                                                              for r in plan.records)
+  calls = flat_rates(matmul={'float32': [(1.0, float('inf'))]}, tensor_s={2: 1.0})
+  megatron = base_plan(files=SMALL + ['configs/layouts/megatron.gin'],
+                       bindings=["mesh.shape = {'data': 2, 'model': 4}"])
+  assert predict(megatron, calls).terms['tensor all-reduce'] == 4 * 4 + 2 + 2
+
+
+def test_pipeline_bubble_on_devices_of_their_own():
+  """GPipe with S stages and M micro-batches takes (M + S - 1) / M of its
+  busiest stage's time on devices of their own; none on shared cores (the
+  sub-mesh engine's idle stages give their cores away)."""
+  pipelined = base_plan(bindings=["mesh.shape = {'stage': 2, 'data': 4}",
+                                  'pipeline.num_stages = 2', 'pipeline.num_micro_batches = 4'])
+  own = predict(pipelined, flat_rates())
+  assert own.terms['pipeline bubble'] == pytest.approx(own.terms['matmul'] * (2 - 1) / 4,
+                                                       rel=1e-6)
+  shared = predict(pipelined, flat_rates(devices_share_cores=True))
+  assert shared.terms['pipeline bubble'] == 0.0
+
+
+def test_rates_say_when_they_are_stale(tmp_path):
+  nominal = load_rates(device_type='GPU', path=str(tmp_path / 'none.json'))
+  assert 'nominal' in nominal.stale_reason() and 'bench/calibrate.py' in nominal.stale_reason()
+  with open(os.path.join(REPO_ROOT, 'bench/results/calibration.json')) as f:
+    data = json.load(f)
+  data['measured'] = {**data['measured'], 'processor': 'Another CPU 9000'}
+  other = tmp_path / 'other.json'
+  other.write_text(json.dumps(data))
+  reason = load_rates(device_type='CPU', path=str(other)).stale_reason()
+  assert 'Another CPU 9000' in reason and 'rerun' in reason
+  data['measured'] = {**machine_facts(), 'date': '2020-01-01T00:00:00+00:00'}
+  other.write_text(json.dumps(data))
+  assert 'days ago' in load_rates(device_type='CPU', path=str(other)).stale_reason()
+
+
+def test_margins_are_the_benchmarks_worst_errors_per_family(small_search):
+  """Each family keeps free the worst under-estimate bench/suggest.py
+  measured for it (from its trials, recomputed here), and every ranked
+  candidate fits with its family's margin."""
+  with open(os.path.join(REPO_ROOT, 'bench/results/suggest.json')) as f:
+    results = json.load(f)
+  worst = {}
+  for rows in results['raw_candidates'].values():
+    for r in rows:
+      if r['measured_ok']:
+        error = r['measured_peak_bytes'] / r['predicted_bytes'] - 1
+        worst[r['family']] = max(worst.get(r['family'], 0.0), error)
+  margins, default = load_margins()
+  assert margins == {f: round(e + 0.005, 2) for f, e in sorted(worst.items())}
+  assert default == max(margins.values())
+  shipped = Suggester.from_plan(small_search[0].base, num_devices=8, memory_gb=2)
+  assert shipped.budget.margins == margins
+  ranked = shipped.run().ranked
+  assert 0 < len(ranked) < len(small_search[1].ranked)  # the margins drop some
+  for e in ranked:
+    margin = margins.get(e.candidate.layout.family, default)
+    assert e.need * (1 + margin) <= shipped.budget.limit
+
+
+def test_fits_nowhere_exits_2_with_the_budget_that_would_fit(tmp_path):
+  small = run_module('launch.inspect', *[f'--gin_file={f}' for f in SMALL], '--suggest',
+                     '--memory_gb=0.5', '--suggest_json=')
+  assert small.returncode == 2, small.stderr[-2000:]
+  assert 'Traceback' not in small.stderr
+  need = re.search(r'give at least ([\d.]+) GiB per process', small.stderr)
+  assert need, small.stderr[-2000:]
+  enough = run_module('launch.inspect', *[f'--gin_file={f}' for f in SMALL], '--suggest',
+                      f'--memory_gb={float(need.group(1)) + 0.01}', '--top_k=1',
+                      f'--suggest_json={tmp_path / "s.json"}')
+  assert enough.returncode == 0, enough.stderr[-2000:]
+  assert len(json.loads((tmp_path / 's.json').read_text())['candidates']) == 1
+
+
+def test_measure_writes_a_gin_file_that_launch_train_takes(tmp_path):
+  """--measure trains the top layout, and the .gin it writes trains the same
+  mesh and settings with launch.train."""
+  chosen = tmp_path / 'chosen.gin'
+  done = run_module('launch.inspect', '--gin_file=configs/experiments/quickstart.gin',
+                    '--suggest', '--memory_gb=3', '--top_k=1', '--measure',
+                    '--measure_steps=5', f'--suggest_gin={chosen}', '--suggest_json=',
+                    timeout=400)
+  assert done.returncode == 0, done.stderr[-3000:]
+  measured = re.search(r'Chosen: (.*) \(measured (\d+) ms/step, peak ([\d.]+) GiB', done.stdout)
+  assert measured, done.stdout[-3000:]
+  assert float(measured.group(3)) <= 3.0
+  text = chosen.read_text()
+  mesh = re.search(r'^mesh\.shape = (.*)$', text, re.M).group(1)
+  train = run_module('launch.train', f'--gin_file={chosen}', f'--model_dir={tmp_path / "run"}',
+                     '--gin_bindings=train.num_steps = 2', '--gin_bindings=train.eval_every = 0',
+                     '--gin_bindings=train.eval_batches = 1',
+                     '--gin_bindings=checkpoint.every_steps = 0',
+                     '--gin_bindings=checkpoint.save_at_end = False')
+  assert train.returncode == 0, train.stderr[-3000:]
+  config = (tmp_path / 'run' / 'config.gin').read_text()
+  assert f'mesh.shape = {mesh}' in config
+  again = run_module('launch.inspect', '--gin_file=configs/experiments/quickstart.gin',
+                     '--suggest', f'--suggest_gin={chosen}', '--suggest_json=')
+  assert again.returncode == 2 and 'exists' in again.stderr  # nothing overwritten
