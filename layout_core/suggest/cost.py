@@ -18,8 +18,8 @@ What one optimizer step costs on the busiest device, from the plan alone
     axis size and message size (across hosts when the axis spans them):
     data-parallel gradient all-reduce per micro-step; ZeRO-1's all-gather of
     the updated parameters per step; FSDP's all-gather of each weight at use
-    (again in the backward of a recomputed layer) and its gradient's
-    reduction; tensor parallelism's all-reduce of a split layer's output in
+    (per micro-batch in a pipeline; again in the backward of a recomputed
+    layer) and its gradient's reduction; tensor parallelism's all-reduce of a split layer's output in
     the forward and of its input gradient in the backward (two each for a
     Transformer block); a pipeline's shift of each micro-batch's activations
     between stages, forward and backward;
@@ -223,7 +223,10 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
   data_cross = batch_axis in spans
   if fsdp_axis:
     at_use = facts.at_use_bytes
-    gathers = 2 if config.remat != 'none' else 1
+    # A weight is gathered where its layer runs: once per micro-batch inside a
+    # pipeline (the SPMD engine's cells once per tick), again when recomputed.
+    runs = (ticks / (stages * repeats) if engine == 'spmd' else micro) if stage_of else 1
+    gathers = runs * (2 if config.remat != 'none' else 1)
     terms['FSDP fixed'] = facts.split_variables * gathers * rates.fsdp_variable_s
     terms['FSDP gathers'] = rates.collective_scale.get('fsdp', 1.0) * (
         gathers * rates.transfer('all_gather', data, at_use * width / 4, cross_host=data_cross)
