@@ -9,7 +9,7 @@ from __future__ import annotations
 from bench.figures import Results, in_ms, in_s, times
 
 
-def _markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+def _markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:  # noqa: D103
   return (['| ' + ' | '.join(header) + ' |', '| ' + ' | '.join(['---'] * len(header)) + ' |']
           + ['| ' + ' | '.join(str(c) for c in row) + ' |' for row in rows])
 
@@ -17,24 +17,22 @@ def _markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
 def calibration_section(r: Results) -> tuple[str, list[str]]:
   """The rates the cost model divides by, measured on this machine."""
   top = {dtype: table[-1][1] for dtype, table in r['matmul'].items()}
+  blocks = r['block_device_s']
+  tensor = ' / '.join(in_ms(r['tensor_s'][k] * 1e3) for k in ('2', '4', '8'))
   share = r.get('matmul_efficiency', {})
   reduce8 = r['collectives']['all_reduce']['8']
   shows = (f"With every device busy a matmul runs at {top['float32'] / 1e9:.0f} GFLOP/s per "
            f"device in float32 and {top['bfloat16'] / 1e9:.0f} in bfloat16; a real step gets "
            f"{share.get('float32', 1):.0%} and {share.get('bfloat16', 1):.0%} of that. An "
            f"all-reduce over 8 devices takes {in_ms(reduce8['latency_s'] * 1e3)} plus "
-           f"{reduce8['bytes_per_s'] / 1e9:.2f} GB/s. The fixed costs of a step's structure, "
-           'from tiny models:')
-  blocks = r['block_device_s']
-  header = ['block (no pipeline, 8 devices)', 'sub-mesh block (4)', 'SPMD cell (8)',
-            'SPMD tick', 'step', 'tensor all-reduce (2 / 4 / 8)', 'FSDP variable',
-            'ZeRO-1 variable']
-  tensor = ' / '.join(in_ms(r['tensor_s'][k] * 1e3) for k in ('2', '4', '8'))
-  row = [in_ms(blocks['plain'] * 8e3), in_ms(blocks['submesh'] * 4e3),
-         in_ms(blocks['spmd'] * 8e3), in_ms(r.get('spmd_tick_s', 0.0) * 1e3),
-         in_ms(r['step_s'] * 1e3), tensor, in_ms(r['fsdp_variable_s'] * 1e3),
-         in_ms(r['zero_variable_s'] * 1e3)]
-  return shows, _markdown_table(header, [row])
+           f"{reduce8['bytes_per_s'] / 1e9:.2f} GB/s. Fixed costs, from tiny models: a block run "
+           f"{in_ms(blocks['plain'] * 8e3)} (no pipeline, 8 devices), "
+           f"{in_ms(blocks['submesh'] * 4e3)} on a 4-device sub-mesh, an SPMD cell "
+           f"{in_ms(blocks['spmd'] * 8e3)} plus {in_ms(r.get('spmd_tick_s', 0.0) * 1e3)} a tick; a "
+           f"tensor all-reduce over 2 / 4 / 8 devices {tensor}; an FSDP variable "
+           f"{in_ms(r['fsdp_variable_s'] * 1e3)}, a ZeRO-1 one {in_ms(r['zero_variable_s'] * 1e3)}; "
+           f"a step {in_ms(r['step_s'] * 1e3)}.")
+  return shows, []
 
 
 def suggest_section(r: Results) -> tuple[str, list[str]]:
@@ -47,13 +45,12 @@ def suggest_section(r: Results) -> tuple[str, list[str]]:
   shows = (f'The memory margins measured per family: {margins}. '
            + (f'`--suggest` on the 100B inspect config, 1,024 devices: {timed}.'
               if timed else ''))
-  rows = []
+  rows, nowhere = [], []
   for model, info in r['models'].items():
     for budget, s in info['budgets'].items():
       if 'suggestion' not in s:
-        need = (s.get('fits_nowhere') or {}).get('smallest_budget_bytes')
-        rows.append([model, f'{budget} GiB', 'fits nowhere: exit 2' + (
-            f', names {need / 2**30:.2f} GiB' if need else ''), '', '', '', ''])
+        need = (s.get('fits_nowhere') or {}).get('smallest_budget_bytes') or 0
+        nowhere.append(f'{model} in {budget} GiB (it names {need / 2**30:.2f} GiB)')
         continue
       hand = [h['suggestion_over_this'] for h in s['hand_written'].values()
               if 'suggestion_over_this' in h]
@@ -63,6 +60,8 @@ def suggest_section(r: Results) -> tuple[str, list[str]]:
                    times(ratio) if ratio is not None else '',
                    f"{s['spearman']:.2f}" if 'spearman' in s else '',
                    times(max(hand)) if hand else 'none fits'])
+  if nowhere:
+    shows += ' Fits nowhere, exit 2: ' + ', '.join(nowhere) + '.'
   return shows, _markdown_table(
       ['model', 'budget', 'suggestion', 'fits', 'its time / fastest fitting (in turns)',
        'Spearman (predicted, measured)', 'its time / hand-written (worst)'], rows)
