@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from bench.figures import (CLOCKS, FIGURES, Results, figure, in_bytes, in_millions, in_ms, in_s,
                            outcome, times)
-from bench.report_layouts import calibration_section, suggest_section
+from bench.report_layouts import accumulation_section, calibration_section, suggest_section
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, 'bench', 'results')
@@ -444,6 +444,9 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
                                          "weight's bf16 gradients on `data=8`.", _fsdp_collectives),
         'all_gather_memory.json': Section('All-gather lowerings', 'A sharded -> replicated '
                                           'relayout on 8 devices, both lowerings.', _all_gather),
+        'accumulation_memory.json': Section('Gradient accumulation on CPU', 'A width-768 LM in '
+                                            'bf16 at 1, 2 and 4 micro-steps.',
+                                            accumulation_section),
     },
     'Start-up': {
         'startup.json': Section('Time to the first step', '`launch.train` against a hand-written '

@@ -65,3 +65,20 @@ def suggest_section(r: Results) -> tuple[str, list[str]]:
   return shows, _markdown_table(
       ['model', 'budget', 'suggestion', 'fits', 'its time / fastest fitting (in turns)',
        'Spearman (predicted, measured)', 'its time / hand-written (worst)'], rows)
+
+
+def accumulation_section(r: Results) -> tuple[str, list[str]]:
+  """Peak memory against micro-steps, per setting."""
+  rows = r['rows']
+  steps = sorted({row['micro_steps'] for row in rows})
+  settings = list(dict.fromkeys(row['setting'] for row in rows))
+  peak = {(row['setting'], row['micro_steps']): row for row in rows}
+  worst = max((row['peak_over_one'] or 0) for row in rows)
+  shows = (f'The peak grows with the micro-steps in every setting, up to {times(worst)} the '
+           'one-step peak at 4, also with one inter-op thread (so not from micro-steps run at '
+           'once); the step time grows too.')
+  table = [[name] + [f"{peak[(name, k)]['peak_bytes'] / 2**30:.2f} GiB, "
+                     f"{in_ms(peak[(name, k)]['step_seconds'] * 1e3)}" for k in steps]
+           for name in settings]
+  return shows, _markdown_table(['peak, step time'] + [f'{k} micro-step{"s" * (k > 1)}'
+                                                       for k in steps], table)
