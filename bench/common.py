@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Any, Mapping
 
+from layout_core.suggest.calibration import processor_name
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results')
 
 
@@ -42,7 +44,7 @@ def provenance() -> dict:
   return {'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
           'commit': git('rev-parse', 'HEAD') + (' (with uncommitted changes)' if dirty else ''),
           'machine': {'host': platform.node(), 'cores': cores,
-                      'processor': _processor() or platform.machine(),
+                      'processor': processor_name() or platform.machine(),
                       'load_average_at_start': os.getloadavg()}}
 
 
@@ -53,16 +55,6 @@ def _command() -> str:
   if script.startswith('..'):
     script = sys.argv[0]
   return ' '.join(['python'] + [shlex.quote(a) for a in [script, *sys.argv[1:]] if a])
-
-
-def _processor() -> str:
-  """The CPU model (/proc/cpuinfo's 'model name'), or '' where unknown."""
-  try:
-    with open('/proc/cpuinfo') as f:
-      return next((line.split(':', 1)[1].strip() for line in f
-                   if line.startswith('model name')), '')
-  except OSError:
-    return ''
 
 
 def read_trace(logdir: str):

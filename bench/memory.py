@@ -33,8 +33,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
@@ -65,44 +63,12 @@ def flags(bindings: list[str]) -> list[str]:
           *[f'--gin_bindings={b}' for b in bindings]]
 
 
-def rss_bytes(pid: int) -> int:
-  try:
-    with open(f'/proc/{pid}/status') as f:
-      for line in f:
-        if line.startswith('VmRSS:'):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return 0
-
-
 def train(bindings: list[str], *, budget: int) -> dict:
   """One launch.train child: {ok, fits, peak_bytes, steps_per_sec, seconds, error}."""
+  from plugins.suggest.measure import error_line, watch  # pylint: disable=import-outside-toplevel
   model_dir = tempfile.mkdtemp(prefix='meshgin_mem_')
-  start = time.perf_counter()
-  child = subprocess.Popen([sys.executable, '-m', 'launch.train', f'--model_dir={model_dir}',
-                            *flags(bindings)], cwd=REPO_ROOT, env=ENV,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-  err_file = tempfile.TemporaryFile()
-  over = False  # the pipe is drained while we watch, so the child never blocks
-  drain = threading.Thread(target=lambda: shutil.copyfileobj(child.stderr, err_file),
-                           daemon=True)
-  drain.start()
-  while True:  # wait4 (not poll) so that the child's rusage is ours to read
-    pid, status, usage = os.wait4(child.pid, os.WNOHANG)
-    if pid:
-      break
-    if rss_bytes(child.pid) > budget:
-      over = True
-      child.kill()
-      _, status, usage = os.wait4(child.pid, 0)
-      break
-    time.sleep(0.05)
-  code = child.returncode = os.waitstatus_to_exitcode(status)
-  drain.join(5)
-  peak = usage.ru_maxrss * 1024
-  err_file.seek(0)
-  stderr = err_file.read().decode(errors='replace')
+  child = watch([sys.executable, '-m', 'launch.train', f'--model_dir={model_dir}',
+                 *flags(bindings)], env=ENV, kill_above=budget, cwd=REPO_ROOT)
   rate = 0.0
   try:
     with open(os.path.join(model_dir, 'run_status.json')) as f:
@@ -110,14 +76,11 @@ def train(bindings: list[str], *, budget: int) -> dict:
   except (OSError, ValueError):
     pass
   shutil.rmtree(model_dir, ignore_errors=True)
-  error = ''
-  if code and not over:
-    lines = [l for l in stderr.splitlines() if l.startswith(('Configuration error', 'Training'))
-             or 'Error' in l]
-    error = (lines[0] if lines else (stderr.strip().splitlines() or ['?'])[-1])[:300]
+  code, over, peak = child.exit_code, child.killed_over, child.peak_bytes
   return {'ok': code == 0, 'fits': code == 0 and not over and peak <= budget,
           'killed_over_budget': over, 'exit': code, 'peak_bytes': peak,
-          'steps_per_sec': rate, 'seconds': time.perf_counter() - start, 'error': error}
+          'steps_per_sec': rate, 'seconds': child.seconds,
+          'error': error_line(child.stderr) if code and not over else ''}
 
 
 def inspect(bindings: list[str]) -> dict:

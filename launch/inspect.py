@@ -67,8 +67,7 @@ MEASURE = flags.DEFINE_bool(
 MEASURE_STEPS = flags.DEFINE_integer(
     'measure_steps', 8, '--measure: steps per layout; the first 3 are not timed.')
 CALIBRATION = flags.DEFINE_string(
-    'calibration', '', '--suggest: the rates file (default: bench/results/calibration.json '
-    'or $MESHGIN_CALIBRATION).')
+    'calibration', '', '--suggest: the rates file (default: bench/results/calibration.json).')
 
 
 def main(argv):

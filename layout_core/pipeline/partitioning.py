@@ -61,7 +61,7 @@ def layer_costs(layers: Sequence[Params], input_shapes: Sequence[Shape]) -> list
   from layout_core.model.base import frozen_meta  # pylint: disable=import-outside-toplevel
   costs, shapes = [], tuple(tuple(s) for s in input_shapes)
   for p in layers:
-    meta: LayerMeta = frozen_meta(p, shapes)
+    meta = frozen_meta(p, shapes)
     costs.append(meta.flops)
     shapes = meta.out_shapes
   return costs

@@ -1,7 +1,7 @@
 """The machine rates the cost model divides by, measured once and cached.
 
     rates = load_rates(device_type='CPU')          # bench/calibrate.py's file, or nominal
-    rates.matmul_rate('float32', flops_per_call=1e8), rates.collective('all_reduce', 4, 2**20)
+    rates.matmul_rate('float32', flops_per_call=1e8), rates.transfer('all_reduce', 4, 2**20)
     rates.stale_reason()                            # None when measured on this machine
 
 `python bench/calibrate.py` measures them on this machine's virtual CPU mesh
@@ -9,8 +9,8 @@
 one collective per mesh-axis size and message size, and the fixed costs of a
 real training step's structure: per block run and device per engine, per
 tensor-parallel all-reduce, per FSDP and ZeRO-1 variable) and writes
-`bench/results/calibration.json`; `load_rates` reads it (or the file named by
-$MESHGIN_CALIBRATION). Rates for another device type, or with no file, are
+`bench/results/calibration.json`; `load_rates` reads it (or the file its
+caller names: `launch.inspect --calibration`). Rates for another device type, or with no file, are
 nominal figures, and `stale_reason` says so, as it does for a file measured
 on another machine, TensorFlow version or more than 90 days ago. Plain Python.
 """
@@ -26,7 +26,6 @@ import os
 import platform
 from typing import Mapping, Sequence
 
-CALIBRATION_ENV = 'MESHGIN_CALIBRATION'
 STALE_DAYS = 90
 _RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), 'bench', 'results')
@@ -43,9 +42,6 @@ class Collective:
   latency + bytes per device / bandwidth."""
   latency_s: float
   bytes_per_s: float
-
-  def seconds(self, nbytes: float) -> float:
-    return self.latency_s + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,36 +91,21 @@ class Rates:
   def elementwise_rate(self, dtype: str) -> float:
     return self.elementwise.get(dtype) or self.elementwise['float32']
 
-  def collective(self, kind: str, size: int, nbytes: float, *, cross_host: bool = False) -> float:
-    """Seconds for one collective of `kind` over `size` devices moving
-    `nbytes` per device (the nearest measured axis size at or below)."""
-    if size <= 1 or nbytes <= 0:
-      return 0.0
-    if cross_host:
-      return self.cross_host.seconds(nbytes)
-    table = self.collectives.get(kind) or self.collectives['all_reduce']
-    sizes = sorted(table)
-    below = [s for s in sizes if s <= size] or sizes[:1]
-    return table[below[-1]].seconds(nbytes)
-
   def transfer(self, kind: str, size: int, nbytes: float, *, cross_host: bool = False
                ) -> float:
-    """Seconds a collective's bytes take (no latency: the fixed costs count it)."""
+    """Seconds a collective's bytes take over `size` devices, `nbytes` per
+    device (no latency: the fixed costs count it)."""
     if size <= 1 or nbytes <= 0:
       return 0.0
     if cross_host:
       return nbytes / self.cross_host.bytes_per_s
     table = self.collectives.get(kind) or self.collectives['all_reduce']
-    sizes = sorted(table)
-    below = [s for s in sizes if s <= size] or sizes[:1]
-    return nbytes / table[below[-1]].bytes_per_s
+    return nbytes / _at_or_below(table, size).bytes_per_s
 
   def tensor_latency(self, size: int) -> float:
     """Fixed cost of one tensor-parallel all-reduce over `size` devices in a
-    step (the nearest measured size at or below)."""
-    sizes = sorted(self.tensor_s)
-    below = [s for s in sizes if s <= size] or sizes[:1]
-    return self.tensor_s[below[-1]] if below else 0.0
+    step."""
+    return _at_or_below(self.tensor_s, size) if self.tensor_s else 0.0
 
   def stale_reason(self) -> str | None:
     """Why these rates may not describe this machine (None: they do)."""
@@ -152,6 +133,13 @@ class Rates:
     return where + (f' (STALE: {reason})' if reason else '')
 
 
+def _at_or_below(table: Mapping[int, object], size: int):
+  """The entry of the largest measured axis size at or below `size` (the
+  smallest measured, below them all)."""
+  sizes = sorted(table)
+  return table[([s for s in sizes if s <= size] or sizes[:1])[-1]]
+
+
 def machine_facts() -> dict:
   """What a calibration depends on: processor, cores, TensorFlow version
   (read from the installed package's metadata, without importing it)."""
@@ -161,11 +149,12 @@ def machine_facts() -> dict:
   except metadata.PackageNotFoundError:
     version = None
   cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
-  return {'processor': _processor() or platform.machine(), 'cores': cores,
+  return {'processor': processor_name() or platform.machine(), 'cores': cores,
           'tensorflow': version}
 
 
-def _processor() -> str:
+def processor_name() -> str:
+  """The CPU model (/proc/cpuinfo's 'model name'), or '' where unknown."""
   try:
     with open('/proc/cpuinfo') as f:
       for line in f:
@@ -206,7 +195,7 @@ NOMINAL['TPU'] = NOMINAL['GPU']
 
 def load_rates(*, device_type: str, path: str | None = None) -> Rates:
   """The measured rates for `device_type` (see the module docstring)."""
-  path = path or os.environ.get(CALIBRATION_ENV) or _REPO_FILE
+  path = path or _REPO_FILE
   data = None
   if os.path.exists(path):
     with open(path) as f:

@@ -52,6 +52,7 @@ from layout_core.model.base import leaf_layers
 from layout_core.model.layers import LayerNorm, TransformerBlock
 from layout_core.suggest.calibration import Rates
 from layout_core.train.config import batch_axis_for
+from layout_core.train.memory import leaf_stage
 
 UPDATE_OPS_PER_ELEMENT = 12  # an Adam update: moments, bias correction, step, clip
 
@@ -183,7 +184,7 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
     split = splits.get(_general(leaf.path), 1)
     remat = remat_of.get(leaf.path, False)
     passes = 3 + (1 if remat else 0)
-    stage = _stage(leaf.path, stage_of)
+    stage = leaf_stage(stage_of, leaf.path)
     runs = micro if stage is not None else 1  # once per micro-batch inside a pipeline
     mm = leaf.matmul_flops * scale / (data * split)
     per_call = mm / max(leaf.matmuls, 1) / runs
@@ -289,15 +290,6 @@ def _bubble(stage_sums, *, engine, pipeline, rates: Rates, stages: int) -> float
   return busy * fraction / (1.0 - fraction)
 
 
-def _stage(path: str, stage_of: Mapping[str, int]) -> int | None:
-  if path in stage_of:
-    return stage_of[path]
-  for cell, stage in stage_of.items():
-    if path.startswith(cell + '/'):
-      return stage
-  return None
-
-
 def _fullest_stage_records(records):
   """The records of the stage mesh that holds the most parameter bytes."""
   by_mesh: dict[str, list] = {}
@@ -311,7 +303,7 @@ def _fullest_stage_records(records):
 def _boundary_elements(profile: ModelProfile, stage_of) -> float:
   """Elements of the activations that cross a stage boundary (global batch):
   the first pipelined leaf's input size, i.e. the widest residual stream."""
-  inside = [l for l in profile.leaves if _stage(l.path, stage_of) is not None]
+  inside = [l for l in profile.leaves if leaf_stage(stage_of, l.path) is not None]
   return max((l.out_elements for l in inside), default=0.0)
 
 

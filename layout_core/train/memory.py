@@ -88,7 +88,6 @@ without declared FLOPs (Keras), 6 x parameters x tokens per step.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Mapping, Sequence
 
@@ -247,12 +246,6 @@ _STATE: dict = {}  # see _state_bytes; the records list kept, so its id is not r
 def _slot_bytes(record, optimizer: OptimizerConfig, mesh_axes, slot_axis) -> int:
   """One parameter's optimizer state on one device: the slots its optimizer
   creates (`slot_specs`), each laid out as the optimizer lays it out."""
-  return _slot_bytes_on(record, optimizer, tuple(mesh_axes.items()), slot_axis)
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _slot_bytes_on(record, optimizer: OptimizerConfig, axes: tuple, slot_axis) -> int:
-  mesh_axes = dict(axes)
   axis_size = mesh_axes.get(slot_axis, 1) if slot_axis else 1
   total = 0
   for slot in optimizer_class(optimizer.name).slot_specs(record.shape, optimizer):
@@ -290,7 +283,7 @@ def _activations(params, records, input_shapes, config, mesh_axes, pipeline, sta
   by_stage: dict[str, list[_Leaf]] = {}
   shared: list[_Leaf] = []
   for leaf in leaves:
-    stage = _stage(leaf.path, stage_of)
+    stage = leaf_stage(stage_of, leaf.path)
     if stage is None:
       shared.append(leaf)
     else:
@@ -306,11 +299,13 @@ def _activations(params, records, input_shapes, config, mesh_axes, pipeline, sta
   return {}, _peak(leaves), notes
 
 
-def _stage(path: str, stage_of: Mapping[str, int]) -> int | None:
-  if path in stage_of:
-    return stage_of[path]
-  for cell, stage in stage_of.items():
-    if path.startswith(cell + '/'):
+def leaf_stage(stages_by_layer: Mapping[str, int], path: str) -> int | None:
+  """The pipeline stage of leaf layer `path` (or of the layer it lies in) in
+  a plan's `layer_stages`; None: outside every stage."""
+  if path in stages_by_layer:
+    return stages_by_layer[path]
+  for layer_path, stage in stages_by_layer.items():
+    if path.startswith(layer_path + '/'):
       return stage
   return None
 

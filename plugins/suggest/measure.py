@@ -70,15 +70,42 @@ def measure(*, files: Sequence[str], bindings: Sequence[str],
   environment = dict(env if env is not None else os.environ)
   environment['PYTHONPATH'] = os.pathsep.join(
       p for p in (_REPO, environment.get('PYTHONPATH', '')) if p)
-  start = time.perf_counter()
   command = train_command(files=files, bindings=bindings, candidate_bindings=candidate_bindings,
                           steps=steps, model_dir=model_dir, search_paths=search_paths)
-  child = subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL,
+  child = watch(command, env=environment, kill_above=kill_above)
+  shutil.rmtree(model_dir, ignore_errors=True)
+  rates = [float(m.group(2)) for m in STEP_LINE.finditer(child.stderr)
+           if int(m.group(1)) > warmup]
+  ok = child.exit_code == 0 and not child.killed_over and bool(rates)
+  return Trial(ok=ok, step_seconds=statistics.median(1.0 / r for r in rates) if ok else 0.0,
+               peak_bytes=child.peak_bytes, killed_over=child.killed_over,
+               exit_code=child.exit_code, seconds=child.seconds,
+               error='' if ok or child.killed_over else error_line(child.stderr))
+
+
+@dataclasses.dataclass(frozen=True)
+class Watched:
+  """How a child process ended: its exit code, peak resident memory, whether
+  it was killed for passing the limit, its stderr and its wall time."""
+  exit_code: int
+  peak_bytes: int
+  killed_over: bool
+  stderr: str
+  seconds: float
+
+
+def watch(command: Sequence[str], *, env: Mapping[str, str], kill_above: int,
+          cwd: str | None = None) -> Watched:
+  """Runs `command` to its end, killing it as soon as its resident memory
+  passes `kill_above`; its stderr drained as it runs (so it never blocks on
+  the pipe) and its peak read from `wait4`'s rusage (bench/memory.py too)."""
+  start = time.perf_counter()
+  child = subprocess.Popen(list(command), env=dict(env), cwd=cwd, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE)
   err_file = tempfile.TemporaryFile()
   drain = threading.Thread(target=lambda: shutil.copyfileobj(child.stderr, err_file),
                            daemon=True)
-  drain.start()  # drained while we watch, so the child never blocks on its pipe
+  drain.start()
   over = False
   while True:  # wait4, not poll: the child's rusage is ours to read
     pid, status, usage = os.wait4(child.pid, os.WNOHANG)
@@ -93,17 +120,13 @@ def measure(*, files: Sequence[str], bindings: Sequence[str],
   code = child.returncode = os.waitstatus_to_exitcode(status)
   drain.join(5)
   err_file.seek(0)
-  stderr = err_file.read().decode(errors='replace')
-  shutil.rmtree(model_dir, ignore_errors=True)
-  rates = [float(m.group(2)) for m in STEP_LINE.finditer(stderr) if int(m.group(1)) > warmup]
-  ok = code == 0 and not over and bool(rates)
-  error = '' if ok or over else _error_line(stderr)
-  return Trial(ok=ok, step_seconds=statistics.median(1.0 / r for r in rates) if ok else 0.0,
-               peak_bytes=usage.ru_maxrss * 1024, killed_over=over, exit_code=code,
-               seconds=time.perf_counter() - start, error=error)
+  return Watched(exit_code=code, peak_bytes=usage.ru_maxrss * 1024, killed_over=over,
+                 stderr=err_file.read().decode(errors='replace'),
+                 seconds=time.perf_counter() - start)
 
 
-def _error_line(stderr: str) -> str:
+def error_line(stderr: str) -> str:
+  """The line of a failed launcher's stderr that says why."""
   lines = [l for l in stderr.splitlines()
            if l.startswith(('Configuration error', 'Training')) or 'Error' in l]
   return (lines[0] if lines else (stderr.strip().splitlines() or ['?'])[-1])[:300]

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import shlex
 from typing import Sequence
 
+from layout_core import durable
 from layout_core.errors import ConfigError
 from layout_core.suggest.search import Evaluation, SearchResult
 from plugins.suggest.measure import Trial
@@ -144,11 +144,8 @@ def as_json(result: SearchResult, suggester: Suggester, *, top_k: int,
 
 
 def write_json(path: str, data: dict) -> None:
-  """Atomically: a reader never sees half a file."""
-  tmp = f'{path}.tmp'
-  with open(tmp, 'w') as f:
-    json.dump(data, f, indent=1)
-  os.replace(tmp, path)
+  """Whole or not at all (`layout_core.durable`): a reader never sees half a file."""
+  durable.write_atomically(path, json.dumps(data, indent=1).encode())
 
 
 def gin_file_text(*, files: Sequence[str], bindings: Sequence[str], lines: Sequence[str],

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
-import os
 
 from layout_core.errors import ConfigError
 from layout_core.layout.rules import LayoutRules
@@ -47,7 +46,6 @@ class Suggester:
   rates: calibration.Rates
   tensor_rules: LayoutRules | None   # None: no tensor parallelism for this model
   tensor_lines: tuple[str, ...]      # the bindings that set them ('': the config's own)
-  _first: dict = dataclasses.field(default_factory=dict, repr=False)  # see _records_plan
   _plans: dict = dataclasses.field(default_factory=dict, repr=False)  # see _plan
   _records: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -195,7 +193,8 @@ class Suggester:
     if key not in self._plans:
       try:
         first = self._records_plan(layout, repeats)
-        self._plans[key] = (first if (accum, micro) == self._first_schedule(layout, repeats)
+        schedule = (first.train.grad_accum_steps, first.pipeline_config.num_micro_batches)
+        self._plans[key] = (first if (accum, micro) == schedule
                             else self._build(layout, accum, micro, repeats, layouts_of=first))
       except ConfigError as error:
         self._plans[key] = error
@@ -226,12 +225,8 @@ class Suggester:
       except ConfigError as e:
         error = e
         continue
-      self._first[(layout, repeats)] = (accum, micro)
       return plan
     raise error or ConfigError(f'{layout.describe()}: no schedule to plan')
-
-  def _first_schedule(self, layout, repeats):
-    return self._first.get((layout, repeats))
 
   def _schedules(self, layout: space.Layout, repeats: int):
     seen = []
