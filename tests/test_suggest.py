@@ -218,3 +218,15 @@ def test_measure_writes_a_gin_file_that_launch_train_takes(tmp_path):
   again = run_module('launch.inspect', '--gin_file=configs/experiments/quickstart.gin',
                      '--suggest', f'--suggest_gin={chosen}', '--suggest_json=')
   assert again.returncode == 2 and 'exists' in again.stderr  # nothing overwritten
+
+
+def test_what_it_cannot_suggest_for_exits_2_saying_why():
+  """A Keras model (no declared FLOPs or activations) and --measure across
+  hosts (it trains on this machine only) are refused with exit 2."""
+  keras = run_module('launch.inspect', '--gin_search_paths=tests/fixtures',
+                     '--gin_file=my_project/keras.gin', '--suggest', '--suggest_json=')
+  assert keras.returncode == 2 and 'needs a Params model' in keras.stderr, keras.stderr[-2000:]
+  hosts = run_module('launch.inspect', *[f'--gin_file={f}' for f in SMALL], '--suggest',
+                     '--devices=8', '--hosts=2', '--measure', '--suggest_json=')
+  assert hosts.returncode == 2 and 'not --hosts=2' in hosts.stderr, hosts.stderr[-2000:]
+  assert 'Traceback' not in keras.stderr + hosts.stderr
