@@ -7,10 +7,11 @@ budget of 1, 2 and 4 GiB per process, in two passes:
   1. the suggester's search with no memory margin (in this process, no
      TensorFlow): each layout with its fastest settings that fit by the
      estimate; every one of them trains a few steps in its own `launch.train`
-     process (`plugins/suggest/measure.py`): median step time, peak resident
-     memory. Their errors (measured peak / estimate - 1), worst per layout
-     family (pipeline engine x state split), are the margins the suggester
-     keeps (`memory_margins`, read by `launch.inspect --suggest`);
+     process (`plugins/suggest/measure.py`), twice: the mean of the two
+     runs' median step times, the higher peak resident memory. Their errors
+     (measured peak / estimate - 1), worst per layout family (pipeline
+     engine x state split), are the margins the suggester keeps
+     (`memory_margins`, read by `launch.inspect --suggest`);
   2. the search as shipped, with those margins: its candidates (new ones
      trained too) against the ground truth, every candidate of either pass
      whose measured peak fits the budget; and the hand-written layouts of
@@ -72,6 +73,7 @@ HAND_WRITTEN = {
         'pipeline.num_stages = 2', 'pipeline.num_micro_batches = 4'],
 }
 KILL_ABOVE = 10 * GIB
+TRIALS = 2  # per candidate, each in its own process: a single one is +-10-15%
 PARTIAL = os.path.join(RESULTS, '.suggest.partial.json')  # a dotfile: not a result
 
 
@@ -116,16 +118,34 @@ def run_trial(model: dict, bindings: list[str], cache: dict, *, label: str) -> d
   bindings = [megatron_binding() if b == MEGATRON else b for b in bindings]
   key = key_of(model['bindings'] + bindings)
   if key not in cache:
-    trial = measure(files=model['files'], bindings=model['bindings'],
-                    candidate_bindings=bindings, steps=8, warmup=3,
-                    kill_above=KILL_ABOVE, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
-    cache[key] = trial.as_dict()
+    runs = []
+    for _ in range(TRIALS):
+      runs.append(measure(files=model['files'], bindings=model['bindings'],
+                          candidate_bindings=bindings, steps=8, warmup=3,
+                          kill_above=KILL_ABOVE,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')).as_dict())
+      if not runs[-1]['ok']:
+        break
+    cache[key] = trial = combined(runs)
     with open(PARTIAL, 'w') as f:  # a crash loses no trial: --reuse reads it back
       json.dump({'trials': cache}, f)
-    print(f'  {label}: {"ok" if trial.ok else "FAILED " + trial.error[:120]} '
-          f'{trial.step_seconds * 1e3:.0f} ms/step, peak {trial.peak_bytes / GIB:.2f} GiB '
-          f'({trial.seconds:.0f} s)', flush=True)
+    each = ', '.join(f'{r["step_seconds"] * 1e3:.0f}' for r in runs)
+    print(f'  {label}: {"ok" if trial["ok"] else "FAILED " + trial["error"][:120]} '
+          f'{trial["step_seconds"] * 1e3:.0f} ms/step ({each}), '
+          f'peak {trial["peak_bytes"] / GIB:.2f} GiB', flush=True)
   return cache[key]
+
+
+def combined(runs: list[dict]) -> dict:
+  """One candidate's trials as one: the median step time, the highest peak;
+  failed if any failed (then that one's account)."""
+  failed = [r for r in runs if not r['ok']]
+  if failed:
+    return {**failed[0], 'step_seconds_each': [r['step_seconds'] for r in runs]}
+  return {**runs[0], 'step_seconds': statistics.median(r['step_seconds'] for r in runs),
+          'peak_bytes': max(r['peak_bytes'] for r in runs),
+          'seconds': sum(r['seconds'] for r in runs),
+          'step_seconds_each': [r['step_seconds'] for r in runs]}
 
 
 def measured_rows(name, model, budget, cache, margins) -> tuple[list, object, object]:

@@ -102,6 +102,14 @@ class Rates:
     table = self.collectives.get(kind) or self.collectives['all_reduce']
     return nbytes / _at_or_below(table, size).bytes_per_s
 
+  def latency(self, kind: str, size: int) -> float:
+    """Seconds one collective of `kind` over `size` devices takes before its
+    bytes (its calibrated latency)."""
+    if size <= 1:
+      return 0.0
+    table = self.collectives.get(kind) or self.collectives['all_reduce']
+    return _at_or_below(table, size).latency_s
+
   def tensor_latency(self, size: int) -> float:
     """Fixed cost of one tensor-parallel all-reduce over `size` devices in a
     step."""

@@ -67,6 +67,8 @@ class LeafProfile:
   matmuls: int              # dense contractions in its forward
   tensor_reductions: int    # all-reduces of its output when its weights are split
   block: bool = False       # a Transformer block: the unit of the calibrated fixed cost
+  stream_flops: float = 0.0  # of other_flops, on the residual stream: not split by a
+                             # tensor split (layer norms, residual adds, output bias)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,12 +84,17 @@ class ModelProfile:
     for path, p in leaf_layers(params):
       meta = p.cls.fprop_meta(p, *shapes)
       block = p.cls is TransformerBlock
+      stream = 0.0
+      if block:  # its layer norms, two residual adds and the FFN's output bias
+        stream = 3.0 * math.prod(shapes[0]) + sum(
+            c.cls.fprop_meta(c, *shapes).flops for c in p.cls.child_params(p).values()
+            if c.cls is LayerNorm)
       leaves.append(LeafProfile(
           path=path, matmul_flops=float(meta.matmul_flops),
           other_flops=float(meta.flops - meta.matmul_flops),
           out_elements=float(sum(math.prod(s) for s in meta.out_shapes)),
           matmuls=6 if block else (0 if p.cls is LayerNorm else 1),
-          tensor_reductions=2 if block else 1, block=block))
+          tensor_reductions=2 if block else 1, block=block, stream_flops=stream))
       shapes = meta.out_shapes
     return cls(leaves=tuple(leaves), batch_size=shapes and input_shapes[0][0])
 
@@ -135,17 +142,23 @@ class PlanFacts:
   split_bytes: int      # their stored bytes per device
   at_use_bytes: int     # their gathered bytes per device (float32)
   spans: frozenset      # mesh axes across hosts
+  block_bytes: int = 0      # the first Transformer block's parameters per device
+  block_variables: int = 0  # and how many variables it has
 
   @classmethod
   def of(cls, records, *, profile: ModelProfile, mesh_axes: Mapping[str, int],
          skip_axes, hosts: int = 1) -> 'PlanFacts':
     fullest = _fullest_stage_records(records)
     split = [r for r in fullest if r.use_spec is not None]
+    block = next((l.path + '/' for l in profile.leaves if l.block), None)
+    in_block = [r for r in records if block and r.path.startswith(block)]
     return cls(splits=_owner_splits(records, profile.leaves, mesh_axes, set(skip_axes)),
                variables=len(fullest), param_bytes=sum(r.bytes_per_device for r in fullest),
                split_variables=len(split), split_bytes=sum(r.bytes_per_device for r in split),
                at_use_bytes=sum(bytes_at_use(r, mesh_axes) for r in split),
-               spans=frozenset(_spanning_axes(mesh_axes, hosts)))
+               spans=frozenset(_spanning_axes(mesh_axes, hosts)),
+               block_bytes=sum(r.bytes_per_device for r in in_block),
+               block_variables=len(in_block))
 
 
 def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int], config,
@@ -171,7 +184,8 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
   terms = dict.fromkeys(('matmul', 'elementwise', 'fixed per layer', 'update',
                          'data all-reduce', 'ZeRO-1 all-gather', 'ZeRO-1 fixed',
                          'FSDP gathers', 'FSDP fixed',
-                         'tensor all-reduce', 'pipeline shifts', 'pipeline bubble'), 0.0)
+                         'tensor all-reduce', 'pipeline shifts', 'pipeline bubble',
+                         'SPMD per-tick sums'), 0.0)
   stage_of = dict(getattr(pipeline, 'layer_stages', None) or {}) if pipeline else {}
   engine = getattr(pipeline, 'engine', '')
   micro = pipeline.num_micro_batches if pipeline else 1
@@ -180,6 +194,7 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
   tensor_cross = bool(spans - {batch_axis, stage_axis})
   # Compute and tensor-parallel traffic per leaf, summed per stage (None: outside).
   parts: dict[int | None, dict[str, float]] = {}
+  pipelined_blocks = 0
   for leaf in profile.leaves:
     split = splits.get(_general(leaf.path), 1)
     remat = remat_of.get(leaf.path, False)
@@ -191,14 +206,15 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
     part = parts.setdefault(stage, dict.fromkeys(('matmul', 'elementwise', 'tensor'), 0.0))
     if mm:
       part['matmul'] += passes * mm / rates.matmul_rate(dtype, max(per_call, 1.0))
-    part['elementwise'] += (passes * leaf.other_flops * scale / (data * split)
-                            / rates.elementwise_rate(dtype))
+    other = (leaf.other_flops - leaf.stream_flops) / split + leaf.stream_flops
+    part['elementwise'] += passes * other * scale / data / rates.elementwise_rate(dtype)
     if split > 1:
       out = leaf.out_elements * scale / data * width / runs
       calls = leaf.tensor_reductions * (2 + (1 if remat else 0)) * runs
       part['tensor'] += calls * (rates.tensor_latency(split) + rates.transfer(
           'all_reduce', split, out, cross_host=tensor_cross))
     if leaf.block:  # the fixed cost of a block run, per device its program spans
+      pipelined_blocks += stage is not None
       if stage is None:
         block_runs, spanned = 1, num_devices
       elif engine == 'spmd':  # each tick runs L / (S r) stacked cells on every device
@@ -222,6 +238,7 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
   # blocks' and the step's), FSDP's gathers, the pipeline's shifts.
   param_bytes = facts.param_bytes
   data_cross = batch_axis in spans
+  data_scale = rates.collective_scale.get('data', 1.0)
   if fsdp_axis:
     at_use = facts.at_use_bytes
     # A weight is gathered where its layer runs: once per micro-batch inside a
@@ -229,14 +246,40 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
     runs = (ticks / (stages * repeats) if engine == 'spmd' else micro) if stage_of else 1
     gathers = runs * (2 if config.remat != 'none' else 1)
     terms['FSDP fixed'] = facts.split_variables * gathers * rates.fsdp_variable_s
-    terms['FSDP gathers'] = rates.collective_scale.get('fsdp', 1.0) * (
-        gathers * rates.transfer('all_gather', data, at_use * width / 4, cross_host=data_cross)
-        + rates.transfer('all_reduce', data, at_use, cross_host=data_cross))
+    if not stage_of and width < 4:
+      # meshgin's all-to-alls (`fsdp.replica_axis`): the compute dtype moved,
+      # the gradients summed once per step.
+      terms['FSDP gathers'] = rates.collective_scale.get('fsdp', 1.0) * (
+          gathers * rates.transfer('all_gather', data, at_use * width / 4,
+                                   cross_host=data_cross)
+          + rates.transfer('all_reduce', data, at_use, cross_host=data_cross))
+    else:
+      # DTensor's own collectives (float32 weights; inside a pipeline, whose
+      # stages do not split the batch for FSDP): float32 gathered, and each
+      # use's gradient reduced where it is made, as the data axis's sums are.
+      terms['FSDP gathers'] = (
+          gathers * rates.transfer('all_gather', data, at_use, cross_host=data_cross)
+          + data_scale * runs * rates.transfer('all_reduce', data, at_use,
+                                               cross_host=data_cross))
     unsplit = param_bytes - facts.split_bytes
   else:
     unsplit = param_bytes
-  terms['data all-reduce'] = rates.collective_scale.get('data', 1.0) * rates.transfer(
-      'all_reduce', data, unsplit, cross_host=data_cross)
+  if engine == 'spmd' and repeats > 1 and data > 1 and not fsdp_axis:
+    # With circular repeats a cell's weights are picked per tick by slot
+    # masks, past which DTensor cannot move the batch's gradient sum: each
+    # tick's cell gradients are summed on their own (one all-reduce per
+    # variable), not once per step with the others (`bench/spmd_repeats.py`).
+    cell = facts.block_bytes * stages  # a device's row of the [S, ...] cell weights
+    sums = ticks * pipelined_blocks // (stages * repeats)  # cells run per device
+    unsplit -= pipelined_blocks * facts.block_bytes
+    terms['SPMD per-tick sums'] = sums * (
+        data_scale * rates.transfer('all_reduce', data, cell, cross_host=data_cross)
+        + facts.block_variables * rates.latency('all_reduce', data))
+  state_split = mesh_axes.get(state_axis, 1) if state_axis and not fsdp_axis else 1
+  # With ZeRO-1 each device sums only the slice it updates: a reduce-scatter,
+  # half a ring all-reduce's traffic (`Optimizer.sliced_gradients`).
+  terms['data all-reduce'] = data_scale * rates.transfer(
+      'all_reduce', data, unsplit, cross_host=data_cross) / (2 if state_split > 1 else 1)
   if pipeline is not None and stages > 1:
     per = _boundary_elements(profile, stage_of) * scale / data * width / micro
     cross = stage_axis in spans
@@ -246,13 +289,13 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
     if engine == 'spmd':
       terms['pipeline shifts'] += ticks * rates.spmd_tick_s
   per_micro_step = (compute + terms['data all-reduce'] + terms['FSDP gathers']
-                    + terms['FSDP fixed'] + terms['pipeline shifts'] + terms['fixed per layer'])
+                    + terms['FSDP fixed'] + terms['pipeline shifts'] + terms['fixed per layer']
+                    + terms['SPMD per-tick sums'])
   for name in ('data all-reduce', 'FSDP gathers', 'FSDP fixed', 'pipeline shifts',
-               'fixed per layer',
+               'fixed per layer', 'SPMD per-tick sums',
                'matmul', 'elementwise', 'tensor all-reduce', 'pipeline bubble'):
     terms[name] *= accum
   # Once per step: the update, ZeRO-1's gather of the new parameters, the step's own.
-  state_split = mesh_axes.get(state_axis, 1) if state_axis and not fsdp_axis else 1
   elements = param_bytes / 4 / state_split
   terms['update'] = (elements * UPDATE_OPS_PER_ELEMENT / rates.elementwise_rate('float32')
                      + rates.step_s)
