@@ -16,7 +16,7 @@ fact keeps all the others. It is read where a layer's weights are made
 (`layout_core.model.weights`: `BaseLayer.fprop`, the SPMD engine's cells)
 and handed to the layer's math with them (`w.context`), not looked up inside
 it. What runs later, outside the block, takes the
-object with it: `layout_core.model.base.rematerialized` keeps the forward
+object with it: `layout_core.model.remat.rematerialized` keeps the forward
 pass's `current()` and enters that same object again for the recomputation
 in the backward pass, so a recomputed layer sees exactly the step its
 forward saw (masks, segments, residual pin, batch split).

@@ -9,6 +9,8 @@ import re
 
 import pytest
 
+from layout_core.model.base import leaf_layers, num_parameters
+from layout_core.model.layers import TransformerBlock
 from layout_core.suggest import space
 from layout_core.suggest.calibration import (Collective, Rates, load_margins, load_rates,
                                              machine_facts)
@@ -87,12 +89,13 @@ def flat_rates(**changes) -> Rates:
   return Rates(**{**base, **changes})
 
 
-def predict(plan, rates, **train):
+def predict(plan, rates, state_axis=None, **train):
   config = dataclasses.replace(plan.train, **train)
   profile = ModelProfile.of(plan.params, input_shapes=[(plan.train.batch_size, 64)])
   return predict_step(profile, records=plan.records, mesh_axes=plan.mesh_spec.shape,
                       config=config, optimizer=plan.optimizer, rates=rates,
-                      pipeline=plan.pipeline, remat_of=memory.remat_leaves(plan.params, config))
+                      pipeline=plan.pipeline, remat_of=memory.remat_leaves(plan.params, config),
+                      state_axis=state_axis)
 
 
 def test_compute_counts_the_plans_training_flops_split_over_devices():
@@ -125,6 +128,49 @@ def test_collectives_count_bytes_and_calls_by_hand():
   megatron = base_plan(files=SMALL + ['configs/layouts/megatron.gin'],
                        bindings=["mesh.shape = {'data': 2, 'model': 4}"])
   assert predict(megatron, calls).terms['tensor all-reduce'] == 4 * 4 + 2 + 2
+
+
+def test_what_zero1_and_circular_repeats_change_counts_by_hand():
+  """ZeRO-1 sums the gradients as a reduce-scatter, half an all-reduce's
+  bytes. With 2 circular repeats (lm_small's 4 blocks on 2 stages, 4
+  micro-batches: 9 ticks of 1 cell) the SPMD engine sums a whole block's
+  gradient on its own each tick, one call per block variable; the rest of
+  the model's once."""
+  per_byte = Collective(0.0, 1.0)
+  rates = flat_rates(matmul={'float32': [(1.0, float('inf'))]},
+                     collectives={'all_reduce': {2: per_byte}, 'all_gather': {2: per_byte}})
+  plan = base_plan()
+  model_bytes = 4 * plan.num_parameters  # float32, whole on every device of data=8
+  assert predict(plan, rates).terms['data all-reduce'] == model_bytes
+  assert predict(plan, rates, state_axis='data').terms['data all-reduce'] == model_bytes / 2
+  circular = base_plan(bindings=["mesh.shape = {'stage': 2, 'data': 4}",
+                                 'pipeline.num_stages = 2', "pipeline.engine = 'spmd'",
+                                 'pipeline.num_micro_batches = 4', 'pipeline.circular_repeats = 2'])
+  block = next(p for _, p in leaf_layers(circular.params) if p.cls is TransformerBlock)
+  block_bytes = 4 * num_parameters(block)
+  terms = predict(circular, rates).terms
+  assert terms['SPMD per-tick sums'] == pytest.approx(9 * block_bytes)
+  assert terms['data all-reduce'] == pytest.approx(model_bytes - 4 * block_bytes)
+  per_call = flat_rates(matmul={'float32': [(1.0, float('inf'))]},
+                        collectives={'all_reduce': {2: Collective(1.0, float('inf'))},
+                                     'all_gather': {2: Collective(1.0, float('inf'))}})
+  assert predict(circular, per_call).terms['SPMD per-tick sums'] == 9 * len(
+      block.cls.variable_specs(block))
+
+
+def test_a_tensor_split_repeats_the_residual_streams_elementwise_work():
+  """At 1 FLOP/s elementwise: data=8 splits all elementwise work 8 ways;
+  model=8 (Megatron) all but the residual stream's, which every device of
+  the split repeats: per block 2 layer norms (7 per element), 2 residual
+  adds and the FFN's output bias, and the final layer norm, on the
+  [32, 64, 256] stream, forward and backward (3 passes)."""
+  rates = flat_rates(matmul={'float32': [(1.0, float('inf'))]}, elementwise={'float32': 1.0})
+  data = predict(base_plan(), rates).terms['elementwise']
+  model = predict(base_plan(files=SMALL + ['configs/layouts/megatron.gin'],
+                            bindings=["mesh.shape = {'data': 1, 'model': 8}"]),
+                  rates).terms['elementwise']
+  stream = 3 * (4 * (2 * 7 + 3) + 7) * 32 * 64 * 256
+  assert model - data == pytest.approx(stream * (1 - 1 / 8))
 
 
 def test_pipeline_bubble_on_devices_of_their_own():

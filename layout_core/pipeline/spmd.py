@@ -60,7 +60,7 @@ from layout_core.pipeline.plan import (cell_slot, check_cell_count, check_identi
                                        check_stackable)
 from layout_core.layout.rules import UNSHARDED, LayoutRules
 from layout_core.layout.variables import dvariable, initial_value, path_seed
-from layout_core.model.base import rematerialized
+from layout_core.model.remat import rematerialized
 from layout_core.model.random import DropoutInputs
 from layout_core.model.weights import GatheredAtUse, Split, Weights, cast, waits_for
 from layout_core.step_context import StepContext, current
