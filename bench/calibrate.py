@@ -129,8 +129,15 @@ ENV = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='2')
 STEP_LINE = re.compile(r'step (\d+)/\d+ .* ([\d.]+) steps/s')
 
 
-def train_step_seconds(bindings: list[str], *, steps: int = 12) -> float:
-  """Median seconds per step of a `launch.train` run after its first 4 steps."""
+def train_step_seconds(bindings: list[str], *, steps: int = 12, runs: int = 3) -> float:
+  """Seconds per step of `launch.train` runs: the median over `runs` fresh
+  processes of each one's median after its first 4 steps (one process's
+  figure varies by 10-15% from run to run: a single run doubled a fixed
+  cost between two calibrations)."""
+  return statistics.median(_one_run_step_seconds(bindings, steps=steps) for _ in range(runs))
+
+
+def _one_run_step_seconds(bindings: list[str], *, steps: int) -> float:
   model_dir = tempfile.mkdtemp(prefix='meshgin_calibrate_')
   args = [sys.executable, '-m', 'launch.train', f'--model_dir={model_dir}',
           '--gin_file=configs/experiments/quickstart.gin',

@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 from bench.figures import (CLOCKS, FIGURES, Results, figure, in_bytes, in_millions, in_ms, in_s,
                            outcome, times)
-from bench.report_layouts import accumulation_section, calibration_section, suggest_section
+from bench.report_layouts import (accumulation_section, calibration_section,
+                                  spmd_repeats_section, suggest_section)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, 'bench', 'results')
@@ -462,6 +463,9 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
                                 'trained.', suggest_section),
         'calibration.json': Section("The cost model's rates", '`bench/calibrate.py`: this '
                                     "machine's 8 CPU devices.", calibration_section),
+        'spmd_repeats.json': Section("Circular repeats' gradient sums", '`bench/spmd_repeats.py`'
+                                     ': lm_small, `stage=2 x data=4`, SPMD engine, 4 '
+                                     'micro-batches.', spmd_repeats_section),
     },
     'Inference': {
         'decode.json': Section('Decoding with the KV cache', '`bench/decode.py`: an lm_small-'

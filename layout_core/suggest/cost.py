@@ -13,16 +13,23 @@ What one optimizer step costs on the busiest device, from the plan alone
     and backward, +1 forward when it is rematerialised, split over the batch
     (data axis) and over the axes its weights are split on (tensor
     parallelism), at the calibrated matmul rate for the size of its matmuls
-    and the compute dtype; its other FLOPs at the elementwise rate;
+    and the compute dtype; its other FLOPs at the elementwise rate, those on
+    the residual stream (a block's layer norms, residual adds, output bias)
+    split over the batch only: every device of a tensor split repeats them;
   * communication, each collective at the calibrated time for its kind, mesh
     axis size and message size (across hosts when the axis spans them):
-    data-parallel gradient all-reduce per micro-step; ZeRO-1's all-gather of
-    the updated parameters per step; FSDP's all-gather of each weight at use
-    (per micro-batch in a pipeline; again in the backward of a recomputed
-    layer) and its gradient's reduction; tensor parallelism's all-reduce of a split layer's output in
-    the forward and of its input gradient in the backward (two each for a
-    Transformer block); a pipeline's shift of each micro-batch's activations
-    between stages, forward and backward;
+    data-parallel gradient all-reduce per micro-step (with ZeRO-1 a
+    reduce-scatter, half the traffic; with the SPMD engine's circular
+    repeats, the cells' gradients summed per tick, `bench/spmd_repeats.py`);
+    ZeRO-1's all-gather of the updated parameters per step; FSDP's
+    all-gather of each weight at use (per micro-batch in a pipeline; again
+    in the backward of a recomputed layer) and its gradient's reduction
+    (meshgin's all-to-alls in the compute dtype where the step splits the
+    batch for them, bfloat16 outside a pipeline; else DTensor's, float32,
+    the gradient summed per use); tensor parallelism's all-reduce of a split
+    layer's output in the forward and of its input gradient in the backward
+    (two each for a Transformer block); a pipeline's shift of each
+    micro-batch's activations between stages, forward and backward;
   * the pipeline bubble: a stage idles for S - 1 of M + S - 1 slots
     (`PipelinePlan.bubble_fraction`) on devices of its own; where the devices
     share the host's cores (CPU) the sub-mesh engine's idle stages give their
