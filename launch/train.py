@@ -167,7 +167,8 @@ def main(argv):
         run_plan = plan.make_plan()
         plan.check_model_dir(MODEL_DIR.value)
         if cluster.client_id == 0:  # one writer per model_dir, before anything else
-          held.append(DirectoryLock.acquire(MODEL_DIR.value, purpose='launch.train'))
+          with watcher.uninterrupted():  # a lock taken is a lock released on the way out
+            held.append(DirectoryLock.acquire(MODEL_DIR.value, purpose='launch.train'))
         join(run_plan, cluster, record)
         result = train(run_plan, cluster, watcher, record)
         final = run_status.PREEMPTED if result.stopped_early else run_status.COMPLETED

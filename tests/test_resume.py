@@ -173,6 +173,24 @@ def test_a_start_up_stop_that_other_code_swallowed_still_stops_at_the_hand_over(
     assert not quiet.stopped_during_start_up
 
 
+def test_a_start_up_signal_waits_for_an_uninterrupted_step_to_end():
+  """Taking the model_dir's lock and registering its release happen whole:
+  a signal in between raises only when the step ends (else the lock's record
+  stayed in the file: a run stopped at start-up changed the directory)."""
+  from layout_core.train.preemption import Interrupted, PreemptionWatcher
+  done = []
+  with PreemptionWatcher(immediate=True) as watcher:
+    with pytest.raises(Interrupted):
+      with watcher.uninterrupted():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # the handler has run by now, and raised nothing
+        done.append('whole')
+    assert done == ['whole']
+    with pytest.raises(Interrupted):
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(1)  # outside the step: at once, as before
+
+
 def test_sigterm_during_start_up_exits_0_and_changes_nothing(tmp_path):
   """A stop signal at any moment before training starts: exit 0, a message,
   and the existing run byte-identical (nothing had been written yet)."""

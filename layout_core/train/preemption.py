@@ -20,6 +20,7 @@ while a save is under way is remembered, not fatal: the save finishes.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 
@@ -45,12 +46,15 @@ class PreemptionWatcher:
     self.requested = False
     self.signal_name: str | None = None
     self._immediate = immediate
+    self._holding = False
     self._previous = {}
 
   def _handle(self, signum, frame) -> None:
     del frame
     self.signal_name = signal.Signals(signum).name
     if self._immediate:
+      if self._holding:
+        return  # `uninterrupted`: raised when its block ends
       raise Interrupted(self.signal_name)
     if not self.requested:
       logging.warning('%s received: finishing the current step, then saving and '
@@ -71,6 +75,19 @@ class PreemptionWatcher:
     `Interrupted` it raised may have been turned into another error (or
     swallowed) by code it crossed, e.g. a C extension's import."""
     return self.signal_name is not None and self._immediate
+
+  @contextlib.contextmanager
+  def uninterrupted(self):
+    """A start-up step that must happen whole (taking the model_dir's lock
+    and registering its release): a start-up signal inside it raises
+    `Interrupted` when the block ends, not in the middle."""
+    self._holding = True
+    try:
+      yield
+    finally:
+      self._holding = False
+    if self.stopped_during_start_up:
+      raise Interrupted(self.signal_name)
 
   def defer(self) -> None:
     """From now on a signal only sets `requested` (see module docstring).
