@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -36,12 +35,12 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from bench.calibrate import STEP_LINE  # noqa: E402
 from bench.common import RESULTS, read_trace, write_json  # noqa: E402
 
 LAYOUT = ["mesh.shape = {'stage': 2, 'data': 4}", 'layout_rules.rules = []',
           "train.compute_dtype = 'bfloat16'", 'pipeline.num_stages = 2',
           "pipeline.engine = 'spmd'", 'pipeline.num_micro_batches = 4']
-STEP_LINE = re.compile(r'step (\d+)/\d+ .* ([\d.]+) steps/s')
 PROFILED = 2  # steps
 
 

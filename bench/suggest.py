@@ -156,7 +156,7 @@ def combined(have: dict | None, runs: list[dict]) -> dict:
   first = have or runs[0]
   return {**first, 'step_seconds': statistics.median(each),
           'peak_bytes': max([r['peak_bytes'] for r in runs] + [first['peak_bytes']]),
-          'seconds': first['seconds'] * (have is not None) + sum(r['seconds'] for r in runs),
+          'seconds': (have['seconds'] if have else 0.0) + sum(r['seconds'] for r in runs),
           'step_seconds_each': each}
 
 
