@@ -1,7 +1,7 @@
 """The figures of docs/concepts.md, drawn from the `mesh.json` of real runs.
 
     python -m tests.concept_figures            # rewrites docs/img/concepts-*.svg
-    python -m tests.concept_figures /tmp/figs  # or writes them elsewhere
+    python -m tests.concept_figures figs/  # or writes them elsewhere
 
 Each run in `RUNS` is built the way `launch.train` builds it before its first
 step, in this process on 8 virtual CPU devices: gin files -> typed plan

@@ -23,6 +23,7 @@ import pytest
 
 from layout_core import tf_internals
 from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus
+from tests import cpu_ledger
 from tests.zygote import Zygote, ZygoteUnavailable, close_session_zygote, session_zygote
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,6 +91,18 @@ def slurm(tmp_path_factory):
     yield cluster
 
 
+@pytest.fixture(scope='session')
+def classifier_data(tmp_path_factory) -> list[str]:
+  """The classifier example's data (configs/experiments/classifier_tfrecord.gin
+  reads it from a fixed path a user writes it to), written small into this
+  session's tmp dir; the gin bindings that point the config at it."""
+  from examples.classifier.write_data import write_blobs  # pylint: disable=g-import-not-at-top
+  root = tmp_path_factory.mktemp('classifier_data')
+  write_blobs(str(root), num_train=64, num_eval=16)
+  return [f"tfrecord_task.train_files = '{root}/train-*.tfrecord'",
+          f"tfrecord_task.eval_files = '{root}/eval-*.tfrecord'"]
+
+
 @pytest.fixture(autouse=True)
 def clean_gin():
   gin.clear_config()
@@ -112,8 +125,34 @@ def run_module(module: str, *args: str, timeout: float = 300, env: dict | None =
   full_env = {name: value for name, value in launcher_environment(env).items()
               if value is not None}
   done = None if fresh else _from_zygote('run', [module, *args], env=full_env, timeout=timeout)
-  return done if done is not None else subprocess.run([sys.executable, '-m', module, *args], cwd=REPO_ROOT,
-                        capture_output=True, text=True, timeout=timeout, env=full_env)
+  return done if done is not None else _run_fresh([module, *args], env=full_env, timeout=timeout)
+
+
+def _run_fresh(argv: list[str], *, env: dict, timeout: float) -> subprocess.CompletedProcess:
+  """`subprocess.run([python, -m, *argv], capture_output=True, text=True)`,
+  its CPU seconds entered in the ledger (tests/cpu_ledger.py)."""
+  command = [sys.executable, '-m', *argv]
+  with subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True) as process:
+    captured = {}
+    readers = [threading.Thread(target=lambda name, f: captured.__setitem__(name, f.read()),
+                                args=(name, getattr(process, name)), daemon=True)
+               for name in ('stdout', 'stderr')]
+    for reader in readers:
+      reader.start()
+    cpu = cpu_ledger.exited_cpu(process.pid, timeout)
+    if cpu is None:
+      process.kill()
+      process.wait()
+      for reader in readers:
+        reader.join(10)
+      raise subprocess.TimeoutExpired(command, timeout, output=captured.get('stdout'),
+                                      stderr=captured.get('stderr'))
+    cpu_ledger.add(cpu, argv, reaped_here=True)
+    code = process.wait()
+    for reader in readers:
+      reader.join()
+  return subprocess.CompletedProcess(command, code, captured['stdout'], captured['stderr'])
 
 
 def launcher_environment(changes: dict | None = None) -> dict:
@@ -137,8 +176,19 @@ def _from_zygote(method: str, argv: list[str], **kwargs):
     return None
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+  """Charges the test's file with the CPU seconds its test (and the fixtures it
+  started) took, launched runs included (tests/cpu_ledger.py)."""
+  before = cpu_ledger.seconds_so_far()
+  yield
+  cpu_ledger.charge(item.nodeid.split('::')[0], cpu_ledger.seconds_so_far() - before)
+
+
 def pytest_sessionfinish():
   close_session_zygote()  # reaped, so its runs' CPU time counts as the session's
+  if os.environ.get('MESHGIN_TEST_CPU_LOG'):
+    cpu_ledger.write(os.environ['MESHGIN_TEST_CPU_LOG'])
 
 
 def run_modules(calls: Sequence[tuple[str, ...]], *, envs: Sequence[dict | None] = (),

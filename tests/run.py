@@ -6,18 +6,24 @@ One pytest process keeps ~1.5 of the 2 cores busy (its tests wait on
 subprocess start-ups, compiles run partly on one core), so the test files are
 cut into two shards of about equal measured time and run at once, each with
 its own temporary directory. Each shard's report is printed whole
-when it ends; the exit status is the worse of the two. Given test paths, it
-is plain pytest on those paths.
+when it ends, then where the CPU time went (tests/cpu_ledger.py: the
+costliest test files and launched runs) and the total CPU seconds of every
+process the suite ran; the exit status is the worse of the two. Given test
+paths, it is plain pytest on those paths.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
 import time
+
+from tests import cpu_ledger
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
@@ -59,13 +65,17 @@ def main(args: list[str]) -> int:
   if any(not a.startswith('-') and os.path.exists(a.split('::')[0]) for a in args):
     return subprocess.call(pytest + args, cwd=REPO)
   files = [os.path.relpath(f, REPO) for f in glob.glob(os.path.join(TESTS, 'test_*.py'))]
+  began = time.monotonic()
   with tempfile.TemporaryDirectory(prefix='meshgin-tests-') as scratch:
     running = []
+    ledgers = [os.path.join(scratch, f'cpu-{index}.json') for index in range(SHARDS)]
     for index, shard in enumerate(shards(files, SHARDS)):
       log = open(os.path.join(scratch, f'shard-{index}.log'), 'w+')
       command = pytest + [*args, f'--basetemp={scratch}/tmp-{index}', *shard]
+      env = {**os.environ, 'MESHGIN_TEST_CPU_LOG': ledgers[index]}
       running.append((index, shard, log, time.monotonic(),
-                      subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)))
+                      subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                       env=env)))
     worst = 0
     while running:
       time.sleep(0.5)
@@ -81,6 +91,14 @@ def main(args: list[str]) -> int:
         log.close()
         # pytest's 5 (no tests collected, e.g. a -m that leaves a shard empty) is no failure
         worst = max(worst, 0 if process.returncode == 5 else process.returncode)
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process waited for, below
+    found = []
+    for path in ledgers:
+      if os.path.exists(path):
+        with open(path) as f:
+          found.append(json.load(f))
+    print(cpu_ledger.report(found, total=usage.ru_utime + usage.ru_stime,
+                            wall=time.monotonic() - began), flush=True)
     return worst
 
 

@@ -41,13 +41,10 @@ def test_there_are_configs_of_every_kind():
 
 
 @pytest.mark.parametrize('path', all_configs())
-def test_config_parses_and_builds(path, tmp_path):
+def test_config_parses_and_builds(path, tmp_path, classifier_data):
   bindings = []
   if path.endswith('classifier_tfrecord.gin'):  # its data, written as the README says
-    from examples.classifier.write_data import write_blobs  # pylint: disable=g-import-not-at-top
-    write_blobs(str(tmp_path), num_train=64, num_eval=16)
-    bindings += [f"tfrecord_task.train_files = '{tmp_path}/train-*.tfrecord'",
-                 f"tfrecord_task.eval_files = '{tmp_path}/eval-*.tfrecord'"]
+    bindings += classifier_data
   if path.endswith('lm_corpus.gin'):  # a few token documents in place of prepare_data's
     from layout_core.tasks.corpus import write_documents  # pylint: disable=g-import-not-at-top
     write_documents(str(tmp_path / 'train-{shard}.tfrecord'), [[5, 6, 7, 1]] * 8, num_shards=2)

@@ -67,8 +67,11 @@ def runs(corpus, tmp_path_factory):
   straight = Launched('launch.train', *corpus_args(corpus), f'--model_dir={straight_dir}',
                       label='uninterrupted run')
   model_dir = str(tmp_path_factory.mktemp('stopped'))
-  run = Launched('launch.train', *corpus_args(corpus), f'--model_dir={model_dir}',
-                 label='stopped run')
+  # The stopped run is told to train far longer (the learning rate is constant,
+  # so its steps are the same): it cannot end before the SIGTERM reaches it,
+  # however busy the machine.
+  run = Launched('launch.train', *corpus_args(corpus, '--gin_bindings=train.num_steps = 100000'),
+                 f'--model_dir={model_dir}', label='stopped run')
   with killed_if_left(straight, run):
     output = run.stop_after(r'step 5/', timeout=300)
     straight_output = straight.finish(timeout=300)

@@ -263,12 +263,13 @@ def test_tokenizers_of_each_task(tmp_path):
   tokens.check_vocabulary(byte, model_vocab=256, task_vocab=256)
 
 
-def test_sample_every_is_refused_where_it_cannot_run():
+def test_sample_every_is_refused_where_it_cannot_run(classifier_data):
   from plugins import gin_setup, plan  # pylint: disable=g-import-not-at-top
-  for files, refused in ((['configs/experiments/lm_pipeline.gin'], 'pipelined'),
-                         (['configs/experiments/classifier_tfrecord.gin'], 'Transformer LM')):
+  for files, data, refused in (
+      (['configs/experiments/lm_pipeline.gin'], [], 'pipelined'),
+      (['configs/experiments/classifier_tfrecord.gin'], classifier_data, 'Transformer LM')):
     with pytest.raises(ConfigError, match=f'train.sample_every.*{refused}'):
-      with gin_setup.parsed_config(files=files, bindings=['train.sample_every = 5'],
+      with gin_setup.parsed_config(files=files, bindings=[*data, 'train.sample_every = 5'],
                                    search_paths=[]):
         plan.make_plan()
   with pytest.raises(ConfigError, match='train.sample_tokens'):

@@ -594,21 +594,22 @@ def test_a_bad_gin_block_is_reported():
 
 def test_local_cluster_passes_what_follows_double_dash_to_launch_train():
   assert _problems('```sh\npython -m launch.local_cluster --num_clients=2 -- \\\n'
-                   '    --gin_file=configs/experiments/lm_2d.gin --model_dir=/tmp/r\n```\n') == []
+                   '    --gin_file=configs/experiments/lm_2d.gin --model_dir=runs/r\n```\n') == []
   assert _problems('```sh\npython -m launch.local_cluster --num_clients=2 -- '
-                   '--gin_file=configs/nope.gin --modeldir=/tmp/r\n```\n') == [
+                   '--gin_file=configs/nope.gin --modeldir=runs/r\n```\n') == [
       'synthetic.md:2: launch.train has no flag --modeldir',
       'synthetic.md:2: launch.train needs --model_dir (it has no default)',
       'synthetic.md:2: --gin_file=configs/nope.gin does not exist']
 
 
-def test_data_a_page_writes_first_may_be_missing_other_data_may_not():
+def test_data_a_page_writes_first_may_be_missing_other_data_may_not(tmp_path):
+  nowhere = tmp_path / 'nowhere' / 'c'
   train = ('python -m launch.train --gin_file=configs/experiments/lm_corpus.gin --model_dir=r '
-           "--gin_bindings=\"lm_corpus.train_files = '/tmp/meshgin_nowhere/c/train-*.tfrecord'\"")
+           f"--gin_bindings=\"lm_corpus.train_files = '{nowhere}/train-*.tfrecord'\"")
   problems = _problems(f'```sh\n{train}\n```\n')
   assert len(problems) == 1 and 'no file matches the train pattern' in problems[0]
   report = check_markdown('```sh\npython -m launch.prepare_data '
-                          f'--output_dir=/tmp/meshgin_nowhere/c\n{train}\n```\n')
+                          f'--output_dir={nowhere}\n{train}\n```\n')
   assert report.problems == [] and 'its data is written by a command' in report.skipped[0]
 
 

@@ -88,7 +88,7 @@ def test_random_search_is_seeded_and_draws_from_the_declared_ranges():
 
 def test_trial_names_are_readable_unique_and_file_system_safe():
   axes = [parse_axis("mesh.shape=[{'data': 8}, {'data': 2, 'model': 4}]"),
-          parse_axis("data.text_file=['/tmp/a b.txt', '../x', @ref()]"),
+          parse_axis("data.text_file=['/data/a b.txt', '../x', @ref()]"),
           parse_axis('train.seed=[1, 2]'), parse_axis('data.seed=[1]')]
   names = [t.name for t in expand(axes)]
   assert len(set(names)) == len(names) == 12

@@ -26,7 +26,7 @@ fresh interpreter instead: `Zygote.start` refuses it (ZygoteUnavailable) and
 
 Protocol, on a Unix socket: the client sends a length-prefixed JSON request
 ({argv, cwd, env}) with its stdout and stderr descriptors (SCM_RIGHTS); the
-zygote answers `pid N` at the fork and `exit CODE` when the child ends, or
+zygote answers `pid N` at the fork and `exit CODE CPU_SECONDS` when the child ends, or
 `refused WHY` instead of forking. The zygote ends when its stdin (a pipe from
 the test process) closes.
 
@@ -55,6 +55,8 @@ import tempfile
 import threading
 import traceback
 from typing import Mapping, Sequence
+
+from tests import cpu_ledger
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What TensorFlow, Keras, Python or the C libraries read when they are loaded:
@@ -235,13 +237,14 @@ def serve(path: str, setup: Sequence[str] = ()) -> None:
       conn.sendall(f'pid {pid}\n'.encode())
       children[pid] = conn
     while children:
-      pid, status = os.waitpid(-1, os.WNOHANG)
+      pid, status, usage = os.wait4(-1, os.WNOHANG)
       if not pid:
         break
       conn = children.pop(pid, None)
       if conn is not None:
         try:
-          conn.sendall(f'exit {os.waitstatus_to_exitcode(status)}\n'.encode())
+          cpu = usage.ru_utime + usage.ru_stime  # its own and its reaped children's
+          conn.sendall(f'exit {os.waitstatus_to_exitcode(status)} {cpu:.3f}\n'.encode())
         except OSError:
           pass
         conn.close()
@@ -322,7 +325,7 @@ class Zygote:
         os.close(w)
     streams = [open(r, encoding='utf-8', errors='replace') for r, _ in pipes]
     return Forked(conn, pid, pending, stdout=streams[0],
-                  stderr=streams[1] if stderr_apart else None)
+                  stderr=streams[1] if stderr_apart else None, argv=argv)
 
   def _request(self, request: dict, fds: Sequence[int]) -> tuple[socket.socket, int, bytes]:
     """Sends `request` with `fds`: (connection, the child's pid, bytes read past its line)."""
@@ -379,7 +382,9 @@ class Forked:
   returncode, poll, wait, send_signal, terminate, kill. Its exit status
   comes over the socket."""
 
-  def __init__(self, conn: socket.socket, pid: int, pending: bytes, stdout, stderr=None):
+  def __init__(self, conn: socket.socket, pid: int, pending: bytes, stdout, stderr=None,
+               argv: Sequence[str] = ()):
+    self.argv = list(argv)
     self._conn = conn
     self._pending = pending
     self.stdout = stdout
@@ -404,8 +409,11 @@ class Forked:
         line = self._line(timeout)
       except (socket.timeout, BlockingIOError):
         return None
-      self.returncode = int(line.split()[1]) if line else -signal.SIGKILL
+      words = line.split()
+      self.returncode = int(words[1]) if line else -signal.SIGKILL
       self._conn.close()
+      if line:
+        cpu_ledger.add(float(words[2]), self.argv)
     return self.returncode
 
   def poll(self) -> int | None:
