@@ -20,6 +20,7 @@ from typing import Sequence
 
 import gin
 import pytest
+import tensorflow as tf
 
 from layout_core import tf_internals
 from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus
@@ -29,6 +30,17 @@ from tests.zygote import Zygote, ZygoteUnavailable, close_session_zygote, sessio
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_DEVICES = 8
 assert configure_virtual_cpus(NUM_DEVICES) >= NUM_DEVICES
+# This process compiles hundreds of tiny step functions and runs each a few
+# times, so compiling is most of its work, and Grappler's rewrites are about
+# half of each compile (bench/grappler_compile_cost.py: three steps of a
+# composition cell take 1.5-1.9x the CPU seconds with them, losses equal to
+# 1e-7). Its meta optimizer is off here, in this process only: the math the
+# in-process tests compare is the same, and every run a test launches
+# (launch.train and the others, forked from the zygote or fresh) compiles
+# with Grappler as a user's does, which is where its rewrites are tested
+# (tests/test_tf_internals.py shows the one meshgin works around, in a
+# process of its own).
+tf.config.optimizer.set_experimental_options({'disable_meta_optimizer': True})
 # This process builds meshes of every shape, in whatever order the tests run:
 # DTensor's default all-gather lowering, decided before the first mesh (a
 # one-axis first mesh would choose CollectiveGatherV2, then refuse 2-D ones).

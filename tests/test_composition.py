@@ -31,6 +31,7 @@ from layout_core.tasks.corpus import LMCorpusTask
 from layout_core.tasks.lm import MarkovTask
 from layout_core.train.config import TrainConfig
 from tests import composition
+from tests.numerics import assert_close
 from tests.conftest import REPO_ROOT, read_events, run_modules
 from tests.test_layout_scope import MEGATRON
 
@@ -123,12 +124,11 @@ def traces(mesh_2x4, stage_mesh):
 
 
 def assert_same(reference: dict, other: dict, tolerance: str, where: str) -> None:
-  atol = composition.TOLERANCES[tolerance]
+  rel = composition.TOLERANCES[tolerance]
   for key in ('loss', 'grad_norm'):
-    np.testing.assert_allclose(other[key], reference[key], rtol=atol, atol=atol,
-                               err_msg=f'{where}: {key}')
+    assert_close(other[key], reference[key], rel=rel, what=f'{tolerance} {key}: {where}')
   if reference['eval'] is not None:
-    assert other['eval'] == pytest.approx(reference['eval'], rel=atol, abs=atol), where
+    assert_close(other['eval'], reference['eval'], rel=rel, what=f'{tolerance} eval: {where}')
 
 
 CELLS = [c for c in composition.all_pairs() if c != composition.reference(c)]
@@ -166,8 +166,10 @@ def test_remat_on_packed_documents_trains_the_function_without_it(remat, traces)
   base = {n: s[0] for n, s in composition.FACTORS.items()}
   kept = traces({**base, 'packed': True}, steps=20)
   recomputed = traces({**base, 'packed': True, 'remat': remat}, steps=20)
-  np.testing.assert_allclose(recomputed['loss'], kept['loss'], rtol=1e-6, atol=1e-6)
-  assert recomputed['eval'] == pytest.approx(kept['eval'], rel=1e-6)
+  assert_close(recomputed['loss'], kept['loss'], rel=composition.TOLERANCES['exact'],
+               what='exact loss')
+  assert_close(recomputed['eval'], kept['eval'], rel=composition.TOLERANCES['exact'],
+               what='exact eval')
   assert traces(base)['loss'][0] != pytest.approx(kept['loss'][0], rel=1e-3)
 
 
@@ -205,8 +207,8 @@ def test_two_clients_train_as_one_process_running_the_reference(tmp_path):
                 for run in ('one', 'two'))
     assert sorted(one) == sorted(two) == [1, 2, 3, 4], (one, two)
     tolerance = composition.TOLERANCES[composition.tolerance(cell)]
-    np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)],
-                               rtol=tolerance, atol=tolerance, err_msg=composition.name(cell))
+    assert_close([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rel=tolerance,
+                 what=f'two clients: {composition.name(cell)}')
 
 
 def test_the_docs_table_is_the_tests_own_list():

@@ -13,6 +13,7 @@ from layout_core.layout.rules import LayoutRules
 from layout_core.train.config import TrainConfig
 from layout_core.run import make_trainer
 from layout_core.layout.variables import to_numpy
+from tests.numerics import assert_close
 
 MEGATRON = [
     (r'.*/attn/w[qkv]', ('unsharded', 'model', 'unsharded')),
@@ -84,16 +85,15 @@ def test_sharded_run_matches_replicated_run(mesh_2x4, mesh_data8):
     batch = {'tokens': task.batch(step=step, batch_size=8)}
     loss_a = float(to_numpy(sharded.train_step(batch)[0]))
     loss_b = float(to_numpy(replicated.train_step(batch)[0]))
-    assert loss_a == pytest.approx(loss_b, rel=1e-5), step
+    assert_close(loss_a, loss_b, rel=1e-5, what=f'loss: step {step}')  # measured: TBD
   final = {'tokens': task.batch(step=9, batch_size=8)}
   final_a = float(to_numpy(sharded.engine.evaluate(sharded.engine.pack(final))[0]))
   final_b = float(to_numpy(replicated.engine.evaluate(replicated.engine.pack(final))[0]))
-  assert final_a == pytest.approx(final_b, rel=1e-5)
+  assert_close(final_a, final_b, rel=1e-5, what='eval loss')  # measured: TBD
   assert final_a < float(np.log(32))  # it trained
-  # Sharded reductions sum in another order (~1e-7 relative); Adam divides by
-  # sqrt(v), which turns a near-zero gradient's rounding into up to a full lr
-  # step, so weights get an absolute bound of 1% of lr * steps.
+  # Sharded reductions sum in another order; Adam divides by sqrt(v), which
+  # turns a near-zero gradient's rounding into up to a full lr step.
+  # measured: TBD
   for path in sharded.engine.variables:
-    np.testing.assert_allclose(to_numpy(sharded.engine.variables[path]),
-                               to_numpy(replicated.engine.variables[path]),
-                               rtol=1e-4, atol=0.01 * 1e-2 * 4, err_msg=path)
+    assert_close(to_numpy(sharded.engine.variables[path]),
+                 to_numpy(replicated.engine.variables[path]), rel=1e-3, what=f'weights: {path}')

@@ -17,6 +17,7 @@ from layout_core.model.lm import transformer_lm_params
 from layout_core.layout.mesh import MeshSpec, build_mesh
 from layout_core.layout.rules import LayoutRules
 from layout_core.layout.variables import to_numpy
+from tests.numerics import assert_close
 
 
 def brute_force_best(costs, k):
@@ -120,8 +121,8 @@ def test_pipelined_equals_sequential_forward_loss_and_gradients(k, m, batch_dim,
   (out, loss, grads), (ref, ref_loss, ref_grads) = reference_and_pipelined(k, m, batch_dim,
                                                                            devices8)
   assert not np.isnan(out.numpy()).any()  # no bubble slot (NaN-filled) leaked in
-  np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(loss.numpy(), ref_loss.numpy(), rtol=1e-5)
+  assert_close(out.numpy(), ref.numpy(), rel=1e-05, what='out.numpy()')  # measured: TBD
+  assert_close(loss.numpy(), ref_loss.numpy(), rel=1e-05, what='loss.numpy()')  # measured: TBD
   for g, r in zip(grads, ref_grads):
     # Summation order differs (micro-batches are summed apart), so an element
     # that cancels to near zero is off by float32 rounding of the largest terms.
@@ -189,8 +190,8 @@ def test_crossing_sub_meshes_with_sharded_activations_gives_plain_tf_values(devi
   ref = tf.constant(x_value)
   for stage in plain:
     ref = stage(ref)
-  np.testing.assert_allclose(to_numpy(out), ref.numpy(), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(to_numpy(loss), tf.reduce_sum(ref ** 2).numpy(), rtol=1e-5)
+  assert_close(to_numpy(out), ref.numpy(), rel=1e-05, what='to_numpy(out)')  # measured: TBD
+  assert_close(to_numpy(loss), tf.reduce_sum(ref ** 2).numpy(), rel=1e-05, what='to_numpy(loss)')  # measured: TBD
 
 
 @pytest.mark.parametrize('shape,num_micro', [
@@ -225,9 +226,9 @@ def test_gpipe_training_on_sub_meshes_equals_plain_tf(shape, num_micro, devices8
     ref_loss = loss_fn(plain(tf.constant(x)), tf.constant(target))
   ref_grads = dict(zip((v.name for v in plain.trainable_variables),
                        tape.gradient(ref_loss, plain.trainable_variables)))
-  np.testing.assert_allclose(to_numpy(loss), ref_loss.numpy(), rtol=1e-5)
-  np.testing.assert_allclose(to_numpy(gpipe.loss(micro_x, micro_t)), ref_loss.numpy(),
-                             rtol=1e-5)
+  assert_close(to_numpy(loss), ref_loss.numpy(), rel=1e-05, what='to_numpy(loss)')  # measured: TBD
+  assert_close(to_numpy(gpipe.loss(micro_x, micro_t)), ref_loss.numpy(), rel=1e-05,
+               what='to_numpy(gpipe.loss(micro_x micro_t))')  # measured: TBD
   path_of = {id(v): path for path, v in scope.variables.items()}
 
   def reference(variable):  # a plain variable is named by its path, a DVariable by its last part
@@ -235,11 +236,11 @@ def test_gpipe_training_on_sub_meshes_equals_plain_tf(shape, num_micro, devices8
   checked = 0
   for variables, stage_grads, squared in zip(gpipe.variables, grads, squared_norms):
     for variable, grad in zip(variables, stage_grads):
-      np.testing.assert_allclose(to_numpy(grad), reference(variable), rtol=1e-5, atol=1e-7,
-                                 err_msg=path_of[id(variable)])
+      assert_close(to_numpy(grad), reference(variable), rel=1e-05,
+                   what=f'to_numpy(grad): {path_of[id(variable)]}')  # measured: TBD
       checked += 1
-    np.testing.assert_allclose(to_numpy(squared),
-                               sum(np.sum(reference(v) ** 2) for v in variables), rtol=1e-5)
+    assert_close(to_numpy(squared), sum(np.sum(reference(v) ** 2) for v in variables), rel=1e-05,
+                 what='to_numpy(squared)')  # measured: TBD
   assert checked == len(plain.trainable_variables)
 
 
@@ -275,8 +276,8 @@ def test_fetched_activations_reach_the_pipeline_output(kind, m, devices8):
   plain = [p.Instantiate(parent_path='net') for p in (first, second)]
   ref_hidden, ref_fetched = plain[0](tf.constant(x_value))
   ref_out = plain[1](ref_hidden)
-  np.testing.assert_allclose(to_numpy(out), ref_out.numpy(), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(to_numpy(fetched), ref_fetched.numpy(), rtol=1e-5, atol=1e-6)
+  assert_close(to_numpy(out), ref_out.numpy(), rel=1e-05, what='to_numpy(out)')  # measured: TBD
+  assert_close(to_numpy(fetched), ref_fetched.numpy(), rel=1e-05, what='to_numpy(fetched)')  # measured: TBD
   assert to_numpy(fetched).shape == (8, 8)
 
 

@@ -15,6 +15,7 @@ from layout_core.layout.rules import LayoutRules
 from layout_core.train.config import TrainConfig
 from layout_core.run import make_trainer
 from layout_core.layout.variables import to_numpy
+from tests.numerics import assert_close
 from tests.test_layout_scope import MEGATRON, small_lm
 
 
@@ -52,18 +53,20 @@ def test_pipelined_training_matches_plain_training(stage_mesh, mesh_data8, tmp_p
     batch = piped.task.batch(step=step, batch_size=8)
     loss_a, _, norm_a, metrics_a = piped.train_step({'tokens': batch})
     loss_b, _, norm_b, metrics_b = plain.train_step({'tokens': batch})
-    assert float(to_numpy(loss_a)) == pytest.approx(float(to_numpy(loss_b)), rel=1e-5)
-    assert float(to_numpy(metrics_a['accuracy'])) == pytest.approx(
-        float(to_numpy(metrics_b['accuracy'])), abs=1e-6)
-    assert float(to_numpy(norm_a)) == pytest.approx(float(to_numpy(norm_b)), rel=1e-4)
+    # measured: TBD
+    assert_close(to_numpy(loss_a), to_numpy(loss_b), rel=1e-5, what=f'loss: step {step}')
+    assert_close(to_numpy(metrics_a['accuracy']), to_numpy(metrics_b['accuracy']), rel=1e-6,
+                 what=f'accuracy: step {step}')
+    assert_close(to_numpy(norm_a), to_numpy(norm_b), rel=1e-4, what=f'grad norm: step {step}')
   assert piped.current_step == plain.current_step == 3
   (piped_loss, piped_metrics), (plain_loss, plain_metrics) = piped.evaluate(), plain.evaluate()
-  assert piped_loss == pytest.approx(plain_loss, rel=1e-5)
+  assert_close(piped_loss, plain_loss, rel=1e-5, what='eval loss')  # measured: TBD
   assert piped_metrics.keys() == plain_metrics.keys() == {'accuracy'}
-  assert piped_metrics['accuracy'] == pytest.approx(plain_metrics['accuracy'], abs=1e-6)
-  for path, variable in piped.engine.variables.items():  # tolerance: see test_layout_scope
-    np.testing.assert_allclose(to_numpy(variable), to_numpy(plain.engine.variables[path]),
-                               rtol=1e-4, atol=0.01 * 1e-2 * 3, err_msg=path)
+  assert_close(piped_metrics['accuracy'], plain_metrics['accuracy'], rel=1e-6,
+               what='eval accuracy')  # measured: TBD
+  for path, variable in piped.engine.variables.items():  # Adam: see test_layout_scope
+    assert_close(to_numpy(variable), to_numpy(plain.engine.variables[path]), rel=1e-3,
+                 what=f'weights: {path}')  # measured: TBD
 
   checkpointer = Checkpointer(directory=str(tmp_path), state=piped.state(),
                               config=CheckpointConfig())

@@ -19,6 +19,7 @@ from layout_core.layout.variables import to_numpy
 from layout_core.model import layers
 from plugins import gin_setup, plan as plan_lib
 from plugins.training import build_trainer
+from tests.numerics import assert_close
 from tests.conftest import REPO_ROOT
 
 STEPS = 20
@@ -46,4 +47,4 @@ def test_pinned_residual_keeps_the_losses(config, devices8, monkeypatch):
   monkeypatch.setattr(layers, 'residual', lambda x, pin: x)
   old = losses(config, *SMALLER[config])
   assert new[-1] < new[0]  # it trains
-  assert new == pytest.approx(old, rel=1e-5)
+  assert_close(new, old, rel=1e-05, what='new')  # measured: TBD

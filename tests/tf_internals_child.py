@@ -4,6 +4,7 @@ defaults; no all-gather lowering decided yet), which the tests' shared
 process no longer has. It prints `RESULT <json>` last.
 
     python -m tests.tf_internals_child sums             # without keep_sums_whole
+    python -m tests.tf_internals_child kept             # with it (build_mesh)
     python -m tests.tf_internals_child gathers          # a process whose first mesh is data=8
     python -m tests.tf_internals_child gathers_2d       # ... is data=2 x model=4
     python -m tests.tf_internals_child store 0 localhost:9001,localhost:9002   # one client
@@ -64,7 +65,7 @@ def sums() -> dict:
   """The sharded sum of four gradients (bench/grappler_addn_limit.py) with
   TensorFlow's defaults: no `keep_sums_whole`. (Not retried with it here:
   DTensor keeps the function it compiled, failure included, by the
-  function's fingerprint; the shared test process runs it with it.)"""
+  function's fingerprint; `kept` runs it with it.)"""
   from bench.grappler_addn_limit import sum_of_four_error  # pylint: disable=g-import-not-at-top
   from layout_core.lazy import dtensor  # pylint: disable=g-import-not-at-top
   from layout_core.layout.mesh import configure_virtual_cpus  # pylint: disable=g-import-not-at-top
@@ -73,6 +74,19 @@ def sums() -> dict:
   worst = []
   error = first_error(lambda: worst.append(sum_of_four_error(mesh, ['data', 'unsharded'], 4096)[0]))
   return {'error': error, 'max_error': worst[0] if worst else None}
+
+
+def kept() -> dict:
+  """The same sum on a mesh from `build_mesh`, which calls `keep_sums_whole`
+  first: Grappler's other rewrites as TensorFlow sets them."""
+  from bench.grappler_addn_limit import sum_of_four_error  # pylint: disable=g-import-not-at-top
+  from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus  # pylint: disable=g-import-not-at-top
+  configure_virtual_cpus(8)
+  mesh = build_mesh(MeshSpec(shape={'data': 8}))
+  found = []
+  error = first_error(lambda: found.append(sum_of_four_error(mesh, ['data', 'unsharded'], 4096)))
+  return {'error': error, 'max_error': found[0][0] if found else None,
+          'specs': found[0][1] if found else None}
 
 
 def gathers() -> dict:
@@ -162,7 +176,7 @@ def main(argv: list[str]) -> None:
   if case == 'store':
     result = store(int(args[0]), args[1].split(','))
   else:
-    result = {'sums': sums, 'gathers': gathers, 'gathers_2d': gathers_2d}[case]()
+    result = {'sums': sums, 'kept': kept, 'gathers': gathers, 'gathers_2d': gathers_2d}[case]()
   result = {k: sorted(v) if isinstance(v, set) else v for k, v in result.items()}
   print('RESULT ' + json.dumps(result), flush=True)
 
