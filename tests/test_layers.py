@@ -168,6 +168,7 @@ def test_one_body_serves_a_layer_and_stacked_cells():
   for s, block in enumerate(blocks):
     with model.random_context(seed=seed, batch_offset=first_rows[s]):
       alone = block(x[s])
-    assert_close(together[s].numpy(), alone.numpy(), rel=1e-05, what='together[s].numpy()')  # measured: TBD
+    # measured: - / 6e-09 / 6e-09 (default / no oneDNN / 1 thread)
+    assert_close(together[s].numpy(), alone.numpy(), rel=1e-07, what='outputs')
   # The masks are really on: without a random context the outputs differ.
   assert not np.allclose(together[0].numpy(), blocks[0](x[0]).numpy(), atol=1e-3)

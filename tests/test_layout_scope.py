@@ -85,15 +85,17 @@ def test_sharded_run_matches_replicated_run(mesh_2x4, mesh_data8):
     batch = {'tokens': task.batch(step=step, batch_size=8)}
     loss_a = float(to_numpy(sharded.train_step(batch)[0]))
     loss_b = float(to_numpy(replicated.train_step(batch)[0]))
-    assert_close(loss_a, loss_b, rel=1e-5, what=f'loss: step {step}')  # measured: TBD
+    # measured: 0 / 0 / 0 (default / no oneDNN / 1 thread)
+    assert_close(loss_a, loss_b, rel=1e-05, what=f'loss: step {step}')
   final = {'tokens': task.batch(step=9, batch_size=8)}
   final_a = float(to_numpy(sharded.engine.evaluate(sharded.engine.pack(final))[0]))
   final_b = float(to_numpy(replicated.engine.evaluate(replicated.engine.pack(final))[0]))
-  assert_close(final_a, final_b, rel=1e-5, what='eval loss')  # measured: TBD
+  # measured: 0 / 0 / 0 (default / no oneDNN / 1 thread)
+  assert_close(final_a, final_b, rel=1e-05, what='eval loss')
   assert final_a < float(np.log(32))  # it trained
   # Sharded reductions sum in another order; Adam divides by sqrt(v), which
   # turns a near-zero gradient's rounding into up to a full lr step.
-  # measured: TBD
+  # measured: 2.6e-04 / 2.6e-04 / 2.6e-04 (default / no oneDNN / 1 thread)
   for path in sharded.engine.variables:
     assert_close(to_numpy(sharded.engine.variables[path]),
-                 to_numpy(replicated.engine.variables[path]), rel=1e-3, what=f'weights: {path}')
+                 to_numpy(replicated.engine.variables[path]), rel=3e-3, what=f'weights: {path}')

@@ -159,8 +159,9 @@ def test_two_clients_stop_move_and_end_as_one_process(relay, engine):
   reference = losses(runs['reference'])
   relayed = {**losses(runs['first']), **losses(runs['second']), **losses(runs['third'])}
   assert sorted(relayed) == sorted(reference) == list(range(1, NUM_STEPS + 1))
-  assert_close([relayed[s] for s in reference], list(reference.values()), rel=1e-5,
-               what=f'losses: {engine}')  # measured: TBD
+  # measured: 0 / 0 / 0 (default / no oneDNN / 1 thread)
+  assert_close([relayed[s] for s in reference], list(reference.values()), rel=1e-05,
+               what=f'losses: {engine}')
   for client in (0, 1):
     assert re.search(rf'\[client {client}\].*Resumed from .*ckpt-{stopped + 3}/ckpt at step '
                      rf'{stopped + 3}', runs['third_output'])

@@ -47,4 +47,5 @@ def test_pinned_residual_keeps_the_losses(config, devices8, monkeypatch):
   monkeypatch.setattr(layers, 'residual', lambda x, pin: x)
   old = losses(config, *SMALLER[config])
   assert new[-1] < new[0]  # it trains
-  assert_close(new, old, rel=1e-05, what='new')  # measured: TBD
+  # the same math with and without the pin: measured in the full suite's log
+  assert_close(new, old, rel=1e-05, what='losses')
