@@ -12,7 +12,10 @@ True})`, what tests/conftest.py sets for its shared process), in turns; CPU
 seconds are the median of `--repeats` processes. The losses are printed
 beside them: the same math, compiled two ways.
 
-    python bench/grappler_compile_cost.py [--repeats 3] [--out bench/results/grappler_compile_cost.json]
+    python bench/grappler_compile_cost.py [--repeats 3] [--out bench/results/suite/grappler_compile_cost.json]
+
+Its results are the test suite's, not meshgin's performance: they live in
+bench/results/suite/, apart from the results docs/performance.md renders.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ print('RESULT ' + json.dumps({'cpu_seconds': cpu, 'losses': losses}))
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--repeats', type=int, default=3)
-  parser.add_argument('--out', default=os.path.join(RESULTS, 'grappler_compile_cost.json'))
+  parser.add_argument('--out', default=os.path.join(RESULTS, 'suite', 'grappler_compile_cost.json'))
   args = parser.parse_args()
   rows = []
   for cell in CELLS:
