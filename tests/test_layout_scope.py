@@ -1,7 +1,6 @@
 """The layout scope on real DTensor meshes: layouts, shards, slots, numerics."""
 
 import numpy as np
-import pytest
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 

@@ -125,11 +125,11 @@ def test_pipelined_equals_sequential_forward_loss_and_gradients(k, m, batch_dim,
   assert_close(out.numpy(), ref.numpy(), rel=1e-05, what='outputs')
   # measured: - / 0 / 0 (default / no oneDNN / 1 thread)
   assert_close(loss.numpy(), ref_loss.numpy(), rel=1e-05, what='loss')
-  for g, r in zip(grads, ref_grads):
+  for i, (g, r) in enumerate(zip(grads, ref_grads)):
     # Summation order differs (micro-batches are summed apart), so an element
     # that cancels to near zero is off by float32 rounding of the largest terms.
-    np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-5,
-                               atol=1e-6 * float(np.abs(r.numpy()).max()))
+    # measured: 1.5e-06 / 1.5e-06 (default / no oneDNN)
+    assert_close(g.numpy(), r.numpy(), rel=2e-05, what=f'gradients: {i}')
 
 
 def test_a_schedule_that_reads_a_bubble_slot_is_caught(devices8):
