@@ -25,7 +25,8 @@ import tensorflow as tf
 from layout_core import tf_internals
 from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus
 from tests import cpu_ledger
-from tests.zygote import Zygote, ZygoteUnavailable, close_session_zygote, session_zygote
+from tests.zygote import (Zygote, ZygoteUnavailable, close_session_zygote, run_to_end,
+                          session_zygote)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_DEVICES = 8
@@ -144,27 +145,17 @@ def _run_fresh(argv: list[str], *, env: dict, timeout: float) -> subprocess.Comp
   """`subprocess.run([python, -m, *argv], capture_output=True, text=True)`,
   its CPU seconds entered in the ledger (tests/cpu_ledger.py)."""
   command = [sys.executable, '-m', *argv]
+
+  def wait(limit: float) -> int:
+    cpu = cpu_ledger.exited_cpu(process.pid, limit)
+    if cpu is None:
+      raise subprocess.TimeoutExpired(command, limit)
+    cpu_ledger.add(cpu, argv, reaped_here=True)
+    return process.wait()
+
   with subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE, text=True) as process:
-    captured = {}
-    readers = [threading.Thread(target=lambda name, f: captured.__setitem__(name, f.read()),
-                                args=(name, getattr(process, name)), daemon=True)
-               for name in ('stdout', 'stderr')]
-    for reader in readers:
-      reader.start()
-    cpu = cpu_ledger.exited_cpu(process.pid, timeout)
-    if cpu is None:
-      process.kill()
-      process.wait()
-      for reader in readers:
-        reader.join(10)
-      raise subprocess.TimeoutExpired(command, timeout, output=captured.get('stdout'),
-                                      stderr=captured.get('stderr'))
-    cpu_ledger.add(cpu, argv, reaped_here=True)
-    code = process.wait()
-    for reader in readers:
-      reader.join()
-  return subprocess.CompletedProcess(command, code, captured['stdout'], captured['stderr'])
+    return run_to_end(process, command, wait, timeout)
 
 
 def launcher_environment(changes: dict | None = None) -> dict:

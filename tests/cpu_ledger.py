@@ -76,9 +76,8 @@ def charge(test_file: str, seconds: float) -> None:
 
 
 def write(path: str) -> None:
-  total = seconds_so_far()
   with _LOCK:
-    ledger = {'files': dict(_FILES), 'launches': list(_LAUNCHES), 'total': total}
+    ledger = {'files': dict(_FILES), 'launches': list(_LAUNCHES)}
   with open(path, 'w') as f:
     json.dump(ledger, f)
 

@@ -38,26 +38,26 @@ import sys
 import numpy as np
 
 
-def relative_error(actual, expected) -> float:
-  """max |actual - expected| / max |expected| (0 where both are all zero)."""
+def relative_error(actual, expected) -> tuple[float, float]:
+  """(max |actual - expected| / max |expected|, max |expected|); the first is
+  0 where both are all zero."""
   actual = np.asarray(actual, np.float64)
   expected = np.asarray(expected, np.float64)
   assert actual.shape == expected.shape, (actual.shape, expected.shape)
   error = float(np.max(np.abs(actual - expected), initial=0.0))
   scale = float(np.max(np.abs(expected), initial=0.0))
   if error == 0.0:
-    return 0.0
-  return error / scale if scale > 0 else float('inf')
+    return 0.0, scale
+  return (error / scale if scale > 0 else float('inf')), scale
 
 
 def assert_close(actual, expected, *, rel: float, what: str = '') -> None:
   """Fails unless `actual` is within `rel` of `expected`'s scale (see the module doc)."""
-  measured = relative_error(actual, expected)
+  measured, scale = relative_error(actual, expected)
   _record(measured, rel, what)
   assert measured <= rel, (
       f'{what + ": " if what else ""}differs by {measured:.3g} of the reference\'s scale '
-      f'(max |expected| = {float(np.max(np.abs(np.asarray(expected, np.float64)))):.3g}); '
-      f'allowed {rel:g}')
+      f'(max |expected| = {scale:.3g}); allowed {rel:g}')
 
 
 def _record(measured: float, rel: float, what: str) -> None:

@@ -355,25 +355,33 @@ class Zygote:
     """`start` run to the end like `subprocess.run(..., capture_output=True,
     text=True, timeout=timeout)`."""
     process = self.start(argv, env=env, stderr_apart=True)
-    captured = {}
-    readers = [threading.Thread(target=lambda name, f: captured.__setitem__(name, f.read()),
-                                args=(name, getattr(process, name)), daemon=True)
-               for name in ('stdout', 'stderr')]
+    return run_to_end(process, [sys.executable, '-m', *argv], process.wait, timeout)
+
+
+def run_to_end(process, command: list[str], wait, timeout: float) -> subprocess.CompletedProcess:
+  """Reads `process`'s stdout and stderr to their ends while `wait(timeout)`
+  waits for its exit code, like `subprocess.run(..., capture_output=True,
+  text=True, timeout=timeout)`; past the timeout (`wait` raises
+  TimeoutExpired) the process is killed and TimeoutExpired raised with what
+  it printed."""
+  captured = {}
+  readers = [threading.Thread(target=lambda name, f: captured.__setitem__(name, f.read()),
+                              args=(name, getattr(process, name)), daemon=True)
+             for name in ('stdout', 'stderr')]
+  for reader in readers:
+    reader.start()
+  try:
+    code = wait(timeout)
+  except subprocess.TimeoutExpired:
+    process.kill()
+    process.wait(10)  # a forked run's exit status closes its connection
     for reader in readers:
-      reader.start()
-    command = [sys.executable, '-m', *argv]
-    try:
-      code = process.wait(timeout)
-    except subprocess.TimeoutExpired:
-      process.kill()
-      process.wait(10)  # its exit status closes the connection
-      for reader in readers:
-        reader.join(10)
-      raise subprocess.TimeoutExpired(command, timeout, output=captured.get('stdout'),
-                                      stderr=captured.get('stderr')) from None
-    for reader in readers:
-      reader.join()
-    return subprocess.CompletedProcess(command, code, captured['stdout'], captured['stderr'])
+      reader.join(10)
+    raise subprocess.TimeoutExpired(command, timeout, output=captured.get('stdout'),
+                                    stderr=captured.get('stderr')) from None
+  for reader in readers:
+    reader.join()
+  return subprocess.CompletedProcess(command, code, captured['stdout'], captured['stderr'])
 
 
 class Forked:
