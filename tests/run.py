@@ -8,8 +8,10 @@ cut into two shards of about equal measured time and run at once, each with
 its own temporary directory. Each shard's report is printed whole
 when it ends, then where the CPU time went (tests/cpu_ledger.py: the
 costliest test files and launched runs) and the total CPU seconds of every
-process the suite ran; the exit status is the worse of the two. Given test
-paths, it is plain pytest on those paths.
+process the suite ran; the exit status is the worse of the two. With
+MESHGIN_TEST_CPU_SAVE=FILE the whole ledger (every test file and run) is
+also written to FILE, to compare two runs. Given test paths, it is plain
+pytest on those paths.
 """
 
 from __future__ import annotations
@@ -99,6 +101,9 @@ def main(args: list[str]) -> int:
       if os.path.exists(path):
         with open(path) as f:
           found.append(json.load(f))
+    if os.environ.get('MESHGIN_TEST_CPU_SAVE'):  # the whole ledger, to compare two runs
+      with open(os.environ['MESHGIN_TEST_CPU_SAVE'], 'w') as f:
+        json.dump(found, f)
     print(cpu_ledger.report(found, total=usage.ru_utime + usage.ru_stime,
                             wall=time.monotonic() - began), flush=True)
     return worst
