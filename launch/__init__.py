@@ -5,8 +5,10 @@ The first thing each does (in its `__main__` block, before absl parses flags
 or anything heavy is imported) is `install_start_up_handlers()`: until a run
 starts writing, a stop signal ends it at once with exit 0 (nothing to save,
 nothing half-written). `gin_flags.run_guarded` then keeps that promise
-through start-up and hands over to "finish the step and save". Importing this
-package does nothing.
+through start-up and hands over to "finish the step and save". Each parses
+its flags with `parse_flags`: a flag absl cannot parse, or one out of its
+range, ends it with exit 2 (a configuration error) before anything loads.
+Importing this package does nothing.
 """
 
 import os
@@ -53,3 +55,17 @@ def install_start_up_handlers() -> None:
   143 under a scheduler, see `stopped_status`)."""
   for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
     signal.signal(signum, _stop_during_start_up)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing for `app.run(main, flags_parser=launch.parse_flags)`:
+  a value it cannot parse (`--temperature=abc`) or one out of range
+  (`--batch_size=0`) exits 2, as every other configuration error
+  (plugins.run_status.EXIT_CONFIG_ERROR), not absl's 1."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as error:
+    sys.stderr.write(f'FATAL Flags parsing error: {error}\n'
+                     'Pass --helpshort or --helpfull to see help on flags.\n')
+    sys.exit(2)

@@ -43,10 +43,11 @@ import time
 
 from absl import app, flags, logging
 
-from launch import checkpoint_flags, gin_flags
+from launch import checkpoint_flags, gin_flags, sampling_flags
 
 flags.adopt_module_key_flags(gin_flags)
 flags.adopt_module_key_flags(checkpoint_flags)
+flags.adopt_module_key_flags(sampling_flags)
 MODEL_DIR, CHECKPOINT = checkpoint_flags.MODEL_DIR, checkpoint_flags.CHECKPOINT
 
 PROMPT = flags.DEFINE_multi_string(
@@ -58,14 +59,7 @@ PROMPTS_FILE = flags.DEFINE_string(
     'without text), or with .jsonl {"prompt": text} or {"ids": [...]}.')
 MAX_NEW_TOKENS = flags.DEFINE_integer(
     'max_new_tokens', 32, 'New tokens per prompt; a prompt plus these, less one, must fit '
-    'the model\'s max_len.')
-TEMPERATURE = flags.DEFINE_float(
-    'temperature', 0.0, '0: greedy (the most likely token); > 0: sample from '
-    'softmax(logits / temperature).')
-TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample among the k most likely tokens; 0: all.')
-TOP_P = flags.DEFINE_float(
-    'top_p', 1.0, 'Sample among the fewest most likely tokens whose probability reaches '
-    'top_p, in (0, 1]; 1: all.')
+    'the model\'s max_len.', lower_bound=1)
 SEED = flags.DEFINE_integer(
     'seed', 0, 'Sampling seed: the samples are a function of (seed, prompt index, position).')
 STOP = flags.DEFINE_multi_string(
@@ -78,7 +72,8 @@ SPM_MODEL = flags.DEFINE_string(
     'spm_model', None, 'The SentencePiece model for text (default: the one beside an '
     'lm_corpus run\'s train files).')
 BATCH_SIZE = flags.DEFINE_integer(
-    'batch_size', 32, 'Prompts decoded together (each batch padded to its longest).')
+    'batch_size', 32, 'Prompts decoded together (each batch padded to its longest).',
+    lower_bound=1)
 
 
 def parse_ids(text: str, where: str) -> list[int]:
@@ -174,13 +169,12 @@ def main(argv):
   def body(watcher):
     # pylint: disable=g-import-not-at-top
     import numpy as np
-    from layout_core.infer import decode, sampling as sampling_lib, tokens as tokens_lib
+    from layout_core.infer import decode, tokens as tokens_lib
     from layout_core.layout.variables import to_numpy
     from plugins import gin_setup, inference, plan as plan_lib
     # All that needs no model first: a bad flag or prompt exits 2 in a second.
     inference.find_checkpoint(model_dir=MODEL_DIR.value, checkpoint=CHECKPOINT.value)
-    sampling = sampling_lib.Sampling(temperature=TEMPERATURE.value, top_k=TOP_K.value,
-                                     top_p=TOP_P.value)
+    sampling = sampling_flags.sampling()
     with gin_setup.parsed_config(files=checkpoint_flags.config_files(),
                                  bindings=gin_flags.GIN_BINDINGS.value,
                                  search_paths=gin_flags.GIN_SEARCH_PATHS.value):
@@ -197,7 +191,7 @@ def main(argv):
       trained = load_unpipelined(plan)
       lm = decode.CachedLM(plan.params, trained.variables, batch_axis=plan.train.batch_axis)
     start, results = time.perf_counter(), []
-    size = max(BATCH_SIZE.value, 1)
+    size = BATCH_SIZE.value
     for first in range(0, len(prompts), size):
       batch = prompts[first:first + size]
       width = max(len(ids) for _, ids in batch)
@@ -227,4 +221,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=launch.parse_flags)

@@ -37,10 +37,11 @@ import os
 
 from absl import app, flags, logging
 
-from launch import checkpoint_flags, gin_flags
+from launch import checkpoint_flags, gin_flags, sampling_flags
 
 flags.adopt_module_key_flags(gin_flags)  # show the gin flags in --help
 flags.adopt_module_key_flags(checkpoint_flags)
+flags.adopt_module_key_flags(sampling_flags)  # LM: generate's; sampling adds a seed input
 MODEL_DIR, CHECKPOINT = checkpoint_flags.MODEL_DIR, checkpoint_flags.CHECKPOINT
 
 EXPORT_DIR = flags.DEFINE_string(
@@ -50,18 +51,12 @@ OVERWRITE = flags.DEFINE_bool(
     'overwrite', False, 'Replace an earlier export at --export_dir.')
 SEQ_LEN = flags.DEFINE_integer(
     'seq_len', None, "LM: serving_default's token positions (default: the task's "
-    'seq_len; at most transformer_lm.max_len).')
+    'seq_len; at most transformer_lm.max_len).', lower_bound=1)
 PROMPT_LEN = flags.DEFINE_integer(
     'prompt_len', None, "LM: generate's prompt positions (default: seq_len - "
-    'max_new_tokens); each prompt\'s own length is an input.')
+    'max_new_tokens); each prompt\'s own length is an input.', lower_bound=1)
 MAX_NEW_TOKENS = flags.DEFINE_integer(
-    'max_new_tokens', 32, 'LM: tokens generate decodes after each prompt.')
-TEMPERATURE = flags.DEFINE_float(
-    'temperature', 0.0, 'LM: generate samples at this temperature (0: greedy); sampling '
-    'adds a seed input to generate.')
-TOP_K = flags.DEFINE_integer('top_k', 0, 'LM: sample from the k likeliest tokens (0: all).')
-TOP_P = flags.DEFINE_float('top_p', 1.0, 'LM: sample from the smallest set of tokens '
-                           'whose probability reaches p (1: all).')
+    'max_new_tokens', 32, 'LM: tokens generate decodes after each prompt.', lower_bound=1)
 TFLITE = flags.DEFINE_bool(
     'tflite', False, 'Also convert the signatures with TensorFlow Lite, built-in ops '
     'only (<export_dir>/model.tflite).')
@@ -77,11 +72,11 @@ def main(argv):
     # pylint: disable=g-import-not-at-top
     from layout_core.errors import ConfigError
     from layout_core.infer import export
-    from layout_core.infer.sampling import Sampling
     from plugins import gin_setup, inference, plan
     if not EXPORT_DIR.value:
       raise ConfigError('--export_dir is not given', where='the command line',
                         fix='add --export_dir=exports/<name>/1 (a new directory)')
+    sampling = sampling_flags.sampling()  # a bad flag exits 2 before the model loads
     export.check_target(EXPORT_DIR.value, overwrite=OVERWRITE.value)
     step, prefix = inference.find_checkpoint(model_dir=MODEL_DIR.value,
                                              checkpoint=CHECKPOINT.value)
@@ -94,10 +89,9 @@ def main(argv):
     if model.is_lm():
       seq_len = SEQ_LEN.value or model.input_specs[0][0][1]
       signatures = export.lm_signatures(
-          model, seq_len=seq_len, prompt_len=PROMPT_LEN.value or seq_len - MAX_NEW_TOKENS.value,
+          model, seq_len=seq_len, prompt_len=PROMPT_LEN.value,
           max_new_tokens=MAX_NEW_TOKENS.value, decoder=export.cached_decoder(model),
-          sampling=Sampling(temperature=TEMPERATURE.value, top_k=TOP_K.value,
-                            top_p=TOP_P.value))
+          sampling=sampling)
     else:
       signatures = export.task_signatures(model)
     record = export.export_saved_model(
@@ -110,4 +104,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=launch.parse_flags)

@@ -46,10 +46,11 @@ SUGGEST = flags.DEFINE_bool(
     'suggest', False, 'Suggest layouts for this model instead: the fastest that fit the '
     'memory budget, predicted (see the module help).')
 DEVICES = flags.DEFINE_integer(
-    'devices', 0, '--suggest: devices to lay the model out on (0: the config\'s mesh size).')
+    'devices', 0, '--suggest: devices to lay the model out on (0: the config\'s mesh size).',
+    lower_bound=0)
 HOSTS = flags.DEFINE_integer(
     'hosts', 1, '--suggest: hosts the devices are spread over, evenly; collectives over an '
-    'axis that spans hosts cost the cross-host rate.')
+    'axis that spans hosts cost the cross-host rate.', lower_bound=1)
 MEMORY_GB = flags.DEFINE_float(
     'memory_gb', None, '--suggest: the budget in GiB, per process on CPU (one process holds '
     'its host\'s devices), per device elsewhere. Default: mesh.device_memory_gb (on CPU '
@@ -95,4 +96,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=launch.parse_flags)

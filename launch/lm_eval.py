@@ -62,10 +62,11 @@ LIMIT = flags.DEFINE_float(
 NUM_FEWSHOT = flags.DEFINE_integer(
     'num_fewshot', None, 'Few-shot examples in each prompt (default: the task\'s own).')
 BATCH_SIZE = flags.DEFINE_integer(
-    'batch_size', 8, 'Windows scored, or prompts decoded, per call of the model.')
+    'batch_size', 8, 'Windows scored, or prompts decoded, per call of the model.',
+    lower_bound=1)
 MAX_GEN_TOKS = flags.DEFINE_integer(
     'max_gen_toks', 256, 'New tokens of a generate_until request whose task does not say '
-    '(at most half the model\'s max_len are made).')
+    '(at most half the model\'s max_len are made).', lower_bound=1)
 SEED = flags.DEFINE_integer(
     'seed', 0, 'Sampling seed (for tasks that sample) and lm-eval\'s own seeds.')
 SPM_MODEL = flags.DEFINE_string(
@@ -179,4 +180,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=launch.parse_flags)

@@ -106,4 +106,4 @@ def describe(summary: dict, *, output_dir: str, seconds: float) -> str:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=launch.parse_flags)

@@ -176,4 +176,4 @@ def _parse(name: str, text: str):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=launch.parse_flags)

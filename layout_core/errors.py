@@ -33,6 +33,9 @@ class ConfigError(ValueError):
       where: The setting or place to change (`gated_dense.output_dim`),
         kept as `self.where`.
       fix: What to do instead, kept as `self.fix`.
+
+    `self.message` keeps `message` alone, to say again with another
+    `where` and `fix` (`ConfigError(e.message, where=..., fix=...)`).
     """
     parts = [message.rstrip('.') + '.']
     if where:
@@ -40,5 +43,6 @@ class ConfigError(ValueError):
     if fix:
       parts.append(f'Fix: {fix.rstrip(".")}.')
     super().__init__(' '.join(parts))
+    self.message = message.rstrip('.')
     self.where = where
     self.fix = fix

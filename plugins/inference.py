@@ -214,8 +214,7 @@ def load_trained(plan: RunPlan, *, model_dir: str | None = None,
   try:
     check_fits(prefix, entries, roots=[shard_io.escape(name) + '/' for name in parts])
   except ConfigError as e:
-    what = str(e).split(' Where: ')[0].rstrip('.')
-    raise ConfigError(what, where='the config (--gin_file / --gin_bindings)',
+    raise ConfigError(e.message, where='the config (--gin_file / --gin_bindings)',
                       fix='use the config of the run that wrote the checkpoint (its '
                           'config.gin; only mesh.shape and layout_rules may differ); the '
                           'checkpoint was left untouched') from None

@@ -15,11 +15,14 @@ bytes run's UTF-8. A Markov run has no text and is refused.
 
 * `loglikelihood((context, continuation))`: the sum of the model's
   log-softmax at the continuation's tokens after the context, and whether
-  each of them is the most likely one. The text is tokenized whole and split
-  where the context's own tokens end (spaces at the end of the context go
-  with the continuation), as lm-eval's own models do. An empty context is
-  conditioned on the prefix token (the corpus's eos, which ends every
-  document; a newline byte for a bytes run).
+  each of them is the most likely one. The split is the harness's own
+  (`TemplateLM`, which its Hugging Face models use): whitespace at the end of
+  the context (spaces, newlines, tabs) goes with the continuation, the text
+  is tokenized whole and split where the context's own tokens end. An empty
+  context is conditioned on the prefix token (the corpus's eos, which ends
+  every document; a newline byte for a bytes run), and so is one of
+  whitespace alone. A continuation with no tokens is a ConfigError naming
+  the request: scored, it would be 0.0 and greedy, and win any choice.
 * `loglikelihood_rolling((text,))`: every token of the text after the
   prefix token, in windows of the model's `max_len`; each window after the
   first sees the `max_len` tokens before its own (lm-eval's rolling windows).
@@ -44,7 +47,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 from absl import logging
-from lm_eval.api.model import LM
+from lm_eval.api.model import TemplateLM
 
 from layout_core.errors import ConfigError
 from layout_core.infer import decode, tokens as tokens_lib
@@ -57,8 +60,8 @@ _KNOWN_GENERATION_KWARGS = {'until', 'max_gen_toks', 'do_sample', 'temperature',
                             'top_p'}
 
 
-class HarnessLM(LM):
-  """lm-eval's `LM` over a CachedLM and its tokenizer (module doc).
+class HarnessLM(TemplateLM):
+  """lm-eval's `TemplateLM` over a CachedLM and its tokenizer (module doc).
 
   Args:
     lm: The model (`layout_core.infer.decode.CachedLM`), on a mesh or not.
@@ -85,24 +88,50 @@ class HarnessLM(LM):
     self.batch_size, self.max_gen_toks, self.seed = batch_size, max_gen_toks, seed
     self.max_length = lm.max_len or NO_LIMIT_LENGTH
     self.eos_id = _eos_id(tokenizer)
-    self.prefix_token_id = (prefix_token_id if prefix_token_id is not None
-                            else self.eos_id if self.eos_id is not None else NEWLINE)
-    if not 0 <= self.prefix_token_id < lm.vocab_size:
-      raise ConfigError(f'prefix token {self.prefix_token_id} is not an id of the model\'s '
+    self._prefix_token_id = (prefix_token_id if prefix_token_id is not None
+                             else self.eos_id if self.eos_id is not None else NEWLINE)
+    if not 0 <= self._prefix_token_id < lm.vocab_size:
+      raise ConfigError(f'prefix token {self._prefix_token_id} is not an id of the model\'s '
                         f'{lm.vocab_size}-token vocabulary', where='prefix_token_id',
                         fix=f'give an id in 0..{lm.vocab_size - 1}')
     self.about = dict(about or {})
     self._warned: set[str] = set()
 
   # -- lm-eval's interface ---------------------------------------------------------------
-  def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-    pairs = [self.split_tokens(*request.args) for request in requests]
+  @property
+  def prefix_token_id(self) -> int:
+    return self._prefix_token_id
+
+  @property
+  def eot_token_id(self) -> int:
+    return self._prefix_token_id
+
+  def tok_encode(self, string: str, add_special_tokens: bool | None = None,
+                 **kwargs) -> list[int]:
+    del add_special_tokens, kwargs  # the run's tokenizer adds none
+    return self.tokenizer.encode(string)
+
+  def loglikelihood(self, requests, disable_tqdm: bool = True) -> list[tuple[float, bool]]:
+    for index, request in enumerate(requests):  # the harness reads an empty context's first token
+      if not request.args[0] and not self.tok_encode(request.args[1]):
+        raise _no_continuation(index, request.args)
+    return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+
+  def _loglikelihood_tokens(self, requests, disable_tqdm: bool = True
+                            ) -> list[tuple[float, bool]]:
+    """The harness's split requests ((context, continuation), context ids,
+    continuation ids), scored in their order."""
+    pairs = []
+    for index, (args, context, continuation) in enumerate(requests):
+      if not continuation:
+        raise _no_continuation(index, args)
+      pairs.append((context or [self.prefix_token_id], continuation))  # whitespace alone: []
     results = self.score_pairs(pairs)
-    for request, result in zip(requests, results):
-      self.cache_hook.add_partial('loglikelihood', request.args, result)
+    for (args, _, _), result in zip(requests, results):
+      self.cache_hook.add_partial('loglikelihood', args, result)
     return results
 
-  def loglikelihood_rolling(self, requests) -> list[float]:
+  def loglikelihood_rolling(self, requests, disable_tqdm: bool = True) -> list[float]:
     pairs = [([self.prefix_token_id], self.tokenizer.encode(request.args[0]))
              for request in requests]
     results = [total for total, _ in self.score_pairs(pairs)]
@@ -110,7 +139,7 @@ class HarnessLM(LM):
       self.cache_hook.add_partial('loglikelihood_rolling', request.args, result)
     return results
 
-  def generate_until(self, requests) -> list[str]:
+  def generate_until(self, requests, disable_tqdm: bool = True) -> list[str]:
     groups: dict[str, list[int]] = {}
     for index, request in enumerate(requests):
       key = json.dumps(request.args[1], sort_keys=True, default=str)
@@ -123,19 +152,6 @@ class HarnessLM(LM):
         results[index] = text
         self.cache_hook.add_partial('generate_until', requests[index].args, text)
     return results
-
-  # -- tokens ----------------------------------------------------------------------------
-  def split_tokens(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """(context ids, continuation ids) of a loglikelihood request: the whole
-    text tokenized once, split after the context's own tokens."""
-    if not context:
-      return [self.prefix_token_id], self.tokenizer.encode(continuation)
-    spaces = len(context) - len(context.rstrip(' '))
-    if spaces:  # 'The cat ' + 'sat' scores ' sat', as lm-eval's models do
-      context, continuation = context[:-spaces], context[-spaces:] + continuation
-    whole = self.tokenizer.encode(context + continuation)
-    head = len(self.tokenizer.encode(context))
-    return whole[:head], whole[head:]
 
   # -- scoring ---------------------------------------------------------------------------
   def score_pairs(self, pairs: Sequence[tuple[list[int], list[int]]]
@@ -240,6 +256,15 @@ class HarnessLM(LM):
     if key not in self._warned:
       self._warned.add(key)
       logging.warning('lm-eval: %s', message)
+
+
+def _no_continuation(index: int, args: tuple[str, str]) -> ConfigError:
+  context, continuation = args
+  return ConfigError(f'loglikelihood request {index} has a continuation with no tokens '
+                     f'({continuation!r} after a context ending {context[-40:]!r}): it would '
+                     'score 0.0 and count as greedy', where=f'the task\'s request {index}',
+                     fix='give every choice some text to score (check the task\'s '
+                         'doc_to_choice / doc_to_target)')
 
 
 def scoring_windows(tokens: Sequence[int], *, first: int, length: int

@@ -185,11 +185,27 @@ def _format_binding(key: str, value, *, sort_dicts: bool) -> str:
   return f'{key} = \\\n{indented}'
 
 
+def _probe_writable(directory: str) -> None:
+  """OSError unless a file can be created in `directory`: a file without a
+  name (O_TMPFILE), gone when closed, so a stop signal during start-up (which
+  ends the process at once) cannot leave it behind; where the filesystem has
+  no unnamed files (or it refuses one), a named probe created and removed."""
+  try:
+    os.close(os.open(directory, getattr(os, 'O_TMPFILE', 0) | os.O_WRONLY, 0o600))
+    return
+  except OSError:
+    pass  # the named probe below says why, in the words a user knows
+  probe = os.path.join(directory, f'.meshgin-probe-{os.getpid()}')
+  with open(probe, 'w'):
+    pass
+  os.remove(probe)
+
+
 def check_model_dir(path: str) -> None:
   """ConfigError unless `path` is (or can become) a writable directory.
 
-  Checked for real, by creating and removing a probe file, in `path` or in
-  its nearest existing parent; nothing else is created."""
+  Checked for real, by creating a file in `path` or in its nearest existing
+  parent (`_probe_writable`); nothing is left there."""
   where = f'--model_dir={path}'
   if os.path.exists(path) and not os.path.isdir(path):
     raise ConfigError(f'--model_dir {path!r} is a file, not a directory', where=where,
@@ -207,11 +223,8 @@ def check_model_dir(path: str) -> None:
   if not os.path.isdir(existing):
     raise ConfigError(f'--model_dir {path!r} cannot be created: {existing!r} is a file',
                       where=where, fix='give a path whose parents are directories')
-  probe = os.path.join(existing, f'.meshgin-probe-{os.getpid()}')
   try:
-    with open(probe, 'w'):
-      pass
-    os.remove(probe)
+    _probe_writable(existing)
   except OSError as e:
     raise ConfigError(f'--model_dir {path!r} is not writable ({e.strerror} in '
                       f'{existing!r})', where=where,

@@ -230,6 +230,31 @@ def test_a_sampling_export_draws_what_launch_decode_draws_with_the_seed(lm, tmp_
   assert np.array_equal(outputs['a/tokens'], decoded)
 
 
+def test_generate_refuses_lengths_outside_1_to_prompt_len(lm):
+  """The graph checks its inputs: a length of 0 would decode from an empty
+  state, one past the prompts' 32 positions gather out of range."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  _, export_dir, _ = lm
+  generate = tf.saved_model.load(export_dir).signatures['generate']
+  prompts = tf.constant(PROMPTS[:2])
+  assert generate(prompts=prompts, lengths=tf.constant([1, 32]))['tokens'].shape == (2, 32)
+  for lengths, says in (([5, 0], 'every length must be at least 1'),
+                        ([33, 5], 'no length may exceed prompt_len'),
+                        ([5], 'lengths needs one entry per prompt row')):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=says):
+      generate(prompts=prompts, lengths=tf.constant(lengths, tf.int32))
+
+
+def test_a_default_prompt_len_below_1_names_the_flags(lm, tmp_path):
+  model_dir, _, _ = lm
+  refused = export(model_dir, str(tmp_path / 'short' / '1'), '--seq_len=16',
+                   '--max_new_tokens=20')
+  assert refused.returncode == 2, refused.stderr[-3000:]
+  assert 'seq_len - max_new_tokens = 16 - 20 = -4 positions' in refused.stderr
+  assert '--prompt_len' in refused.stderr and 'Traceback' not in refused.stderr
+  assert not os.path.exists(tmp_path / 'short')
+
+
 def test_the_export_is_complete_and_leaves_nothing_beside_it(lm):
   _, export_dir, _ = lm
   assert os.listdir(os.path.dirname(export_dir)) == ['1']

@@ -145,9 +145,56 @@ def test_scoring_windows_cover_each_token_once_with_the_most_context():
   assert [len(i) for i, _ in windows] == [32, 32, 32]   # every window has all it can
 
 
-def test_context_spaces_go_with_the_continuation(harness):
-  assert harness.split_tokens('The cat ', 'sat') == (list(b'The cat'), list(b' sat'))
-  assert harness.split_tokens('', 'hi') == ([10], list(b'hi'))
+class Recording(HarnessLM):
+  """A HarnessLM that keeps the (context ids, continuation ids) pairs the
+  harness's split hands it, unscored."""
+
+  def score_pairs(self, pairs):
+    self.pairs = [(list(c), list(x)) for c, x in pairs]
+    return [(0.0, True)] * len(pairs)
+
+
+def split(harness_lm: HarnessLM, context: str, continuation: str):
+  recording = Recording(harness_lm.lm, harness_lm.tokenizer)
+  recording.loglikelihood([request('loglikelihood', context, continuation)])
+  [pair] = recording.pairs
+  return pair
+
+
+# (context, continuation) -> the split lm-eval's own models make (its
+# TemplateLM._encode_pair: all trailing whitespace moves to the continuation),
+# written out by hand: bytes of the context's rstrip, then the rest.
+WHITESPACE = [('The cat ', 'sat', 'The cat', ' sat'),
+              ('Question: 2+2?\n', 'Answer: 4', 'Question: 2+2?', '\nAnswer: 4'),
+              ('name:\t', 'value', 'name:', '\tvalue'),
+              ('Lines end here. \n\n', 'Next', 'Lines end here.', ' \n\nNext')]
+
+
+@pytest.mark.parametrize('context, continuation, head, rest', WHITESPACE,
+                         ids=['space', 'newline', 'tab', 'mixed'])
+def test_trailing_whitespace_goes_with_the_continuation_as_in_lm_eval(
+    plain, harness, context, continuation, head, rest):
+  assert split(harness, context, continuation) == (list(head.encode()), list(rest.encode()))
+  [(score, greedy)] = harness.loglikelihood([request('loglikelihood', context, continuation)])
+  want, want_greedy = reference_scores(plain, [(list(head.encode()), list(rest.encode()))])
+  assert math.isclose(score, want, rel_tol=1e-5, abs_tol=1e-3) and greedy == want_greedy
+
+
+def test_empty_or_whitespace_contexts_are_conditioned_on_the_prefix_token(plain, harness):
+  assert split(harness, '', 'hi') == ([10], list(b'hi'))
+  # the harness's rule: a continuation that starts with the prefix token is its own context
+  assert split(harness, '', '\nhi') == ([10], list(b'hi'))
+  assert split(harness, ' \n\t', 'x') == ([10], list(b' \n\tx'))   # whitespace alone
+  [(score, _)] = harness.loglikelihood([request('loglikelihood', ' \n\t', 'x')])
+  want, _ = reference_scores(plain, [([10], list(b' \n\tx'))])
+  assert math.isclose(score, want, rel_tol=1e-5, abs_tol=1e-3)
+
+
+@pytest.mark.parametrize('context', ['The cat', ''])
+def test_a_continuation_without_tokens_is_a_config_error_naming_the_request(harness, context):
+  requests = [request('loglikelihood', 'The cat', ' sat'), request('loglikelihood', context, '')]
+  with pytest.raises(ConfigError, match=r"request 1 has a continuation with no tokens \(''"):
+    harness.loglikelihood(requests)
 
 
 def test_a_sentencepiece_run_splits_whole_text_and_starts_after_eos(plain, tmp_path):
@@ -157,7 +204,7 @@ def test_a_sentencepiece_run_splits_whole_text_and_starts_after_eos(plain, tmp_p
   harness = HarnessLM(plain, tokenizer)
   assert harness.prefix_token_id == harness.eos_id == prepare.EOS_ID
   assert harness.stop_ids(['never one token']) == [prepare.EOS_ID]
-  context, continuation = harness.split_tokens('The cat sat on the ', 'mat')
+  context, continuation = split(harness, 'The cat sat on the ', 'mat')
   assert context + continuation == tokenizer.encode('The cat sat on the mat')
   assert tokenizer.decode(continuation) == ' mat' and len(continuation) < 4
   assert harness.continuation_text(context, continuation) == ' mat'

@@ -276,3 +276,9 @@ def test_what_it_cannot_suggest_for_exits_2_saying_why():
                      '--devices=8', '--hosts=2', '--measure', '--suggest_json=')
   assert hosts.returncode == 2 and 'not --hosts=2' in hosts.stderr, hosts.stderr[-2000:]
   assert 'Traceback' not in keras.stderr + hosts.stderr
+  # 7 devices: the quickstart's 32 rows split no way over 7 (nor its 4 heads, nor 2 stages)
+  seven = run_module('launch.inspect', '--gin_file=configs/experiments/quickstart.gin',
+                     '--suggest', '--devices=7', '--suggest_json=')
+  assert seven.returncode == 2, seven.stderr[-2000:]
+  assert ('no layout of 7 devices can run this config: the batch of 32 rows does not split '
+          '7 ways') in seven.stderr and 'Traceback' not in seven.stderr, seven.stderr[-2000:]

@@ -145,8 +145,7 @@ def read_values(prefix: str, entries: Sequence[CheckpointEntry]) -> dict[str, np
   try:
     check_fits(prefix, entries, roots=['model/'])
   except ConfigError as e:
-    what = str(e).split(' Where: ')[0].rstrip('.')
-    raise ConfigError(what, where='the config (--gin_file / --gin_bindings)',
+    raise ConfigError(e.message, where='the config (--gin_file / --gin_bindings)',
                       fix="export with the config the checkpoint was trained with (its "
                           "config.gin, which launch.export reads first); the checkpoint was "
                           'left untouched') from None
@@ -177,15 +176,16 @@ def task_signatures(model: PlainModel) -> list[Signature]:
   return [Signature('serving_default', serving, specs, 'model inputs -> predictions')]
 
 
-def lm_signatures(model: PlainModel, *, seq_len: int, prompt_len: int, max_new_tokens: int,
+def lm_signatures(model: PlainModel, *, seq_len: int, prompt_len: int | None, max_new_tokens: int,
                   sampling=None, decoder=None) -> list[Signature]:
   """An LM's signatures (module doc). `serving_default`: tokens int32 [batch,
   seq_len] -> logits float32 [batch, seq_len, vocab]; the model is causal
   (position t's logits depend on tokens 0..t only), so a shorter sequence
   padded on the right has its own logits in front. With a `decoder`
   (`CachedLM`, whose `logits` then serve too) also `generate`: prompts int32
-  [batch, prompt_len] and lengths int32 [batch] (1..prompt_len) -> tokens
-  int32 [batch, max_new_tokens], decoded with the KV cache inside the graph,
+  [batch, prompt_len] (None: seq_len - max_new_tokens) and lengths int32
+  [batch] (1..prompt_len, checked by the graph: InvalidArgumentError) ->
+  tokens int32 [batch, max_new_tokens], decoded with the KV cache inside the graph,
   picked by `sampling` (a `Sampling`; None: greedy), which, when it draws,
   takes a `seed` int64 scalar input too."""
   model.params.cls.fprop_meta(model.params, (1, seq_len))  # ConfigError past max_len
@@ -199,12 +199,20 @@ def lm_signatures(model: PlainModel, *, seq_len: int, prompt_len: int, max_new_t
   if decoder is None:
     return signatures
   sampling = sampling or Sampling()
+  if prompt_len is None:
+    prompt_len = seq_len - max_new_tokens
+    if prompt_len < 1:
+      raise ConfigError(
+          f"generate's prompts would have seq_len - max_new_tokens = {seq_len} - "
+          f'{max_new_tokens} = {prompt_len} positions', where='--prompt_len / --max_new_tokens',
+          fix=f'give --prompt_len (at least 1), or at most {seq_len - 1} --max_new_tokens')
   check_decoding_fits(prompt_length=prompt_len, max_new_tokens=max_new_tokens,
                       max_len=decoder.max_len, where='--prompt_len / --max_new_tokens')
   inputs = (tf.TensorSpec([None, prompt_len], tf.int32, name='prompts'),
             tf.TensorSpec([None], tf.int32, name='lengths'))
 
   def generate(prompts, lengths, seed=0):
+    lengths = checked_lengths(prompts, lengths)
     return {'tokens': decoder.generate(prompts, lengths, max_new_tokens=max_new_tokens,
                                        sampling=sampling, seed=seed)}
   if not sampling.greedy:
@@ -214,6 +222,26 @@ def lm_signatures(model: PlainModel, *, seq_len: int, prompt_len: int, max_new_t
       f'prompts [batch, {prompt_len}], lengths [batch] -> {max_new_tokens} new tokens, '
       f'{sampling.describe()}'))
   return signatures
+
+
+def checked_lengths(prompts, lengths):
+  """`lengths` once the graph has checked them against `prompts` [B, P]: one
+  per row, each in 1..P. Outside that a row would decode from an empty
+  state (0) or gather past its prompt (> P: an error on CPU, zeros on GPU);
+  the check raises InvalidArgumentError saying which. TensorFlow Lite drops
+  the checks (it has no Assert op)."""
+  rows, width = tf.shape(prompts)[0], tf.shape(prompts)[1]
+  checks = [
+      tf.debugging.assert_equal(tf.shape(lengths)[0], rows,
+                                message='generate: lengths needs one entry per prompt row'),
+      tf.debugging.assert_greater_equal(
+          lengths, 1, message='generate: every length must be at least 1 (a prompt of no '
+                              'tokens has nothing to continue)'),
+      tf.debugging.assert_less_equal(
+          lengths, width, message='generate: no length may exceed prompt_len, the width of the '
+                                  'prompts')]
+  with tf.control_dependencies(checks):
+    return tf.identity(lengths)
 
 
 def cached_decoder(model: PlainModel) -> CachedLM | None:

@@ -31,6 +31,7 @@ from layout_core.layout.variables import mix32
 _MASK32 = 0xFFFFFFFF
 _OFFSET = 0x811C9DC5   # FNV-1a's offset and prime, to combine the counters before mixing
 _PRIME = 0x01000193
+_UNIFORM_BITS = 23   # float32 holds k + 1/2 exactly for k < 2^23 (uniform_from_bits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,16 +115,26 @@ def _drop(logits, where):
 
 def gumbel_noise(*, seed, rows, positions, vocab_size: int):
   """Gumbel(0, 1) noise [B, vocab_size], float32: a hash of (seed, row,
-  position, token id) made uniform in (0, 1) (24 bits, never 0 or 1), then
-  -log(-log(u))."""
+  position, token id) made uniform in (0, 1) (`uniform_from_bits`), then
+  -log(-log(u)); finite everywhere, between -2.8 and 16.7."""
   start = tf.zeros_like(tf.cast(rows, tf.int64)) + _OFFSET   # [B], laid out as the rows
   key = _combine(start, tf.cast(seed, tf.int64))
   key = _combine(key, tf.cast(rows, tf.int64))
   key = _combine(key, tf.cast(positions, tf.int64))
   token = tf.range(vocab_size, dtype=tf.int64)
   bits = _combine(tf.expand_dims(key, 1), tf.expand_dims(token, 0))   # [B, V]
-  uniform = (tf.cast(tf.bitwise.right_shift(bits, 8), tf.float32) + 0.5) / float(1 << 24)
+  uniform = uniform_from_bits(bits)
   return -tf.math.log(-tf.math.log(uniform))
+
+
+def uniform_from_bits(bits):
+  """float32 uniform in [2^-24, 1 - 2^-24] from 32-bit values in int64 lanes:
+  the top 23 bits k, as (k + 1/2) / 2^23. Each of these 2^23 values is a
+  float32 exactly (24 significant bits), so none rounds to 0 or to 1, whose
+  noise would be -inf or +inf: a token drawn whatever its probability, or
+  NaN where top-k/top-p dropped it (24 bits would round the largest to 1)."""
+  top = tf.cast(tf.bitwise.right_shift(bits, 32 - _UNIFORM_BITS), tf.float32)
+  return (top + 0.5) / float(1 << _UNIFORM_BITS)
 
 
 def _combine(key, value):

@@ -90,7 +90,9 @@ def search(*, layouts: Iterable[Layout],
   candidates among which one needs the least memory of the layout, sized
   until one fits: a layout where none of them fits is dropped before any
   ladder is climbed. Either
-  callable raises ConfigError for a candidate launch.train would refuse."""
+  callable raises ConfigError for a candidate launch.train would refuse;
+  `ladders_of` and `least_memory` for a layout with nothing to try. Each
+  refused layout is kept with its most common reason."""
   result = SearchResult(ranked=[], refused={}, too_big=[])
   for layout in layouts:
     reasons: list[str] = []
@@ -99,11 +101,17 @@ def search(*, layouts: Iterable[Layout],
       try:
         return fn(candidate)
       except ConfigError as error:
-        reasons.append(str(error).split(' Where: ')[0].split(' Fix: ')[0])
+        reasons.append(error.message)
         return None
 
+    try:
+      ladders = [list(ladder) for ladder in ladders_of(layout)]
+      lightest = list(least_memory(layout))
+    except ConfigError as error:
+      result.refused.setdefault(error.message, []).append(layout)
+      continue
     floors = []  # sized until one fits: then some candidate of the layout fits
-    for candidate in least_memory(layout):
+    for candidate in lightest:
       sized = attempt(memory_of, candidate)
       if sized is not None:
         result.evaluated += 1
@@ -115,7 +123,6 @@ def search(*, layouts: Iterable[Layout],
       timed = attempt(time_of, floor) or (0.0, {})
       result.too_big.append(Evaluation(floor, sized[0], timed[0], timed[1], sized[1]))
       continue
-    ladders = [list(ladder) for ladder in ladders_of(layout)]
     queue: list[tuple[float, int, int, dict]] = []
 
     def push(ladder: int, rung: int) -> None:

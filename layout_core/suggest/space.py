@@ -147,6 +147,16 @@ def powers_of_two_dividing(n: int, *, limit: int) -> list[int]:
   return found
 
 
+def no_settings_reason(layout: Layout, *, batch_size: int) -> str:
+  """Why `settings_for` has nothing to try in `layout`: the batch does not
+  split over its data axis, or not into a pipeline's micro-batches."""
+  if batch_size % layout.data:
+    return (f'the batch of {batch_size} rows does not split {layout.data} ways '
+            f'(data={layout.data}; data must divide train.batch_size)')
+  return (f'the batch of {batch_size} rows does not split into {layout.stage} '
+          f'micro-batches of whole rows per data shard ({layout.describe()})')
+
+
 def settings_for(layout: Layout, *, batch_size: int, num_layers: int, dtypes=DTYPES,
                  remats=REMATS, max_accum: int = 64) -> Iterator[tuple[Settings, ...]]:
   """The settings to try within `layout`, as ladders: each tuple holds the

@@ -98,8 +98,12 @@ class Suggester:
     data=4 x model=2, ZeRO-1: 2.72 GiB at 1 micro-step, 4.37 GiB at 4)."""
     blocks = sum(p.cls is TransformerBlock for _, p in leaf_layers(self.base.params))
     cpu = self.base.mesh_spec.device_type == 'CPU'
-    return space.settings_for(layout, batch_size=self.base.train.batch_size,
-                              num_layers=blocks, max_accum=1 if cpu else 64)
+    batch_size = self.base.train.batch_size
+    ladders = list(space.settings_for(layout, batch_size=batch_size, num_layers=blocks,
+                                      max_accum=1 if cpu else 64))
+    if not ladders:
+      raise ConfigError(space.no_settings_reason(layout, batch_size=batch_size))
+    return ladders
 
   def run(self) -> search.SearchResult:
     return search.search(layouts=self.layouts(), ladders_of=self.ladders,
