@@ -143,24 +143,6 @@ def stop_ids(tokenizer) -> list[int]:
   return found
 
 
-def load_unpipelined(plan):
-  """The run's model with the checkpoint in it, as one program on the whole
-  mesh (a pipelined run's checkpoint has the unpipelined model's keys)."""
-  from layout_core.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  from plugins import inference  # pylint: disable=g-import-not-at-top
-  try:
-    return inference.load_trained(plan, model_dir=MODEL_DIR.value, checkpoint=CHECKPOINT.value,
-                                  pipelined=False)
-  except ConfigError as e:
-    if plan.pipeline is None:
-      raise
-    raise ConfigError(f'this pipelined run\'s checkpoint does not load into its model without '
-                      f'the pipeline, which decoding needs: {str(e).split(" Where:")[0]}',
-                      where='the checkpoint (--model_dir / --checkpoint)',
-                      fix='decode a checkpoint whose keys are the plain model\'s (meshgin\'s '
-                          'pipelines save those), or train without a pipeline') from None
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
@@ -169,27 +151,26 @@ def main(argv):
   def body(watcher):
     # pylint: disable=g-import-not-at-top
     import numpy as np
-    from layout_core.infer import decode, tokens as tokens_lib
+    from layout_core.infer import decode
     from layout_core.layout.variables import to_numpy
-    from plugins import gin_setup, inference, plan as plan_lib
+    from plugins import inference
     # All that needs no model first: a bad flag or prompt exits 2 in a second.
     inference.find_checkpoint(model_dir=MODEL_DIR.value, checkpoint=CHECKPOINT.value)
     sampling = sampling_flags.sampling()
-    with gin_setup.parsed_config(files=checkpoint_flags.config_files(),
-                                 bindings=gin_flags.GIN_BINDINGS.value,
-                                 search_paths=gin_flags.GIN_SEARCH_PATHS.value):
-      plan = plan_lib.make_plan()
-      layers = decode.lm_layers(plan.params)
-      tokenizer = tokens_lib.tokenizer_for(plan.task, spm_model=SPM_MODEL.value)
-      tokens_lib.check_vocabulary(tokenizer, model_vocab=layers.vocab_size,
-                                  task_vocab=getattr(plan.task, 'vocab_size', None))
-      prompts, stops = read_prompts(tokenizer), stop_ids(tokenizer)
+    prompts, stops = [], []
+
+    def check(plan, layers, tokenizer):  # before the checkpoint is read
+      del plan
+      prompts[:], stops[:] = read_prompts(tokenizer), stop_ids(tokenizer)
       for index, (text, ids) in enumerate(prompts):
         decode.check_fits(prompt_length=len(ids), max_new_tokens=MAX_NEW_TOKENS.value,
                           max_len=layers.max_len,
                           where=f'prompt {index} ({text[:40]!r}) / --max_new_tokens')
-      trained = load_unpipelined(plan)
-      lm = decode.CachedLM(plan.params, trained.variables, batch_axis=plan.train.batch_axis)
+    loaded = inference.load_decoder(
+        files=checkpoint_flags.config_files(), bindings=gin_flags.GIN_BINDINGS.value,
+        search_paths=gin_flags.GIN_SEARCH_PATHS.value, model_dir=MODEL_DIR.value,
+        checkpoint=CHECKPOINT.value, spm_model=SPM_MODEL.value, check=check)
+    plan, tokenizer, trained, lm = loaded.plan, loaded.tokenizer, loaded.trained, loaded.lm
     start, results = time.perf_counter(), []
     size = BATCH_SIZE.value
     for first in range(0, len(prompts), size):

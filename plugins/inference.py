@@ -10,10 +10,13 @@
     trained.trainer.evaluate()              # the training loop's evaluation
     logits = trained.model.call((tokens,), False)   # a BuiltModel (unpipelined engines)
 
-The API (imported by `launch.eval`, `launch.decode`, `launch.export`):
+The API (imported by `launch.eval`, `launch.decode`, `launch.export`, `plugins.lm_eval`):
 
     load_trained(plan: RunPlan, *, model_dir: str | None = None,
                  checkpoint: str | None = None, pipelined: bool = True) -> Trained
+    load_decoder(*, files, bindings=(), search_paths=(), model_dir=None,
+                 checkpoint=None, spm_model=None, check=None) -> Decoder
+                 # plan, layers, tokenizer, trained, lm (a CachedLM): decode and lm-eval
     find_checkpoint(*, model_dir: str | None = None,
                     checkpoint: str | None = None) -> tuple[int | None, str]
     run_config(*, model_dir: str | None = None, checkpoint: str | None = None) -> str
@@ -49,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from absl import logging
 
@@ -240,3 +243,57 @@ def _damaged(prefix: str, error: BaseException) -> ConfigError:
                      where='--checkpoint / --model_dir',
                      fix='give another ckpt-N of the run with --checkpoint (nothing was moved '
                          'or changed)')
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+  """A run's language model ready to decode (`load_decoder`)."""
+  plan: RunPlan
+  layers: Any      # layout_core.infer.lm_layers.LMLayers: vocab_size, max_len, ...
+  tokenizer: Any   # layout_core.infer.tokens.Tokenizer
+  trained: Trained
+  lm: Any          # layout_core.infer.decode.CachedLM on the run's mesh
+
+
+def load_decoder(*, files: Sequence[str], bindings: Sequence[str] = (),
+                 search_paths: Sequence[str] = (), model_dir: str | None = None,
+                 checkpoint: str | None = None, spm_model: str | None = None,
+                 check: Callable[[RunPlan, Any, Any], None] | None = None) -> Decoder:
+  """The model of `files` + `bindings` (a run's config: `config_files`) with
+  the checkpoint read into it, unpipelined, as a `CachedLM`, and the run's
+  tokenizer (or `spm_model`): what `launch.decode` and `plugins.lm_eval`
+  decode with. Everything that needs no weights is checked first (the model
+  is a Transformer LM, the tokenizer's vocabulary fits it, then
+  `check(plan, layers, tokenizer)`: the caller's own, e.g. its prompts), so
+  a mistake there is a ConfigError before any checkpoint is read."""
+  # pylint: disable=g-import-not-at-top
+  from layout_core.infer import decode, tokens
+  from plugins import gin_setup, plan as plan_lib
+  with gin_setup.parsed_config(files=list(files), bindings=list(bindings),
+                               search_paths=list(search_paths)):
+    plan = plan_lib.make_plan()
+    layers = decode.lm_layers(plan.params)
+    tokenizer = tokens.tokenizer_for(plan.task, spm_model=spm_model)
+    if check is not None:
+      check(plan, layers, tokenizer)
+    tokens.check_vocabulary(tokenizer, model_vocab=layers.vocab_size,
+                            task_vocab=getattr(plan.task, 'vocab_size', None))
+    trained = _load_unpipelined(plan, model_dir=model_dir, checkpoint=checkpoint)
+    lm = decode.CachedLM(plan.params, trained.variables, batch_axis=plan.train.batch_axis)
+  return Decoder(plan=plan, layers=layers, tokenizer=tokenizer, trained=trained, lm=lm)
+
+
+def _load_unpipelined(plan: RunPlan, *, model_dir: str | None,
+                      checkpoint: str | None) -> Trained:
+  """The run's model with the checkpoint in it, as one program on the whole
+  mesh (a pipelined run's checkpoint has the unpipelined model's keys)."""
+  try:
+    return load_trained(plan, model_dir=model_dir, checkpoint=checkpoint, pipelined=False)
+  except ConfigError as e:
+    if plan.pipeline is None:
+      raise
+    raise ConfigError(f"this pipelined run's checkpoint does not load into its model without "
+                      f'the pipeline, which decoding needs: {e.message}',
+                      where='the checkpoint (--model_dir / --checkpoint)',
+                      fix="decode a checkpoint whose keys are the plain model's (meshgin's "
+                          'pipelines save those), or train without a pipeline') from None

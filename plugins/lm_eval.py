@@ -332,24 +332,17 @@ def load_harness_lm(*, model_dir: str | None = None, checkpoint: str | None = No
   unless `run_config` is False, then `gin_files` and `gin_bindings`), the
   model built on that config's mesh without a pipeline, the checkpoint read
   into it (read-only), and the run's tokenizer (or `spm_model`)."""
-  # pylint: disable=g-import-not-at-top
-  from plugins import gin_setup, inference, plan as plan_lib
+  from plugins import inference  # pylint: disable=g-import-not-at-top
   inference.find_checkpoint(model_dir=model_dir, checkpoint=checkpoint)
-  files = inference.config_files(model_dir=model_dir, checkpoint=checkpoint,
-                                 gin_files=gin_files, from_run=run_config)
-  with gin_setup.parsed_config(files=files, bindings=list(gin_bindings),
-                               search_paths=list(search_paths)):
-    plan = plan_lib.make_plan()
-    layers = decode.lm_layers(plan.params)
-    tokenizer = tokens_lib.tokenizer_for(plan.task, spm_model=spm_model)
-    check_text(tokenizer)  # before the checkpoint is read
-    tokens_lib.check_vocabulary(tokenizer, model_vocab=layers.vocab_size,
-                                task_vocab=getattr(plan.task, 'vocab_size', None))
-    trained = inference.load_trained(plan, model_dir=model_dir, checkpoint=checkpoint,
-                                     pipelined=False)
-    lm = decode.CachedLM(plan.params, trained.variables, batch_axis=plan.train.batch_axis)
+  loaded = inference.load_decoder(
+      files=inference.config_files(model_dir=model_dir, checkpoint=checkpoint,
+                                   gin_files=gin_files, from_run=run_config),
+      bindings=gin_bindings, search_paths=search_paths, model_dir=model_dir,
+      checkpoint=checkpoint, spm_model=spm_model,
+      check=lambda plan, layers, tokenizer: check_text(tokenizer))
+  trained, layers, tokenizer = loaded.trained, loaded.layers, loaded.tokenizer
   about = {'checkpoint': trained.checkpoint, 'step': trained.step,
-           'mesh': plan.mesh_spec.describe(), 'tokenizer': tokenizer.describe(),
+           'mesh': loaded.plan.mesh_spec.describe(), 'tokenizer': tokenizer.describe(),
            'max_len': layers.max_len, 'vocab_size': layers.vocab_size}
-  return HarnessLM(lm, tokenizer, batch_size=batch_size, max_gen_toks=max_gen_toks, seed=seed,
-                   about=about)
+  return HarnessLM(loaded.lm, tokenizer, batch_size=batch_size, max_gen_toks=max_gen_toks,
+                   seed=seed, about=about)
