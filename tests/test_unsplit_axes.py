@@ -3,8 +3,9 @@ launch.inspect.
 
 An axis of size > 1 that is not the batch axis (nor a pipeline's stage axis,
 nor the axis optimizer state is split over) and that no variable's layout
-names holds a copy of everything on each of its devices: the quickstart on a
-{'data': 2, 'model': 4} mesh without layout rules. lm_2d.gin, whose Megatron
+names splits nothing: the devices along it hold the same values and do the
+same work. The quickstart on a {'data': 2, 'model': 4} mesh without layout
+rules is one. lm_2d.gin, whose Megatron
 rules name 'model', is the control that gives no warning.
 """
 
@@ -35,7 +36,7 @@ def test_unsplit_axes_are_the_big_axes_nothing_names():
 def test_the_warning_names_the_axis_and_what_would_use_it():
   text = unsplit_axis_warning('model', 4)
   assert text.startswith(WARNING)
-  assert 'each of its 4 devices holds a copy of every variable' in text
+  assert 'the 4 devices along it hold the same values and do the same work' in text
   assert 'configs/layouts/megatron.gin' in text and '\n' not in text
 
 

@@ -123,8 +123,8 @@ def unsplit_axes(mesh_axes: Mapping[str, int], *, specs: Iterable[Sequence[str]]
   """The mesh axes of size > 1 that split nothing: named by none of `specs`
   (the variables' stored layouts) and not in `used` (the axes the run splits
   something else over: the batch axis, a pipeline's stage axis). Every device
-  along such an axis holds the same copy of every variable and does the same
-  work as its neighbours.
+  along such an axis holds the same values and does the same work as its
+  neighbours.
 
       unsplit_axes({'data': 2, 'model': 4}, specs=[('unsharded',)], used=['data'])
       # ['model']
@@ -137,10 +137,10 @@ def unsplit_axis_warning(axis: str, size: int) -> str:
   """One line saying that mesh axis `axis` (of `size` devices) splits nothing
   (`unsplit_axes`), and what would use it."""
   return (f"mesh axis '{axis}' (size {size}) splits nothing: it is not the batch axis and "
-          f'no layout rule splits a variable over it, so each of its {size} devices holds a '
-          f"copy of every variable and does the same work. A layout rule naming '{axis}' in "
-          'its spec would split variables over it (configs/layouts/megatron.gin does for an '
-          "axis named 'model'); or fold it into the batch axis.")
+          f'no layout rule splits a variable over it, so the {size} devices along it hold '
+          f"the same values and do the same work. A layout rule naming '{axis}' in its spec "
+          'would split variables over it (configs/layouts/megatron.gin does for an axis '
+          "named 'model'); or fold it into the batch axis.")
 
 
 class LayoutScope:
