@@ -1,7 +1,7 @@
 r"""Sample text from a trained Transformer LM's checkpoint, with a KV cache.
 
   python -m launch.decode --model_dir=/tmp/quickstart --prompt_ids=1,2,3 --max_new_tokens=20
-  python -m launch.decode --model_dir=/tmp/meshgin/lm_corpus --prompt='def main(' \
+  python -m launch.decode --model_dir=runs/lm_corpus --prompt='def main(' \
       --temperature=0.8 --top_p=0.95 --seed=7 --output=/tmp/samples.jsonl
 
 The config is the run's own (`<model_dir>/config.gin`, or the checkpoint's

@@ -20,11 +20,15 @@ every way to use --devices devices (data, FSDP, ZeRO-1, a model axis with the
 model's tensor rules, both pipeline engines) with the settings that trade
 speed for memory (bf16, remat, accumulation, micro-batches), planned as
 launch.train plans them; those whose memory estimate does not fit the budget
-are dropped; the rest are ranked by a cost model calibrated on this machine
-(bench/calibrate.py). It prints the top --top_k as gin bindings and writes
-them to --suggest_json. --measure then trains each for a few steps (one
-process each) and ranks them by measured speed and peak memory. A model that
-fits nowhere exits 2 with the smallest budget that would fit it.
+are dropped; the rest are ranked by a cost model. Its rates come from
+--calibration, by default bench/results/calibration.json of the checkout (the
+development machine's until `python bench/calibrate.py` measures this one); an
+installed wheel has no bench/ and uses nominal rates
+(docs/choosing-a-layout.md#where-the-rates-come-from). It prints the top
+--top_k as gin bindings and writes them to --suggest_json. --measure then
+trains each for a few steps (one process each) and ranks them by measured
+speed and peak memory. A model that fits nowhere exits 2 with the smallest
+budget that would fit it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@ r"""Score a trained LM's checkpoint with EleutherAI's lm-eval harness.
 
   python -m launch.lm_eval --model_dir=/tmp/bytes_run --tasks=meshgin_choice,meshgin_until \
       --include_path=tests/fixtures/lm_eval_task --output=/tmp/lm_eval.json
-  python -m launch.lm_eval --model_dir=/tmp/meshgin/lm_corpus --tasks=hellaswag --limit=100 \
+  python -m launch.lm_eval --model_dir=runs/lm_corpus --tasks=hellaswag --limit=100 \
       --nooffline --output=/tmp/hellaswag.json
 
 Needs the `lm_eval` extra (`pip install 'meshgin[lm_eval]'`). The config is

@@ -31,7 +31,7 @@ from layout_core.errors import ConfigError
 from layout_core.infer.text_samples import check_text_samples
 from layout_core.model.base import LayerMeta
 from layout_core.layout.mesh import MeshSpec
-from layout_core.optim import OptimizerConfig, check_shard_state, count_parameters
+from layout_core.optim import OptimizerConfig, check_shard_state, count_parameters, state_axis
 from layout_core.params import Params
 from layout_core.pipeline.plan import PipelinePlan
 from layout_core.layout.rules import LayoutRules
@@ -62,6 +62,20 @@ class RunPlan:
   @property
   def num_parameters(self) -> int:
     return count_parameters(r.shape for r in self.records)
+
+  def unsplit_axis_warnings(self) -> list[str]:
+    """One line for each mesh axis of size > 1 that splits nothing: no
+    variable's layout names it, and it is not the batch axis, the pipeline's
+    stage axis (when pipelined) or the axis optimizer state is split over
+    (`layout_scope.unsplit_axes`). `launch.train` logs them as warnings;
+    `launch.inspect` prints them in its report."""
+    axes = self.mesh_spec.shape
+    batch_axis = batch_axis_for(self.train, axes)
+    used = [batch_axis, self.pipeline_config.stage_axis if self.pipeline else None,
+            state_axis(self.optimizer, batch_axis=batch_axis, mesh_axes=axes,
+                       parameter_shapes=[r.shape for r in self.records])]
+    return [layout_scope.unsplit_axis_warning(axis, axes[axis]) for axis in
+            layout_scope.unsplit_axes(axes, specs=[r.spec for r in self.records], used=used)]
 
   def clients_problem(self, num_clients: int) -> str | None:
     """Why this run cannot be `num_clients` clients sharing the mesh evenly

@@ -70,7 +70,9 @@ def describe_plan(plan: RunPlan, *, max_rows: int = 0) -> str:
   """The inspect report: layout table, per-rule matches, memory per device."""
   records = plan.records
   rows = records if not max_rows or len(records) <= max_rows else records[:max_rows]
-  lines = [f'Mesh: {plan.mesh_spec.describe()}', '']
+  lines = [f'Mesh: {plan.mesh_spec.describe()}']
+  lines += [f'Warning: {warning}' for warning in plan.unsplit_axis_warnings()]
+  lines.append('')
   if plan.meta is None:  # a Keras model: weights known, FLOPs not declared
     lines += [f'{plan.params.describe()}: weights listed from a stateless build '
               "(Keras' StatelessScope defers initialisers, so nothing is allocated); "

@@ -209,6 +209,8 @@ def _run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
                   cluster: cluster_lib.ClusterSpec | None,
                   on_start: Callable[[], None] | None) -> TrainResult:
   chief = cluster is None or cluster.client_id == 0
+  for warning in plan.unsplit_axis_warnings():  # a config that runs, but wastes devices
+    logging.warning('%s', warning)
   # Created now, written only after validation (SummaryWriter opens its file
   # at the first write).
   writer = SummaryWriter(model_dir) if chief else NullWriter()

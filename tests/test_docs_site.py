@@ -21,9 +21,6 @@ import sys
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Files the pages include with pymdownx.snippets (base_path: the build's cwd).
-SNIPPET_SOURCES = [os.path.join('tests', 'fixtures', 'my_project'),
-                   os.path.join('examples', 'slurm')]
 # The packages the API page documents (mkdocstrings reads their source).
 API_SOURCES = ['layout_core', 'plugins']
 API_PAGE = os.path.join('reference', 'api', 'index.html')
@@ -79,13 +76,13 @@ def build(cwd, site_dir):
 
 
 def site_copy(tmp_path):
-  """mkdocs.yml, docs/, the snippet sources and the documented packages,
-  copied under tmp_path/site."""
+  """mkdocs.yml, docs/ and the documented packages, copied under tmp_path/site
+  (the pages hold their code samples themselves: docs/inline_snippets.py)."""
   root = tmp_path / 'site'
   root.mkdir()
   shutil.copy(os.path.join(REPO_ROOT, 'mkdocs.yml'), root / 'mkdocs.yml')
   shutil.copytree(os.path.join(REPO_ROOT, 'docs'), root / 'docs')
-  for source in SNIPPET_SOURCES + API_SOURCES:
+  for source in API_SOURCES:
     shutil.copytree(os.path.join(REPO_ROOT, source), root / source,
                     ignore=shutil.ignore_patterns('__pycache__'))
   return root
@@ -109,6 +106,12 @@ def test_site_builds_strictly(built_site):
   status, output, site_dir = built_site
   assert status == 0, output
   assert (site_dir / 'index.html').exists()
+  # The code samples copied into the pages are rendered as code, and the
+  # generator that copies them is not published as a page's file.
+  own_model = (site_dir / 'own-model' / 'index.html').read_text()
+  assert 'From <code>tests/fixtures/my_project/layers.py</code>' in own_model
+  assert 'Stddev of the initial weights.' in own_model and '--8&lt;--' not in own_model
+  assert not (site_dir / 'inline_snippets.py').exists()
 
 
 def test_the_api_page_documents_the_extension_points(built_site):

@@ -38,10 +38,14 @@ class MeshSpec:
   shape: Mapping[str, int] = dataclasses.field(  # ordered {axis: size}; product = devices used
       default_factory=lambda: {'data': 8})
   device_type: str = 'CPU'  # one of DEVICE_TYPES
-  # Declared per-device capacity, for `launch.inspect`'s memory report (fits or not)
-  # and the `train/mfu` scalar; None: not declared.
+  # Declared memory of one device, in GiB: `launch.inspect`'s memory report says
+  # whether the estimate fits in it, and `launch.inspect --suggest` takes it as
+  # the default budget (on CPU times the devices of a process); None: not declared.
   device_memory_gb: float | None = None
-  peak_flops_per_device: float | None = None  # FLOP/s of one device at peak
+  # Declared peak FLOP/s of one device: the `train/mfu` scalar is the model's
+  # FLOP rate over this times the mesh's devices; None: not declared, no
+  # `train/mfu`.
+  peak_flops_per_device: float | None = None
 
   def __post_init__(self):
     check_types(self, name='mesh')

@@ -118,6 +118,31 @@ def report_unused_rules(rules: LayoutRules, records: Sequence[LayoutRecord]) -> 
   logging.warning('%d layout rule(s) matched no variable: %s', len(unused), listing)
 
 
+def unsplit_axes(mesh_axes: Mapping[str, int], *, specs: Iterable[Sequence[str]],
+                 used: Iterable[str | None] = ()) -> list[str]:
+  """The mesh axes of size > 1 that split nothing: named by none of `specs`
+  (the variables' stored layouts) and not in `used` (the axes the run splits
+  something else over: the batch axis, a pipeline's stage axis). Every device
+  along such an axis holds the same values and does the same work as its
+  neighbours.
+
+      unsplit_axes({'data': 2, 'model': 4}, specs=[('unsharded',)], used=['data'])
+      # ['model']
+  """
+  named = {axis for spec in specs for axis in spec} | set(used)
+  return [axis for axis, size in mesh_axes.items() if size > 1 and axis not in named]
+
+
+def unsplit_axis_warning(axis: str, size: int) -> str:
+  """One line saying that mesh axis `axis` (of `size` devices) splits nothing
+  (`unsplit_axes`), and what would use it."""
+  return (f"mesh axis '{axis}' (size {size}) splits nothing: it is not the batch axis and "
+          f'no layout rule splits a variable over it, so the {size} devices along it hold '
+          f"the same values and do the same work. A layout rule naming '{axis}' in its spec "
+          'would split variables over it (configs/layouts/megatron.gin does for an axis '
+          "named 'model'); or fold it into the batch axis.")
+
+
 class LayoutScope:
   """Creates model variables as DVariables laid out by `rules` on `mesh`."""
 
