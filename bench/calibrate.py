@@ -11,12 +11,23 @@ device busy at once, in one fresh process:
     contracted dim is split: the partial sums reduced) and all-gather (a
     split tensor relaid out replicated);
 
-then, from real `launch.train` steps (subprocesses): the fixed costs of a
-step's structure, from tiny LMs under each engine and split (`fixed_costs`),
-and what the micro-benchmarks miss, from a matmul-heavy LM
-(`step_efficiency`). Cross-host collectives are not measured (one host): a nominal 1 GB/s.
+then the step times of real `launch.train` runs (`RUNS`, subprocesses, each
+the median of 3 processes): tiny LMs under each engine and split, whose
+time is the layout's structure (fixed costs per block run, per tensor
+all-reduce, per FSDP / ZeRO-1 variable, per SPMD tick and per-tick sum,
+per step), and a matmul-heavy LM for what the micro-benchmarks miss (the
+share of the matmul rate a step gets, the scale of each collective's bytes,
+the sub-mesh bubble that shows on shared cores). Each of those rates is
+fitted (`fit`) as what is left of its runs' time after the suggester's own
+prediction (`plugins.suggest.planner.predict_plan`) of the rest, so the
+cost model and its calibration cannot count a part twice; the file keeps
+each run's measured and predicted time and the largest difference
+(`fit_error`). Cross-host collectives are not measured (one host): a
+nominal 1 GB/s.
 
     python bench/calibrate.py [--out bench/results/calibration.json]
+    python bench/calibrate.py --refit     # fit the stored times again: after a
+                                          # change to the cost model, measuring nothing
 
 The cost model reads the file (`layout_core/suggest/calibration.py`) and says
 when it is stale (another processor, core count or TensorFlow, or 90 days).
@@ -27,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import statistics
@@ -156,166 +168,217 @@ def _one_run_step_seconds(bindings: list[str], *, steps: int) -> float:
 TINY = ['transformer_lm.model_dim = 16', 'transformer_lm.num_heads = 8',
         'transformer_lm.ffn_dim = 16', 'transformer_lm.num_layers = 4',
         'optimizer.shard_state = False', 'layout_rules.rules = []']
+WIDE = ['transformer_lm.model_dim = 512', 'transformer_lm.num_heads = 8',
+        'transformer_lm.ffn_dim = 2048', 'transformer_lm.num_layers = 2',
+        'optimizer.shard_state = False']
+PIPE = ["mesh.shape = {'stage': 2, 'data': 4}", 'pipeline.num_stages = 2',
+        'pipeline.num_micro_batches = 4']
+MEGATRON = '@megatron'  # the shipped rules' binding (planner.megatron_binding)
 
 
-def fixed_costs() -> dict:
-  """The fixed costs of a step, from tiny LMs (width 16, 8 heads: their FLOPs
-  and bytes are negligible, so what they take is what the layout's structure
-  costs), each a residual of one run against data=8 with 4 blocks:
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One measured `launch.train` configuration (quickstart.gin + bindings).
+  `alone`: a one-device mesh, which has the host's cores to itself: its
+  prediction uses the per-device rates x 8 (`rates_for`)."""
+  label: str
+  bindings: tuple[str, ...]
+  alone: bool = False
 
-    * per block run and device it spans, per engine: without a pipeline, 4
-      blocks minus 1 block, over 3 x 8 (the rest of a 1-block step is the
-      step's own cost: input, embedding, softmax, loss, dispatch); the
-      sub-mesh engine's (stage=2 x data=4, 4 micro-batches: each block runs
-      once per micro-batch on 4 devices; its shifts included); the SPMD
-      engine's per stacked cell run, and per tick (the same mesh: 5 ticks of
-      2 cells, and with 2 circular repeats 9 ticks of 1);
-    * per tensor-parallel all-reduce, for model axes of 2, 4 and 8 (data x
-      model = 8, the shipped Megatron rules): 4 per block + 2 each for the
-      split embedding and softmax;
-    * per variable FSDP gathers (data=8, train.fsdp) and per variable ZeRO-1
-      updates (data=8, optimizer.shard_state)."""
+
+# What the fixed costs are fitted to: tiny LMs (width 16, 8 heads: their FLOPs
+# and bytes are negligible, so what they take is what the layout's structure
+# costs); then what the micro-benchmarks miss, from a model whose matmuls and
+# weights dominate (width 512, 2 blocks, ffn 2048; neither of bench/suggest.py's).
+RUNS = (
+    Run('data=8, 1 block', (*TINY, 'transformer_lm.num_layers = 1')),
+    Run('data=8', tuple(TINY)),
+    *(Run(f'data={8 // m} x model={m}',
+          (*TINY, f"mesh.shape = {{'data': {8 // m}, 'model': {m}}}", MEGATRON))
+      for m in (2, 4, 8)),
+    Run('stage=2 x data=4, submesh', (*TINY, *PIPE)),
+    Run('stage=2 x data=4, spmd', (*TINY, *PIPE, "pipeline.engine = 'spmd'")),
+    Run('stage=2 x data=4, spmd, 2 repeats',
+        (*TINY, *PIPE, "pipeline.engine = 'spmd'", 'pipeline.circular_repeats = 2')),
+    Run('data=8, FSDP', (*TINY, 'train.fsdp = True')),
+    Run('data=8, ZeRO-1', (*TINY, 'optimizer.shard_state = True')),
+    *(Run(f'data=1, {dtype}', (*WIDE, "mesh.shape = {'data': 1}",
+                               f"train.compute_dtype = '{dtype}'"), alone=True)
+      for dtype in ('float32', 'bfloat16')),
+    Run('data', (*WIDE, "train.compute_dtype = 'bfloat16'")),
+    Run('fsdp', (*WIDE, "train.compute_dtype = 'bfloat16'", 'train.fsdp = True')),
+    Run('zero1', (*WIDE, "train.compute_dtype = 'bfloat16'", 'optimizer.shard_state = True')),
+    Run('submesh', (*WIDE, "train.compute_dtype = 'bfloat16'",
+                    "mesh.shape = {'stage': 2, 'data': 4}", 'pipeline.num_stages = 2',
+                    'pipeline.num_micro_batches = 2')),
+)
+RUN = {run.label: run for run in RUNS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+  """One rate fitted: its place in the calibration file, and its range. A
+  step's predicted time is linear in each knob's value (`invert`: in its
+  reciprocal: a matmul share divides the matmul term)."""
+  keys: tuple[str, ...]
+  low: float = 0.0
+  high: float = math.inf
+  invert: bool = False
+
+  def set(self, data: dict, value: float) -> None:
+    *outer, last = self.keys
+    for key in outer:
+      data = data.setdefault(key, {})
+    data[last] = (1.0 / value if value > 0 else math.inf) if self.invert else value
+
+  def clamp(self, value: float) -> float:
+    if self.invert:  # the range is the share's; the value its reciprocal
+      return min(max(value, 1.0 / self.high), 1.0 / self.low)
+    return min(max(value, self.low), self.high)
+
+
+def _block(engine):
+  return Knob(('block_device_s', engine))
+
+
+# Each group's rates from its runs, in this order (each group's solve uses the
+# rates fitted before it); the fit goes round until nothing moves.
+GROUPS = (
+    (('data=8, 1 block', 'data=8'), (Knob(('step_s',)), _block('plain'))),
+    *((((f'data={8 // m} x model={m}',), (Knob(('tensor_s', str(m))),)) for m in (2, 4, 8))),
+    (('stage=2 x data=4, submesh',), (_block('submesh'),)),
+    # 5 ticks of 2 cells; 9 ticks of 1 cell, each tick's gradients summed on
+    # their own: a cell run, and a variable's sum per tick. A tick's own cost
+    # cannot be told from a cell run's by these two (it stays in the cell's:
+    # spmd_tick_s is 0); bench/spmd_repeats.py finds the repeats' extra time
+    # in the per-tick sums (8 gradient all-reduces a step with 1 repeat, 120
+    # with 2).
+    (('stage=2 x data=4, spmd', 'stage=2 x data=4, spmd, 2 repeats'),
+     (_block('spmd'), Knob(('spmd_sum_variable_s',)))),
+    (('data=8, FSDP',), (Knob(('fsdp_variable_s',)),)),
+    (('data=8, ZeRO-1',), (Knob(('zero_variable_s',)),)),
+    *(((f'data=1, {dtype}',), (Knob(('matmul_efficiency', dtype), 0.05, 1.0, invert=True),))
+      for dtype in ('float32', 'bfloat16')),
+    *(((label,), (Knob(('collective_scale', label), 0.05, 20.0),))
+      for label in ('data', 'fsdp', 'zero1')),
+    (('submesh',), (Knob(('shared_bubble',), 0.0, 1.0),)),
+)
+ROUNDS = 8
+
+
+def bindings_of(run: Run) -> list[str]:
   from plugins.suggest.planner import megatron_binding  # pylint: disable=import-outside-toplevel
-  megatron = megatron_binding()
-  tiny = {}
-
-  def run(label, bindings):
-    tiny[label] = train_step_seconds(TINY + bindings)
-    return tiny[label]
-
-  one = run('data=8, 1 block', ['transformer_lm.num_layers = 1'])
-  four = run('data=8', [])
-  per_device = {'plain': (four - one) / 3 / 8}
-  step_s = max(one - 8 * per_device['plain'], 0.0)
-  tensor = {}
-  for m in (2, 4, 8):
-    t = run(f'data={8 // m} x model={m}',
-            [f"mesh.shape = {{'data': {8 // m}, 'model': {m}}}", megatron])
-    tensor[m] = max((t - four) / (4 * 4 + 2 + 2), 0.0)
-  pipe = ["mesh.shape = {'stage': 2, 'data': 4}", 'pipeline.num_stages = 2',
-          'pipeline.num_micro_batches = 4']
-  submesh = run('stage=2 x data=4, submesh', pipe)  # 4 blocks x 4 micro-batches on 4 devices
-  per_device['submesh'] = (submesh - step_s) / (4 * 4) / 4
-  # The SPMD engine: 4 micro-batches, 1 repeat: 5 ticks of 2 stacked cells;
-  # 2 repeats: 9 ticks of 1. Two runs: a tick's own cost and a cell run's.
-  spmd = run('stage=2 x data=4, spmd', pipe + ["pipeline.engine = 'spmd'"])
-  spmd2 = run('stage=2 x data=4, spmd, 2 repeats',
-              pipe + ["pipeline.engine = 'spmd'", 'pipeline.circular_repeats = 2'])
-  cell = ((spmd - step_s) * 9 - (spmd2 - step_s) * 5) / (10 * 9 - 9 * 5)  # 2 equations
-  per_device['spmd'] = max(cell, 0.0) / 8
-  tick_s = max((spmd - step_s - 10 * cell) / 5, 0.0)
-  variables = 4 * 12 + 7  # 12 per block; embeddings, final norm, softmax
-  fsdp = run('data=8, FSDP', ['train.fsdp = True'])
-  zero = run('data=8, ZeRO-1', ['optimizer.shard_state = True'])
-  return {'block_device_s': per_device, 'step_s': step_s, 'spmd_tick_s': tick_s,
-          'tensor_s': {str(m): v for m, v in tensor.items()},
-          'fsdp_variable_s': max((fsdp - four) / variables, 0.0),
-          'zero_variable_s': max((zero - four) / variables, 0.0),
-          'tiny_step_seconds': tiny}
+  return [megatron_binding() if b == MEGATRON else b for b in run.bindings]
 
 
-def step_efficiency(data: dict) -> dict:
-  """What the micro-benchmarks miss, from a model whose matmuls and weights
-  dominate (width 512, 2 blocks, ffn 2048; neither of bench/suggest.py's
-  models), each measured step against the cost model's prediction, one
-  unknown at a time: on one device (no collective), per compute dtype, the
-  share of the matmul rate a real step gets (casts, layouts, the backward's
-  shapes); then on data=8 in bfloat16 the scale of the data-parallel
-  gradient sum's bytes term, of FSDP's (meshgin gathers with all-to-alls)
-  and of ZeRO-1's; last, on stage=2 x data=4 with 2 micro-batches, the share
-  of the sub-mesh engine's bubble that shows on this host's shared cores."""
-  from layout_core.suggest import calibration, cost  # pylint: disable=import-outside-toplevel
-  from layout_core.train import memory  # pylint: disable=import-outside-toplevel
+def plan_of(run: Run):
+  """The run's plan, as launch.train makes it (no TensorFlow)."""
   from plugins import gin_setup, plan as plan_lib  # pylint: disable=import-outside-toplevel
-  shape = ['transformer_lm.model_dim = 512', 'transformer_lm.num_heads = 8',
-           'transformer_lm.ffn_dim = 2048', 'transformer_lm.num_layers = 2',
-           'optimizer.shard_state = False']
-  found = {'matmul_efficiency': {}, 'collective_scale': {}, 'shared_bubble': 0.0,
-           'efficiency_step_seconds': {}}
+  with gin_setup.parsed_config(files=['configs/experiments/quickstart.gin'],
+                               bindings=bindings_of(run), search_paths=[]):
+    return plan_lib.make_plan()
 
-  def predict(bindings, rates):
-    with gin_setup.parsed_config(files=['configs/experiments/quickstart.gin'], bindings=bindings,
-                                 search_paths=[]):
-      plan = plan_lib.make_plan()
-    estimate = memory.estimate_memory(
-        records=plan.records, params=plan.params,
-        input_shapes=[s for s, _ in plan.task.input_specs(plan.train.batch_size)],
-        config=plan.train, optimizer=plan.optimizer, mesh_axes=plan.mesh_spec.shape,
-        pipeline=plan.pipeline)
-    profile = cost.ModelProfile.of(plan.params, input_shapes=[
-        s for s, _ in plan.task.input_specs(plan.train.batch_size)])
-    return cost.predict_step(profile, records=plan.records, mesh_axes=plan.mesh_spec.shape,
-                             config=plan.train, optimizer=plan.optimizer, rates=rates,
-                             remat_of=memory.remat_leaves(plan.params, plan.train),
-                             fsdp_axis=estimate.fsdp_axis, state_axis=estimate.state_axis,
-                             pipeline=plan.pipeline)
 
-  # One device (no collective at all): the share of the matmul rate a real
-  # step gets. That device has the host's cores to itself, 8 devices' worth.
-  for dtype in ('float32', 'bfloat16'):
-    bindings = shape + ["mesh.shape = {'data': 1}", f"train.compute_dtype = '{dtype}'"]
-    rates = calibration.rates_from_json({**data, **found}, source='calibrating')
-    alone = dataclasses.replace(
-        rates, matmul={k: [(size, 8 * rate) for size, rate in table]
-                       for k, table in rates.matmul.items()},
-        elementwise={k: 8 * v for k, v in rates.elementwise.items()})
-    seconds = found['efficiency_step_seconds'][f'data=1, {dtype}'] = train_step_seconds(
-        bindings)
-    step = predict(bindings, alone)
-    found['matmul_efficiency'][dtype] = min(max(step.terms['matmul'] / max(
-        seconds - (step.seconds - step.terms['matmul']), 1e-9), 0.05), 1.0)
-  # Then on data=8 in bfloat16, one at a time, the scale of each collective's
-  # bytes term: the gradient sum of replicated weights, FSDP's, ZeRO-1's.
-  bf16 = shape + ["train.compute_dtype = 'bfloat16'"]
-  for name, term, extra in (('data', 'data all-reduce', []),
-                            ('fsdp', 'FSDP gathers', ['train.fsdp = True']),
-                            ('zero1', 'ZeRO-1 all-gather', ['optimizer.shard_state = True'])):
-    rates = calibration.rates_from_json({**data, **found}, source='calibrating')
-    seconds = found['efficiency_step_seconds'][name] = train_step_seconds(bf16 + extra)
-    step = predict(bf16 + extra, rates)
-    wire = step.terms[term]  # its bytes (the per-variable costs are a term of their own)
-    rest = step.seconds - wire
-    found['collective_scale'][name] = min(max((seconds - rest) / max(wire, 1e-9), 0.05), 20.0)
-  # The sub-mesh engine, stage=2 x data=4, 2 micro-batches: the share of the
-  # bubble of devices of their own that shows on this host's shared cores.
-  pipe = bf16 + ["mesh.shape = {'stage': 2, 'data': 4}", 'pipeline.num_stages = 2',
-                 'pipeline.num_micro_batches = 2']
-  rates = calibration.rates_from_json({**data, **found, 'shared_bubble': 1.0},
-                                      source='calibrating')
-  seconds = found['efficiency_step_seconds']['submesh'] = train_step_seconds(pipe)
-  step = predict(pipe, rates)
-  bubble = step.terms['pipeline bubble']
-  found['shared_bubble'] = min(max((seconds - (step.seconds - bubble)) / max(bubble, 1e-9),
-                                   0.0), 1.0)
-  return found
+def rates_for(run: Run, rates):
+  """The rates `run` is predicted with: a one-device run's device has the
+  host's cores to itself, 8 devices' worth of matmul and elementwise rate."""
+  if not run.alone:
+    return rates
+  return dataclasses.replace(
+      rates, matmul={k: [(size, 8 * rate) for size, rate in table]
+                     for k, table in rates.matmul.items()},
+      elementwise={k: 8 * v for k, v in rates.elementwise.items()})
+
+
+def predict(run: Run, data: dict, plan=None) -> float:
+  """The cost model's step seconds for `run` with the rates in `data`:
+  `plugins.suggest.planner.predict_plan`, the suggester's own prediction."""
+  from layout_core.suggest import calibration  # pylint: disable=import-outside-toplevel
+  from plugins.suggest.planner import predict_plan  # pylint: disable=import-outside-toplevel
+  rates = rates_for(run, calibration.rates_from_json(data, source='calibrating'))
+  return predict_plan(plan or plan_of(run), rates=rates).seconds
+
+
+def fit(data: dict, seconds: dict[str, float]) -> dict:
+  """The fixed costs, matmul shares, collective scales and shared bubble
+  that make `predict` give each run's measured `seconds`: per group, its
+  unknowns solved from predictions at 0 and at 1 of each (the prediction is
+  linear in them), clamped to their ranges; the groups in turn, round after
+  round, since each group's prediction holds the others' rates. Returns
+  `data` with them and, per run, its measured and predicted seconds, and the
+  largest relative difference (`fit_error`): what a prediction of these
+  runs from the file gives back."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  data = json.loads(json.dumps(data))
+  for _, knobs in GROUPS:  # start from nothing: every fixed cost 0, every share 1
+    for knob in knobs:
+      knob.set(data, 1.0 if knob.invert else (1.0 if knob.low > 0 else 0.0))
+  data['spmd_tick_s'] = 0.0  # in the SPMD cell's cost (GROUPS)
+  plans = {run.label: plan_of(run) for run in RUNS}
+  for _ in range(ROUNDS):
+    for labels, knobs in GROUPS:
+      runs = [RUN[label] for label in labels]
+
+      def at(values):
+        for knob, value in zip(knobs, values):
+          knob.set(data, value)
+        return np.array([predict(run, data, plans[run.label]) for run in runs])
+
+      base = at([0.0] * len(knobs))
+      slopes = np.stack([at(np.eye(len(knobs))[j]) - base for j in range(len(knobs))], axis=1)
+      measured = np.array([seconds[label] for label in labels])
+      solved = np.linalg.solve(slopes, measured - base)
+      at([knob.clamp(float(v)) for knob, v in zip(knobs, solved)])
+  report = []
+  for run in RUNS:
+    predicted = predict(run, data, plans[run.label])
+    report.append({'label': run.label, 'bindings': list(run.bindings),
+                   'measured_s': seconds[run.label], 'predicted_s': predicted,
+                   'error': predicted / seconds[run.label] - 1.0})
+  data['runs'] = report
+  data['fit_error'] = max(abs(r['error']) for r in report)
+  return data
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--out', default=os.path.join(RESULTS, 'calibration.json'))
+  parser.add_argument('--refit', action='store_true',
+                      help='fit the rates again to the step times --out already holds '
+                           '(after a change to the cost model), measuring nothing')
   args = parser.parse_args()
-  measured = run_child(CHILD, REPO)
-  fixed = fixed_costs()
-  from layout_core.suggest.calibration import machine_facts  # noqa: E402
-  facts = machine_facts()
-  info = provenance()
-  data = {
-      'device_type': 'CPU', 'devices': 8,
-      'measured': {'date': info['date'], **facts},
-      'matmul': measured['matmul'], 'elementwise': measured['elementwise'],
-      'collectives': {kind: {size: {k: v for k, v in fit.items() if k != 'points'}
-                             for size, fit in by_size.items()}
-                      for kind, by_size in measured['collectives'].items()},
-      'collective_points': {kind: {size: fit['points'] for size, fit in by_size.items()}
-                            for kind, by_size in measured['collectives'].items()},
-      'cross_host': {'latency_s': 1e-3, 'bytes_per_s': 1e9},
-      **fixed,
-      'matmul_efficiency': {}, 'collective_scale': {},
-      'devices_share_cores': True,
-  }
-  data.update(step_efficiency({**data, 'measured': {}}))
+  if args.refit:
+    with open(args.out) as f:
+      data = json.load(f)
+    seconds = {r['label']: r['measured_s'] for r in data.get('runs', [])} or {
+        **data['tiny_step_seconds'], **data['efficiency_step_seconds']}  # an older file
+    for key in ('runs', 'fit_error', 'tiny_step_seconds', 'efficiency_step_seconds'):
+      data.pop(key, None)
+    data['refit'] = provenance()['commit']
+  else:
+    measured = run_child(CHILD, REPO)
+    from layout_core.suggest.calibration import machine_facts  # noqa: E402
+    info = provenance()
+    data = {
+        'device_type': 'CPU', 'devices': 8,
+        'measured': {'date': info['date'], **machine_facts()},
+        'matmul': measured['matmul'], 'elementwise': measured['elementwise'],
+        'collectives': {kind: {size: {k: v for k, v in fit.items() if k != 'points'}
+                               for size, fit in by_size.items()}
+                        for kind, by_size in measured['collectives'].items()},
+        'collective_points': {kind: {size: fit['points'] for size, fit in by_size.items()}
+                              for kind, by_size in measured['collectives'].items()},
+        'cross_host': {'latency_s': 1e-3, 'bytes_per_s': 1e9},
+        'devices_share_cores': True,
+    }
+    seconds = {run.label: train_step_seconds(bindings_of(run)) for run in RUNS}
+  data = fit(data, seconds)
   write_json(data, args.out)
-  print(json.dumps({k: v for k, v in data.items() if k != 'collective_points'}, indent=1))
+  print(json.dumps({k: v for k, v in data.items() if k not in ('collective_points', 'runs')},
+                   indent=1))
+  for run in data['runs']:
+    print(f"{run['label']:36s} measured {run['measured_s'] * 1e3:7.2f} ms, predicted "
+          f"{run['predicted_s'] * 1e3:7.2f} ms ({run['error']:+.1%})")
 
 
 if __name__ == '__main__':

@@ -26,6 +26,8 @@ import os
 import platform
 from typing import Mapping, Sequence
 
+from layout_core.errors import ConfigError
+
 STALE_DAYS = 90
 _RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), 'bench', 'results')
@@ -71,6 +73,9 @@ class Rates:
   collective_scale: Mapping[str, float] = dataclasses.field(default_factory=dict)
   # the share of the sub-mesh engine's bubble that shows where devices share cores
   shared_bubble: float = 0.0
+  # one variable's own gradient sum per tick, with the SPMD engine's circular
+  # repeats (cost.py's 'SPMD per-tick sums'); None: the all-reduce's latency
+  spmd_sum_variable_s: float | None = None
   source: str = 'nominal'    # where the figures come from
   measured: dict = dataclasses.field(default_factory=dict)  # provenance
 
@@ -121,8 +126,11 @@ class Rates:
       return (f'nominal {self.device_type} figures, not measured here: run '
               'python bench/calibrate.py')
     here = machine_facts()
-    for key in ('processor', 'cores', 'tensorflow'):
+    for key in ('processor', 'cores', 'tensorflow', 'isa'):
       if self.measured.get(key) != here.get(key) and here.get(key) is not None:
+        if key not in self.measured:
+          return (f'the calibration does not record its machine\'s {key} (this machine\'s: '
+                  f'{here[key]!r}): rerun python bench/calibrate.py')
         return (f'measured with {key} {self.measured.get(key)!r}, this machine has '
                 f'{here.get(key)!r}: rerun python bench/calibrate.py')
     date = self.measured.get('date', '')
@@ -150,7 +158,10 @@ def _at_or_below(table: Mapping[int, object], size: int):
 
 def machine_facts() -> dict:
   """What a calibration depends on: processor, cores, TensorFlow version
-  (read from the installed package's metadata, without importing it)."""
+  (read from the installed package's metadata, without importing it), and
+  the processor's vector extensions that decide its matmul kernels (`isa`):
+  two CPUs both named 'AMD EPYC' ran bfloat16 steps two orders of magnitude
+  apart, one with AVX-512 and one with AVX2 alone."""
   from importlib import metadata  # pylint: disable=import-outside-toplevel
   try:
     version = metadata.version('tensorflow')
@@ -158,7 +169,25 @@ def machine_facts() -> dict:
     version = None
   cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
   return {'processor': processor_name() or platform.machine(), 'cores': cores,
-          'tensorflow': version}
+          'tensorflow': version, 'isa': vector_extensions()}
+
+
+# The /proc/cpuinfo flags that change which matmul kernels run (float32 and bfloat16).
+_ISA_FLAGS = ('avx2', 'fma', 'avx512f', 'avx512_vnni', 'avx512_bf16', 'amx_tile', 'amx_bf16')
+
+
+def vector_extensions() -> str | None:
+  """The processor's matmul-relevant flags, e.g. 'avx2 fma' (None where
+  /proc/cpuinfo cannot be read)."""
+  try:
+    with open('/proc/cpuinfo') as f:
+      for line in f:
+        if line.startswith('flags'):
+          flags = set(line.split(':', 1)[1].split())
+          return ' '.join(flag for flag in _ISA_FLAGS if flag in flags)
+  except OSError:
+    pass
+  return None
 
 
 def processor_name() -> str:
@@ -202,15 +231,42 @@ NOMINAL['TPU'] = NOMINAL['GPU']
 
 
 def load_rates(*, device_type: str, path: str | None = None) -> Rates:
-  """The measured rates for `device_type` (see the module docstring)."""
-  path = path or _REPO_FILE
-  data = None
-  if os.path.exists(path):
-    with open(path) as f:
-      data = json.load(f)
+  """The measured rates for `device_type` (see the module docstring): from
+  `path`, else from the checkout's bench/results/calibration.json where
+  there is one (an installed wheel has none: nominal rates). A `path` that
+  is missing or not a calibration file is a ConfigError naming it."""
+  if path is None:
+    data = _read_calibration(_REPO_FILE) if os.path.exists(_REPO_FILE) else None
+    source = os.path.relpath(_REPO_FILE)
+  else:
+    data, source = _read_calibration(path), path
   if data is None or data.get('device_type') != device_type:
     return Rates(device_type=device_type, **NOMINAL[device_type])
-  return rates_from_json(data, source=os.path.relpath(path) if path == _REPO_FILE else path)
+  try:
+    return rates_from_json(data, source=source)
+  except (KeyError, TypeError, ValueError, AttributeError) as e:
+    raise _not_a_calibration(source, f'{type(e).__name__}: {e}') from None
+
+
+def _read_calibration(path: str) -> dict:
+  """The JSON object in `path` (ConfigError naming the file where it is
+  missing or not a JSON object)."""
+  try:
+    with open(path) as f:
+      data = json.load(f)
+  except FileNotFoundError:
+    raise _not_a_calibration(path, 'no such file') from None
+  except (OSError, ValueError) as e:
+    raise _not_a_calibration(path, str(e)) from None
+  if not isinstance(data, dict):
+    raise _not_a_calibration(path, f'a JSON {type(data).__name__}, not an object')
+  return data
+
+
+def _not_a_calibration(path: str, why: str) -> ConfigError:
+  return ConfigError(f'the calibration file {path!r} cannot be read: {why}',
+                     where='--calibration', fix='give a file python bench/calibrate.py '
+                                                '--out=FILE wrote, or leave --calibration out')
 
 
 def rates_from_json(data: dict, *, source: str) -> Rates:
@@ -227,7 +283,8 @@ def rates_from_json(data: dict, *, source: str) -> Rates:
                devices_share_cores=data['devices_share_cores'],
                matmul_efficiency=data.get('matmul_efficiency', {}),
                collective_scale=data.get('collective_scale', {}),
-               shared_bubble=data.get('shared_bubble', 0.0), source=source,
+               shared_bubble=data.get('shared_bubble', 0.0),
+               spmd_sum_variable_s=data.get('spmd_sum_variable_s'), source=source,
                measured=data.get('measured', {}))
 
 

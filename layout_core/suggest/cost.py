@@ -39,8 +39,11 @@ What one optimizer step costs on the busiest device, from the plan alone
     (`bench/calibrate.py`): per Transformer block run and device its program
     spans, per engine (x micro-batches or SPMD ticks x accumulation; x1.5
     recomputed; a pipeline's shifts included), per tensor-parallel
-    all-reduce, FSDP-split and ZeRO-1 variable, and per step; collectives
-    add their bytes over the calibrated bandwidth.
+    all-reduce, FSDP-split and ZeRO-1 variable (an FSDP weight per gather:
+    again where its layer is recomputed), per variable the SPMD engine sums
+    each tick, and per step; collectives add their bytes over the
+    calibrated bandwidth. `bench/calibrate.py` fits each as what is left of
+    its runs' measured time after this prediction of the rest.
 
 The sum is the step time; nothing overlaps (a CPU runtime runs collectives
 on the cores that compute). Plain Python.
@@ -121,17 +124,26 @@ def _owner_splits(records, leaves, mesh_axes, skip) -> dict[str, int]:
   (the largest split of any of its weights, over axes other than `skip`).
   Keyed with layer indices generalised (`block_#`): the SPMD engine stores a
   stack's cells as the first cells' stacked variables."""
-  paths = sorted({_general(l.path) for l in leaves}, key=len, reverse=True)
+  paths = _leaf_paths(leaves)
   split: dict[str, int] = {}
   for r in records:
     ways = math.prod(mesh_axes.get(a, 1) for a in r.compute_spec
                      if a != UNSHARDED and a not in skip)
-    key = _general(r.path)
-    for leaf in paths:
-      if key.startswith(leaf + '/'):
-        split[leaf] = max(split.get(leaf, 1), ways)
-        break
+    leaf = _leaf_of(r.path, paths)
+    if leaf is not None:
+      split[leaf] = max(split.get(leaf, 1), ways)
   return split
+
+
+def _leaf_paths(leaves) -> list[str]:
+  """The leaves' generalised paths, longest first (for `_leaf_of`)."""
+  return sorted({_general(l.path) for l in leaves}, key=len, reverse=True)
+
+
+def _leaf_of(variable_path: str, leaf_paths: Sequence[str]) -> str | None:
+  """The generalised path of the leaf layer a variable belongs to (None: none)."""
+  key = _general(variable_path)
+  return next((leaf for leaf in leaf_paths if key.startswith(leaf + '/')), None)
 
 
 def _general(path: str) -> str:
@@ -145,12 +157,15 @@ class PlanFacts:
   splits: dict          # generalised leaf path -> ways its math is split
   variables: int        # on the fullest stage
   param_bytes: int      # per device, the fullest stage
-  split_variables: int  # FSDP-split ones
   split_bytes: int      # their stored bytes per device
   at_use_bytes: int     # their gathered bytes per device (float32)
   spans: frozenset      # mesh axes across hosts
   block_bytes: int = 0      # the first Transformer block's parameters per device
   block_variables: int = 0  # and how many variables it has
+  # each FSDP-split variable's (generalised leaf path or None, gathered bytes
+  # per device): how often it is gathered depends on its leaf (recomputed? in
+  # a pipeline?), which the settings decide
+  split_leaves: tuple = ()
 
   @classmethod
   def of(cls, records, *, profile: ModelProfile, mesh_axes: Mapping[str, int],
@@ -161,8 +176,10 @@ class PlanFacts:
     in_block = [r for r in records if block and r.path.startswith(block)]
     return cls(splits=_owner_splits(records, profile.leaves, mesh_axes, set(skip_axes)),
                variables=len(fullest), param_bytes=sum(r.bytes_per_device for r in fullest),
-               split_variables=len(split), split_bytes=sum(r.bytes_per_device for r in split),
+               split_bytes=sum(r.bytes_per_device for r in split),
                at_use_bytes=sum(bytes_at_use(r, mesh_axes) for r in split),
+               split_leaves=tuple((_leaf_of(r.path, _leaf_paths(profile.leaves)),
+                                   bytes_at_use(r, mesh_axes)) for r in split),
                spans=frozenset(_spanning_axes(mesh_axes, hosts)),
                block_bytes=sum(r.bytes_per_device for r in in_block),
                block_variables=len(in_block))
@@ -249,25 +266,32 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
   if fsdp_axis:
     at_use = facts.at_use_bytes
     # A weight is gathered where its layer runs: once per micro-batch inside a
-    # pipeline (the SPMD engine's cells once per tick), again when recomputed.
+    # pipeline (the SPMD engine's cells once per tick), again in the backward
+    # of a recomputed layer; a weight outside both (an embedding or softmax
+    # under remat = 'block', outside the stages) once per micro-step.
     runs = (ticks / (stages * repeats) if engine == 'spmd' else micro) if stage_of else 1
-    gathers = runs * (2 if config.remat != 'none' else 1)
-    terms['FSDP fixed'] = facts.split_variables * gathers * rates.fsdp_variable_s
+    recomputed = {_general(path) for path, again in remat_of.items() if again}
+    piped = {_general(l.path) for l in profile.leaves
+             if leaf_stage(stage_of, l.path) is not None}
+    uses = [(runs if leaf in piped else 1, 2 if leaf in recomputed else 1, nbytes)
+            for leaf, nbytes in facts.split_leaves]
+    gathers = sum(r * again for r, again, _ in uses)           # variable gathers
+    gathered = sum(r * again * nbytes for r, again, nbytes in uses)
+    reduced = sum(r * nbytes for r, _, nbytes in uses)       # one reduction per use
+    terms['FSDP fixed'] = gathers * rates.fsdp_variable_s
     if not stage_of and width < 4:
       # meshgin's all-to-alls (`fsdp.replica_axis`): the compute dtype moved,
       # the gradients summed once per step.
       terms['FSDP gathers'] = rates.collective_scale.get('fsdp', 1.0) * (
-          gathers * rates.transfer('all_gather', data, at_use * width / 4,
-                                   cross_host=data_cross)
+          rates.transfer('all_gather', data, gathered * width / 4, cross_host=data_cross)
           + rates.transfer('all_reduce', data, at_use, cross_host=data_cross))
     else:
       # DTensor's own collectives (float32 weights; inside a pipeline, whose
       # stages do not split the batch for FSDP): float32 gathered, and each
       # use's gradient reduced where it is made, as the data axis's sums are.
       terms['FSDP gathers'] = (
-          gathers * rates.transfer('all_gather', data, at_use, cross_host=data_cross)
-          + data_scale * runs * rates.transfer('all_reduce', data, at_use,
-                                               cross_host=data_cross))
+          rates.transfer('all_gather', data, gathered, cross_host=data_cross)
+          + data_scale * rates.transfer('all_reduce', data, reduced, cross_host=data_cross))
     unsplit = param_bytes - facts.split_bytes
   else:
     unsplit = param_bytes
@@ -279,9 +303,11 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
     cell = facts.block_bytes * stages  # a device's row of the [S, ...] cell weights
     sums = ticks * pipelined_blocks // (stages * repeats)  # cells run per device
     unsplit -= pipelined_blocks * facts.block_bytes
+    per_variable = (rates.latency('all_reduce', data) if rates.spmd_sum_variable_s is None
+                    else rates.spmd_sum_variable_s)
     terms['SPMD per-tick sums'] = sums * (
         data_scale * rates.transfer('all_reduce', data, cell, cross_host=data_cross)
-        + facts.block_variables * rates.latency('all_reduce', data))
+        + facts.block_variables * per_variable)
   state_split = mesh_axes.get(state_axis, 1) if state_axis and not fsdp_axis else 1
   # With ZeRO-1 each device sums only the slice it updates: a reduce-scatter,
   # half a ring all-reduce's traffic (`Optimizer.sliced_gradients`).
@@ -358,14 +384,17 @@ def _boundary_elements(profile: ModelProfile, stage_of) -> float:
 
 
 def _spanning_axes(mesh_axes: Mapping[str, int], hosts: int) -> set[str]:
-  """Mesh axes whose devices sit on more than one host (devices numbered in
-  mesh order, each host holding a contiguous block)."""
+  """Mesh axes whose collectives cross hosts (devices numbered in mesh order,
+  each host holding a contiguous block): an axis's groups are blocks of
+  (its size x the sizes inside it) devices, which stay within hosts only
+  where such blocks tile a host (12 devices on 2 hosts: model=4 groups
+  devices 4-7 across hosts 0 and 1)."""
   if hosts <= 1:
     return set()
   per_host = math.prod(mesh_axes.values()) // hosts
   spans, inner = set(), 1
   for axis, size in reversed(list(mesh_axes.items())):
-    if size > 1 and inner * size > per_host:
+    if size > 1 and per_host % (inner * size):
       spans.add(axis)
     inner *= size
   return spans

@@ -37,6 +37,30 @@ TENSOR_AXIS = 'model'
 MEGATRON_FILE = 'configs/layouts/megatron.gin'
 
 
+def predict_plan(plan: RunPlan, *, rates: calibration.Rates, train=None, hosts: int = 1,
+                 profile: cost.ModelProfile | None = None, remat_of: dict | None = None,
+                 facts: cost.PlanFacts | None = None) -> cost.StepCost:
+  """The cost model's step time of `plan` as launch.train runs it (`train`
+  in place of plan.train: another dtype or remat): what the suggester ranks
+  candidates by, and what bench/calibrate.py fits the measured rates to, so
+  the two cannot differ. `profile`, `remat_of`, `facts`: kept by a caller
+  that predicts many plans of one model."""
+  train = train or plan.train
+  axes = plan.mesh_spec.shape
+  batch_axis = train.batch_axis
+  fsdp_axis = batch_axis if train.fsdp else None
+  state = state_axis(plan.optimizer, batch_axis=batch_axis, mesh_axes=axes,
+                     parameter_shapes=[r.shape for r in plan.records], fsdp_axis=fsdp_axis)
+  if profile is None:
+    profile = cost.ModelProfile.of(plan.params, input_shapes=[
+        shape for shape, _ in plan.task.input_specs(plan.train.batch_size)])
+  return cost.predict_step(
+      profile, records=plan.records, mesh_axes=axes, config=train, optimizer=plan.optimizer,
+      rates=rates, pipeline=plan.pipeline, stage_axis=plan.pipeline_config.stage_axis,
+      remat_of=memory.remat_leaves(plan.params, train) if remat_of is None else remat_of,
+      fsdp_axis=fsdp_axis, state_axis=state, hosts=hosts, facts=facts)
+
+
 @dataclasses.dataclass
 class Suggester:
   base: RunPlan
@@ -84,9 +108,10 @@ class Suggester:
     blocks = [p for _, p in leaf_layers(params) if p.cls is TransformerBlock]
     heads = {p.num_heads for p in blocks}
     per_host = self.num_devices // self.hosts
-    sizes = [m for m in space.divisors(self.num_devices)  # a model axis stays on a host
-             if all(h % m == 0 for h in heads) and (self.hosts == 1 or m <= per_host)
-             ] if heads else ()
+    # A model axis (innermost: blocks of m devices) stays within a host: its
+    # blocks tile each host's devices.
+    sizes = [m for m in space.divisors(self.num_devices)
+             if all(h % m == 0 for h in heads) and per_host % m == 0] if heads else ()
     return space.enumerate_layouts(num_devices=self.num_devices,
                                    tensor_parallel=self.tensor_rules is not None,
                                    pipelines=bool(blocks), max_stages=len(blocks),
@@ -142,18 +167,9 @@ class Suggester:
   def time_of(self, candidate: space.Candidate) -> tuple[float, dict]:
     """(predicted step seconds, the cost model's terms)."""
     plan, train = self._planned(candidate)
-    axes = plan.mesh_spec.shape
-    batch_axis = train.batch_axis
-    stage_axis = plan.pipeline_config.stage_axis
-    state = state_axis(plan.optimizer, batch_axis=batch_axis, mesh_axes=axes,
-                       parameter_shapes=[r.shape for r in plan.records],
-                       fsdp_axis=batch_axis if train.fsdp else None)
-    step = cost.predict_step(
-        self._profile, records=plan.records, mesh_axes=axes, config=train,
-        optimizer=plan.optimizer, rates=self.rates, pipeline=plan.pipeline,
-        stage_axis=stage_axis, remat_of=self._remat_of(train.remat),
-        fsdp_axis=batch_axis if train.fsdp else None, state_axis=state, hosts=self.hosts,
-        facts=self._facts(candidate.layout, candidate.settings.circular_repeats))
+    step = predict_plan(plan, rates=self.rates, train=train, hosts=self.hosts,
+                        profile=self._profile, remat_of=self._remat_of(train.remat),
+                        facts=self._facts(candidate.layout, candidate.settings.circular_repeats))
     return step.seconds, step.terms
 
   def evaluate(self, candidate: space.Candidate) -> search.Evaluation:
