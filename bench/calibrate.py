@@ -49,7 +49,8 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.common import RESULTS, provenance, run_child, write_json  # noqa: E402
+from bench.common import (MEGATRON, RESULTS, provenance, run_child, with_megatron,  # noqa: E402
+                          write_json)
 
 CHILD = r'''
 import json, sys, time
@@ -173,7 +174,6 @@ WIDE = ['transformer_lm.model_dim = 512', 'transformer_lm.num_heads = 8',
         'optimizer.shard_state = False']
 PIPE = ["mesh.shape = {'stage': 2, 'data': 4}", 'pipeline.num_stages = 2',
         'pipeline.num_micro_batches = 4']
-MEGATRON = '@megatron'  # the shipped rules' binding (planner.megatron_binding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,16 +266,11 @@ GROUPS = (
 ROUNDS = 8
 
 
-def bindings_of(run: Run) -> list[str]:
-  from plugins.suggest.planner import megatron_binding  # pylint: disable=import-outside-toplevel
-  return [megatron_binding() if b == MEGATRON else b for b in run.bindings]
-
-
 def plan_of(run: Run):
   """The run's plan, as launch.train makes it (no TensorFlow)."""
   from plugins import gin_setup, plan as plan_lib  # pylint: disable=import-outside-toplevel
   with gin_setup.parsed_config(files=['configs/experiments/quickstart.gin'],
-                               bindings=bindings_of(run), search_paths=[]):
+                               bindings=with_megatron(run.bindings), search_paths=[]):
     return plan_lib.make_plan()
 
 
@@ -371,7 +366,7 @@ def main() -> None:
         'cross_host': {'latency_s': 1e-3, 'bytes_per_s': 1e9},
         'devices_share_cores': True,
     }
-    seconds = {run.label: train_step_seconds(bindings_of(run)) for run in RUNS}
+    seconds = {run.label: train_step_seconds(with_megatron(run.bindings)) for run in RUNS}
   data = fit(data, seconds)
   write_json(data, args.out)
   print(json.dumps({k: v for k, v in data.items() if k not in ('collective_points', 'runs')},

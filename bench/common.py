@@ -177,3 +177,13 @@ def timed_alternately(fns: dict, repeats: int) -> dict:
       fn()
       samples[name].append(time.perf_counter() - start)
   return {name: statistics.median(values) for name, values in samples.items()}
+
+
+MEGATRON = '@megatron'  # in a benchmark's bindings: the shipped Megatron rules' binding
+
+
+def with_megatron(bindings) -> list[str]:
+  """`bindings` with each MEGATRON replaced by the shipped rules' binding
+  (`plugins.suggest.planner.megatron_binding`)."""
+  from plugins.suggest.planner import megatron_binding  # pylint: disable=import-outside-toplevel
+  return [megatron_binding() if b == MEGATRON else b for b in bindings]

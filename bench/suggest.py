@@ -49,7 +49,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.common import RESULTS, write_json  # noqa: E402
+from bench.common import MEGATRON, RESULTS, with_megatron, write_json  # noqa: E402
 
 GIB = 2**30
 BUDGETS_GIB = (1, 2, 4)
@@ -64,7 +64,6 @@ MODELS = {
                     bindings=['transformer_lm.model_dim = 768',
                               'transformer_lm.ffn_dim = 3072'], trials=2),
 }
-MEGATRON = '@megatron'  # replaced by the shipped rules' binding (planner.megatron_binding)
 # The layouts of configs/experiments/, as bindings on any LM (their settings:
 # float32, no remat, no accumulation).
 HAND_WRITTEN = {
@@ -120,8 +119,7 @@ def key_of(bindings: list[str]) -> str:
 
 def run_trial(model: dict, bindings: list[str], cache: dict, *, label: str) -> dict:
   from plugins.suggest.measure import measure  # pylint: disable=import-outside-toplevel
-  from plugins.suggest.planner import megatron_binding  # pylint: disable=import-outside-toplevel
-  bindings = [megatron_binding() if b == MEGATRON else b for b in bindings]
+  bindings = with_megatron(bindings)
   key = key_of(model['bindings'] + bindings)
   have = cache.get(key)
   done = have.get('step_seconds_each', [have['step_seconds']]) if have else []

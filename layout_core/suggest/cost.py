@@ -174,12 +174,13 @@ class PlanFacts:
     split = [r for r in fullest if r.use_spec is not None]
     block = next((l.path + '/' for l in profile.leaves if l.block), None)
     in_block = [r for r in records if block and r.path.startswith(block)]
+    leaf_paths = _leaf_paths(profile.leaves)
     return cls(splits=_owner_splits(records, profile.leaves, mesh_axes, set(skip_axes)),
                variables=len(fullest), param_bytes=sum(r.bytes_per_device for r in fullest),
                split_bytes=sum(r.bytes_per_device for r in split),
                at_use_bytes=sum(bytes_at_use(r, mesh_axes) for r in split),
-               split_leaves=tuple((_leaf_of(r.path, _leaf_paths(profile.leaves)),
-                                   bytes_at_use(r, mesh_axes)) for r in split),
+               split_leaves=tuple((_leaf_of(r.path, leaf_paths), bytes_at_use(r, mesh_axes))
+                                  for r in split),
                spans=frozenset(_spanning_axes(mesh_axes, hosts)),
                block_bytes=sum(r.bytes_per_device for r in in_block),
                block_variables=len(in_block))
