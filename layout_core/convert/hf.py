@@ -159,7 +159,16 @@ def write_hf_dir(target: str, *, kwargs: Mapping[str, Any],
                       fix="use 'float32' (exact) or 'bfloat16'")
   check_target(target, overwrite=overwrite)
   family = hf_config.family_of(kwargs)
-  tied = is_tied(read('lm/emb/table'), read('lm/softmax/w'))
+  shapes = hf_names.variable_shapes(hf_names.tensor_rules(kwargs, family=family, tied=False))
+
+  def checked(path: str) -> np.ndarray:
+    value = np.asarray(read(path))
+    if tuple(value.shape) != shapes[path]:
+      raise ConfigError(f'{path} is {list(value.shape)} in the checkpoint, but the config '
+                        f'makes it {list(shapes[path])}', where='the run\'s config.gin',
+                        fix='export with the config the checkpoint was trained with')
+    return value
+  tied = is_tied(checked('lm/emb/table'), checked('lm/softmax/w'))
   config = hf_config.hf_config_from_lm(kwargs, tied=tied, dtype=dtype, kept=kept)
   prefix = 'transformer.' if family == 'gpt2' else ''
   rules = hf_names.tensor_rules(kwargs, family=family, tied=tied, prefix=prefix)
@@ -171,7 +180,7 @@ def write_hf_dir(target: str, *, kwargs: Mapping[str, Any],
 
   def tensor(name: str) -> np.ndarray:
     rule = by_name[name]
-    return rule.to_hf([read(path) for path in rule.paths]).astype(np_dtype)
+    return rule.to_hf([checked(path) for path in rule.paths]).astype(np_dtype)
 
   parent = os.path.dirname(os.path.abspath(target))
   os.makedirs(parent, exist_ok=True)
