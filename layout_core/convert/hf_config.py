@@ -276,7 +276,8 @@ def hf_config_from_lm(kwargs: Mapping[str, Any], *, tied: bool, dtype: str = 'fl
   if family == 'gpt2':
     activation = {v: n for n, v in reversed(_GPT2_ACTIVATIONS.items())}[k['activation']]
     return dict(common, n_embd=k['model_dim'], n_head=k['num_heads'], n_layer=k['num_layers'],
-                n_positions=k['max_len'], n_ctx=k['max_len'], n_inner=k['ffn_dim'],
+                n_positions=k['max_len'], n_ctx=k['max_len'],
+                n_inner=None if k['ffn_dim'] == 4 * k['model_dim'] else k['ffn_dim'],
                 activation_function=activation, layer_norm_epsilon=k['norm_epsilon'],
                 scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
                 reorder_and_upcast_attn=False)
