@@ -10,9 +10,10 @@ Reading: a directory holds `model.safetensors`, or shards named by
 `safetensors.safe_open(framework='numpy')`, which memory-maps it and checks
 its header against its size (a truncated file is refused on open), and a
 tensor is copied out only when asked for: an import holds one tensor (and
-its converted copies) in host memory at a time, beside the mapped files.
-bfloat16 tensors come back as `ml_dtypes.bfloat16` arrays (safetensors >= 0.6
-does this with numpy); the import widens each to float32 on its own.
+its converted copies) in host memory at a time, beside the mapped files
+(page cache, not the process's own memory). bfloat16 tensors come back as
+`ml_dtypes.bfloat16` arrays (safetensors 0.8 does this with numpy once
+ml_dtypes is imported); the import widens each to float32 on its own.
 
 Writing: the shards are planned from the tensors' sizes before anything is
 written (names `model-00001-of-00003.safetensors`, an index when there is
@@ -57,6 +58,9 @@ class SafetensorsReader:
       raise
 
   def _open(self) -> None:
+    # safetensors gives bfloat16 to numpy only once ml_dtypes (TensorFlow's own
+    # dependency) is imported; without it, get_tensor raises TypeError.
+    import ml_dtypes  # pylint: disable=g-import-not-at-top,unused-import
     from safetensors import SafetensorError, safe_open  # pylint: disable=g-import-not-at-top
     single = os.path.join(self.directory, SINGLE_FILE)
     index_path = os.path.join(self.directory, INDEX_FILE)
