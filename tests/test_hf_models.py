@@ -194,3 +194,22 @@ def test_the_launchers_take_an_imported_run(hf_dirs, keras_hub_reference, tmp_pa
                     '--gin_bindings=train.eval_batches = 1')
   assert done.returncode == 0, done.stderr[-3000:]
   assert inference.find_checkpoint(model_dir=run)[0] == 2
+
+
+def test_bindings_that_change_the_architecture_are_refused_with_nothing_written(
+    hf_dirs, tmp_path):
+  from layout_core.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ConfigError, match=r'transformer_lm.num_layers is 3 in the given config, '
+                                        r'but the checkpoint is 2'):
+    import_to(hf_dirs['mistral'], str(tmp_path / 'run'),
+              bindings=['transformer_lm.num_layers = 3'])
+  assert os.listdir(tmp_path) == []
+
+
+def test_overwrite_replaces_a_run_only_once_the_new_one_is_whole(hf_dirs, tmp_path):
+  run = tmp_path / 'run'
+  os.makedirs(run)
+  (run / 'old.txt').write_text('old')
+  hf.import_run(hf_dir=hf_dirs['gpt2'], model_dir=str(run), overwrite=True)
+  assert sorted(os.listdir(run)) == ['checkpoints', 'config.gin', 'hf_import.json', 'tokenizer']
+  assert os.listdir(tmp_path) == ['run']   # no partial or set-aside directory left
