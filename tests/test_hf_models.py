@@ -150,7 +150,7 @@ def test_import_export_import_is_the_same_checkpoint_bit_for_bit(family, runs, t
       os.listdir(os.path.join(runs[family], 'tokenizer')))
 
 
-def test_init_from_reads_an_imported_run(runs):
+def test_init_from_reads_an_imported_run(runs, tmp_path):
   from plugins.training import build_trainer  # pylint: disable=g-import-not-at-top
   from layout_core.checkpoint.manager import Checkpointer, CheckpointConfig  # pylint: disable=g-import-not-at-top
   run = runs['llama']
@@ -160,7 +160,7 @@ def test_init_from_reads_an_imported_run(runs):
   trainer = build_trainer(plan)
   variables = trainer.engine.variables
   before = variables['lm/stack/block_001/ffn/w_up'].numpy()
-  checkpointer = Checkpointer(directory='/nonexistent', state=trainer.state(),
+  checkpointer = Checkpointer(directory=str(tmp_path / 'unused'), state=trainer.state(),
                               config=CheckpointConfig())
   assert checkpointer.init_from(run, variables) == len(variables)
   after = variables['lm/stack/block_001/ffn/w_up'].numpy()
