@@ -35,9 +35,10 @@ FACTORS = {  # feature -> its settings, the reference's first
     'accum': (1, 2),
     'shard_state': (False, True),
     'optimizer': ('adam', 'adafactor'),
+    'arch': ('classic', 'llama'),   # transformer_lm's defaults, or its Llama-family options
 }
 # Settings that change what is trained (kept in the reference) ...
-KEPT = ('packed', 'dtype', 'optimizer')
+KEPT = ('packed', 'dtype', 'optimizer', 'arch')
 # ... and those that must not (the reference switches them off).
 TRANSPARENT = ('remat', 'fsdp', 'accum', 'shard_state')
 # Relative to the values' scale (tests/numerics.py). measured (default / no oneDNN / 1 thread,
@@ -53,16 +54,23 @@ REFUSED = {
     ('engine', 'keras', 'fsdp', True): ('train.fsdp', 'Keras'),
 }
 
+# Pairs that mean nothing together: a Keras model has no transformer_lm options.
+NOT_APPLICABLE = {('engine', 'keras', 'arch', 'llama')}
+
 Cell = dict  # feature -> setting
 
 
-def refused_pair(cell: Cell) -> tuple | None:
-  """The first refused pair `cell` holds, or None."""
-  for pair in REFUSED:
+def refused_pair(cell: Cell, pairs=REFUSED) -> tuple | None:
+  """The first refused pair (of `pairs`) `cell` holds, or None."""
+  for pair in pairs:
     a, x, b, y = pair
     if cell.get(a) == x and cell.get(b) == y:
       return pair
   return None
+
+
+def _excluded(cell: Cell) -> bool:
+  return (refused_pair(cell) or refused_pair(cell, NOT_APPLICABLE)) is not None
 
 
 def _pairs_of(cell: Cell) -> set[tuple]:
@@ -79,7 +87,7 @@ def all_pairs() -> list[Cell]:
   names = list(FACTORS)
   wanted = {(a, x, b, y) for a, b in itertools.combinations(names, 2)
             for x in FACTORS[a] for y in FACTORS[b]}
-  wanted = {p for p in wanted if refused_pair({p[0]: p[1], p[2]: p[3]}) is None}
+  wanted = {p for p in wanted if not _excluded({p[0]: p[1], p[2]: p[3]})}
   cells: list[Cell] = []
   while wanted:
     a, x, b, y = min(wanted, key=lambda p: (names.index(p[0]), names.index(p[2]),
@@ -89,7 +97,7 @@ def all_pairs() -> list[Cell]:
     for name in names:
       if name in cell:
         continue
-      options = [v for v in FACTORS[name] if refused_pair({**cell, name: v}) is None]
+      options = [v for v in FACTORS[name] if not _excluded({**cell, name: v})]
       cell[name] = max(options, key=lambda v: (
           len(_pairs_of({**cell, name: v}) & wanted), -FACTORS[name].index(v)))
     cells.append({n: cell[n] for n in names})
@@ -131,9 +139,9 @@ def name(cell: Cell) -> str:
 # process of 8 devices running its reference (test_composition.py) ...
 TWO_CLIENT_CELLS = [
     {'engine': 'plain', 'remat': 'block', 'packed': False, 'fsdp': False, 'dtype': 'float32',
-     'accum': 2, 'shard_state': True, 'optimizer': 'adafactor'},
+     'accum': 2, 'shard_state': True, 'optimizer': 'adafactor', 'arch': 'llama'},
     {'engine': 'keras', 'remat': 'full', 'packed': False, 'fsdp': False, 'dtype': 'bfloat16',
-     'accum': 2, 'shard_state': False, 'optimizer': 'adam'},
+     'accum': 2, 'shard_state': False, 'optimizer': 'adam', 'arch': 'classic'},
 ]
 # ... and the settings other multi-client tests run against one process.
 TWO_CLIENTS = {
@@ -178,6 +186,9 @@ def table() -> str:
       pair = {a: x, b: y}
       if refused_pair(pair):
         row.append('exit 2')
+        continue
+      if refused_pair(pair, NOT_APPLICABLE):
+        row.append('n/a')
         continue
       first = next((c for c in cells if all(c[k] == v for k, v in pair.items())), None)
       row.append(f'{index[id(first)]}' if first else '')

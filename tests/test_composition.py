@@ -39,6 +39,23 @@ sys.path.insert(0, os.path.join(REPO_ROOT, 'tests', 'fixtures'))
 from my_project import models, tasks  # noqa: E402  pylint: disable=g-import-not-at-top
 
 BATCH, STEPS = 8, 3
+# transformer_lm's options per 'arch': Llama-family blocks with Qwen2's q/k/v
+# biases and two kv heads, which the 2x4 mesh's model axis (4) cannot split
+# (kept whole) and the pipelines' (2) can.
+ARCHS = {'classic': {},
+         'llama': dict(norm='rms', positions='rope', ffn='swiglu', num_kv_heads=2,
+                       qkv_bias=True, output_bias=False)}
+MEGATRON_QWEN2 = [  # configs/layouts/megatron_qwen2.gin's rules
+    (r'.*/attn/wq', ('unsharded', 'model', 'unsharded')),
+    (r'.*/attn/w[kv]', ('unsharded', 'model?', 'unsharded')),
+    (r'.*/attn/bq', ('model', 'unsharded')),
+    (r'.*/attn/b[kv]', ('model?', 'unsharded')),
+    (r'.*/attn/wo', ('model', 'unsharded', 'unsharded')),
+    (r'.*/ffn/w_(gate|up)', ('unsharded', 'model')),
+    (r'.*/ffn/w_down', ('model', 'unsharded')),
+    (r'.*/emb/table', ('unsharded', 'model')),
+    (r'.*/softmax/w', ('unsharded', 'model')),
+]
 
 
 class PackedMarkovTask(MarkovTask):
@@ -82,7 +99,8 @@ def make(cell: dict, meshes: dict):
     model, task = keras_models.KerasModel(build_fn=models.token_classifier), tasks.FirstTokenTask()
   else:
     model = transformer_lm_params(vocab_size=32, model_dim=32, num_heads=4, ffn_dim=64,
-                                  num_layers=2, max_len=16, dropout_rate=0.1)
+                                  num_layers=2, max_len=16, dropout_rate=0.1,
+                                  **ARCHS[cell['arch']])
     task = MarkovTask(vocab_size=32, seq_len=16, seed=3)
   if cell['packed']:
     task = PackedMarkovTask(vocab_size=32, seq_len=16, seed=3)
@@ -90,9 +108,10 @@ def make(cell: dict, meshes: dict):
   if cell['engine'] in ('spmd', 'gpipe'):
     pipeline = PipelineConfig(num_stages=2, num_micro_batches=2,
                               engine='spmd' if cell['engine'] == 'spmd' else 'submesh')
+  rules = [] if keras else MEGATRON_QWEN2 if cell['arch'] == 'llama' else MEGATRON
   return make_trainer(
       model=model, mesh=meshes['stage' if pipeline else '2d'],
-      rules=LayoutRules([] if keras else list(MEGATRON)), task=task, pipeline=pipeline,
+      rules=LayoutRules(list(rules)), task=task, pipeline=pipeline,
       optimizer=OptimizerConfig(name=cell['optimizer'], learning_rate=1e-2, warmup_steps=0,
                                 shard_state=cell['shard_state']),
       config=TrainConfig(num_steps=STEPS, batch_size=BATCH, log_every=1, eval_every=0,
@@ -173,10 +192,10 @@ def test_remat_on_packed_documents_trains_the_function_without_it(remat, traces)
   assert traces(base)['loss'][0] != pytest.approx(kept['loss'][0], rel=1e-3)
 
 
-# The base runs of the 2-client cells: a small LM on lm_2d's 2x4 mesh, the
-# user's Keras model; 4 steps, every loss logged.
+# The base runs of the 2-client cells: a small Llama-family LM on llama_2d's
+# 2x4 mesh, the user's Keras model; 4 steps, every loss logged.
 CLIENT_BASE = {
-    'plain': ['--gin_file=configs/experiments/lm_2d.gin',
+    'plain': ['--gin_file=configs/experiments/llama_2d.gin',
               '--gin_bindings=transformer_lm.num_layers = 1',
               '--gin_bindings=transformer_lm.max_len = 16', '--gin_bindings=data.seq_len = 16',
               '--gin_bindings=train.batch_size = 8'],

@@ -24,6 +24,18 @@ def all_configs():
   return sorted(os.path.relpath(f, REPO_ROOT) for f in files)
 
 
+# Each layout file with a model of the family it is for, and its rules strict:
+# every rule must decide some variable (transformer_lm's options per family).
+LAYOUT_MODELS = {
+    'megatron.gin': ('configs/models/lm_tiny.gin', []),
+    'megatron_gpt2.gin': ('configs/models/lm_tiny.gin', [
+        'transformer_lm.qkv_bias = True', 'transformer_lm.attention_out_bias = True',
+        "transformer_lm.activation = 'gelu_tanh'"]),
+    'megatron_llama.gin': ('configs/models/llama_tiny.gin', []),
+    'megatron_qwen2.gin': ('configs/models/llama_tiny.gin', ['transformer_lm.qkv_bias = True']),
+}
+
+
 def stack_for(path):
   kind = path.split(os.sep)[1]
   if kind == 'runs':
@@ -31,7 +43,7 @@ def stack_for(path):
   if kind == 'models':
     return [BASE_RUN, path]
   if kind == 'layouts':
-    return [BASE_RUN, BASE_MODEL, path]
+    return [BASE_RUN, LAYOUT_MODELS[os.path.basename(path)][0], path]
   return [path]
 
 
@@ -55,6 +67,7 @@ def test_config_parses_and_builds(path, tmp_path, classifier_data):
     bindings.append('data.vocab_size = 256')  # a byte-sized vocabulary
   if 'layouts' in path:
     bindings.append("mesh.shape = {'data': 2, 'model': 4}")  # rules name 'model'
+    bindings += LAYOUT_MODELS[os.path.basename(path)][1] + ['layout_rules.strict = True']
 
   gin_setup.parse_gin(files=stack_for(path), bindings=bindings)
   plan = plan_lib.make_plan()

@@ -14,7 +14,7 @@ values (the cache), instead of running the whole prefix again as
 share a batch, right-padded: every row has its own positions (its new tokens
 go at length, length + 1, ...), so each row equals its prompt decoded alone.
 Everything is one traceable function (the steps are a `tf.while_loop`, every
-shape fixed: a layer's cache is [B, P + max_new_tokens - 1, heads, head_dim]
+shape fixed: a layer's cache is [B, P + max_new_tokens - 1, kv_heads, head_dim]
 for prompts padded to P), which a caller may trace into its own
 `tf.function` (a SavedModel's signature) on plain tensors; called eagerly it
 compiles one function per setting and returns host tensors.
@@ -54,7 +54,7 @@ from layout_core.layout.variables import to_numpy
 from layout_core.lazy import dtensor, tf
 from layout_core.model.layers import (Embedding, LayerNorm, MultiHeadAttention, Softmax,
                                       TransformerBlock, attend, attention_inputs,
-                                      attention_output, causal_mask)
+                                      attention_output, causal_mask, learned_positions)
 from layout_core.params import Params
 
 # Re-exported: the decoder's callers check models and prompts through this module.
@@ -263,7 +263,7 @@ class CachedLM:
       positions = tf.expand_dims(tf.range(tf.shape(ids)[1]), 0)
     return Embedding.lookup(p, ids, table=fsdp.at_use(self._values[f'{path}/table']),
                             pos_table=(fsdp.at_use(self._values[f'{path}/pos_table'])
-                                       if p.max_len else None),
+                                       if learned_positions(p) else None),
                             positions=positions, dtype=compute_dtype(p))
 
   def _block(self, index: int, x, attend_fn=None):
@@ -275,7 +275,7 @@ class CachedLM:
     (norm_path, norm), (softmax_path, softmax) = self.layers.final_norm, self.layers.softmax
     x = LayerNorm.apply(norm, self._weights(norm_path, norm), x)
     w = self._weights(softmax_path, softmax)
-    return Softmax.logits(x, w=w('w'), b=w('b'))
+    return Softmax.logits(x, w=w('w'), b=w('b') if softmax.use_bias else None)
 
   def _hidden(self, tokens):
     x = self._embed(tokens)
@@ -287,10 +287,11 @@ class CachedLM:
     return self._head(self._hidden(tf.cast(tokens, tf.int32)))
 
   def _attention_parts(self, index: int):
-    """(the attention's weights, its head_dim) of block `index`."""
+    """(the attention's weights, its params, its head_dim) of block `index`."""
     path, p = self.layers.blocks[index]
     child = TransformerBlock.child_params(p)['attn']
-    return self._weights(path, p).child('attn'), MultiHeadAttention.head_dim(child)
+    return (self._weights(path, p).child('attn'), child,
+            MultiHeadAttention.head_dim(child))
 
   def _prefill(self, prompts, lengths, length):
     """The prompts through the model once: (each block's (keys, values) in
@@ -299,12 +300,13 @@ class CachedLM:
     caches = []
     x = self._embed(prompts)
     for index in range(len(self.layers.blocks)):
-      w, head_dim = self._attention_parts(index)
+      w, p, head_dim = self._attention_parts(index)
 
-      def attend_fn(h, w=w, head_dim=head_dim):
-        q, k, v = attention_inputs(h, w)
+      def attend_fn(h, w=w, p=p, head_dim=head_dim):
+        q, k, v = attention_inputs(p, h, w)
         mask = causal_mask(width, dtype=q.dtype)
-        out = attention_output(attend(q, k, v, mask=mask, head_dim=head_dim, dtype=h.dtype), w)
+        out = attention_output(
+            p, attend(q, k, v, mask=mask, head_dim=head_dim, dtype=h.dtype), w)
         pad = [[0, 0], [0, length - width], [0, 0], [0, 0]]
         caches.append((self._lay_cache(tf.pad(k, pad)), self._lay_cache(tf.pad(v, pad))))
         return out
@@ -320,16 +322,16 @@ class CachedLM:
     visible = tf.expand_dims(tf.range(length), 0) <= tf.expand_dims(positions, 1)  # [B, L]
     updated = []
     for index, (keys, values) in enumerate(caches):
-      w, head_dim = self._attention_parts(index)
+      w, p, head_dim = self._attention_parts(index)
 
-      def attend_fn(h, w=w, head_dim=head_dim, keys=keys, values=values):
-        q, k, v = attention_inputs(h, w)                               # [B, 1, H, K]
+      def attend_fn(h, w=w, p=p, head_dim=head_dim, keys=keys, values=values):
+        q, k, v = attention_inputs(p, h, w, positions=tf.expand_dims(positions, 1))  # [B, 1, H, K]
         keys = self._lay_cache(tf.where(written, k, keys))
         values = self._lay_cache(tf.where(written, v, values))
         updated.append((keys, values))
         mask = tf.reshape(tf.cast(visible, q.dtype), [-1, 1, 1, length])  # [B, 1, 1, L]
         return attention_output(
-            attend(q, keys, values, mask=mask, head_dim=head_dim, dtype=h.dtype), w)
+            p, attend(q, keys, values, mask=mask, head_dim=head_dim, dtype=h.dtype), w)
       x = self._block(index, x, attend_fn)
     return tf.squeeze(self._head(x), 1), updated
 

@@ -11,8 +11,11 @@
 
 Semantics: a rule whose pattern equals the path exactly wins first; otherwise
 the first rule (declared order) whose pattern `re.fullmatch`es the path; no
-match means fully replicated. Every spec entry is a mesh axis name or
-'unsharded'. A rule that decides no variable although its pattern fits some
+match means fully replicated. Every spec entry is a mesh axis name,
+'unsharded', or an optional axis 'name?': split over that axis where its
+size divides the dimension, else left whole (grouped-query attention's few
+key/value heads: `configs/layouts/megatron.gin`), which the resolution says
+in its `source` (layouts.txt, `launch.inspect`). A rule that decides no variable although its pattern fits some
 is *shadowed*: earlier rules took every one of them (`rule_uses`).
 
 Matching is fast for large models and rule sets, with the same answers as
@@ -38,6 +41,12 @@ from typing import Iterable, Mapping, Sequence
 from layout_core.errors import ConfigError
 
 UNSHARDED = 'unsharded'
+OPTIONAL = '?'  # 'model?': split over 'model' where it divides the dimension
+
+
+def axis_name(entry: str) -> str:
+  """The mesh axis (or 'unsharded') a spec entry names: 'model?' -> 'model'."""
+  return entry[:-1] if entry.endswith(OPTIONAL) else entry
 _DIGITS_TO_ZERO = str.maketrans('123456789', '000000000')
 # Escapes that stand for a character class or a back-reference; any of these
 # (or a literal digit) may distinguish one digit from another.
@@ -87,11 +96,13 @@ class RuleUse:
 class Resolution:
   spec: tuple[str, ...]
   rule_index: int | None  # None: no rule matched, fully replicated
+  left_whole: tuple[str, ...] = ()  # optional axes that did not divide their dimension
 
   def source(self, rules: 'LayoutRules') -> str:
     if self.rule_index is None:
       return 'default: replicated'
-    return f'{self.rule_index}: {rules.rules[self.rule_index].pattern}'
+    note = f' ({"; ".join(self.left_whole)})' if self.left_whole else ''
+    return f'{self.rule_index}: {rules.rules[self.rule_index].pattern}{note}'
 
 
 def _digit_blind(pattern: str) -> bool:
@@ -268,7 +279,7 @@ class LayoutRules:
   def check_mesh(self, mesh_axes: Mapping[str, int]) -> None:
     """Rejects rules naming unknown axes or using one axis twice."""
     for rule in self.rules:
-      used = [a for a in rule.spec if a != UNSHARDED]
+      used = [axis_name(a) for a in rule.spec if axis_name(a) != UNSHARDED]
       for axis in used:
         if axis not in mesh_axes:
           raise ConfigError(
@@ -296,7 +307,10 @@ class LayoutRules:
           f'but {rule.describe()} has {len(spec)} entries',
           where='layout_rules.rules',
           fix=f'give exactly {len(shape)} entries or narrow the regex')
-    for dim, (size, axis) in enumerate(zip(shape, spec)):
+    resolved, left_whole = [], []
+    for dim, (size, entry) in enumerate(zip(shape, spec)):
+      axis = axis_name(entry)
+      resolved.append(axis)
       if axis == UNSHARDED:
         continue
       if axis not in mesh_axes:
@@ -304,13 +318,19 @@ class LayoutRules:
             f"{rule.describe()} names mesh axis '{axis}' for variable '{path}', "
             f'but the mesh has axes {list(mesh_axes)}',
             where='layout_rules.rules', fix=f"use one of {list(mesh_axes)}")
+      if size % mesh_axes[axis] and entry.endswith(OPTIONAL):
+        resolved[-1] = UNSHARDED
+        left_whole.append(f"dim {dim} ({size}) whole: '{axis}' ({mesh_axes[axis]}) "
+                          'does not divide it')
+        continue
       if size % mesh_axes[axis]:
         raise ConfigError(
             f"variable '{path}' dim {dim} has size {size}, not divisible by "
             f"mesh axis '{axis}' of size {mesh_axes[axis]} ({rule.describe()})",
             where='layout_rules.rules',
-            fix=f"shard dim {dim} over an axis dividing {size}, or leave it '{UNSHARDED}'")
-    return Resolution(spec=spec, rule_index=index)
+            fix=f"shard dim {dim} over an axis dividing {size}, leave it '{UNSHARDED}', "
+                f"or write '{axis}{OPTIONAL}' to split it only where '{axis}' divides it")
+    return Resolution(spec=tuple(resolved), rule_index=index, left_whole=tuple(left_whole))
 
   def match_counts(self, rule_indices: Iterable[int | None]) -> list[int]:
     """How many of the given resolutions (rule index or None) each rule decided."""

@@ -43,6 +43,9 @@ class Embedding(BaseLayer):
     p.Define('vocab_size', 256, 'Number of token ids.')
     p.Define('dim', 64, 'Embedding width.')
     p.Define('max_len', 512, 'Longest sequence (position table rows); 0: none.')
+    p.Define('learned_positions', True,
+             'Add a learned position table of max_len rows; False: max_len is only '
+             'the longest sequence (rotary positions live in the attention).')
     p.Define('init_stddev', 0.02, 'Stddev of the initial embeddings.')
     return p
 
@@ -53,7 +56,7 @@ class Embedding(BaseLayer):
                     "dimension 1 (the features) instead, e.g. ('unsharded', 'model')"}
     declared = [Declared('table', (p.vocab_size, p.dim), Normal(p.init_stddev),
                          unshardable=looked_up)]
-    if p.max_len:
+    if learned_positions(p):
       declared.append(Declared('pos_table', (p.max_len, p.dim), Normal(p.init_stddev)))
     return declared
 
@@ -63,13 +66,14 @@ class Embedding(BaseLayer):
     if p.max_len and length > p.max_len:
       raise ConfigError(f'sequence length {length} exceeds {p.name}.max_len={p.max_len}')
     out = (batch, length, p.dim)
-    return LayerMeta(out_shapes=(out,), flops=_size(out) * (2 if p.max_len else 1),
+    return LayerMeta(out_shapes=(out,), flops=_size(out) * (2 if learned_positions(p) else 1),
                      matmul_flops=0)
 
   def fprop(self, ids):
     sequence = current().sequence  # packed documents: each token's position within its own
     return self.lookup(self.params, ids, table=fsdp.at_use(self.table),
-                       pos_table=fsdp.at_use(self.pos_table) if self.params.max_len else None,
+                       pos_table=(fsdp.at_use(self.pos_table) if learned_positions(self.params)
+                                  else None),
                        positions=None if sequence is None else sequence.positions,
                        dtype=self.compute_dtype)
 
@@ -82,7 +86,7 @@ class Embedding(BaseLayer):
     # Rows looked up in float32, then cast (a bfloat16 table would sum the
     # gradients of repeated ids in bfloat16).
     x = cast(tf.gather(table, ids), dtype)
-    if p.max_len:
+    if learned_positions(p):
       if positions is None:
         x += cast(pos_table[:ids.shape[1]], dtype)
       else:
@@ -90,7 +94,18 @@ class Embedding(BaseLayer):
     return x
 
 
+def learned_positions(p) -> bool:
+  """Whether an Embedding's params give it a learned position table."""
+  return bool(p.max_len) and p.learned_positions
+
+
+NORMS = ('layer', 'rms')
+
+
 class LayerNorm(BaseLayer):
+  """Normalises the last dimension: LayerNorm (kind 'layer': centred, then
+  scale and bias) or RMSNorm (kind 'rms': divided by the root mean square,
+  then scale; Llama's), statistics in float32."""
 
   @classmethod
   def Params(cls):
@@ -98,28 +113,53 @@ class LayerNorm(BaseLayer):
     p.name = 'ln'
     p.Define('dim', 64, 'Normalised (last) dimension.')
     p.Define('epsilon', 1e-6, 'Variance epsilon.')
+    p.Define('kind', 'layer', "'layer' (LayerNorm: scale and bias) or 'rms' (RMSNorm: scale).")
     return p
 
   @classmethod
   def declare_variables(cls, p):
+    if p.kind not in NORMS:
+      raise ConfigError(f'{p.name}.kind is {p.kind!r}', where=f'{p.name}.kind',
+                        fix=f"use one of {', '.join(map(repr, NORMS))}")
+    if p.kind == 'rms':
+      return [Declared('scale', (p.dim,), Ones())]
     return [Declared('scale', (p.dim,), Ones()), Declared('bias', (p.dim,), Zeros())]
 
   @classmethod
   def fprop_meta(cls, p, x_shape):
-    # mean, subtract, square, mean, rsqrt-multiply, scale, shift
-    return LayerMeta(out_shapes=(tuple(x_shape),), flops=7 * _size(x_shape),
-                     matmul_flops=0)
+    # layer: mean, subtract, square, mean, rsqrt-multiply, scale, shift;
+    # rms: square, mean, rsqrt-multiply, scale
+    return LayerMeta(out_shapes=(tuple(x_shape),),
+                     flops=(4 if p.kind == 'rms' else 7) * _size(x_shape), matmul_flops=0)
 
   @classmethod
   def apply(cls, p, w, x):
     x32 = as_float32(x)  # statistics in float32 whatever the compute dtype
+    if p.kind == 'rms':
+      mean_square = tf.reduce_mean(tf.square(x32), axis=-1, keepdims=True)
+      return cast(x32 * tf.math.rsqrt(mean_square + p.epsilon), x.dtype) * w.vector('scale', x)
     mean, variance = tf.nn.moments(x32, axes=[-1], keepdims=True)
     normed = cast((x32 - mean) * tf.math.rsqrt(variance + p.epsilon), x.dtype)
     return normed * w.vector('scale', x) + w.vector('bias', x)
 
 
+FFNS = ('mlp', 'swiglu', 'geglu')
+ACTIVATIONS = ('relu', 'gelu', 'gelu_tanh')
+
+
+def activate(x, activation: str):
+  """'relu', 'gelu' (exact), 'gelu_tanh' (GPT-2's tanh approximation) or 'silu'."""
+  if activation == 'relu':
+    return tf.nn.relu(x)
+  if activation == 'silu':
+    return tf.nn.silu(x)
+  return tf.nn.gelu(x, approximate=activation == 'gelu_tanh')
+
+
 class FeedForward(BaseLayer):
-  """x -> act(x W_in + b_in) W_out + b_out."""
+  """kind 'mlp': x -> act(x W_in + b_in) W_out + b_out; kind 'swiglu' / 'geglu'
+  (gated): x -> (silu / gelu_tanh(x W_gate) * x W_up) W_down. Biases where
+  `use_bias`."""
 
   @classmethod
   def Params(cls):
@@ -127,47 +167,80 @@ class FeedForward(BaseLayer):
     p.name = 'ffn'
     p.Define('input_dim', 64, 'Input and output width.')
     p.Define('hidden_dim', 256, 'Inner width.')
-    p.Define('activation', 'relu', "'relu' or 'gelu'.")
+    p.Define('activation', 'relu', "'relu', 'gelu' or 'gelu_tanh' (kind 'mlp').")
+    p.Define('kind', 'mlp', "'mlp', or gated: 'swiglu' (silu) or 'geglu' (gelu_tanh).")
+    p.Define('use_bias', True, 'Add a bias after each projection.')
     p.Define('init_stddev', 0.02, 'Stddev of the initial weights.')
     return p
 
   @classmethod
+  def matrices(cls, p) -> tuple[tuple[str, str], ...]:
+    """(weight, bias) names in order: in then out, or gate, up, down."""
+    if p.kind == 'mlp':
+      return (('w_in', 'b_in'), ('w_out', 'b_out'))
+    return (('w_gate', 'b_gate'), ('w_up', 'b_up'), ('w_down', 'b_down'))
+
+  @classmethod
   def declare_variables(cls, p):
-    if p.activation not in ('relu', 'gelu'):
+    if p.kind not in FFNS:
+      raise ConfigError(f'{p.name}.kind is {p.kind!r}', where=f'{p.name}.kind',
+                        fix=f"use one of {', '.join(map(repr, FFNS))}")
+    if p.activation not in ACTIVATIONS:
       raise ConfigError(f"{p.name}.activation is {p.activation!r}",
-                        fix="use 'relu' or 'gelu'")
-    return [Declared('w_in', (p.input_dim, p.hidden_dim), Normal(p.init_stddev)),
-            Declared('b_in', (p.hidden_dim,), Zeros()),
-            Declared('w_out', (p.hidden_dim, p.input_dim), Normal(p.init_stddev)),
-            Declared('b_out', (p.input_dim,), Zeros())]
+                        fix=f"use one of {', '.join(map(repr, ACTIVATIONS))}")
+    init = Normal(p.init_stddev)
+    declared = []
+    for weight, bias in cls.matrices(p):
+      out = p.input_dim if weight in ('w_out', 'w_down') else p.hidden_dim
+      shape = (p.input_dim, p.hidden_dim) if out == p.hidden_dim else (p.hidden_dim, p.input_dim)
+      declared.append(Declared(weight, shape, init))
+      if p.use_bias:
+        declared.append(Declared(bias, (out,), Zeros()))
+    return declared
 
   @classmethod
   def fprop_meta(cls, p, x_shape):
     check_width(p, x_shape, 'input_dim')
     tokens = _size(x_shape[:-1])
-    matmul = 2 * tokens * p.input_dim * p.hidden_dim * 2
-    elementwise = tokens * (2 * p.hidden_dim + p.input_dim)  # bias, act, bias
+    matrices = len(cls.matrices(p))
+    matmul = 2 * tokens * p.input_dim * p.hidden_dim * matrices
+    # biases, the activation (and the gate's product)
+    elementwise = tokens * (matrices * p.hidden_dim + p.input_dim)
     return LayerMeta(out_shapes=(tuple(x_shape),), flops=matmul + elementwise,
                      matmul_flops=matmul)
 
   @classmethod
   def apply(cls, p, w, x):
-    h = w.dense(x, 'w_in') + w.vector('b_in', x)
-    h = tf.nn.relu(h) if p.activation == 'relu' else tf.nn.gelu(h)
-    return w.dense(h, 'w_out') + w.vector('b_out', h)
+    def project(h, weight, bias):
+      out = w.dense(h, weight)
+      return out + w.vector(bias, h) if p.use_bias else out
+    if p.kind == 'mlp':
+      h = activate(project(x, 'w_in', 'b_in'), p.activation)
+      return project(h, 'w_out', 'b_out')
+    gate = activate(project(x, 'w_gate', 'b_gate'), 'silu' if p.kind == 'swiglu' else 'gelu_tanh')
+    return project(gate * project(x, 'w_up', 'b_up'), 'w_down', 'b_down')
 
 
 class MultiHeadAttention(BaseLayer):
-  """Causal multi-head self-attention; weights [D, H, K] and [H, K, D]."""
+  """Causal self-attention; weights wq [D, H, K], wk and wv [D, Hkv, K], wo
+  [H, K, D]. Grouped-query where num_kv_heads < num_heads (query head h reads
+  key/value head h // (H / Hkv)); rotary positions (RoPE, in the halves
+  convention of Hugging Face's Llama) where rope_theta > 0."""
 
   @classmethod
   def Params(cls):
     p = super().Params()
     p.name = 'attn'
     p.Define('model_dim', 64, 'Input and output width.')
-    p.Define('num_heads', 4, 'Attention heads.')
+    p.Define('num_heads', 4, 'Attention (query) heads.')
+    p.Define('num_kv_heads', 0, 'Key/value heads, dividing num_heads; 0 means num_heads.')
     p.Define('head_dim', 0, 'Width per head; 0 means model_dim // num_heads.')
     p.Define('causal', True, 'Mask attention to earlier positions only.')
+    p.Define('rope_theta', 0.0, 'Rotary position base (e.g. 10000); 0: no rotary positions.')
+    p.Define('rope_scaling', None, 'None, or Llama 3 frequency scaling: a dict of factor, '
+             'low_freq_factor, high_freq_factor, original_max_position_embeddings.')
+    p.Define('qkv_bias', False, 'Biases on the query, key and value projections.')
+    p.Define('out_bias', False, 'A bias on the output projection.')
     p.Define('init_stddev', 0.02, 'Stddev of the initial weights.')
     return p
 
@@ -181,56 +254,120 @@ class MultiHeadAttention(BaseLayer):
     return p.model_dim // p.num_heads
 
   @classmethod
+  def kv_heads(cls, p) -> int:
+    kv = p.num_kv_heads or p.num_heads
+    if p.num_heads % kv:
+      raise ConfigError(f'{p.name}: num_kv_heads {kv} does not divide num_heads '
+                        f'{p.num_heads}', where='transformer_lm.num_kv_heads',
+                        fix='use a divisor of num_heads (1: multi-query attention)')
+    return kv
+
+  @classmethod
   def declare_variables(cls, p):
-    qkv = (p.model_dim, p.num_heads, cls.head_dim(p))
+    head_dim, kv = cls.head_dim(p), cls.kv_heads(p)
+    if p.rope_theta and head_dim % 2:
+      raise ConfigError(f'{p.name}: rotary positions need an even head_dim, not {head_dim}',
+                        where='transformer_lm.head_dim', fix='use an even head_dim')
     init = Normal(p.init_stddev)
-    return [Declared('wq', qkv, init), Declared('wk', qkv, init),
-            Declared('wv', qkv, init),
-            Declared('wo', (p.num_heads, cls.head_dim(p), p.model_dim), init)]
+    declared = [Declared('wq', (p.model_dim, p.num_heads, head_dim), init),
+                Declared('wk', (p.model_dim, kv, head_dim), init),
+                Declared('wv', (p.model_dim, kv, head_dim), init),
+                Declared('wo', (p.num_heads, head_dim, p.model_dim), init)]
+    if p.qkv_bias:
+      declared += [Declared('bq', (p.num_heads, head_dim), Zeros()),
+                   Declared('bk', (kv, head_dim), Zeros()),
+                   Declared('bv', (kv, head_dim), Zeros())]
+    if p.out_bias:
+      declared.append(Declared('bo', (p.model_dim,), Zeros()))
+    return declared
 
   @classmethod
   def fprop_meta(cls, p, x_shape):
     batch, length, dim = x_shape
-    heads, head_dim = p.num_heads, cls.head_dim(p)
+    heads, kv, head_dim = p.num_heads, cls.kv_heads(p), cls.head_dim(p)
     tokens = batch * length
-    projections = 2 * tokens * dim * heads * head_dim * 4       # q, k, v, out
+    projections = 2 * tokens * dim * head_dim * (2 * heads + 2 * kv)   # q, o; k, v
     scores = 2 * batch * heads * length * length * head_dim * 2  # qk^T and attn.v
     # scale, mask, softmax (exp, sum, divide ~ 3)
     elementwise = batch * heads * length * length * 5
+    if p.rope_theta:  # q and k: two products and a sum
+      elementwise += 3 * tokens * (heads + kv) * head_dim
     return LayerMeta(out_shapes=(tuple(x_shape),),
                      flops=projections + scores + elementwise,
                      matmul_flops=projections + scores)
 
   @classmethod
   def apply(cls, p, w, x):
-    return attention(x, w, head_dim=cls.head_dim(p), causal=p.causal)
+    return attention(p, x, w)
 
 
-def attention(x, w, *, head_dim: int, causal: bool):
-  """Multi-head attention of x [*lead, batch, time, dim] with w's weights
-  'wq', 'wk', 'wv' [*lead, dim, heads, head_dim] and 'wo' [*lead, heads,
-  head_dim, dim]. `w.lead` names leading dimensions every operand shares: ''
-  for a layer, 's' for the SPMD pipeline's stage slots (each slot with its
-  own cell's weights).
+def attention(p, x, w):
+  """Self-attention (params `p` of a MultiHeadAttention) of x [*lead, batch,
+  time, dim] with w's weights 'wq', 'wk', 'wv' [*lead, dim, heads, head_dim]
+  and 'wo' [*lead, heads, head_dim, dim]. `w.lead` names leading dimensions
+  every operand shares: '' for a layer, 's' for the SPMD pipeline's stage
+  slots (each slot with its own cell's weights).
 
   Its three parts are also the cached decoder's (`layout_core.infer.decode`),
   which keeps each position's keys and values instead of recomputing them:
   `attention_inputs` (q, k, v), `attend` (scores, mask, softmax, the
   weighted values) and `attention_output`."""
-  q, k, v = attention_inputs(x, w)
+  sequence = w.context.sequence if not w.lead else None  # packed documents
+  q, k, v = attention_inputs(p, x, w,
+                             positions=None if sequence is None else sequence.positions)
   mask = None
-  if causal:
-    sequence = w.context.sequence
-    segments = sequence.segments if sequence is not None and not w.lead else None
+  if p.causal:
+    segments = None if sequence is None else sequence.segments
     mask = causal_mask(x.shape[-2], dtype=q.dtype, segments=segments)
-  context = attend(q, k, v, mask=mask, head_dim=head_dim, lead=w.lead, dtype=x.dtype)
-  return attention_output(context, w)
+  context = attend(q, k, v, mask=mask, head_dim=MultiHeadAttention.head_dim(p), lead=w.lead,
+                   dtype=x.dtype)
+  return attention_output(p, context, w)
 
 
-def attention_inputs(x, w):
-  """(q, k, v), each [*lead, batch, time, heads, head_dim]: x's projections."""
-  return (w.project('btd,dhk->bthk', x, 'wq'), w.project('btd,dhk->bthk', x, 'wk'),
-          w.project('btd,dhk->bthk', x, 'wv'))
+def attention_inputs(p, x, w, *, positions=None):
+  """(q [*lead, batch, time, heads, head_dim], k, v [..., kv_heads, head_dim]):
+  x's projections, rotated to `positions` ([batch, time] ids; None: 0..time-1)
+  where `p` has rotary positions."""
+  def project(name, bias):
+    out = w.project('btd,dhk->bthk', x, name)
+    return out + w.vector(bias, out) if p.qkv_bias else out
+  q, k, v = project('wq', 'bq'), project('wk', 'bk'), project('wv', 'bv')
+  if p.rope_theta:
+    q, k = rotate(q, positions, p), rotate(k, positions, p)
+  return q, k, v
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling=None):
+  """The rotary angle per position of each pair of dimensions (i, i + K/2):
+  theta^(-2i/K), float32 [K/2]; with Llama 3's `scaling`, the long
+  wavelengths divided by its factor and the middle ones blended."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  inverse = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  if scaling:
+    factor, low, high = (float(scaling[k]) for k in ('factor', 'low_freq_factor',
+                                                      'high_freq_factor'))
+    original = float(scaling['original_max_position_embeddings'])
+    wavelength = 2 * np.pi / inverse
+    smooth = (original / wavelength - low) / (high - low)
+    scaled = np.where(wavelength > original / low, inverse / factor, inverse)
+    middle = (wavelength >= original / high) & (wavelength <= original / low)
+    inverse = np.where(middle, (1 - smooth) * inverse / factor + smooth * inverse, scaled)
+  return inverse.astype(np.float32)
+
+
+def rotate(x, positions, p):
+  """x [*lead, b, t, h, k] rotated by its positions (`attention_inputs`):
+  x cos + rotate_half(x) sin, the angles in float32, applied in x's dtype."""
+  head_dim, length = x.shape[-1], x.shape[-3]
+  if positions is None:
+    positions = tf.range(length if length is not None else tf.shape(x)[-3])
+  angles = tf.expand_dims(tf.cast(positions, tf.float32), -1) * rope_frequencies(
+      head_dim, p.rope_theta, p.rope_scaling)                    # [(b,) t, k/2]
+  angles = tf.expand_dims(tf.concat([angles, angles], -1), -2)  # [(b,) t, 1, k]
+  cos, sin = cast(tf.cos(angles), x.dtype), cast(tf.sin(angles), x.dtype)
+  half = head_dim // 2
+  rotated = tf.concat([-x[..., half:], x[..., :half]], -1)
+  return x * cos + rotated * sin
 
 
 def causal_mask(length: int, *, dtype, segments=None):
@@ -244,9 +381,16 @@ def causal_mask(length: int, *, dtype, segments=None):
 
 
 def attend(q, k, v, *, mask, head_dim: int, lead: str = '', dtype):
-  """Queries q [*lead, b, t, h, k] over keys k and values v [*lead, b, u, h, k]:
-  the weighted values [*lead, b, t, h, k], in `dtype`. `mask` (1: may see,
-  0: may not; broadcast to the scores [*lead, b, h, t, u]) or None."""
+  """Queries q [*lead, b, t, h, k] over keys k and values v [*lead, b, u, g,
+  k] (g = h, or fewer grouped heads: each serves h / g queries in turn): the
+  weighted values [*lead, b, t, h, k], in `dtype`. `mask` (1: may see, 0: may
+  not; broadcast to the scores [*lead, b, h, t, u]) or None."""
+  heads, groups = q.shape[-2], k.shape[-2]
+  if groups != heads:  # grouped-query: each key/value head copied to its queries, exactly
+    expand = tf.cast(tf.equal(tf.expand_dims(tf.range(heads) // (heads // groups), 0),
+                              tf.expand_dims(tf.range(groups), 1)), k.dtype)  # [g, h]
+    k = tf.einsum(f'{lead}bugk,gh->{lead}buhk', k, expand)
+    v = tf.einsum(f'{lead}bugk,gh->{lead}buhk', v, expand)
   logits = tf.einsum(f'{lead}bthk,{lead}buhk->{lead}bhtu', q, k) * (head_dim ** -0.5)
   if mask is not None:
     logits += (1.0 - mask) * -1e9
@@ -254,9 +398,10 @@ def attend(q, k, v, *, mask, head_dim: int, lead: str = '', dtype):
   return tf.einsum(f'{lead}bhtu,{lead}buhk->{lead}bthk', probs, v)
 
 
-def attention_output(context, w):
+def attention_output(p, context, w):
   """The heads' weighted values [*lead, b, t, h, k] projected back: [*lead, b, t, d]."""
-  return w.project('bthk,hkd->btd', context, 'wo')
+  out = w.project('bthk,hkd->btd', context, 'wo')
+  return out + w.vector('bo', out) if p.out_bias else out
 
 
 class Dropout(BaseLayer):
@@ -292,19 +437,35 @@ class TransformerBlock(BaseLayer):
     p.Define('model_dim', 64, 'Residual stream width.')
     p.Define('num_heads', 4, 'Attention heads.')
     p.Define('ffn_dim', 256, 'Feed-forward inner width.')
-    p.Define('activation', 'relu', "Feed-forward activation: 'relu' or 'gelu'.")
+    p.Define('activation', 'relu', "Feed-forward activation: 'relu', 'gelu' or 'gelu_tanh'.")
     p.Define('dropout_rate', 0.0, 'Dropout on the attention and feed-forward outputs.')
+    p.Define('norm', 'layer', "The norms: 'layer' (LayerNorm) or 'rms' (RMSNorm).")
+    p.Define('norm_epsilon', 1e-6, 'The norms\' variance epsilon.')
+    p.Define('ffn', 'mlp', "Feed-forward kind: 'mlp', 'swiglu' or 'geglu'.")
+    p.Define('ffn_bias', True, 'Biases in the feed-forward layer.')
+    p.Define('num_kv_heads', 0, 'Key/value heads (grouped-query); 0 means num_heads.')
+    p.Define('head_dim', 0, 'Width per head; 0 means model_dim // num_heads.')
+    p.Define('rope_theta', 0.0, 'Rotary position base; 0: no rotary positions.')
+    p.Define('rope_scaling', None, 'Llama 3 rotary frequency scaling (a dict) or None.')
+    p.Define('qkv_bias', False, 'Biases on the query, key and value projections.')
+    p.Define('attention_out_bias', False, 'A bias on the attention output projection.')
     return p
 
   @classmethod
   def child_params(cls, p):
+    def norm(name):
+      return LayerNorm.Params().Set(name=name, dim=p.model_dim, kind=p.norm,
+                                    epsilon=p.norm_epsilon)
     children = {
-        'ln_attn': LayerNorm.Params().Set(name='ln_attn', dim=p.model_dim),
-        'attn': MultiHeadAttention.Params().Set(model_dim=p.model_dim,
-                                                num_heads=p.num_heads),
-        'ln_ffn': LayerNorm.Params().Set(name='ln_ffn', dim=p.model_dim),
+        'ln_attn': norm('ln_attn'),
+        'attn': MultiHeadAttention.Params().Set(
+            model_dim=p.model_dim, num_heads=p.num_heads, num_kv_heads=p.num_kv_heads,
+            head_dim=p.head_dim, rope_theta=p.rope_theta, rope_scaling=p.rope_scaling,
+            qkv_bias=p.qkv_bias, out_bias=p.attention_out_bias),
+        'ln_ffn': norm('ln_ffn'),
         'ffn': FeedForward.Params().Set(input_dim=p.model_dim, hidden_dim=p.ffn_dim,
-                                        activation=p.activation),
+                                        activation=p.activation, kind=p.ffn,
+                                        use_bias=p.ffn_bias),
     }
     if p.dropout_rate:
       for name in ('attn_dropout', 'ffn_dropout'):
@@ -356,13 +517,16 @@ class Softmax(BaseLayer):
     p.name = 'softmax'
     p.Define('input_dim', 64, 'Input width.')
     p.Define('num_classes', 256, 'Output classes (vocabulary).')
+    p.Define('use_bias', True, 'Add a bias to the logits.')
     p.Define('init_stddev', 0.02, 'Stddev of the initial weights.')
     return p
 
   @classmethod
   def declare_variables(cls, p):
-    return [Declared('w', (p.input_dim, p.num_classes), Normal(p.init_stddev)),
-            Declared('b', (p.num_classes,), Zeros())]
+    declared = [Declared('w', (p.input_dim, p.num_classes), Normal(p.init_stddev))]
+    if p.use_bias:
+      declared.append(Declared('b', (p.num_classes,), Zeros()))
+    return declared
 
   @classmethod
   def fprop_meta(cls, p, x_shape):
@@ -373,9 +537,12 @@ class Softmax(BaseLayer):
                      flops=matmul + tokens * p.num_classes, matmul_flops=matmul)
 
   def fprop(self, x):
-    return self.logits(x, w=self.weight('w'), b=self.weight('b'))
+    return self.logits(x, w=self.weight('w'),
+                       b=self.weight('b') if self.params.use_bias else None)
 
   @classmethod
   def logits(cls, x, *, w, b) -> tf.Tensor:
-    """The projection's math: float32 logits of x [..., input_dim]."""
-    return as_float32(dense(x, w) + b)  # float32 logits
+    """The projection's math: float32 logits of x [..., input_dim] (b: None
+    without a bias)."""
+    out = dense(x, w)
+    return as_float32(out + b if b is not None else out)  # float32 logits

@@ -11,40 +11,97 @@ from typing import Sequence
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least, check_arguments, in_range
 from layout_core.model.base import Sequential
-from layout_core.model.layers import Embedding, LayerNorm, Softmax, TransformerBlock
+from layout_core.model.layers import (ACTIVATIONS, FFNS, NORMS, Embedding, LayerNorm,
+                                      Softmax, TransformerBlock)
 from layout_core.params import Params
 
 
-ACTIVATIONS = ('relu', 'gelu')
+POSITIONS = ('learned', 'rope')
+ROPE_SCALING_KEYS = ('factor', 'low_freq_factor', 'high_freq_factor',
+                     'original_max_position_embeddings')
+
+
+def _one_of(name: str, field: str, value, allowed) -> None:
+  if value not in allowed:
+    raise ConfigError(f'{name}.{field} is {value!r}', where=f'{name}.{field}',
+                      fix=f"use one of {', '.join(map(repr, allowed))}")
 
 
 def _check_cell(name: str, *, num_heads: int, ffn_dim: int, activation: str,
-                dropout_rate: float) -> None:
-  at_least(dict(num_heads=num_heads, ffn_dim=ffn_dim), name, num_heads=1, ffn_dim=1)
-  if activation not in ACTIVATIONS:
-    raise ConfigError(f'{name}.activation is {activation!r}', where=f'{name}.activation',
-                      fix=f"use one of {', '.join(map(repr, ACTIVATIONS))}")
+                dropout_rate: float, ffn: str = 'mlp', norm: str = 'layer',
+                num_kv_heads: int = 0, head_dim: int = 0, norm_epsilon: float = 1e-6,
+                rope_scaling=None) -> None:
+  at_least(dict(num_heads=num_heads, ffn_dim=ffn_dim, num_kv_heads=num_kv_heads,
+                head_dim=head_dim), name, num_heads=1, ffn_dim=1, num_kv_heads=0, head_dim=0)
+  _one_of(name, 'activation', activation, ACTIVATIONS)
+  _one_of(name, 'ffn', ffn, FFNS)
+  _one_of(name, 'norm', norm, NORMS)
   in_range(dropout_rate, parameter=f'{name}.dropout_rate', low=0, high=1, high_open=True)
+  if not norm_epsilon > 0:
+    raise ConfigError(f'{name}.norm_epsilon is {norm_epsilon}', where=f'{name}.norm_epsilon',
+                      fix='use a small positive epsilon, e.g. 1e-6')
+  if num_kv_heads and num_heads % num_kv_heads:
+    kv = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+    raise ConfigError(f'{name}.num_kv_heads={num_kv_heads} does not divide '
+                      f'{name}.num_heads={num_heads}', where=f'{name}.num_kv_heads',
+                      fix=f'use a divisor of num_heads ({", ".join(map(str, kv))}); 1 is '
+                          'multi-query attention, 0 (the default) full multi-head')
+  if rope_scaling is not None:
+    keys = sorted(dict(rope_scaling)) if isinstance(rope_scaling, dict) else None
+    if keys != sorted(ROPE_SCALING_KEYS):
+      raise ConfigError(f'{name}.rope_scaling is {rope_scaling!r}', where=f'{name}.rope_scaling',
+                        fix='give None, or a dict of exactly '
+                            f"{', '.join(ROPE_SCALING_KEYS)} (Llama 3's scaling)")
+
+
+def _block_options(*, norm: str, norm_epsilon: float, ffn: str, ffn_bias: bool | None,
+                   num_kv_heads: int, head_dim: int, positions: str, rope_theta: float,
+                   rope_scaling, qkv_bias: bool, attention_out_bias: bool) -> dict:
+  """The TransformerBlock params of the Llama-family options."""
+  return dict(norm=norm, norm_epsilon=norm_epsilon, ffn=ffn,
+              ffn_bias=(ffn == 'mlp') if ffn_bias is None else bool(ffn_bias),
+              num_kv_heads=num_kv_heads, head_dim=head_dim,
+              rope_theta=float(rope_theta) if positions == 'rope' else 0.0,
+              rope_scaling=dict(rope_scaling) if positions == 'rope' and rope_scaling else None,
+              qkv_bias=bool(qkv_bias), attention_out_bias=bool(attention_out_bias))
 
 
 def transformer_block_params(*, num_heads: int = 4, ffn_dim: int = 256,
-                             activation: str = 'relu', dropout_rate: float = 0.0) -> Params:
+                             activation: str = 'relu', dropout_rate: float = 0.0,
+                             norm: str = 'layer', norm_epsilon: float = 1e-6,
+                             ffn: str = 'mlp', ffn_bias: bool | None = None,
+                             num_kv_heads: int = 0, head_dim: int = 0,
+                             positions: str = 'learned', rope_theta: float = 10000.0,
+                             rope_scaling: dict | None = None, qkv_bias: bool = False,
+                             attention_out_bias: bool = False) -> Params:
   """One Transformer cell (its width comes from the LM it is put in).
 
   Args:
     num_heads: Attention heads (>= 1), each model_dim // num_heads wide; must
       divide the model_dim of the LM the cell is put in.
     ffn_dim: Inner width of the feed-forward layer (>= 1).
-    activation: Feed-forward activation, 'relu' or 'gelu'.
+    activation: Feed-forward activation, 'relu', 'gelu' or 'gelu_tanh' (GPT-2's
+      tanh approximation); used by ffn='mlp'.
     dropout_rate: Dropout probability on the attention and feed-forward outputs,
       in [0, 1), applied in training only (evaluation runs without it); 0 adds no
       dropout layers.
+    norm, norm_epsilon, ffn, ffn_bias, num_kv_heads, head_dim, positions,
+      rope_theta, rope_scaling, qkv_bias, attention_out_bias: as in
+      `transformer_lm` (the cell's own; `positions` only decides whether the
+      cell rotates its queries and keys).
   """
   check_arguments(transformer_block_params, name='transformer_block', values=locals())
   _check_cell('transformer_block', num_heads=num_heads, ffn_dim=ffn_dim,
-              activation=activation, dropout_rate=dropout_rate)
-  return TransformerBlock.Params().Set(num_heads=num_heads, ffn_dim=ffn_dim,
-                                       activation=activation, dropout_rate=dropout_rate)
+              activation=activation, dropout_rate=dropout_rate, ffn=ffn, norm=norm,
+              num_kv_heads=num_kv_heads, head_dim=head_dim, norm_epsilon=norm_epsilon,
+              rope_scaling=rope_scaling)
+  _one_of('transformer_block', 'positions', positions, POSITIONS)
+  return TransformerBlock.Params().Set(
+      num_heads=num_heads, ffn_dim=ffn_dim, activation=activation, dropout_rate=dropout_rate,
+      **_block_options(norm=norm, norm_epsilon=norm_epsilon, ffn=ffn, ffn_bias=ffn_bias,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, positions=positions,
+                       rope_theta=rope_theta, rope_scaling=rope_scaling, qkv_bias=qkv_bias,
+                       attention_out_bias=attention_out_bias))
 
 
 def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
@@ -52,7 +109,13 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
                           num_layers: int = 2, max_len: int = 128,
                           activation: str = 'relu', name: str = 'lm',
                           cells: Sequence[Params] | None = None,
-                          dropout_rate: float = 0.0) -> Params:
+                          dropout_rate: float = 0.0, norm: str = 'layer',
+                          norm_epsilon: float = 1e-6, positions: str = 'learned',
+                          rope_theta: float = 10000.0, rope_scaling: dict | None = None,
+                          ffn: str = 'mlp', ffn_bias: bool | None = None,
+                          num_kv_heads: int = 0, head_dim: int = 0, qkv_bias: bool = False,
+                          attention_out_bias: bool = False,
+                          output_bias: bool = True) -> Params:
   """A decoder-only Transformer LM as a flat Sequential of heterogeneous layers:
 
   lm/emb -> lm/stack/block_000..N-1 -> lm/final_ln -> lm/softmax (logits).
@@ -86,6 +149,28 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
     dropout_rate: Dropout probability on each block's attention and feed-forward
       outputs, in [0, 1), applied in training only; 0 adds no dropout layers;
       unused when cells is given.
+    norm: The norms (each block's two and the final one): 'layer' (LayerNorm,
+      scale and bias) or 'rms' (RMSNorm, scale only: Llama, Mistral, Qwen2).
+    norm_epsilon: The norms' variance epsilon (> 0).
+    positions: 'learned' (a max_len x model_dim table added to the embeddings)
+      or 'rope' (rotary positions on each block's queries and keys, Hugging
+      Face's halves convention; max_len then only limits the length, 0: no
+      limit). Packed documents' positions restart at each document.
+    rope_theta: The rotary base (Llama 2: 10000, Llama 3: 500000); used by 'rope'.
+    rope_scaling: None, or Llama 3.1's frequency scaling, a dict of factor,
+      low_freq_factor, high_freq_factor and original_max_position_embeddings.
+    ffn: The feed-forward layer: 'mlp' (act(x W_in) W_out, with `activation`),
+      or gated: 'swiglu' (silu(x W_gate) * x W_up, then W_down; Llama) or
+      'geglu' (the gate through gelu_tanh).
+    ffn_bias: Biases in the feed-forward layer; None: on for 'mlp', off for the
+      gated kinds.
+    num_kv_heads: Key/value heads, a divisor of num_heads: grouped-query
+      attention (Llama 3, Mistral, Qwen2); 1 is multi-query; 0 means num_heads.
+    head_dim: Width per head; 0 means model_dim // num_heads (which must then
+      divide); set it where the heads are not model_dim wide in all.
+    qkv_bias: Biases on the query, key and value projections (Qwen2, GPT-2).
+    attention_out_bias: A bias on the attention's output projection (GPT-2).
+    output_bias: A bias on the logits (softmax/b).
   """
   check_arguments(transformer_lm_params, name='transformer_lm', values=locals())
   at_least(locals(), 'transformer_lm', vocab_size=1, model_dim=1, num_layers=1, max_len=0)
@@ -98,7 +183,7 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
         raise ConfigError(f'transformer_lm.cells[{i}] is {cell!r}, not a Transformer cell',
                           where='transformer_lm.cells',
                           fix='list cells made by @transformer_block()')
-      if model_dim % cell.num_heads:
+      if model_dim % cell.num_heads and not cell.head_dim:
         divisors = _divisors(model_dim)
         raise ConfigError(f'transformer_lm.cells[{i}] has num_heads={cell.num_heads}, which '
                           f'does not divide transformer_lm.model_dim={model_dim}',
@@ -106,8 +191,10 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
                           fix=f'use a num_heads dividing {model_dim} ({divisors})')
   else:
     _check_cell('transformer_lm', num_heads=num_heads, ffn_dim=ffn_dim,
-                activation=activation, dropout_rate=dropout_rate)
-    if model_dim % num_heads:
+                activation=activation, dropout_rate=dropout_rate, ffn=ffn, norm=norm,
+                num_kv_heads=num_kv_heads, head_dim=head_dim, norm_epsilon=norm_epsilon,
+                rope_scaling=rope_scaling)
+    if model_dim % num_heads and not head_dim:
       raise ConfigError(
           f'transformer_lm.num_heads={num_heads} does not divide '
           f'transformer_lm.model_dim={model_dim}',
@@ -115,6 +202,8 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
           fix=f'set transformer_lm.num_heads to a divisor of {model_dim} '
               f'({_divisors(model_dim)}), or transformer_lm.model_dim to a multiple '
               f'of {num_heads}')
+  _one_of('transformer_lm', 'positions', positions, POSITIONS)
+  _one_of('transformer_lm', 'norm', norm, NORMS)
   if cells:
     if num_layers != len(cells):
       raise ConfigError(f'transformer_lm.num_layers={num_layers} but {len(cells)} cells '
@@ -124,15 +213,19 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
         cell.Copy().Set(name=f'block_{i:03d}', model_dim=model_dim)
         for i, cell in enumerate(cells)])
   else:
-    block = transformer_block_params(num_heads=num_heads, ffn_dim=ffn_dim,
-                                     activation=activation,
-                                     dropout_rate=dropout_rate).Set(model_dim=model_dim)
+    block = transformer_block_params(
+        num_heads=num_heads, ffn_dim=ffn_dim, activation=activation,
+        dropout_rate=dropout_rate, norm=norm, norm_epsilon=norm_epsilon, ffn=ffn,
+        ffn_bias=ffn_bias, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        positions=positions, rope_theta=rope_theta, rope_scaling=rope_scaling,
+        qkv_bias=qkv_bias, attention_out_bias=attention_out_bias).Set(model_dim=model_dim)
     stack = Sequential.Params().Set(name='stack', sub=[block], repeat=num_layers)
   return Sequential.Params().Set(name=name, sub=[
-      Embedding.Params().Set(vocab_size=vocab_size, dim=model_dim, max_len=max_len),
+      Embedding.Params().Set(vocab_size=vocab_size, dim=model_dim, max_len=max_len,
+                             learned_positions=positions == 'learned'),
       stack,
-      LayerNorm.Params().Set(name='final_ln', dim=model_dim),
-      Softmax.Params().Set(input_dim=model_dim, num_classes=vocab_size),
+      LayerNorm.Params().Set(name='final_ln', dim=model_dim, kind=norm, epsilon=norm_epsilon),
+      Softmax.Params().Set(input_dim=model_dim, num_classes=vocab_size, use_bias=output_bias),
   ])
 
 

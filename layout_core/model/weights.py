@@ -174,10 +174,11 @@ class Weights:
     return tf.einsum(fsdp.lead_equation(equation, self.lead), x, self(name))
 
   def vector(self, name: str, x: tf.Tensor) -> tf.Tensor:
-    """A [n] weight (per slot [S, n]) ready to combine with x [..., n]."""
+    """A weight matching x's trailing dimensions, [n] or [h, k] (per slot
+    [S, n], [S, h, k]), ready to combine with x [..., n] or [..., h, k]."""
     w = self(name)
     if self.lead:
-      for _ in range(x.shape.rank - 2):
+      for _ in range(x.shape.rank - w.shape.rank):
         w = tf.expand_dims(w, 1)
     return w
 

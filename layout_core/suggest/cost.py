@@ -59,7 +59,7 @@ from typing import Mapping, Sequence
 from layout_core.layout.rules import UNSHARDED
 from layout_core.layout.scope import bytes_at_use
 from layout_core.model.base import leaf_layers
-from layout_core.model.layers import LayerNorm, TransformerBlock
+from layout_core.model.layers import FeedForward, LayerNorm, TransformerBlock
 from layout_core.suggest.calibration import Rates
 from layout_core.train.config import batch_axis_for
 from layout_core.train.memory import leaf_stage
@@ -103,10 +103,17 @@ class ModelProfile:
           path=path, matmul_flops=float(meta.matmul_flops),
           other_flops=float(meta.flops - meta.matmul_flops),
           out_elements=float(sum(math.prod(s) for s in meta.out_shapes)),
-          matmuls=6 if block else (0 if p.cls is LayerNorm else 1),
+          matmuls=_block_matmuls(p) if block else (0 if p.cls is LayerNorm else 1),
           tensor_reductions=2 if block else 1, block=block, stream_flops=stream))
       shapes = meta.out_shapes
     return cls(leaves=tuple(leaves), batch_size=shapes and input_shapes[0][0])
+
+
+def _block_matmuls(p) -> int:
+  """A Transformer block's weight contractions: q, k, v, out, and its
+  feed-forward's (2, or 3 gated)."""
+  ffn = p.cls.child_params(p)['ffn']
+  return 4 + len(FeedForward.matrices(ffn))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,9 +30,11 @@ model, per device (the fullest one) and in total (summed over the devices):
         the residual after attention; the block output), 4 [b, t, d] split
         with the heads (q, k, v, attention context), the probabilities
         [b, h, t, t] split with the heads, the ffn hidden [b, t, f] split with
-        the ffn (2 for gelu, which also keeps its input), + 2 [b, t, d] dropout
-        masks when dropout is on;
-      - LayerNorm: 3 x its output; FeedForward: hidden (x2 for gelu) + output;
+        the ffn (2 for gelu, which also keeps its input; 3 for a gated ffn: gate,
+        up and their product), + 2 [b, t, d] dropout masks when dropout is on
+        (grouped-query keys and values and RMSNorm's fewer statistics are
+        counted as full-width ones: an upper bound there);
+      - LayerNorm: 3 x its output; FeedForward: hidden (x2 for gelu, x3 gated) + output;
         MultiHeadAttention: 4 [b, t, d] + probabilities + output; Dropout
         (rate > 0): mask + output; Embedding: its output;
       - Softmax: the logits and the loss's saved softmax, 2 x [b, t, V] float32
@@ -371,6 +373,14 @@ def _split(splits, variable: str, dim: int) -> int:
   return mesh_axes.get(spec[dim], 1)
 
 
+def _hidden_copies(kind: str, activation: str) -> int:
+  """Feed-forward hidden-width tensors the backward keeps: the activation's
+  input (and a gelu's output), or a gated layer's gate, up and their product."""
+  if kind != 'mlp':
+    return 3
+  return 2 if activation.startswith('gelu') else 1
+
+
 def _leaf(path, p, in_shapes, out_shapes, splits, batch_split, width, remat, notes) -> _Leaf:
   """What one leaf layer keeps per device (see the module docstring)."""
   def size(shape):  # elements per device of a batch-major tensor
@@ -382,8 +392,8 @@ def _leaf(path, p, in_shapes, out_shapes, splits, batch_split, width, remat, not
     b, t, d = in_shapes[0]
     resid = size((b, t, d))
     heads = _split(splits, f'{path}/attn/wq', 1)
-    ffn = _split(splits, f'{path}/ffn/w_in', 1)
-    hidden = size((b, t, p.ffn_dim)) // ffn * (2 if p.activation == 'gelu' else 1)
+    ffn = _split(splits, f'{path}/ffn/{"w_in" if p.ffn == "mlp" else "w_up"}', 1)
+    hidden = size((b, t, p.ffn_dim)) // ffn * _hidden_copies(p.ffn, p.activation)
     elements = (8 * resid + (4 * resid + size((b, p.num_heads, t, t))) // heads + hidden
                 + (2 * resid if p.dropout_rate else 0))
     return _Leaf(path, elements * width, out, remat)
@@ -391,9 +401,8 @@ def _leaf(path, p, in_shapes, out_shapes, splits, batch_split, width, remat, not
     return _Leaf(path, 3 * out, out, remat)
   if cls is FeedForward:
     shape = tuple(in_shapes[0][:-1]) + (p.hidden_dim,)
-    hidden = size(shape) // _split(splits, f'{path}/w_in', 1)
-    factor = 2 if p.activation == 'gelu' else 1
-    return _Leaf(path, factor * hidden * width + out, out, remat)
+    hidden = size(shape) // _split(splits, f'{path}/{"w_in" if p.kind == "mlp" else "w_up"}', 1)
+    return _Leaf(path, _hidden_copies(p.kind, p.activation) * hidden * width + out, out, remat)
   if cls is MultiHeadAttention:
     b, t, _ = in_shapes[0]
     heads = _split(splits, f'{path}/wq', 1)

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 
 from layout_core.errors import ConfigError
-from layout_core.layout.rules import LayoutRules
+from layout_core.layout.rules import LayoutRules, axis_name
 from layout_core.model.base import leaf_layers
 from layout_core.model.layers import TransformerBlock
 from layout_core.params import Params
@@ -305,7 +305,7 @@ def _tensor_rules(base: RunPlan) -> tuple[LayoutRules | None, tuple[str, ...]]:
   """The rules a model axis splits this model with: the config's own when
   they name the axis; else the shipped Megatron rules when they split any
   of the model's weights; else none (no tensor parallelism)."""
-  if any(TENSOR_AXIS in rule.spec for rule in base.rules.rules):
+  if any(TENSOR_AXIS in map(axis_name, rule.spec) for rule in base.rules.rules):
     return base.rules, ()
   value = _megatron_rules()
   rules = LayoutRules(value)
