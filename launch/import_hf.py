@@ -21,7 +21,8 @@ written on that mesh in that layout, and tokenizer/. Then:
   python -m launch.decode --model_dir=runs/llama --prompt='The capital of France is'
   python -m launch.eval   --model_dir=runs/llama
   python -m launch.export --model_dir=runs/llama --format=hf --export_dir=exports/llama-hf
-  python -m launch.train  --model_dir=runs/llama --gin_bindings='data.task = @lm_corpus()' ...
+  python -m launch.train  --gin_file=runs/llama/config.gin --model_dir=runs/llama \
+      --gin_file=my_data.gin        # fine-tunes from step 0 on your data
 
 Tied embeddings are untied: lm/softmax/w starts as the embedding's transpose
 (launch.export --format=hf ties them again while they are still equal).
