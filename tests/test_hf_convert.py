@@ -349,3 +349,22 @@ def test_a_run_with_a_tokenizer_json_decodes_text_with_it(checkpoints, tmp_path)
   with pytest.raises(ConfigError, match='has 88 ids, but the model has 64'):
     tokens.check_vocabulary(tokenizer, model_vocab=64, task_vocab=None)
   assert isinstance(tokens.tokenizer_for(task, run_dir=str(tmp_path)), tokens.IdTokenizer)
+
+
+def test_a_run_with_a_sentencepiece_model_decodes_text_with_it(tmp_path):
+  import sentencepiece  # pylint: disable=g-import-not-at-top
+  directory = tmp_path / 'run' / tokens.RUN_TOKENIZER_DIR
+  os.makedirs(directory)
+  sentencepiece.SentencePieceTrainer.train(
+      sentence_iterator=iter([' '.join(hf_fixtures.WORDS)] * 8),
+      model_prefix=str(directory / 'tokenizer'), vocab_size=40, minloglevel=2)
+  tokenizer = tokens.run_tokenizer(str(tmp_path / 'run'))
+  assert isinstance(tokenizer, tokens.SentencePieceTokenizer) and tokenizer.of_model
+  assert tokenizer.decode(tokenizer.encode('the lazy dog')) == 'the lazy dog'
+
+
+def test_help_explains_the_import():
+  done = run_module('launch.import_hf', '--help')  # absl's help exits 1
+  for text in ('--hf_dir', '--model_dir', '--overwrite', '--gin_file', '--gin_bindings',
+               'model.safetensors.index.json', 'Exit status'):
+    assert text in done.stdout, text

@@ -26,7 +26,9 @@ from tests import hf_fixtures
 from tests.conftest import run_module
 
 FAMILIES = tuple(hf_fixtures.CONFIGS)
-# max |meshgin - KerasHub| / max |KerasHub| over the logits, float32 both.
+# max |meshgin - KerasHub| / max |KerasHub| over the logits, float32 both (each
+# test prints what it measured; about ten times that leaves room for another
+# CPU's order of summation).
 TOLERANCE = 1e-5
 NEW_TOKENS = 6
 TOKENS = np.random.default_rng(7).integers(3, hf_fixtures.VOCAB, size=(8, 12)).astype(np.int32)
@@ -117,6 +119,23 @@ def test_an_import_on_a_mesh_computes_the_same_logits(name, files, shape, hf_dir
   new = loaded.lm.generate(TOKENS[:2, :5], np.array([5, 5], np.int32),
                            max_new_tokens=NEW_TOKENS).numpy()
   np.testing.assert_array_equal(new, continuation)
+  # The way back reads the checkpoint the mesh wrote: the same tensors.
+  hf.export_run(export_dir=str(tmp_path / 'hf'), model_dir=run,
+                files=[inference.run_config(model_dir=run)])
+  assert_same_tensors(str(tmp_path / 'hf'), hf_dirs[name], name)
+
+
+def assert_same_tensors(exported: str, original: str, family: str) -> None:
+  """Every weight of the original Hugging Face directory is in the export,
+  bit for bit (GPT-2's are written under GPT2LMHeadModel's `transformer.`)."""
+  from layout_core.convert import hf_files, hf_names  # pylint: disable=g-import-not-at-top
+  with hf_files.SafetensorsReader(original) as before, \
+       hf_files.SafetensorsReader(exported) as after:
+    names = {name.removeprefix('transformer.'): name for name in after.shapes}
+    weights = [n for n in before.shapes if not hf_names.is_ignored(n, family)]
+    assert sorted(weights) == sorted(names)
+    for name in weights:
+      assert np.array_equal(before.read(name), after.read(names[name])), name
 
 
 def checkpoint_values(model_dir: str) -> dict[str, np.ndarray]:
@@ -128,7 +147,8 @@ def checkpoint_values(model_dir: str) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize('family', FAMILIES)
-def test_import_export_import_is_the_same_checkpoint_bit_for_bit(family, runs, tmp_path):
+def test_import_export_import_is_the_same_checkpoint_bit_for_bit(family, runs, hf_dirs,
+                                                                  tmp_path):
   exported = str(tmp_path / 'hf')
   written = hf.export_run(export_dir=exported, model_dir=runs[family],
                           files=[inference.run_config(model_dir=runs[family])],
@@ -136,6 +156,7 @@ def test_import_export_import_is_the_same_checkpoint_bit_for_bit(family, runs, t
   assert written['tied'] == (family in ('qwen2', 'gpt2'))
   with open(os.path.join(exported, 'config.json')) as f:
     assert json.load(f)['eos_token_id'] == 2   # kept from the imported config.json
+  assert_same_tensors(exported, hf_dirs[family], family)
   again = import_to(exported, str(tmp_path / 'again'))
   first, second = checkpoint_values(runs[family]), checkpoint_values(again)
   assert sorted(first) == sorted(second)
@@ -165,7 +186,7 @@ def test_init_from_reads_an_imported_run(runs, tmp_path):
 
 def test_the_launchers_take_an_imported_run(hf_dirs, keras_hub_reference, tmp_path):
   """launch.import_hf, then decode (text through the copied tokenizer.json),
-  export --format=hf and two steps of training, each a real process."""
+  eval, export --format=hf and two steps of training, each a real process."""
   run = str(tmp_path / 'gpt2')
   done = run_module('launch.import_hf', f'--hf_dir={hf_dirs["gpt2"]}', f'--model_dir={run}')
   assert done.returncode == 0, done.stderr[-3000:]
@@ -180,6 +201,8 @@ def test_the_launchers_take_an_imported_run(hf_dirs, keras_hub_reference, tmp_pa
   tokenizer = Tokenizer.from_file(os.path.join(hf_dirs['gpt2'], 'tokenizer.json'))
   assert record['ids'] == tokenizer.encode('the quick brown').ids
   assert record['text'] == tokenizer.decode(record['continuation'], skip_special_tokens=False)
+  done = run_module('launch.eval', f'--model_dir={run}', '--gin_bindings=train.eval_batches = 1')
+  assert done.returncode == 0 and 'Evaluated' in done.stdout, done.stderr[-3000:]
   done = run_module('launch.export', f'--model_dir={run}', '--format=hf',
                     f'--export_dir={tmp_path}/exported')
   assert done.returncode == 0, done.stderr[-3000:]
