@@ -125,6 +125,26 @@ def test_an_import_on_a_mesh_computes_the_same_logits(name, files, shape, hf_dir
   assert_same_tensors(str(tmp_path / 'hf'), hf_dirs[name], name)
 
 
+def test_a_pipelined_import_resumes_in_its_pipeline_and_decodes(hf_dirs, keras_hub_reference,
+                                                                tmp_path):
+  """Imported with an SPMD pipeline configured: written with the plain
+  model's keys, which the pipelined trainer's state reads, optimizer included."""
+  from layout_core.checkpoint.manager import Checkpointer  # pylint: disable=g-import-not-at-top
+  from plugins.training import build_trainer  # pylint: disable=g-import-not-at-top
+  run = import_to(hf_dirs['gpt2'], str(tmp_path / 'run'), bindings=[
+      "mesh.shape = {'stage': 2, 'data': 4}", 'pipeline.num_stages = 2',
+      'pipeline.num_micro_batches = 2', "pipeline.engine = 'spmd'"])
+  with gin_setup.parsed_config(files=[inference.run_config(model_dir=run)], bindings=[]):
+    plan = make_plan()
+  assert plan.pipeline is not None
+  trainer = build_trainer(plan)
+  checkpointer = Checkpointer(directory=os.path.join(run, 'checkpoints'),
+                              state=trainer.state(), config=plan.checkpoint)
+  assert checkpointer.check_latest_fits() == 0
+  logits, _ = keras_hub_reference['gpt2']
+  assert relative_error(decoder(run).lm.logits(TOKENS).numpy(), logits) < TOLERANCE
+
+
 def assert_same_tensors(exported: str, original: str, family: str) -> None:
   """Every weight of the original Hugging Face directory is in the export,
   bit for bit (GPT-2's are written under GPT2LMHeadModel's `transformer.`)."""
