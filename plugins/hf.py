@@ -212,14 +212,14 @@ def lm_kwargs_of_config() -> dict[str, Any]:
   kwargs = {name: p.default for name, p in signature.parameters.items()
             if p.default is not inspect.Parameter.empty}
   kwargs.update(gin.get_bindings(configurables.transformer_lm))
-  del kwargs['name']
   built = configurables.model()
   if kwargs.get('cells') or transformer_lm_params(**kwargs) != built:
     raise ConfigError('the run\'s model is not transformer_lm with its arguments alone '
                       '(cells, model.overrides or another model)', where='model.params',
                       fix='export it in meshgin\'s format (launch.export without --format=hf)')
-  kwargs.pop('cells', None)
-  kwargs.pop('dropout_rate', None)
+  # Not the architecture: the root's name (checkpoint keys are below it) and dropout.
+  for name in ('name', 'cells', 'dropout_rate'):
+    kwargs.pop(name, None)
   return kwargs
 
 

@@ -234,6 +234,11 @@ def test_the_launchers_take_an_imported_run(hf_dirs, keras_hub_reference, tmp_pa
                     '--gin_bindings=train.eval_batches = 1')
   assert done.returncode == 0, done.stderr[-3000:]
   assert inference.find_checkpoint(model_dir=run)[0] == 2
+  # Trained, the output matrix is no longer the embedding: both are written.
+  written = hf.export_run(export_dir=str(tmp_path / 'trained'), model_dir=run,
+                          files=[inference.run_config(model_dir=run)])
+  assert written['step'] == 2 and not written['tied']
+  assert written['config']['tie_word_embeddings'] is False
 
 
 def test_bindings_that_change_the_architecture_are_refused_with_nothing_written(
