@@ -10,7 +10,6 @@ from transformers' modeling files, not from meshgin's tables).
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
