@@ -20,6 +20,14 @@ The export directory appears whole or not at all (written beside it under a
 temporary name, checked, renamed). --tflite also converts the signatures
 for TensorFlow Lite, into `model.tflite` inside it.
 
+--format=hf writes a Hugging Face model directory instead (a transformer_lm
+run whose options match Llama, Qwen2 or GPT-2): config.json, the weights as
+safetensors (--hf_dtype; sharded over --max_shard_mb, with
+model.safetensors.index.json) and the run's tokenizer files (an imported
+run's), read from the checkpoint one variable at a time:
+
+  python -m launch.export --model_dir=runs/llama --format=hf --export_dir=exports/llama-hf
+
 Exit status: 0 exported; 2 a configuration error, one paragraph (no
 checkpoint, the export directory exists, a config that is not the
 checkpoint's model, TFLite cannot convert); 1 a crash, with its traceback.
@@ -57,6 +65,16 @@ PROMPT_LEN = flags.DEFINE_integer(
     'max_new_tokens); each prompt\'s own length is an input.', lower_bound=1)
 MAX_NEW_TOKENS = flags.DEFINE_integer(
     'max_new_tokens', 32, 'LM: tokens generate decodes after each prompt.', lower_bound=1)
+FORMAT = flags.DEFINE_enum(
+    'format', 'saved_model', ['saved_model', 'hf'], "saved_model: a TensorFlow SavedModel; "
+    "hf: a Hugging Face directory (config.json, safetensors, tokenizer) that transformers' "
+    'AutoModelForCausalLM loads.')
+HF_DTYPE = flags.DEFINE_enum(
+    'hf_dtype', 'float32', ['float32', 'bfloat16'], '--format=hf: the weights\' dtype '
+    '(float32 keeps them exactly).')
+MAX_SHARD_MB = flags.DEFINE_integer(
+    'max_shard_mb', 5000, '--format=hf: the largest safetensors file, in MB (10^6 bytes); '
+    'larger models are sharded, with model.safetensors.index.json.', lower_bound=1)
 TFLITE = flags.DEFINE_bool(
     'tflite', False, 'Also convert the signatures with TensorFlow Lite, built-in ops '
     'only (<export_dir>/model.tflite).')
@@ -76,6 +94,17 @@ def main(argv):
     if not EXPORT_DIR.value:
       raise ConfigError('--export_dir is not given', where='the command line',
                         fix='add --export_dir=exports/<name>/1 (a new directory)')
+    if FORMAT.value == 'hf':
+      from plugins import hf  # pylint: disable=g-import-not-at-top
+      written = hf.export_run(
+          export_dir=EXPORT_DIR.value, model_dir=MODEL_DIR.value, checkpoint=CHECKPOINT.value,
+          files=checkpoint_flags.config_files(), bindings=gin_flags.GIN_BINDINGS.value,
+          search_paths=gin_flags.GIN_SEARCH_PATHS.value, overwrite=OVERWRITE.value,
+          dtype=HF_DTYPE.value, max_shard_bytes=MAX_SHARD_MB.value * 10**6)
+      print(f'Exported {written["checkpoint"]} (step {written["step"]}) as a Hugging Face '
+            f'{written["family"]} model to {EXPORT_DIR.value}: {", ".join(written["files"])}'
+            f'{" (tied embeddings)" if written["tied"] else ""}', flush=True)
+      return
     sampling = sampling_flags.sampling()  # a bad flag exits 2 before the model loads
     export.check_target(EXPORT_DIR.value, overwrite=OVERWRITE.value)
     step, prefix = inference.find_checkpoint(model_dir=MODEL_DIR.value,

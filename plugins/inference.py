@@ -273,7 +273,9 @@ def load_decoder(*, files: Sequence[str], bindings: Sequence[str] = (),
                                search_paths=list(search_paths)):
     plan = plan_lib.make_plan()
     layers = decode.lm_layers(plan.params)
-    tokenizer = tokens.tokenizer_for(plan.task, spm_model=spm_model)
+    tokenizer = tokens.tokenizer_for(plan.task, spm_model=spm_model,
+                                     run_dir=run_directory(model_dir=model_dir,
+                                                           checkpoint=checkpoint))
     if check is not None:
       check(plan, layers, tokenizer)
     tokens.check_vocabulary(tokenizer, model_vocab=layers.vocab_size,
@@ -281,6 +283,21 @@ def load_decoder(*, files: Sequence[str], bindings: Sequence[str] = (),
     trained = _load_unpipelined(plan, model_dir=model_dir, checkpoint=checkpoint)
     lm = decode.CachedLM(plan.params, trained.variables, batch_axis=plan.train.batch_axis)
   return Decoder(plan=plan, layers=layers, tokenizer=tokenizer, trained=trained, lm=lm)
+
+
+def run_directory(*, model_dir: str | None, checkpoint: str | None) -> str | None:
+  """The run's directory: `model_dir`, or the one holding a named checkpoint
+  (`<run>/checkpoints/ckpt-N[/ckpt]`); None when neither says."""
+  if model_dir:
+    return model_dir
+  if not checkpoint:
+    return None
+  path = os.path.abspath(checkpoint.rstrip('/'))
+  directory = path if os.path.isdir(path) else os.path.dirname(path)
+  if os.path.isdir(os.path.join(directory, 'checkpoints')):  # a model_dir given as --checkpoint
+    return directory
+  parent = os.path.dirname(directory)
+  return os.path.dirname(parent) if os.path.basename(parent) == 'checkpoints' else None
 
 
 def _load_unpipelined(plan: RunPlan, *, model_dir: str | None,

@@ -69,6 +69,7 @@ SLOW = {
                     'test_decode_writes_jsonl_and_refuses_bad_input'},
     'test_lm_eval': {'test_lm_eval_runs_the_local_tasks_end_to_end',
                      'test_lm_eval_refuses_unknown_tasks_and_runs_without_text'},
+    'test_hf_models': {'test_the_launchers_take_an_imported_run'},
     'test_tasks': {'test_resume_from_a_checkpoint_reads_exactly_the_same_batches',
                    'test_classifier_example_trains_end_to_end_from_gin'},
 }  # module -> None (all of it) or the names of its slow tests

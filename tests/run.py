@@ -48,7 +48,7 @@ SECONDS = {
     'test_prepare_data.py': 6, 'test_runner.py': 6, 'test_optimizer.py': 5,
     'test_docs_concepts.py': 4, 'test_layers.py': 4, 'test_inspect.py': 3, 'test_gather.py': 3,
     'test_docs_commands.py': 2, 'test_startup.py': 2, 'test_imports.py': 2, 'test_configs.py': 2,
-    'test_checkpoint_safety.py': 2,
+    'test_checkpoint_safety.py': 2, 'test_hf_models.py': 55, 'test_hf_convert.py': 12,
 }
 UNLISTED = 1
 

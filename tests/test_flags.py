@@ -15,17 +15,18 @@ import pytest
 from tests.conftest import run_modules
 
 LAUNCHERS = ('train', 'eval', 'decode', 'export', 'inspect', 'lm_eval', 'sweep',
-             'local_cluster', 'prepare_data')
-WRITERS = ('train', 'sweep')  # given a --model_dir, which must not appear
+             'local_cluster', 'prepare_data', 'import_hf')
+WRITERS = ('train', 'sweep', 'import_hf')  # given a --model_dir, which must not appear
 # (launcher, flag) -> the words absl's message must hold
 OUT_OF_RANGE = [
     ('decode', '--batch_size=0', 'batch_size'), ('decode', '--max_new_tokens=0', 'max_new_tokens'),
     ('lm_eval', '--batch_size=0', 'batch_size'), ('lm_eval', '--max_gen_toks=0', 'max_gen_toks'),
     ('export', '--max_new_tokens=0', 'max_new_tokens'), ('export', '--prompt_len=0', 'prompt_len'),
     ('export', '--seq_len=-1', 'seq_len'), ('inspect', '--devices=-4', 'devices'),
-    ('inspect', '--hosts=0', 'hosts')]
+    ('inspect', '--hosts=0', 'hosts'), ('export', '--max_shard_mb=0', 'max_shard_mb')]
 UNPARSEABLE = [('decode', '--temperature=abc', 'temperature'),
-               ('export', '--top_k=two', 'top_k'), ('train', '--verbose=perhaps', 'verbose')]
+               ('export', '--top_k=two', 'top_k'), ('train', '--verbose=perhaps', 'verbose'),
+               ('export', '--format=onnx', 'format'), ('import_hf', '--overwrite=maybe', 'overwrite')]
 
 
 @pytest.fixture(scope='module')

@@ -54,6 +54,20 @@ def check_fits(prefix: str, entries: Sequence[CheckpointEntry], *,
             'checkpoint was left untouched)')
 
 
+def names_in(prefix: str) -> dict[str, str]:
+  """name -> key of every tensor in the checkpoint at `prefix`: a key less
+  its `/.ATTRIBUTES/VARIABLE_VALUE` (`model/lm/emb/table`), or a TF1 name."""
+  shapes = tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
+  return {k[:-len(VALUE_SUFFIX)] if k.endswith(VALUE_SUFFIX) else k: k for k in shapes}
+
+
+def key_for_name(name: str, by_name: Mapping[str, str]) -> str | None:
+  """The key holding the variable `name` (a path such as `lm/emb/table`, or
+  a TF1 name) among `by_name` (`names_in`): the name itself, else the model
+  root's key for it (`model/` + the path below its root); None if neither."""
+  return by_name.get(name) or by_name.get('model/' + name.split('/', 1)[-1])
+
+
 def entries_by_name(prefix: str, variables: Mapping[str, tf.Variable], *,
                     rename_rules: Sequence[Sequence[str]]) -> tuple[list[CheckpointEntry], int]:
   """(an entry per variable, the checkpoint's size in float32 bytes) for
@@ -65,7 +79,7 @@ def entries_by_name(prefix: str, variables: Mapping[str, tf.Variable], *,
   (tf.compat.v1.train.Saver, keyed by variable name). ConfigError naming
   every variable not found or of another shape."""
   shapes = tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
-  by_name = {k[:-len(VALUE_SUFFIX)] if k.endswith(VALUE_SUFFIX) else k: k for k in shapes}
+  by_name = names_in(prefix)
   rules = [(re.compile(pattern), replacement) for pattern, replacement in rename_rules]
   missing, wrong_shape, found = [], [], []
   for path, variable in variables.items():
@@ -75,8 +89,7 @@ def entries_by_name(prefix: str, variables: Mapping[str, tf.Variable], *,
       if match:
         name = match.expand(replacement)
         break
-    root_relative = 'model/' + name.split('/', 1)[-1]
-    key = by_name.get(name) or by_name.get(root_relative)
+    key = key_for_name(name, by_name)
     if key is None:
       missing.append(f'{path} (looked for {name!r})')
       continue

@@ -11,6 +11,12 @@ given. A bytes run (`data.text_file`) reads text as its UTF-8 bytes. The
 Markov task has no text: its tokens are ids, shown as numbers, and encoding
 text is a ConfigError that says to give ids.
 
+A run that carries its model's own tokenizer (`<model_dir>/tokenizer/`, where
+`launch.import_hf` copies a Hugging Face model's `tokenizer.json` or
+SentencePiece `tokenizer.model`) uses it, whatever its task:
+
+    tokenizer_for(task, run_dir='runs/llama')   # HuggingFaceTokenizer(runs/llama/tokenizer/...)
+
 Importing this module does not import TensorFlow.
 """
 
@@ -25,9 +31,13 @@ from layout_core.errors import ConfigError
 
 
 class Tokenizer:
-  """Text <-> ids: `encode`, `decode`, and `vocab_size` (None: any ids)."""
+  """Text <-> ids: `encode`, `decode`, and `vocab_size` (None: any ids).
+
+  `of_model`: the tokenizer came with the model (an imported run's), not
+  with its training data, so its vocabulary need only fit the model's."""
   vocab_size: int | None = None
   has_text = True
+  of_model = False
 
   def encode(self, text: str) -> list[int]:
     raise NotImplementedError
@@ -42,9 +52,9 @@ class Tokenizer:
 class SentencePieceTokenizer(Tokenizer):
   """A SentencePiece model file (an `lm_corpus` run's `spm.model`)."""
 
-  def __init__(self, model_file: str):
+  def __init__(self, model_file: str, *, of_model: bool = False):
     import sentencepiece  # pylint: disable=g-import-not-at-top
-    self.model_file = model_file
+    self.model_file, self.of_model = model_file, of_model
     try:
       self._processor = sentencepiece.SentencePieceProcessor(model_file=model_file)
     except (OSError, RuntimeError) as e:
@@ -62,6 +72,35 @@ class SentencePieceTokenizer(Tokenizer):
 
   def describe(self) -> str:
     return f'SentencePiece {self.model_file} ({self.vocab_size} pieces)'
+
+
+class HuggingFaceTokenizer(Tokenizer):
+  """A Hugging Face `tokenizer.json` (the `tokenizers` library), as
+  `AutoTokenizer` uses it: `encode` adds the special tokens its
+  post-processor adds (Llama 3's <|begin_of_text|>), `decode` shows them."""
+  of_model = True
+
+  def __init__(self, path: str):
+    from tokenizers import Tokenizer as Loaded  # pylint: disable=g-import-not-at-top
+    self.path = path
+    try:
+      self._tokenizer = Loaded.from_file(path)
+    except Exception as e:  # pylint: disable=broad-except  # tokenizers raises its own types
+      raise ConfigError(f'{path} is not a Hugging Face tokenizer ({e})',
+                        where='the run\'s tokenizer/ directory',
+                        fix='copy the model\'s tokenizer.json there again (launch.import_hf '
+                            'copies it from --hf_dir)') from None
+    self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str) -> list[int]:
+    return list(self._tokenizer.encode(text).ids)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._tokenizer.decode([int(i) for i in ids if 0 <= i < self.vocab_size],
+                                  skip_special_tokens=False)
+
+  def describe(self) -> str:
+    return f'Hugging Face {self.path} ({self.vocab_size} tokens)'
 
 
 class ByteTokenizer(Tokenizer):
@@ -97,9 +136,15 @@ class IdTokenizer(Tokenizer):
     return f'token ids ({self.why})'
 
 
-def tokenizer_for(task, *, spm_model: str | None = None) -> Tokenizer:
+RUN_TOKENIZER_DIR = 'tokenizer'  # <model_dir>/tokenizer/: the model's own tokenizer files
+
+
+def tokenizer_for(task, *, spm_model: str | None = None,
+                  run_dir: str | None = None) -> Tokenizer:
   """The tokenizer of `task` (module doc); `spm_model` names a SentencePiece
-  model file instead of the one found beside an `lm_corpus` run's files."""
+  model file instead of the one found beside an `lm_corpus` run's files;
+  `run_dir`: the run's directory, whose own tokenizer (`run_tokenizer`)
+  comes before the task's."""
   from layout_core.tasks.corpus import LMCorpusTask  # pylint: disable=g-import-not-at-top
   from layout_core.tasks.lm import TextFileTask  # pylint: disable=g-import-not-at-top
   if spm_model:
@@ -107,6 +152,9 @@ def tokenizer_for(task, *, spm_model: str | None = None) -> Tokenizer:
       raise ConfigError(f'--spm_model {spm_model!r} does not exist', where='--spm_model',
                         fix='give the spm.model file of the run\'s corpus')
     return SentencePieceTokenizer(spm_model)
+  own = run_tokenizer(run_dir) if run_dir else None
+  if own is not None:
+    return own
   if isinstance(task, LMCorpusTask):
     found = corpus_spm_model(task.patterns['train'])
     if found is None:
@@ -120,6 +168,17 @@ def tokenizer_for(task, *, spm_model: str | None = None) -> Tokenizer:
     return ByteTokenizer()
   return IdTokenizer(f'the run\'s task ({task.describe()}) has no text, only token ids',
                      fix='give the prompt as ids: --prompt_ids=3,1,4')
+
+
+def run_tokenizer(run_dir: str) -> Tokenizer | None:
+  """The tokenizer a run carries in `run_dir/tokenizer/`: `tokenizer.json`
+  (Hugging Face), else a SentencePiece `tokenizer.model`; None without one."""
+  directory = os.path.join(run_dir, RUN_TOKENIZER_DIR)
+  if os.path.isfile(os.path.join(directory, 'tokenizer.json')):
+    return HuggingFaceTokenizer(os.path.join(directory, 'tokenizer.json'))
+  if os.path.isfile(os.path.join(directory, 'tokenizer.model')):
+    return SentencePieceTokenizer(os.path.join(directory, 'tokenizer.model'), of_model=True)
+  return None
 
 
 def corpus_spm_model(train_files: str) -> str | None:
@@ -145,6 +204,8 @@ def check_vocabulary(tokenizer: Tokenizer, *, model_vocab: int, task_vocab: int 
   size = tokenizer.vocab_size
   if size is None:
     return
+  if tokenizer.of_model:  # the model's own: its ids need rows, not the task's vocabulary
+    task_vocab = None
   if size > model_vocab or (task_vocab is not None and size != task_vocab):
     trained = f', and the run\'s data {task_vocab}' if task_vocab is not None else ''
     raise ConfigError(f'the tokenizer ({tokenizer.describe()}) has {size} ids, but the model '

@@ -1,0 +1,179 @@
+"""Hugging Face tensor names <-> meshgin variable paths, one table per family.
+
+    rules = tensor_rules(kwargs, family='llama', tied=False)
+    rule = rules[1]      # model.layers.0.input_layernorm.weight -> lm/stack/block_000/ln_attn/scale
+    [wq] = rules[2].to_meshgin(q_proj)        # [H*K, D] -> [D, H, K]
+    q_proj = rules[2].to_hf([wq])             # and back, exactly
+
+Each `TensorRule` is one Hugging Face tensor and the meshgin variable(s) it
+becomes, with one transform written once and applied both ways, so an
+import and an export are exact inverses (a transpose and a reshape move
+values, they never round them):
+
+  'linear'   a `torch.nn.Linear` weight, [out, in]: transposed to [in, out],
+             then reshaped to the variable's shape (q_proj [H*K, D] ->
+             wq [D, H, K]; o_proj [D, H*K] -> wo [H, K, D]).
+  'reshape'  stored as meshgin computes with it, up to a reshape: norms,
+             biases ([H*K] -> [H, K]) and GPT-2's `Conv1D` weights, which
+             are already [in, out].
+  A rule with several paths splits the tensor's last axis between them,
+  each part reshaped: GPT-2's `c_attn` holds q | k | v.
+
+RoPE needs no permutation: meshgin rotates the two halves of each head
+(Hugging Face's `rotate_half`), the layout Hugging Face's q_proj/k_proj
+already have. Grouped-query heads keep their order (query head h reads kv
+head h // (H / Hkv), as `repeat_kv` does).
+
+With tied embeddings (`tied=True`) the output projection's rule reads the
+embedding's tensor: `lm/softmax/w` starts as its transpose.
+
+Nothing here imports TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from layout_core.convert.hf_config import resolved
+
+Shape = tuple[int, ...]
+
+# Tensors a checkpoint may hold that are buffers, not weights: skipped.
+IGNORED = {
+    'llama': (r'(.*\.)?rotary_emb\.inv_freq',),
+    'gpt2': (r'(transformer\.)?h\.\d+\.attn\.(masked_)?bias',),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRule:
+  """One Hugging Face tensor <-> one or more meshgin variables (module doc)."""
+  hf_name: str
+  hf_shape: Shape
+  paths: tuple[str, ...]
+  shapes: tuple[Shape, ...]
+  kind: str = 'reshape'   # 'linear' or 'reshape'
+
+  def to_meshgin(self, array: np.ndarray) -> list[np.ndarray]:
+    """The variables' values from the Hugging Face tensor (shape checked by the reader)."""
+    if self.kind == 'linear':
+      return [np.ascontiguousarray(array.T).reshape(self.shapes[0])]
+    if len(self.paths) == 1:
+      return [array.reshape(self.shapes[0])]
+    sizes = [int(np.prod(s)) // int(np.prod(self.hf_shape[:-1])) for s in self.shapes]
+    parts = np.split(array, np.cumsum(sizes)[:-1], axis=-1)
+    return [np.ascontiguousarray(p).reshape(s) for p, s in zip(parts, self.shapes)]
+
+  def to_hf(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """The Hugging Face tensor from the variables' values: `to_meshgin` undone."""
+    if self.kind == 'linear':
+      out, in_ = self.hf_shape
+      return np.ascontiguousarray(arrays[0].reshape(in_, out).T)
+    if len(self.paths) == 1:
+      return arrays[0].reshape(self.hf_shape)
+    lead = self.hf_shape[:-1]
+    return np.concatenate([a.reshape(lead + (-1,)) for a in arrays], axis=-1)
+
+
+def _rule(hf_name: str, hf_shape: Sequence[int], path: str | Sequence[str],
+          shape: Sequence[int] | Sequence[Sequence[int]], kind: str = 'reshape') -> TensorRule:
+  paths = (path,) if isinstance(path, str) else tuple(path)
+  shapes = (tuple(shape),) if isinstance(path, str) else tuple(tuple(s) for s in shape)
+  return TensorRule(hf_name, tuple(hf_shape), paths, shapes, kind)
+
+
+def tensor_rules(kwargs: Mapping[str, Any], *, family: str, tied: bool,
+                 prefix: str = '') -> list[TensorRule]:
+  """Every tensor of a `family` checkpoint of transformer_lm(**kwargs), in
+  the model's order. `tied`: the output projection reads the embedding.
+  `prefix`: GPT-2's names with ('transformer.') or without ('') the prefix
+  of GPT2LMHeadModel."""
+  k = resolved(kwargs)
+  rules = _gpt2_rules(k, prefix) if family == 'gpt2' else _llama_rules(k)
+  embedding = rules[0]
+  head = rules[-1]
+  if tied:  # the output projection is the embedding, transposed
+    rules[-1] = dataclasses.replace(head, hf_name=embedding.hf_name,
+                                    hf_shape=embedding.hf_shape)
+  return rules
+
+
+def _llama_rules(k: Mapping[str, Any]) -> list[TensorRule]:
+  """Llama, Mistral and Qwen2 name their tensors alike."""
+  V, D, F = k['vocab_size'], k['model_dim'], k['ffn_dim']  # pylint: disable=invalid-name
+  H, G, K = k['num_heads'], k['num_kv_heads'], k['head_dim']  # pylint: disable=invalid-name
+  rules = [_rule('model.embed_tokens.weight', [V, D], 'lm/emb/table', [V, D])]
+  for i in range(k['num_layers']):
+    hf, mg = f'model.layers.{i}.', f'lm/stack/block_{i:03d}/'
+    rules.append(_rule(hf + 'input_layernorm.weight', [D], mg + 'ln_attn/scale', [D]))
+    for name, heads in (('q', H), ('k', G), ('v', G)):
+      rules.append(_rule(hf + f'self_attn.{name}_proj.weight', [heads * K, D],
+                         mg + f'attn/w{name}', [D, heads, K], 'linear'))
+      if k['qkv_bias']:
+        rules.append(_rule(hf + f'self_attn.{name}_proj.bias', [heads * K],
+                           mg + f'attn/b{name}', [heads, K]))
+    rules.append(_rule(hf + 'self_attn.o_proj.weight', [D, H * K], mg + 'attn/wo', [H, K, D],
+                       'linear'))
+    if k['attention_out_bias']:
+      rules.append(_rule(hf + 'self_attn.o_proj.bias', [D], mg + 'attn/bo', [D]))
+    rules.append(_rule(hf + 'post_attention_layernorm.weight', [D], mg + 'ln_ffn/scale', [D]))
+    for name, out, in_, path, shape in (('gate', F, D, 'w_gate', [D, F]),
+                                        ('up', F, D, 'w_up', [D, F]),
+                                        ('down', D, F, 'w_down', [F, D])):
+      rules.append(_rule(hf + f'mlp.{name}_proj.weight', [out, in_], mg + f'ffn/{path}', shape,
+                         'linear'))
+      if k['ffn_bias']:
+        rules.append(_rule(hf + f'mlp.{name}_proj.bias', [out], mg + f'ffn/b{path[1:]}', [out]))
+  rules.append(_rule('model.norm.weight', [D], 'lm/final_ln/scale', [D]))
+  rules.append(_rule('lm_head.weight', [V, D], 'lm/softmax/w', [D, V], 'linear'))
+  return rules
+
+
+def _gpt2_rules(k: Mapping[str, Any], prefix: str) -> list[TensorRule]:
+  """GPT-2: Conv1D weights are [in, out]; c_attn holds q | k | v."""
+  V, D, F, L = k['vocab_size'], k['model_dim'], k['ffn_dim'], k['max_len']  # pylint: disable=invalid-name
+  H, K = k['num_heads'], k['head_dim']  # pylint: disable=invalid-name
+  rules = [_rule(prefix + 'wte.weight', [V, D], 'lm/emb/table', [V, D]),
+           _rule(prefix + 'wpe.weight', [L, D], 'lm/emb/pos_table', [L, D])]
+  for i in range(k['num_layers']):
+    hf, mg = f'{prefix}h.{i}.', f'lm/stack/block_{i:03d}/'
+    rules += [
+        _rule(hf + 'ln_1.weight', [D], mg + 'ln_attn/scale', [D]),
+        _rule(hf + 'ln_1.bias', [D], mg + 'ln_attn/bias', [D]),
+        _rule(hf + 'attn.c_attn.weight', [D, 3 * H * K],
+              [mg + 'attn/wq', mg + 'attn/wk', mg + 'attn/wv'], [[D, H, K]] * 3),
+        _rule(hf + 'attn.c_attn.bias', [3 * H * K],
+              [mg + 'attn/bq', mg + 'attn/bk', mg + 'attn/bv'], [[H, K]] * 3),
+        _rule(hf + 'attn.c_proj.weight', [H * K, D], mg + 'attn/wo', [H, K, D]),
+        _rule(hf + 'attn.c_proj.bias', [D], mg + 'attn/bo', [D]),
+        _rule(hf + 'ln_2.weight', [D], mg + 'ln_ffn/scale', [D]),
+        _rule(hf + 'ln_2.bias', [D], mg + 'ln_ffn/bias', [D]),
+        _rule(hf + 'mlp.c_fc.weight', [D, F], mg + 'ffn/w_in', [D, F]),
+        _rule(hf + 'mlp.c_fc.bias', [F], mg + 'ffn/b_in', [F]),
+        _rule(hf + 'mlp.c_proj.weight', [F, D], mg + 'ffn/w_out', [F, D]),
+        _rule(hf + 'mlp.c_proj.bias', [D], mg + 'ffn/b_out', [D]),
+    ]
+  rules += [_rule(prefix + 'ln_f.weight', [D], 'lm/final_ln/scale', [D]),
+            _rule(prefix + 'ln_f.bias', [D], 'lm/final_ln/bias', [D]),
+            _rule('lm_head.weight', [V, D], 'lm/softmax/w', [D, V], 'linear')]
+  return rules
+
+
+def gpt2_prefix(names: Sequence[str]) -> str:
+  """'transformer.' when a GPT-2 checkpoint's names carry GPT2LMHeadModel's prefix, else ''."""
+  return 'transformer.' if any(n.startswith('transformer.') for n in names) else ''
+
+
+def is_ignored(name: str, family: str) -> bool:
+  """Whether `name` is a buffer a checkpoint of `family` may hold (not a weight)."""
+  patterns = IGNORED['gpt2' if family == 'gpt2' else 'llama']
+  return any(re.fullmatch(p, name) for p in patterns)
+
+
+def variable_shapes(rules: Sequence[TensorRule]) -> dict[str, Shape]:
+  """path -> shape of every meshgin variable the rules fill."""
+  return {path: shape for rule in rules for path, shape in zip(rule.paths, rule.shapes)}

@@ -1,0 +1,261 @@
+"""Hugging Face models as meshgin runs and back: the run side of `layout_core.convert.hf`.
+
+    report = import_run(hf_dir='downloads/llama', model_dir='runs/llama',
+                        files=['configs/layouts/megatron.gin'],
+                        bindings=["mesh.shape = {'data': 2, 'model': 4}"])
+    # runs/llama/config.gin, checkpoints/ckpt-0, tokenizer/, hf_import.json
+    export_run(model_dir='runs/llama', export_dir='exports/llama-hf')
+
+`import_run` writes a run that every launcher takes as its own
+(`launch.train` fine-tunes it from step 0, `launch.eval`, `launch.decode`,
+`launch.export` read it, `checkpoint.init_from` starts another run from it):
+
+  config.gin        the operative config: transformer_lm's arguments from the
+                    checkpoint's config.json (`hf_config`), the Markov task
+                    at the model's vocabulary (`data.vocab_size`; set your own
+                    data to train), mesh.shape {'data': 1} unless `files` or
+                    `bindings` choose a mesh and layout rules
+  checkpoints/ckpt-0  a step-0 checkpoint written by the run's own
+                    checkpointer: the model built on that mesh, laid out by
+                    those rules as training lays it out, each variable
+                    assigned from its converted tensor (one Hugging Face
+                    tensor in host memory at a time), the optimizer's state
+                    fresh
+  tokenizer/        the model's tokenizer files (`layout_core.infer.tokens`
+                    uses them: `launch.decode --prompt='text'`)
+  hf_import.json    where it came from: the directory, family, whether the
+                    embeddings were tied, and config.json as read
+
+Everything is checked before anything is written (the config, every
+tensor's name and shape, the mesh, that `bindings` leave the architecture
+alone), and the run is written beside `model_dir` and renamed: an import
+that fails leaves nothing. `export_run` reads a run's checkpoint (any mesh,
+layout or pipeline: checkpoints hold the plain model's keys) one variable at
+a time and writes config.json, safetensors and the tokenizer
+(`layout_core.convert.hf.write_hf_dir`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+import gin
+from absl import logging
+
+from layout_core.checkpoint.manager import Checkpointer
+from layout_core.checkpoint.matching import key_for_name, names_in
+from layout_core.checkpoint.shard_io import assign_global
+from layout_core.convert import hf as hf_lib
+from layout_core.durable import sync_directory
+from layout_core.errors import ConfigError
+from layout_core.infer.tokens import RUN_TOKENIZER_DIR
+from layout_core.model.lm import transformer_lm_params
+from plugins import configurables, gin_setup, inference
+from plugins.plan import check_model_dir, make_plan
+
+IMPORT_RECORD = 'hf_import.json'
+DEFAULT_SEQ_LEN = 64   # the Markov task's rows in an imported run's config (capped by max_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportReport:
+  model_dir: str
+  family: str
+  tied: bool
+  num_parameters: int
+  mesh: str
+  seconds: float
+
+  def line(self) -> str:
+    return (f'Imported a {self.family} model ({self.num_parameters:,} parameters'
+            f'{", tied embeddings untied" if self.tied else ""}) into {self.model_dir} on '
+            f'{self.mesh} in {self.seconds:.1f} s: config.gin, checkpoints/ckpt-0')
+
+
+def base_config(kwargs: dict[str, Any]) -> str:
+  """The gin text an imported run starts from (before the user's files and
+  bindings): the model, the Markov task at its vocabulary, one device."""
+  lines = ['# Written by launch.import_hf: the architecture of the imported checkpoint.',
+           'model.params = @transformer_lm()']
+  lines += [f'transformer_lm.{name} = {value!r}' for name, value in kwargs.items()]
+  seq_len = min(DEFAULT_SEQ_LEN, kwargs['max_len']) if kwargs.get('max_len') else DEFAULT_SEQ_LEN
+  lines += [f'data.vocab_size = {kwargs["vocab_size"]}', f'data.seq_len = {seq_len}',
+            "mesh.shape = {'data': 1}"]
+  return '\n'.join(lines) + '\n'
+
+
+def check_new_run(model_dir: str, *, overwrite: bool) -> None:
+  """ConfigError unless `model_dir` can become the imported run."""
+  check_model_dir(model_dir)
+  if os.path.isdir(model_dir) and os.listdir(model_dir) and not overwrite:
+    raise ConfigError(f'--model_dir {model_dir} exists and is not empty', where='--model_dir',
+                      fix='give a new directory, or add --overwrite to replace that run')
+
+
+def _check_architecture_kept(kwargs: dict[str, Any]) -> None:
+  """ConfigError when the user's files or bindings changed an argument the weights fix."""
+  for name, value in kwargs.items():
+    bound = gin.query_parameter(f'transformer_lm.{name}')
+    if bound != value:
+      raise ConfigError(
+          f'transformer_lm.{name} is {bound!r} in the given config, but the checkpoint '
+          f'is {value!r}', where=f'transformer_lm.{name} (--gin_file / --gin_bindings)',
+          fix='leave the architecture as the checkpoint has it; choose only the mesh, '
+              'the layout rules and training settings')
+
+
+def import_run(*, hf_dir: str, model_dir: str, files: Sequence[str] = (),
+               bindings: Sequence[str] = (), search_paths: Sequence[str] = (),
+               overwrite: bool = False, on_write: Callable[[], None] | None = None
+               ) -> ImportReport:
+  """Writes the run of the Hugging Face checkpoint in `hf_dir` (module doc).
+  `on_write` is called once everything is checked, right before the first
+  file is written (launch.import_hf defers stop signals there)."""
+  from plugins.training import build_trainer  # pylint: disable=g-import-not-at-top
+  start = time.perf_counter()
+  check_new_run(model_dir, overwrite=overwrite)
+  with hf_lib.open_hf(hf_dir) as source:
+    with tempfile.TemporaryDirectory(prefix='meshgin-import-') as scratch:
+      base = os.path.join(scratch, 'imported.gin')
+      with open(base, 'w') as f:
+        f.write(base_config(source.kwargs))
+      with gin_setup.parsed_config(files=[base, *files], bindings=list(bindings),
+                                   search_paths=list(search_paths)):
+        plan = make_plan()
+        _check_architecture_kept(source.kwargs)
+    # Written unpipelined: a pipelined run's checkpoint has the plain model's keys.
+    trainer = build_trainer(dataclasses.replace(plan, pipeline=None))
+    variables = trainer.engine.variables
+    _check_variables(variables, source.variable_shapes, hf_dir=hf_dir)
+    for path, value in source.values():
+      variable = variables[path]
+      assign_global(variable, value.astype(variable.dtype.as_numpy_dtype))
+    if on_write is not None:
+      on_write()
+    record = {'hf_dir': os.path.abspath(hf_dir), 'family': source.facts.family,
+              'tied': source.facts.tied, 'torch_dtype': source.facts.dtype,
+              'kwargs': source.kwargs, 'config': source.config}
+    _write_run(model_dir, trainer=trainer, plan=plan, hf_dir=hf_dir, record=record,
+               overwrite=overwrite)
+    family, tied = source.facts.family, source.facts.tied
+  return ImportReport(model_dir=model_dir, family=family, tied=tied,
+                      num_parameters=plan.num_parameters, mesh=plan.mesh_spec.describe(),
+                      seconds=time.perf_counter() - start)
+
+
+def _check_variables(variables, expected: dict[str, tuple[int, ...]], *, hf_dir: str) -> None:
+  """ConfigError unless the built model has exactly the variables the import fills."""
+  built = {path: tuple(v.shape.as_list()) for path, v in variables.items()}
+  if built == expected:
+    return
+  only_model = sorted(set(built) - set(expected))
+  only_hf = sorted(set(expected) - set(built))
+  shapes = [f'{p}: model {list(built[p])}, checkpoint {list(expected[p])}'
+            for p in sorted(set(built) & set(expected)) if built[p] != expected[p]]
+  raise ConfigError(
+      f'the model transformer_lm builds does not take the weights of {hf_dir}: variables '
+      f'only in the model {only_model[:4]}, only in the checkpoint {only_hf[:4]}, other '
+      f'shapes {shapes[:4]}', where='transformer_lm (--gin_file / --gin_bindings)',
+      fix='import without bindings that change the model')
+
+
+def _write_run(model_dir: str, *, trainer, plan, hf_dir: str, record: dict,
+               overwrite: bool) -> None:
+  """The run's files, written beside `model_dir` and renamed into place."""
+  target = os.path.abspath(model_dir)
+  parent = os.path.dirname(target)
+  os.makedirs(parent, exist_ok=True)
+  partial = os.path.join(parent, f'.{os.path.basename(target)}.importing-{os.getpid()}')
+  shutil.rmtree(partial, ignore_errors=True)
+  try:
+    os.makedirs(os.path.join(partial, RUN_TOKENIZER_DIR))
+    checkpointer = Checkpointer(
+        directory=os.path.join(partial, 'checkpoints'), state=trainer.state(),
+        config=plan.checkpoint, extra_files={'config.gin': plan.operative_config})
+    checkpointer.prepare_directory()
+    checkpointer.save(0, reason='import')
+    hf_lib.copy_tokenizer(hf_dir, os.path.join(partial, RUN_TOKENIZER_DIR))
+    for name, text in (('config.gin', plan.operative_config),
+                       (IMPORT_RECORD, json.dumps(record, indent=1, default=str))):
+      with open(os.path.join(partial, name), 'w') as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    sync_directory(partial)
+    aside = None
+    if os.path.exists(target):  # --overwrite (checked): moved aside, removed once replaced
+      aside = partial + '.old'
+      os.rename(target, aside)
+    os.rename(partial, target)
+    sync_directory(parent)
+    if aside:
+      shutil.rmtree(aside, ignore_errors=True)
+  except BaseException:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise
+  logging.info('Wrote %s', target)
+
+
+# -- export -----------------------------------------------------------------------------
+def lm_kwargs_of_config() -> dict[str, Any]:
+  """transformer_lm's arguments in the parsed gin config (its defaults, then
+  the bound values); ConfigError unless `model.params` is exactly
+  transformer_lm(**those)."""
+  signature = inspect.signature(transformer_lm_params)
+  kwargs = {name: p.default for name, p in signature.parameters.items()
+            if p.default is not inspect.Parameter.empty}
+  kwargs.update(gin.get_bindings(configurables.transformer_lm))
+  built = configurables.model()
+  if kwargs.get('cells') or transformer_lm_params(**kwargs) != built:
+    raise ConfigError('the run\'s model is not transformer_lm with its arguments alone '
+                      '(cells, model.overrides or another model)', where='model.params',
+                      fix='export it in meshgin\'s format (launch.export without --format=hf)')
+  # Not the architecture: the root's name (checkpoint keys are below it) and dropout.
+  for name in ('name', 'cells', 'dropout_rate'):
+    kwargs.pop(name, None)
+  return kwargs
+
+
+def export_run(*, export_dir: str, model_dir: str | None = None,
+               checkpoint: str | None = None, files: Sequence[str] = (),
+               bindings: Sequence[str] = (), search_paths: Sequence[str] = (),
+               overwrite: bool = False, dtype: str = 'float32',
+               max_shard_bytes: int = hf_lib.hf_files.DEFAULT_MAX_SHARD_BYTES) -> dict[str, Any]:
+  """Writes the run's checkpoint as a Hugging Face directory (module doc);
+  returns `write_hf_dir`'s record plus the checkpoint and step."""
+  from layout_core.lazy import tf  # pylint: disable=g-import-not-at-top
+  hf_lib.check_target(export_dir, overwrite=overwrite)
+  step, prefix = inference.find_checkpoint(model_dir=model_dir, checkpoint=checkpoint)
+  with gin_setup.parsed_config(files=list(files), bindings=list(bindings),
+                               search_paths=list(search_paths)):
+    kwargs = lm_kwargs_of_config()
+  by_name = names_in(prefix)
+  reader = tf.train.load_checkpoint(prefix)
+
+  def read(path: str):
+    key = key_for_name(path, by_name)
+    if key is None:
+      raise ConfigError(f'the checkpoint {prefix} has no {path}', where='--model_dir',
+                        fix='export with the config the checkpoint was trained with')
+    return reader.get_tensor(key)
+
+  run_dir = inference.run_directory(model_dir=model_dir, checkpoint=checkpoint)
+  kept, tokenizer_dir = None, None
+  if run_dir:
+    record_path = os.path.join(run_dir, IMPORT_RECORD)
+    if os.path.isfile(record_path):
+      with open(record_path) as f:
+        kept = json.load(f).get('config')
+    if os.path.isdir(os.path.join(run_dir, RUN_TOKENIZER_DIR)):
+      tokenizer_dir = os.path.join(run_dir, RUN_TOKENIZER_DIR)
+  written = hf_lib.write_hf_dir(export_dir, kwargs=kwargs, read=read, dtype=dtype,
+                                max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir,
+                                kept=kept, overwrite=overwrite)
+  return {**written, 'checkpoint': prefix, 'step': step}
