@@ -30,7 +30,7 @@ LAYOUT_MODELS = {
     'megatron.gin': ('configs/models/lm_tiny.gin', []),
     'megatron_gpt2.gin': ('configs/models/lm_tiny.gin', [
         'transformer_lm.qkv_bias = True', 'transformer_lm.attention_out_bias = True',
-        "transformer_lm.activation = 'gelu_tanh'"]),
+        "transformer_lm.activation = 'gelu_tanh'", 'transformer_lm.output_bias = False']),
     'megatron_llama.gin': ('configs/models/llama_tiny.gin', []),
     'megatron_qwen2.gin': ('configs/models/llama_tiny.gin', ['transformer_lm.qkv_bias = True']),
 }

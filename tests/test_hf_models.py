@@ -44,6 +44,14 @@ def hf_dirs(tmp_path_factory) -> dict[str, str]:
   return dirs
 
 
+def keras_hub_logits(directory: str, ids: np.ndarray = TOKENS) -> np.ndarray:
+  """The logits of `ids` by KerasHub's own conversion of a Hugging Face directory."""
+  import keras_hub  # pylint: disable=g-import-not-at-top
+  backbone = keras_hub.models.Backbone.from_preset(directory)
+  hidden = backbone({'token_ids': ids, 'padding_mask': np.ones_like(ids)})
+  return np.asarray(backbone.token_embedding(hidden, reverse=True))
+
+
 @pytest.fixture(scope='module')
 def keras_hub_reference(hf_dirs) -> dict[str, tuple[np.ndarray, np.ndarray]]:
   """name -> (logits of TOKENS, greedy continuation of TOKENS[:2, :5]) by KerasHub."""
@@ -98,15 +106,17 @@ def test_logits_and_greedy_decoding_equal_keras_hub(family, runs, keras_hub_refe
   np.testing.assert_array_equal(new, continuation)
 
 
-@pytest.mark.parametrize('name, files, shape', [
-    ('llama', (), {'data': 8}),
-    ('llama', ('configs/layouts/megatron.gin',), {'data': 2, 'model': 4}),
-    ('gpt2', ('configs/layouts/megatron.gin',), {'data': 2, 'model': 4}),
-])
-def test_an_import_on_a_mesh_computes_the_same_logits(name, files, shape, hf_dirs,
+@pytest.mark.parametrize('name, files, shape, more', [
+    ('llama', (), {'data': 8}, []),
+    ('llama', ('configs/layouts/megatron_llama.gin',), {'data': 2, 'model': 4}, []),
+    ('qwen2', ('configs/layouts/megatron_qwen2.gin',), {'data': 2, 'model': 4},
+     ['train.fsdp = True']),
+    ('gpt2', ('configs/layouts/megatron_gpt2.gin',), {'data': 2, 'model': 4}, []),
+], ids=['llama-data8', 'llama-megatron', 'qwen2-megatron-fsdp', 'gpt2-megatron'])
+def test_an_import_on_a_mesh_computes_the_same_logits(name, files, shape, more, hf_dirs,
                                                       keras_hub_reference, tmp_path):
   run = import_to(hf_dirs[name], str(tmp_path / 'run'), files=files,
-                  bindings=[f'mesh.shape = {shape!r}'])
+                  bindings=[f'mesh.shape = {shape!r}', 'layout_rules.strict = True', *more])
   loaded = decoder(run)
   assert loaded.plan.mesh_spec.shape == shape
   if 'model' in shape:  # control: the weights really are split over 'model'
@@ -168,7 +178,7 @@ def checkpoint_values(model_dir: str) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize('family', FAMILIES)
 def test_import_export_import_is_the_same_checkpoint_bit_for_bit(family, runs, hf_dirs,
-                                                                  tmp_path):
+                                                                  keras_hub_reference, tmp_path):
   exported = str(tmp_path / 'hf')
   written = hf.export_run(export_dir=exported, model_dir=runs[family],
                           files=[inference.run_config(model_dir=runs[family])],
@@ -177,6 +187,8 @@ def test_import_export_import_is_the_same_checkpoint_bit_for_bit(family, runs, h
   with open(os.path.join(exported, 'config.json')) as f:
     assert json.load(f)['eos_token_id'] == 2   # kept from the imported config.json
   assert_same_tensors(exported, hf_dirs[family], family)
+  # KerasHub reads the export (its config.json is meshgin's): the same logits.
+  assert relative_error(keras_hub_logits(exported), keras_hub_reference[family][0]) < TOLERANCE
   again = import_to(exported, str(tmp_path / 'again'))
   first, second = checkpoint_values(runs[family]), checkpoint_values(again)
   assert sorted(first) == sorted(second)

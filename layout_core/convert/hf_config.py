@@ -270,6 +270,9 @@ def hf_config_from_lm(kwargs: Mapping[str, Any], *, tied: bool, dtype: str = 'fl
   matrix; `kept`: fields carried over (KEPT_FIELDS of the imported file)."""
   family = family_of(kwargs)
   k = resolved(kwargs)
+  if (family == 'llama' and kept and kept.get('model_type') == 'mistral'
+      and not k['qkv_bias'] and not k['ffn_bias']):
+    family = 'mistral'  # an imported Mistral goes back as one (the same math as Llama's)
   extra = {name: kept[name] for name in KEPT_FIELDS if kept and name in kept}
   common = dict(architectures=[_ARCHITECTURES[family]], model_type=family,
                 vocab_size=k['vocab_size'], tie_word_embeddings=tied, torch_dtype=dtype, **extra)
@@ -297,4 +300,6 @@ def hf_config_from_lm(kwargs: Mapping[str, Any], *, tied: bool, dtype: str = 'fl
   if family == 'qwen2':
     return dict(config, use_sliding_window=False, sliding_window=None,
                 max_window_layers=k['num_layers'])
+  if family == 'mistral':
+    return dict(config, sliding_window=None)
   return dict(config, attention_bias=k['qkv_bias'], mlp_bias=k['ffn_bias'])
