@@ -268,6 +268,23 @@ def _checkpoint(r: Results) -> Rendered:
   return shows, _table([f"{r['mib']:.0f} MiB of state", 'save MiB/s', 'restore MiB/s'], rows)
 
 
+def _import_hf(r: Results) -> Rendered:
+  gib = r['checkpoint_gib']
+  shows = (f"Importing {figure('import_hf.parameters', r)} parameters "
+           f"({figure('import_hf.checkpoint', r)} of bfloat16 "
+           f"safetensors) peaked at {figure('import_hf.peak', r)} of host memory, "
+           f"{r['import_peak / checkpoint']:.1f}x the checkpoint (goal 1.3x: not met); "
+           f"{r['import_peak - build_peak (GiB)']:.1f} GiB of it above the run alone, whose "
+           "float32 weights and Adam state take the rest. It took "
+           f"{r['import_seconds / read_seconds']:.0f}x as long as reading the files: the run's "
+           'state, optimizer included, is built and written as a checkpoint.')
+  shows += ' ' + '; '.join(f"{name} {r[key]['seconds']:.1f} s, peak {r[key]['peak_gib']:.2f} GiB"
+                           for name, key in (('reading every tensor', 'read'),
+                                             ('building the run alone', 'build'),
+                                             ('the import', 'import'))) + '.'
+  return shows, []
+
+
 def _input(r: Results) -> Rendered:
   lm = r['lm_small_input']
   rates = ' and '.join(f'{k} {v:,.0f}' for k, v in r['examples_per_sec'].items())
@@ -474,6 +491,9 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
     'Checkpoints, input and layouts': {
         'checkpoint.json': Section('Checkpoint throughput', 'Save and restore of a sharded state '
                                    'on 2x4.', _checkpoint),
+        'import_hf.json': Section('Importing a Hugging Face checkpoint', '`bench/import_hf.py`: '
+                                  'a random Llama-shaped bfloat16 checkpoint imported on 8 CPU '
+                                  'devices with FSDP.', _import_hf),
         'input.json': Section('The input pipeline', "`tfrecord_task`'s reader alone, and its "
                               'share of a step.', _input),
         'layout_resolution.json': Section('Layout rule resolution', 'Many paths against many '

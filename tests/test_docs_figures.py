@@ -151,8 +151,9 @@ def test_every_result_says_when_where_and_on_which_commit(path):
 def test_the_page_reads_as_a_page():
   page = report.performance_markdown()
   lines = page.splitlines()
-  # 300 lines before the layout suggester's three sections (#48) joined the page.
-  assert len(lines) <= 325, f'docs/performance.md has {len(lines)} lines: make it shorter'
+  # 300 lines before the layout suggester's three sections (#48) joined the
+  # page, 325 before the Hugging Face import's (#56).
+  assert len(lines) <= 330, f'docs/performance.md has {len(lines)} lines: make it shorter'
   assert lines[0] == '# Performance' and '## Summary' in lines[:8]
   headings = [line for line in lines if line.startswith('#')]
   assert len(headings) == len(set(headings)), 'two sections share a heading'

@@ -22,7 +22,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Iterable, Mapping, Sequence
+import threading
+from typing import Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
 
 from absl import logging
 
@@ -200,6 +203,23 @@ class LayoutScope:
     self._context = None
 
 
+_PLACEHOLDERS = threading.local()
+
+
+@contextlib.contextmanager
+def zeros_for_initial_values() -> Iterator[None]:
+  """Within it, every variable starts as zeros instead of its initializer's
+  values: for a caller that assigns every variable right after (an import of
+  another checkpoint), which then skips computing values it throws away (the
+  hash-based initializers cost 73 s of a 253M-parameter model's 87 s import)."""
+  previous = getattr(_PLACEHOLDERS, 'on', False)
+  _PLACEHOLDERS.on = True
+  try:
+    yield
+  finally:
+    _PLACEHOLDERS.on = previous
+
+
 def initial_dtensor(initializer: Initializer, *, shape: Sequence[int], dtype,
                     layout: dtensor.Layout, seed: int) -> tf.Tensor:
   """`initializer`'s value of a tensor of `shape` as a DTensor laid out as
@@ -213,6 +233,8 @@ def initial_dtensor(initializer: Initializer, *, shape: Sequence[int], dtype,
   compiling a function per tensor. Inside a traced function the value is
   made under the layout instead."""
   shape, dtype = tuple(shape), tf.as_dtype(dtype)
+  if getattr(_PLACEHOLDERS, 'on', False):
+    return mesh_lib.pack_global_array(np.zeros(shape, dtype.as_numpy_dtype), layout)
   if not tf.executing_eagerly():
     make = tf.function(lambda: initializer(shape, dtype, seed), autograph=False)
     return dtensor.call_with_layout(make, layout)
