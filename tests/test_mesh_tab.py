@@ -166,8 +166,11 @@ def layouts_txt(run_dir) -> list[dict]:
   """The rows of a run's layouts.txt (the markdown table the run wrote)."""
   with open(os.path.join(run_dir, 'layouts.txt')) as f:
     lines = [line for line in f if line.startswith('| ')]
-  header = [cell.strip() for cell in lines[0].strip().strip('|').split('|')]
-  return [dict(zip(header, (cell.strip() for cell in line.strip().strip('|').split('|'))))
+  def cells(line):  # markdown cells: '|' inside one (a rule's alternation) is escaped
+    return [c.strip().replace('\\|', '|')
+            for c in re.split(r'(?<!\\)\|', line.strip().strip('|'))]
+  header = cells(lines[0])
+  return [dict(zip(header, cells(line)))
           for line in lines[1:]]
 
 

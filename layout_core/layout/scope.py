@@ -268,8 +268,9 @@ def table_markdown(records: Sequence[LayoutRecord]) -> str:
     shape = 'x'.join(str(d) for d in r.shape) or 'scalar'
     use = f' {_spec_text(r.use_spec)} |' if with_use else ''
     mesh = f' {r.mesh} |' if with_mesh else ''
+    source = r.source.replace('|', '\\|')  # a rule's alternation, in a table cell
     lines.append(f'| {r.path} | {shape} | {r.dtype} | {_spec_text(r.spec)} |{use} '
-                 f'{r.source} | {r.bytes_per_device:,} |{mesh}')
+                 f'{source} | {r.bytes_per_device:,} |{mesh}')
   return '\n'.join(lines) + '\n'
 
 
