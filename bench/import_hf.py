@@ -62,7 +62,6 @@ from plugins import gin_setup, hf
 from plugins.plan import make_plan
 from plugins.training import build_trainer
 from layout_core.convert import hf as hf_lib
-from layout_core.layout.scope import zeros_for_initial_values
 start = time.perf_counter()
 with hf_lib.open_hf(sys.argv[1]) as source:
   base = sys.argv[2] + '.gin'
@@ -70,8 +69,7 @@ with hf_lib.open_hf(sys.argv[1]) as source:
     f.write(hf.base_config(source.kwargs))
 with gin_setup.parsed_config(files=[base], bindings=json.loads(sys.argv[3])):
   plan = make_plan()
-with zeros_for_initial_values():  # as the import builds it
-  trainer = build_trainer(plan)
+trainer = build_trainer(plan, zero_init=True)  # as the import builds it
 print('RESULT ' + json.dumps({'seconds': time.perf_counter() - start, 'peak_gib': peak_gib(),
                               'parameters': plan.num_parameters}))
 """

@@ -56,7 +56,6 @@ from layout_core.convert import hf as hf_lib
 from layout_core.durable import sync_directory
 from layout_core.errors import ConfigError
 from layout_core.infer.tokens import RUN_TOKENIZER_DIR
-from layout_core.layout.scope import zeros_for_initial_values
 from layout_core.model.lm import transformer_lm_params
 from plugins import configurables, gin_setup, inference
 from plugins.plan import check_model_dir, make_plan
@@ -133,8 +132,7 @@ def import_run(*, hf_dir: str, model_dir: str, files: Sequence[str] = (),
         _check_architecture_kept(source.kwargs)
     # Written unpipelined: a pipelined run's checkpoint has the plain model's keys.
     # Every variable is assigned below (checked first): no initial values computed.
-    with zeros_for_initial_values():
-      trainer = build_trainer(dataclasses.replace(plan, pipeline=None))
+    trainer = build_trainer(dataclasses.replace(plan, pipeline=None), zero_init=True)
     variables = trainer.engine.variables
     _check_variables(variables, source.variable_shapes, hf_dir=hf_dir)
     for path, value in source.values():

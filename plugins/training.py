@@ -85,9 +85,11 @@ def join_cluster(plan: RunPlan, cluster: cluster_lib.ClusterSpec, *,
 
 
 def build_trainer(plan: RunPlan, *, watcher: PreemptionWatcher | None = None,
-                  writer=None, profile_dir: str | None = None) -> Trainer:
+                  writer=None, profile_dir: str | None = None,
+                  zero_init: bool = False) -> Trainer:
   """Builds the mesh, the step engine the plan asks for (model and optimizer,
-  every variable laid out) and the training loop around it."""
+  every variable laid out) and the training loop around it. `zero_init`: the
+  model's variables start as zeros, for a caller that assigns every one."""
   mesh = mesh_lib.build_mesh(plan.mesh_spec)
   if watcher is not None:
     watcher.reinstall()  # TF took SIGTERM/SIGINT while initialising its devices
@@ -99,7 +101,7 @@ def build_trainer(plan: RunPlan, *, watcher: PreemptionWatcher | None = None,
                          pipeline_plan=plan.pipeline, writer=writer, profile_dir=profile_dir,
                          text_samples=text_samples_for(config=plan.train, params=plan.params,
                                                        task=plan.task),
-                         **flop_figures(plan))
+                         zero_init=zero_init, **flop_figures(plan))
   variables = trainer.engine.variables
   logging.info('Model: %s parameters in %d variables',
                f'{sum(math.prod(v.shape) for v in variables.values()):,}', len(variables))

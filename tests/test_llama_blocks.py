@@ -18,7 +18,7 @@ import pytest
 from layout_core.errors import ConfigError
 from layout_core.infer.decode import CachedLM
 from layout_core.layout.rules import LayoutRules
-from layout_core.model.layers import rope_frequencies
+from layout_core.model.attention import rope_frequencies
 from layout_core.model.lm import transformer_lm_params
 from layout_core.step_context import SequenceInputs, StepContext, entered
 from tests.numerics import assert_close

@@ -20,8 +20,8 @@ for prompts padded to P), which a caller may trace into its own
 compiles one function per setting and returns host tensors.
 
 Each layer's math is the layers' own, written once in
-`layout_core.model.layers`: `Embedding.lookup`, `LayerNorm.apply`,
-`TransformerBlock.apply_with` (its attention swapped for the cached one,
+`layout_core.model.layers` and `layout_core.model.attention`:
+`Embedding.lookup`, `LayerNorm.apply`, `TransformerBlock.apply_with` (its attention swapped for the cached one,
 built from `attention_inputs`, `attend` and `attention_output`),
 `FeedForward.apply`, `Softmax.logits`. The cache's [B, time, heads,
 head_dim] order is the projections' own ('bthk'), so the one `attend`
@@ -52,9 +52,10 @@ from layout_core.layout.mesh import UNFOLDED_LENGTH, mesh_axes, pack_global_arra
 from layout_core.layout.rules import UNSHARDED
 from layout_core.layout.variables import to_numpy
 from layout_core.lazy import dtensor, tf
-from layout_core.model.layers import (Embedding, LayerNorm, MultiHeadAttention, Softmax,
-                                      TransformerBlock, attend, attention_inputs,
-                                      attention_output, causal_mask, learned_positions)
+from layout_core.model.attention import (MultiHeadAttention, attend, attention_inputs,
+                                         attention_output, causal_mask)
+from layout_core.model.layers import (Embedding, LayerNorm, Softmax, TransformerBlock,
+                                      learned_positions)
 from layout_core.params import Params
 
 # Re-exported: the decoder's callers check models and prompts through this module.

@@ -22,8 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import threading
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -150,8 +149,14 @@ class LayoutScope:
   """Creates model variables as DVariables laid out by `rules` on `mesh`."""
 
   def __init__(self, *, mesh: dtensor.Mesh, rules: LayoutRules | None = None,
-               seed: int = 0, log_assignments: bool = False, fsdp_axis: str | None = None):
+               seed: int = 0, log_assignments: bool = False, fsdp_axis: str | None = None,
+               zero_init: bool = False):
     self.mesh = mesh
+    # Every variable starts as zeros, not its initializer's values: for a
+    # caller that assigns each one right after (plugins.hf's import), which
+    # then skips values it would throw away (the hash-based initializers took
+    # 73 s of a 253M-parameter model's 87 s import).
+    self.zero_init = zero_init
     self.fsdp_axis = fsdp_axis  # store variables split over it too (layout_core.layout.fsdp)
     self.rules = rules if rules is not None else LayoutRules()
     self.mesh_axes = mesh_lib.mesh_axes(mesh)
@@ -167,9 +172,13 @@ class LayoutScope:
 
   def create(self, spec: VariableSpec) -> dtensor.DVariable:
     record = _record(spec, self.rules, self.mesh_axes, self.fsdp_axis)  # mesh checked
-    value = initial_dtensor(spec.initializer, shape=spec.shape, dtype=spec.dtype,
-                            layout=self.layout(record.spec),
-                            seed=path_seed(spec.path, self.seed))
+    if self.zero_init:
+      value = mesh_lib.pack_global_array(
+          np.zeros(spec.shape, tf.as_dtype(spec.dtype).as_numpy_dtype), self.layout(record.spec))
+    else:
+      value = initial_dtensor(spec.initializer, shape=spec.shape, dtype=spec.dtype,
+                              layout=self.layout(record.spec),
+                              seed=path_seed(spec.path, self.seed))
     variable = dvariable(value, path=spec.path, trainable=spec.trainable)
     if record.use_spec is not None:
       fsdp.set_use_layout(variable, self.layout(record.use_spec))
@@ -203,23 +212,6 @@ class LayoutScope:
     self._context = None
 
 
-_PLACEHOLDERS = threading.local()
-
-
-@contextlib.contextmanager
-def zeros_for_initial_values() -> Iterator[None]:
-  """Within it, every variable starts as zeros instead of its initializer's
-  values: for a caller that assigns every variable right after (an import of
-  another checkpoint), which then skips computing values it throws away (the
-  hash-based initializers cost 73 s of a 253M-parameter model's 87 s import)."""
-  previous = getattr(_PLACEHOLDERS, 'on', False)
-  _PLACEHOLDERS.on = True
-  try:
-    yield
-  finally:
-    _PLACEHOLDERS.on = previous
-
-
 def initial_dtensor(initializer: Initializer, *, shape: Sequence[int], dtype,
                     layout: dtensor.Layout, seed: int) -> tf.Tensor:
   """`initializer`'s value of a tensor of `shape` as a DTensor laid out as
@@ -233,8 +225,6 @@ def initial_dtensor(initializer: Initializer, *, shape: Sequence[int], dtype,
   compiling a function per tensor. Inside a traced function the value is
   made under the layout instead."""
   shape, dtype = tuple(shape), tf.as_dtype(dtype)
-  if getattr(_PLACEHOLDERS, 'on', False):
-    return mesh_lib.pack_global_array(np.zeros(shape, dtype.as_numpy_dtype), layout)
   if not tf.executing_eagerly():
     make = tf.function(lambda: initializer(shape, dtype, seed), autograph=False)
     return dtensor.call_with_layout(make, layout)

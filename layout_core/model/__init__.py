@@ -12,9 +12,9 @@ from layout_core.model.base import (BaseLayer, Declared, LayerMeta, Sequential,
                                     flatten_layers, leaf_layers, leaf_modules,
                                     num_parameters)
 from layout_core.model.weights import LayerWeights, Weights, dense
-from layout_core.model.layers import (Dropout, Embedding, FeedForward, LayerNorm,
-                                      MultiHeadAttention, Softmax, TransformerBlock,
-                                      attention)
+from layout_core.model.attention import MultiHeadAttention, attention
+from layout_core.model.layers import (Dropout, Embedding, FeedForward, LayerNorm, Softmax,
+                                      TransformerBlock)
 from layout_core.model.lm import transformer_block_params, transformer_lm_params
 from layout_core.model.random import current_random, random_context, step_seed
 

@@ -37,11 +37,14 @@ class BuiltModel:
 
 
 def build_params_model(params: Params, *, mesh, rules: LayoutRules | None,
-                       seed: int, fsdp_axis: str | None = None) -> BuiltModel:
+                       seed: int, fsdp_axis: str | None = None,
+                       zero_init: bool = False) -> BuiltModel:
   """Instantiates `params` with every variable laid out on `mesh` by `rules`
-  (and stored split over `fsdp_axis`, `layout_core.layout.fsdp`)."""
+  (and stored split over `fsdp_axis`, `layout_core.layout.fsdp`); with
+  `zero_init` every variable starts as zeros (`LayoutScope`)."""
   params = params.Copy().Freeze()
-  with LayoutScope(mesh=mesh, rules=rules, seed=seed, fsdp_axis=fsdp_axis) as scope:
+  with LayoutScope(mesh=mesh, rules=rules, seed=seed, fsdp_axis=fsdp_axis,
+                   zero_init=zero_init) as scope:
     module = params.Instantiate()
   return BuiltModel(module=module, call=lambda inputs, training: module(*inputs),
                     variables=scope.variables, records=scope.records,
