@@ -366,3 +366,19 @@ def test_help_explains_the_import():
   for text in ('--hf_dir', '--model_dir', '--overwrite', '--gin_file', '--gin_bindings',
                'model.safetensors.index.json', 'Exit status'):
     assert text in done.stdout, text
+
+
+@pytest.mark.parametrize('num_layers', [1, 2])
+@pytest.mark.parametrize('family', FAMILIES)
+def test_the_tables_name_the_models_own_variables(family, num_layers):
+  """Every variable of transformer_lm, and nothing else, has a tensor, with
+  its shape: also for one layer, whose block the model names 'block', not
+  'block_000' (a 1-layer import failed with 'variables only in the model')."""
+  from layout_core.model.lm import transformer_lm_params  # pylint: disable=g-import-not-at-top
+  kwargs, facts = hf_config.lm_kwargs_from_hf(
+      dict(hf_fixtures.config(family), **{'n_layer' if family == 'gpt2' else
+                                           'num_hidden_layers': num_layers}))
+  params = transformer_lm_params(**kwargs)
+  model = {s.path: tuple(s.shape) for s in params.cls.variable_specs(params)}
+  rules = hf_names.tensor_rules(kwargs, family=family, tied=facts.tied)
+  assert hf_names.variable_shapes(rules) == model

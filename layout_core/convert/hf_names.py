@@ -92,8 +92,8 @@ def tensor_rules(kwargs: Mapping[str, Any], *, family: str, tied: bool,
   the model's order. `tied`: the output projection reads the embedding.
   `prefix`: GPT-2's names with ('transformer.') or without ('') the prefix
   of GPT2LMHeadModel."""
-  k = resolved(kwargs)
-  rules = _gpt2_rules(k, prefix) if family == 'gpt2' else _llama_rules(k)
+  k, blocks = resolved(kwargs), block_paths(kwargs)
+  rules = _gpt2_rules(k, blocks, prefix) if family == 'gpt2' else _llama_rules(k, blocks)
   embedding = rules[0]
   head = rules[-1]
   if tied:  # the output projection is the embedding, transposed
@@ -102,13 +102,22 @@ def tensor_rules(kwargs: Mapping[str, Any], *, family: str, tied: bool,
   return rules
 
 
-def _llama_rules(k: Mapping[str, Any]) -> list[TensorRule]:
+def block_paths(kwargs: Mapping[str, Any]) -> list[str]:
+  """Each block's path prefix in transformer_lm(**kwargs), as the model names
+  them ('lm/stack/block_000/', ...; a one-layer stack's block is 'lm/stack/block/')."""
+  from layout_core.model.lm import transformer_lm_params  # pylint: disable=g-import-not-at-top
+  lm = transformer_lm_params(**kwargs)
+  stack = lm.sub[1]
+  return [f'{lm.name}/{stack.name}/{name}/' for name in stack.cls.child_params(stack)]
+
+
+def _llama_rules(k: Mapping[str, Any], blocks: list[str]) -> list[TensorRule]:
   """Llama, Mistral and Qwen2 name their tensors alike."""
   V, D, F = k['vocab_size'], k['model_dim'], k['ffn_dim']  # pylint: disable=invalid-name
   H, G, K = k['num_heads'], k['num_kv_heads'], k['head_dim']  # pylint: disable=invalid-name
   rules = [_rule('model.embed_tokens.weight', [V, D], 'lm/emb/table', [V, D])]
-  for i in range(k['num_layers']):
-    hf, mg = f'model.layers.{i}.', f'lm/stack/block_{i:03d}/'
+  for i, mg in enumerate(blocks):
+    hf = f'model.layers.{i}.'
     rules.append(_rule(hf + 'input_layernorm.weight', [D], mg + 'ln_attn/scale', [D]))
     for name, heads in (('q', H), ('k', G), ('v', G)):
       rules.append(_rule(hf + f'self_attn.{name}_proj.weight', [heads * K, D],
@@ -133,14 +142,14 @@ def _llama_rules(k: Mapping[str, Any]) -> list[TensorRule]:
   return rules
 
 
-def _gpt2_rules(k: Mapping[str, Any], prefix: str) -> list[TensorRule]:
+def _gpt2_rules(k: Mapping[str, Any], blocks: list[str], prefix: str) -> list[TensorRule]:
   """GPT-2: Conv1D weights are [in, out]; c_attn holds q | k | v."""
   V, D, F, L = k['vocab_size'], k['model_dim'], k['ffn_dim'], k['max_len']  # pylint: disable=invalid-name
   H, K = k['num_heads'], k['head_dim']  # pylint: disable=invalid-name
   rules = [_rule(prefix + 'wte.weight', [V, D], 'lm/emb/table', [V, D]),
            _rule(prefix + 'wpe.weight', [L, D], 'lm/emb/pos_table', [L, D])]
-  for i in range(k['num_layers']):
-    hf, mg = f'{prefix}h.{i}.', f'lm/stack/block_{i:03d}/'
+  for i, mg in enumerate(blocks):
+    hf = f'{prefix}h.{i}.'
     rules += [
         _rule(hf + 'ln_1.weight', [D], mg + 'ln_attn/scale', [D]),
         _rule(hf + 'ln_1.bias', [D], mg + 'ln_attn/bias', [D]),
