@@ -75,6 +75,11 @@ HF_DTYPE = flags.DEFINE_enum(
 MAX_SHARD_MB = flags.DEFINE_integer(
     'max_shard_mb', 5000, '--format=hf: the largest safetensors file, in MB (10^6 bytes); '
     'larger models are sharded, with model.safetensors.index.json.', lower_bound=1)
+ADAPTERS_ONLY = flags.DEFINE_bool(
+    'adapters_only', False, "--format=hf: a LoRA run's adapters alone, as Hugging Face "
+    "PEFT saves them (adapter_config.json, adapter_model.safetensors), for PeftModel or "
+    'launch.import_hf --peft_dir. Without it the adapters are merged into the weights '
+    '(both formats).')
 TFLITE = flags.DEFINE_bool(
     'tflite', False, 'Also convert the signatures with TensorFlow Lite, built-in ops '
     'only (<export_dir>/model.tflite).')
@@ -100,11 +105,15 @@ def main(argv):
           export_dir=EXPORT_DIR.value, model_dir=MODEL_DIR.value, checkpoint=CHECKPOINT.value,
           files=checkpoint_flags.config_files(), bindings=gin_flags.GIN_BINDINGS.value,
           search_paths=gin_flags.GIN_SEARCH_PATHS.value, overwrite=OVERWRITE.value,
-          dtype=HF_DTYPE.value, max_shard_bytes=MAX_SHARD_MB.value * 10**6)
+          dtype=HF_DTYPE.value, max_shard_bytes=MAX_SHARD_MB.value * 10**6,
+          adapters_only=ADAPTERS_ONLY.value)
       print(f'Exported {written["checkpoint"]} (step {written["step"]}) as a Hugging Face '
             f'{written["family"]} model to {EXPORT_DIR.value}: {", ".join(written["files"])}'
             f'{" (tied embeddings)" if written["tied"] else ""}', flush=True)
       return
+    if ADAPTERS_ONLY.value:
+      raise ConfigError('--adapters_only writes the Hugging Face PEFT format',
+                        where='--adapters_only', fix='add --format=hf')
     sampling = sampling_flags.sampling()  # a bad flag exits 2 before the model loads
     export.check_target(EXPORT_DIR.value, overwrite=OVERWRITE.value)
     step, prefix = inference.find_checkpoint(model_dir=MODEL_DIR.value,

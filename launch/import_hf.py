@@ -24,6 +24,10 @@ written on that mesh in that layout, and tokenizer/. Then:
   python -m launch.train  --gin_file=runs/llama/config.gin --model_dir=runs/llama \
       --gin_file=my_data.gin        # fine-tunes from step 0 on your data
 
+--peft_dir adds LoRA adapters saved by PEFT (or by launch.export
+--adapters_only) to the run: its config binds lora.* to theirs, and the
+checkpoint holds them beside the base weights (docs/fine-tune.md).
+
 Tied embeddings are untied: lm/softmax/w starts as the embedding's transpose
 (launch.export --format=hf ties them again while they are still equal).
 
@@ -53,6 +57,10 @@ HF_DIR = flags.DEFINE_string(
 MODEL_DIR = flags.DEFINE_string(
     'model_dir', None, 'Required. The run to create (a new or empty directory, unless '
     '--overwrite).')
+PEFT_DIR = flags.DEFINE_string(
+    'peft_dir', None, 'LoRA adapters Hugging Face PEFT saved for that model '
+    '(adapter_config.json, adapter_model.safetensors; launch.export --adapters_only writes '
+    'them too): the run carries them, its config binding lora.* to their settings.')
 OVERWRITE = flags.DEFINE_bool(
     'overwrite', False, 'Replace what --model_dir holds (it is replaced only once the new '
     'run is complete).')
@@ -77,7 +85,8 @@ def main(argv):
                            files=gin_flags.GIN_FILES.value,
                            bindings=gin_flags.GIN_BINDINGS.value,
                            search_paths=gin_flags.GIN_SEARCH_PATHS.value,
-                           overwrite=OVERWRITE.value, on_write=watcher.defer)
+                           overwrite=OVERWRITE.value, on_write=watcher.defer,
+                           peft_dir=PEFT_DIR.value)
     print(report.line(), flush=True)
 
   gin_flags.run_guarded(body)

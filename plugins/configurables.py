@@ -25,6 +25,7 @@ in the `meshgin` module, so `mesh.shape` and `meshgin.mesh.shape` both work:
 | `sequential`, `feed_forward`, `softmax`, `layer_norm`, `embedding` | library layers' Params (via `plugins.registry.register_layer`) | their Params keys |
 | `optimizer`      | `layout_core.optim.OptimizerConfig`            | learning_rate, warmup_steps, ... |
 | `train`          | `layout_core.train.config.TrainConfig`         | num_steps, batch_size, ... |
+| `lora`           | `layout_core.model.lora.LoraConfig`: low-rank adapters for fine-tuning | rank, alpha, dropout, targets |
 | `checkpoint`     | `layout_core.checkpoint.manager.CheckpointConfig` | every_steps, keep, async_save, init_from, ... |
 """
 
@@ -37,6 +38,7 @@ import gin
 from layout_core.checkpoint import manager as checkpoint_lib
 from layout_core.tasks import lm as data_lib
 from layout_core.model import keras as keras_models
+from layout_core.model import lora as lora_lib
 from layout_core import model as model_lib
 from layout_core.layout import mesh as mesh_lib
 from layout_core import optim as optimizer_lib
@@ -73,6 +75,7 @@ for _layer in (model_lib.Sequential, model_lib.FeedForward, model_lib.Softmax, m
 optimizer = gin.external_configurable(optimizer_lib.OptimizerConfig,
                                       name='optimizer', module=MODULE)
 train = gin.external_configurable(train_config.TrainConfig, name='train', module=MODULE)
+lora = gin.external_configurable(lora_lib.LoraConfig, name='lora', module=MODULE)
 checkpoint = gin.external_configurable(checkpoint_lib.CheckpointConfig, name='checkpoint',
                                        module=MODULE)
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import json
 import os
 import shutil
@@ -53,9 +54,11 @@ from layout_core.checkpoint.manager import Checkpointer
 from layout_core.checkpoint.matching import key_for_name, names_in
 from layout_core.checkpoint.shard_io import assign_global
 from layout_core.convert import hf as hf_lib
+from layout_core.convert import peft
 from layout_core.durable import sync_directory
 from layout_core.errors import ConfigError
 from layout_core.infer.tokens import RUN_TOKENIZER_DIR
+from layout_core.model import lora as lora_lib
 from layout_core.model.lm import transformer_lm_params
 from plugins import configurables, gin_setup, inference
 from plugins.plan import check_model_dir, make_plan
@@ -113,14 +116,20 @@ def _check_architecture_kept(kwargs: dict[str, Any]) -> None:
 
 def import_run(*, hf_dir: str, model_dir: str, files: Sequence[str] = (),
                bindings: Sequence[str] = (), search_paths: Sequence[str] = (),
-               overwrite: bool = False, on_write: Callable[[], None] | None = None
-               ) -> ImportReport:
+               overwrite: bool = False, on_write: Callable[[], None] | None = None,
+               peft_dir: str | None = None) -> ImportReport:
   """Writes the run of the Hugging Face checkpoint in `hf_dir` (module doc).
   `on_write` is called once everything is checked, right before the first
-  file is written (launch.import_hf defers stop signals there)."""
+  file is written (launch.import_hf defers stop signals there). `peft_dir`:
+  LoRA adapters saved by PEFT for that model, which the run then carries
+  (its config binds `lora.*` to theirs)."""
   from plugins.training import build_trainer  # pylint: disable=g-import-not-at-top
   start = time.perf_counter()
   check_new_run(model_dir, overwrite=overwrite)
+  adapters, adapter_tensors = peft.read_peft_dir(peft_dir) if peft_dir else (None, {})
+  if adapters is not None:
+    bindings = [*bindings, *(f'lora.{field} = {getattr(adapters, field)!r}'
+                             for field in ('rank', 'alpha', 'dropout', 'targets'))]
   with hf_lib.open_hf(hf_dir) as source:
     with tempfile.TemporaryDirectory(prefix='meshgin-import-') as scratch:
       base = os.path.join(scratch, 'imported.gin')
@@ -134,13 +143,18 @@ def import_run(*, hf_dir: str, model_dir: str, files: Sequence[str] = (),
     # Every variable is assigned below (checked first): no initial values computed.
     trainer = build_trainer(dataclasses.replace(plan, pipeline=None), zero_init=True)
     variables = trainer.engine.variables
-    _check_variables(variables, source.variable_shapes, hf_dir=hf_dir)
-    for path, value in source.values():
+    shapes = {path: tuple(v.shape.as_list()) for path, v in variables.items()}
+    adapted = peft.meshgin_adapters(source.kwargs, adapter_tensors, shapes) if adapters else {}
+    _check_variables(variables, {**source.variable_shapes,
+                                 **{path: v.shape for path, v in adapted.items()}},
+                     hf_dir=hf_dir)
+    for path, value in itertools.chain(source.values(), adapted.items()):
       variable = variables[path]
       assign_global(variable, value.astype(variable.dtype.as_numpy_dtype))
     if on_write is not None:
       on_write()
     record = {'hf_dir': os.path.abspath(hf_dir), 'family': source.facts.family,
+              'peft_dir': os.path.abspath(peft_dir) if peft_dir else None,
               'tied': source.facts.tied, 'torch_dtype': source.facts.dtype,
               'kwargs': source.kwargs, 'config': source.config}
     _write_run(model_dir, trainer=trainer, plan=plan, hf_dir=hf_dir, record=record,
@@ -228,24 +242,46 @@ def export_run(*, export_dir: str, model_dir: str | None = None,
                checkpoint: str | None = None, files: Sequence[str] = (),
                bindings: Sequence[str] = (), search_paths: Sequence[str] = (),
                overwrite: bool = False, dtype: str = 'float32',
-               max_shard_bytes: int = hf_lib.hf_files.DEFAULT_MAX_SHARD_BYTES) -> dict[str, Any]:
-  """Writes the run's checkpoint as a Hugging Face directory (module doc);
-  returns `write_hf_dir`'s record plus the checkpoint and step."""
+               max_shard_bytes: int = hf_lib.hf_files.DEFAULT_MAX_SHARD_BYTES,
+               adapters_only: bool = False) -> dict[str, Any]:
+  """Writes the run's checkpoint as a Hugging Face directory (module doc),
+  LoRA adapters merged into their weights; with `adapters_only`, the
+  adapters alone in PEFT's format (`layout_core.convert.peft`). Returns what
+  was written plus the checkpoint and step."""
   from layout_core.lazy import tf  # pylint: disable=g-import-not-at-top
   hf_lib.check_target(export_dir, overwrite=overwrite)
   step, prefix = inference.find_checkpoint(model_dir=model_dir, checkpoint=checkpoint)
   with gin_setup.parsed_config(files=list(files), bindings=list(bindings),
                                search_paths=list(search_paths)):
     kwargs = lm_kwargs_of_config()
+    adapters = lora_lib.Tuning(lora=configurables.lora()).lora
   by_name = names_in(prefix)
   reader = tf.train.load_checkpoint(prefix)
 
-  def read(path: str):
+  def stored(path: str):
     key = key_for_name(path, by_name)
-    if key is None:
+    return None if key is None else reader.get_tensor(key)
+
+  if adapters_only:
+    if adapters is None:
+      raise ConfigError('the run has no LoRA adapters (lora.rank is 0)', where='--adapters_only',
+                        fix='export the whole model (without --adapters_only)')
+    if os.path.exists(export_dir):
+      raise ConfigError(f'{export_dir} exists', where='--export_dir', fix='give a new directory')
+    written = peft.write_peft_dir(export_dir, kwargs=kwargs, lora=adapters, read=stored,
+                                  base_model=_base_model_of(model_dir, checkpoint))
+    return {**written, 'family': 'PEFT LoRA', 'tied': False, 'checkpoint': prefix,
+            'step': step}
+
+  def read(path: str):
+    value = stored(path)
+    if value is None:
       raise ConfigError(f'the checkpoint {prefix} has no {path}', where='--model_dir',
                         fix='export with the config the checkpoint was trained with')
-    return reader.get_tensor(key)
+    a, b = stored(path + lora_lib.A_SUFFIX), stored(path + lora_lib.B_SUFFIX)
+    if adapters is not None and a is not None and b is not None:
+      return lora_lib.merged(value, a, b, scale=adapters.scale)
+    return value
 
   run_dir = inference.run_directory(model_dir=model_dir, checkpoint=checkpoint)
   kept, tokenizer_dir = None, None
@@ -260,3 +296,13 @@ def export_run(*, export_dir: str, model_dir: str | None = None,
                                 max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir,
                                 kept=kept, overwrite=overwrite)
   return {**written, 'checkpoint': prefix, 'step': step}
+
+
+def _base_model_of(model_dir: str | None, checkpoint: str | None) -> str:
+  """The Hugging Face directory the run was imported from ('' if none)."""
+  run_dir = inference.run_directory(model_dir=model_dir, checkpoint=checkpoint)
+  record_path = os.path.join(run_dir or '', IMPORT_RECORD)
+  if run_dir and os.path.isfile(record_path):
+    with open(record_path) as f:
+      return json.load(f).get('hf_dir', '')
+  return ''

@@ -37,6 +37,7 @@ from layout_core.checkpoint.manager import Checkpointer
 from layout_core.errors import ConfigError
 from layout_core.infer.text_samples import text_samples_for
 from layout_core.lazy import tf
+from layout_core.model.lora import is_adapter
 from layout_core.train.preemption import PreemptionWatcher
 from layout_core.train.summaries import NullWriter, SummaryWriter
 from layout_core.train.config import TrainResult
@@ -238,7 +239,9 @@ def _run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
   restored = checkpointer.restore_latest()
   trainer.resume_data_state = checkpointer.restored_data_state
   if restored is None and plan.checkpoint.init_from:
-    checkpointer.init_from(plan.checkpoint.init_from, trainer.engine.variables)
+    variables = trainer.engine.variables
+    checkpointer.init_from(plan.checkpoint.init_from, variables,
+                           new=[path for path in variables if is_adapter(path)])
   elif restored is not None and chief:
     try:  # a report: it must never stop the run it reports on
       record_resume_changes(plan, writer=writer, step=restored, checkpoint_dir=os.path.join(

@@ -36,9 +36,10 @@ FACTORS = {  # feature -> its settings, the reference's first
     'shard_state': (False, True),
     'optimizer': ('adam', 'adafactor'),
     'arch': ('classic', 'llama'),   # transformer_lm's defaults, or its Llama-family options
+    'lora': (False, True),          # a frozen base with LoRA adapters (`LORA`)
 }
 # Settings that change what is trained (kept in the reference) ...
-KEPT = ('packed', 'dtype', 'optimizer', 'arch')
+KEPT = ('packed', 'dtype', 'optimizer', 'arch', 'lora')
 # ... and those that must not (the reference switches them off).
 TRANSPARENT = ('remat', 'fsdp', 'accum', 'shard_state')
 # Relative to the values' scale (tests/numerics.py). measured (default / no oneDNN / 1 thread,
@@ -52,7 +53,11 @@ REFUSED = {
     ('engine', 'gpipe', 'packed', True): ('lm_corpus.pack', 'pipeline'),
     ('engine', 'keras', 'packed', True): ('lm_corpus.pack', 'Keras'),
     ('engine', 'keras', 'fsdp', True): ('train.fsdp', 'Keras'),
+    ('engine', 'keras', 'lora', True): ('lora', 'Keras'),
 }
+# The adapters of 'lora': attention's queries and values and every
+# feed-forward matrix, with dropout on their inputs.
+LORA = dict(rank=4, alpha=8.0, dropout=0.1, targets=(r'.*/attn/w[qv]', r'.*/ffn/w_.*'))
 
 # Pairs that mean nothing together: a Keras model has no transformer_lm options.
 NOT_APPLICABLE = {('engine', 'keras', 'arch', 'llama')}
@@ -139,9 +144,9 @@ def name(cell: Cell) -> str:
 # process of 8 devices running its reference (test_composition.py) ...
 TWO_CLIENT_CELLS = [
     {'engine': 'plain', 'remat': 'block', 'packed': False, 'fsdp': False, 'dtype': 'float32',
-     'accum': 2, 'shard_state': True, 'optimizer': 'adafactor', 'arch': 'llama'},
+     'accum': 2, 'shard_state': True, 'optimizer': 'adafactor', 'arch': 'llama', 'lora': True},
     {'engine': 'keras', 'remat': 'full', 'packed': False, 'fsdp': False, 'dtype': 'bfloat16',
-     'accum': 2, 'shard_state': False, 'optimizer': 'adam', 'arch': 'classic'},
+     'accum': 2, 'shard_state': False, 'optimizer': 'adam', 'arch': 'classic', 'lora': False},
 ]
 # ... and the settings other multi-client tests run against one process.
 TWO_CLIENTS = {
@@ -159,7 +164,9 @@ GIN = {'remat': 'train.remat', 'fsdp': 'train.fsdp', 'dtype': 'train.compute_dty
 def gin_bindings(cell: Cell) -> list[str]:
   """`cell`'s settings as launch.train's --gin_bindings (engine and packed
   come from the config file)."""
-  return [f'--gin_bindings={GIN[f]} = {cell[f]!r}' for f in GIN]
+  lora = [f'--gin_bindings=lora.{key} = {value!r}' for key, value in LORA.items()]
+  return [f'--gin_bindings={GIN[f]} = {cell[f]!r}' for f in GIN] + (
+      lora if cell['lora'] else [])
 
 
 def _label(feature: str, setting) -> str:

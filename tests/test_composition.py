@@ -27,6 +27,7 @@ from layout_core.optim import OptimizerConfig
 from layout_core.pipeline import PipelineConfig
 from layout_core.run import make_trainer
 from layout_core.tasks import Task
+from layout_core.model.lora import LoraConfig, tune
 from layout_core.tasks.corpus import LMCorpusTask
 from layout_core.tasks.lm import MarkovTask
 from layout_core.train.config import TrainConfig
@@ -108,6 +109,8 @@ def make(cell: dict, meshes: dict):
   if cell['engine'] in ('spmd', 'gpipe'):
     pipeline = PipelineConfig(num_stages=2, num_micro_batches=2,
                               engine='spmd' if cell['engine'] == 'spmd' else 'submesh')
+  if cell['lora']:
+    model = tune(model, lora=LoraConfig(**composition.LORA), trainable=None)
   rules = [] if keras else MEGATRON_QWEN2 if cell['arch'] == 'llama' else MEGATRON
   return make_trainer(
       model=model, mesh=meshes['stage' if pipeline else '2d'],

@@ -53,7 +53,7 @@ import random
 import shutil
 import threading
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from absl import logging
 
@@ -262,18 +262,20 @@ class Checkpointer:
         self._state_file.update()
     return None
 
-  def init_from(self, source: str, variables: Mapping[str, tf.Variable]) -> int:
+  def init_from(self, source: str, variables: Mapping[str, tf.Variable], *,
+                new: Collection[str] = ()) -> int:
     """Reads `variables` (path -> variable) by name from another checkpoint.
 
     Works for object-graph checkpoints (meshgin's, keyed 'model/...') and
     name-based TF1 checkpoints (tf.compat.v1.train.Saver, keyed by variable
     name); `config.init_from_map` maps paths to names
-    (`layout_core.checkpoint.matching`). Returns the number of variables read.
+    (`layout_core.checkpoint.matching`); the paths in `new` may be absent
+    (they keep their initial values). Returns the number of variables read.
     """
     prefix = resolve_checkpoint_path(source)
     start = time.perf_counter()
     found, size_bytes = entries_by_name(prefix, variables,
-                                        rename_rules=self.config.init_from_map)
+                                        rename_rules=self.config.init_from_map, new=new)
     shard_io.read_entries(prefix, found)
     self.on_event(CheckpointEvent(0, prefix, 'init_from', time.perf_counter() - start,
                                   size_bytes))

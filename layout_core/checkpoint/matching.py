@@ -13,7 +13,7 @@ each kind, then a count) and changes nothing on disk.
 from __future__ import annotations
 
 import re
-from typing import Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -29,10 +29,11 @@ def _listing(items: Sequence[str], *, shown: int = 4) -> str:
 
 
 def check_fits(prefix: str, entries: Sequence[CheckpointEntry], *,
-               roots: Sequence[str]) -> None:
+               roots: Sequence[str], unread: Callable[[str], bool] | None = None) -> None:
   """ConfigError listing every variable whose key or shape differs between
   the checkpoint at `prefix` and `entries`; keys under other `roots` than the
-  model's (e.g. a data iterator's) are not the model's business.
+  model's (e.g. a data iterator's) are not the model's business, nor those
+  `unread(key)` says the caller reads otherwise (merged LoRA adapters).
   CheckpointDamage when the checkpoint's index cannot be read."""
   saved = saved_variables(prefix)
   expected = {e.key: list(e.shape) for e in entries}
@@ -43,15 +44,18 @@ def check_fits(prefix: str, entries: Sequence[CheckpointEntry], *,
     elif list(saved[key]) != shape:
       reshaped.append(f'{key}: checkpoint shape {list(saved[key])}, model shape {shape}')
   extra = [k for k in saved if k.startswith(tuple(roots)) and k.endswith(VALUE_SUFFIX)
-           and k not in expected]
+           and k not in expected and not (unread and unread(k))]
   if missing or reshaped or extra:
+    fine_tuning = missing and all('_lora_' in key for key in missing)  # LoRA added to a run
     raise ConfigError(
         f'the checkpoint {prefix} does not match this model: {len(reshaped)} '
         f'variable(s) with other shapes [{_listing(reshaped)}], {len(missing)} missing '
         f'from the checkpoint [{_listing(missing)}], {len(extra)} only in the '
         f'checkpoint [{_listing(extra)}]', where='model_dir',
-        fix='use a new --model_dir for a different model (the existing '
-            'checkpoint was left untouched)')
+        fix=(f"fine-tune in a new --model_dir with checkpoint.init_from = '{prefix}' "
+             '(the adapters start fresh there; this checkpoint was left untouched)'
+             if fine_tuning else 'use a new --model_dir for a different model (the '
+             'existing checkpoint was left untouched)'))
 
 
 def names_in(prefix: str) -> dict[str, str]:
@@ -69,7 +73,8 @@ def key_for_name(name: str, by_name: Mapping[str, str]) -> str | None:
 
 
 def entries_by_name(prefix: str, variables: Mapping[str, tf.Variable], *,
-                    rename_rules: Sequence[Sequence[str]]) -> tuple[list[CheckpointEntry], int]:
+                    rename_rules: Sequence[Sequence[str]],
+                    new: Collection[str] = ()) -> tuple[list[CheckpointEntry], int]:
   """(an entry per variable, the checkpoint's size in float32 bytes) for
   reading `variables` (path -> variable) by name from the checkpoint at `prefix`.
 
@@ -77,7 +82,9 @@ def entries_by_name(prefix: str, variables: Mapping[str, tf.Variable], *,
   (regex, replacement) rule that fullmatches it. Works for object-graph
   checkpoints (meshgin's, keyed 'model/...') and name-based TF1 checkpoints
   (tf.compat.v1.train.Saver, keyed by variable name). ConfigError naming
-  every variable not found or of another shape."""
+  every variable not found or of another shape, but for the paths in `new`
+  (a fine-tuning run's LoRA adapters), which keep their initial values when
+  the checkpoint does not hold them."""
   shapes = tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
   by_name = names_in(prefix)
   rules = [(re.compile(pattern), replacement) for pattern, replacement in rename_rules]
@@ -90,6 +97,8 @@ def entries_by_name(prefix: str, variables: Mapping[str, tf.Variable], *,
         name = match.expand(replacement)
         break
     key = key_for_name(name, by_name)
+    if key is None and path in new:
+      continue
     if key is None:
       missing.append(f'{path} (looked for {name!r})')
       continue

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from layout_core.checkpoint.matching import check_fits
-from layout_core.checkpoint.shard_io import CheckpointEntry, checkpoint_entries
+from layout_core.checkpoint.matching import check_fits, key_for_name, names_in
+from layout_core.checkpoint.shard_io import VALUE_SUFFIX, CheckpointEntry, checkpoint_entries
 from layout_core.durable import sync_directory
 from layout_core.errors import ConfigError
 from layout_core.infer.decode import CachedLM, lm_layers
@@ -49,6 +49,7 @@ from layout_core.infer.decode import check_fits as check_decoding_fits
 from layout_core.infer.sampling import Sampling
 from layout_core.layout.variables import VariableSpec, variable_creator
 from layout_core.lazy import tf
+from layout_core.model import lora
 from layout_core.model.base import compute_params
 from layout_core.params import Params
 from layout_core.tasks import Task
@@ -87,10 +88,15 @@ def load_plain_model(model: Params | KerasModel, *, task: Task, prefix: str,
   """`model` (a Params tree or a `layout_core.model.keras.KerasModel`) on
   plain variables, each assigned the global value the checkpoint at `prefix`
   holds under the key a training run of it saves (`checkpoint_entries`).
-  ConfigError when the checkpoint is not this model's (keys or shapes)."""
+  A model with LoRA adapters is loaded as its base model, each adapted
+  weight merged with its adapters (`lora.merged`): the same function, with
+  no adapter path left to run. ConfigError when the checkpoint is not this
+  model's (keys or shapes)."""
   specs = tuple(((None,) + tuple(shape[1:]), str(dtype)) for shape, dtype in task.input_specs(1))
+  adapters = lora.lora_of(model) if isinstance(model, Params) else None
   if isinstance(model, Params):
-    params = compute_params(model.Copy().Freeze(), dtype=compute_dtype)
+    params = compute_params(lora.untuned(model) if adapters else model.Copy().Freeze(),
+                            dtype=compute_dtype)
     variables: dict[str, Any] = {}
 
     def zeros(spec: VariableSpec):  # its value comes from the checkpoint
@@ -104,10 +110,22 @@ def load_plain_model(model: Params | KerasModel, *, task: Task, prefix: str,
     params, (root, call) = None, _keras_on_one_device(model, specs, compute_dtype)
     variables = dict(root.by_path)
   entries = checkpoint_entries({'model': root})
-  values = read_values(prefix, entries)
+  values = read_values(prefix, entries, adapters=adapters is not None)
   for entry in entries:
     entry.variable.assign(values[entry.key])
+  if adapters is not None:
+    _merge_adapters(variables, prefix=prefix, scale=adapters.scale)
   return PlainModel(call=call, variables=variables, input_specs=specs, params=params)
+
+
+def _merge_adapters(variables: dict[str, Any], *, prefix: str, scale: float) -> None:
+  """Each variable whose adapters the checkpoint at `prefix` holds, merged with them."""
+  by_name, reader = names_in(prefix), tf.train.load_checkpoint(prefix)
+  for path, variable in variables.items():
+    a, b = (key_for_name(path + suffix, by_name) for suffix in (lora.A_SUFFIX, lora.B_SUFFIX))
+    if a is not None and b is not None:
+      variable.assign(lora.merged(variable.numpy(), reader.get_tensor(a), reader.get_tensor(b),
+                                  scale=scale))
 
 
 def _keras_on_one_device(model: KerasModel, specs: tuple, compute_dtype: str):
@@ -137,13 +155,17 @@ def _keras_on_one_device(model: KerasModel, specs: tuple, compute_dtype: str):
   return root, call
 
 
-def read_values(prefix: str, entries: Sequence[CheckpointEntry]) -> dict[str, np.ndarray]:
+def read_values(prefix: str, entries: Sequence[CheckpointEntry], *,
+                adapters: bool = False) -> dict[str, np.ndarray]:
   """{key: global value} of every entry's key, read from the checkpoint at
   `prefix` (a sharded save's slices come back as one array). ConfigError
   listing the variables that differ (missing, other shapes, only in the
-  checkpoint) when it is not this model's checkpoint."""
+  checkpoint) when it is not this model's checkpoint; but for LoRA adapters
+  with `adapters` (merged by the caller)."""
+  unread = (lambda key: lora.is_adapter(key.split(VALUE_SUFFIX)[0])
+            ) if adapters else None
   try:
-    check_fits(prefix, entries, roots=['model/'])
+    check_fits(prefix, entries, roots=['model/'], unread=unread)
   except ConfigError as e:
     raise ConfigError(e.message, where='the config (--gin_file / --gin_bindings)',
                       fix="export with the config the checkpoint was trained with (its "

@@ -100,14 +100,18 @@ class TensorWeights(Weights):
   or tensor, as a layer's `apply` reads them: cast to `dtype`, gathered first
   where FSDP stores them split. No dropout (`random()` is None)."""
 
-  def __init__(self, values: Mapping[str, object], path: str, *, dtype):
-    self._values, self.path, self.dtype = values, path, dtype
+  def __init__(self, values: Mapping[str, object], path: str, *, dtype, lora=None):
+    self._values, self.path, self.dtype, self.lora = values, path, dtype, lora
+
+  def has(self, name):
+    return f'{self.path}/{name}' in self._values
 
   def __call__(self, name):
     return fsdp.at_use(self._values[f'{self.path}/{name}'], self.dtype)
 
   def child(self, name):
-    return TensorWeights(self._values, f'{self.path}/{name}', dtype=self.dtype)
+    return TensorWeights(self._values, f'{self.path}/{name}', dtype=self.dtype,
+                         lora=self.lora)
 
   def random(self):
     return None

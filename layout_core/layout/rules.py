@@ -97,8 +97,12 @@ class Resolution:
   spec: tuple[str, ...]
   rule_index: int | None  # None: no rule matched, fully replicated
   left_whole: tuple[str, ...] = ()  # optional axes that did not divide their dimension
+  followed: tuple[str, 'Resolution'] | None = None  # (path, its resolution) taken as is
 
   def source(self, rules: 'LayoutRules') -> str:
+    if self.followed is not None:
+      path, resolution = self.followed
+      return f'as {path}: {resolution.source(rules)}'
     if self.rule_index is None:
       return 'default: replicated'
     note = f' ({"; ".join(self.left_whole)})' if self.left_whole else ''
@@ -294,9 +298,15 @@ class LayoutRules:
             fix='a mesh axis may shard at most one dimension of a tensor')
 
   def resolve(self, path: str, shape: Sequence[int],
-              mesh_axes: Mapping[str, int]) -> Resolution:
-    """The validated sharding spec for one variable."""
+              mesh_axes: Mapping[str, int], *, follows=None) -> Resolution:
+    """The validated sharding spec for one variable. With `follows` (a
+    `layout_core.layout.variables.Follows`) and no rule matching `path`,
+    the followed variable's spec on the dimensions it names."""
     index = self.match(path)
+    if index is None and follows is not None:
+      base = self.resolve(follows.path, follows.shape, mesh_axes)
+      spec = tuple(UNSHARDED if d is None else base.spec[d] for d in follows.dims)
+      return Resolution(spec=spec, rule_index=None, followed=(follows.path, base))
     if index is None:
       return Resolution(spec=(UNSHARDED,) * len(shape), rule_index=None)
     rule = self.rules[index]

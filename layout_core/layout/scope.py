@@ -83,7 +83,7 @@ def plan_layouts(specs: Iterable[VariableSpec], rules: LayoutRules,
 
 def _record(spec: VariableSpec, rules: LayoutRules, mesh_axes: Mapping[str, int],
             fsdp_axis: str | None = None) -> LayoutRecord:
-  resolution = rules.resolve(spec.path, spec.shape, mesh_axes)
+  resolution = rules.resolve(spec.path, spec.shape, mesh_axes, follows=spec.follows)
   for dim, why in spec.unshardable.items():
     if resolution.spec[dim] != UNSHARDED:
       rule = rules.rules[resolution.rule_index]

@@ -136,6 +136,19 @@ def Ones() -> Constant:  # pylint: disable=invalid-name
 
 # -- specs and the creation hook -------------------------------------------------
 @dataclasses.dataclass(frozen=True)
+class Follows:
+  """A variable laid out as another where no rule names it: dimension i
+  takes the split of the other's dimension `dims[i]` (None: unsplit).
+
+      Follows('lm/stack/block/attn/wq', (64, 4, 16), dims=(None, 1, 2))
+      # [r, 4, 16] split as wq's heads and head dims; r whole
+  """
+  path: str
+  shape: tuple[int, ...]
+  dims: tuple[int | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class VariableSpec:
   """Everything needed to create (or just account for) one variable."""
   path: str
@@ -145,6 +158,9 @@ class VariableSpec:
   trainable: bool = True
   # dim -> why DTensor cannot run this variable sharded on it (and what works)
   unshardable: Mapping[int, str] = dataclasses.field(default_factory=dict)
+  # Where no layout rule matches this variable, it takes another's layout:
+  # a LoRA adapter follows its weight (`layout_core.model.lora`).
+  follows: 'Follows | None' = None
 
   @property
   def num_elements(self) -> int:

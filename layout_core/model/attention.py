@@ -69,10 +69,10 @@ class MultiHeadAttention(BaseLayer):
       raise ConfigError(f'{p.name}: rotary positions need an even head_dim, not {head_dim}',
                         where='transformer_lm.head_dim', fix='use an even head_dim')
     init = Normal(p.init_stddev)
-    declared = [Declared('wq', (p.model_dim, p.num_heads, head_dim), init),
-                Declared('wk', (p.model_dim, kv, head_dim), init),
-                Declared('wv', (p.model_dim, kv, head_dim), init),
-                Declared('wo', (p.num_heads, head_dim, p.model_dim), init)]
+    declared = [Declared('wq', (p.model_dim, p.num_heads, head_dim), init, inputs=1),
+                Declared('wk', (p.model_dim, kv, head_dim), init, inputs=1),
+                Declared('wv', (p.model_dim, kv, head_dim), init, inputs=1),
+                Declared('wo', (p.num_heads, head_dim, p.model_dim), init, inputs=2)]
     if p.qkv_bias:
       declared += [Declared('bq', (p.num_heads, head_dim), Zeros()),
                    Declared('bk', (kv, head_dim), Zeros()),

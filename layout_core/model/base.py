@@ -31,6 +31,7 @@ from layout_core.errors import ConfigError
 from layout_core.params import Params, once_per_frozen
 from layout_core.layout import fsdp
 from layout_core.layout.variables import Initializer, VariableSpec, create_variable
+from layout_core.model import lora
 from layout_core.model.remat import floating, rematerialized
 from layout_core.model.weights import LayerWeights, cast
 
@@ -78,6 +79,11 @@ class Declared:
   shape: Shape
   initializer: Initializer
   unshardable: Mapping[int, str] = dataclasses.field(default_factory=dict)
+  inputs: int = 0
+  """How many leading dims the layer contracts with its input (`w.dense`,
+  `w.project`): 1 for x @ w [d, f], 2 for attention's output [h, k, d]; 0:
+  not such a weight. Only these can take LoRA adapters
+  (`layout_core.model.lora`)."""
 
 
 def num_elements(shape: Shape) -> int:
@@ -132,6 +138,8 @@ class BaseLayer(Module):
              'Weights are cast at use; sub-layers inherit it.')
     p.Define('remat', False, "Recompute this layer's activations in the backward pass "
              'instead of keeping them (train.remat sets it).')
+    p.Define('tuning', None, 'A layout_core.model.lora.Tuning: which weights train and '
+             'which get LoRA adapters (lora.*, train.trainable set it); sub-layers inherit it.')
     return p
 
   def __init__(self, params: Params, *, parent_path: str = ''):
@@ -158,9 +166,7 @@ class BaseLayer(Module):
     children = self.child_params(self.params)
     self.child_names = tuple(children)
     for name, child in children.items():
-      if child.fprop_dtype is None and params.fprop_dtype is not None:
-        child = child.Copy().Set(fprop_dtype=params.fprop_dtype)
-      setattr(self, name, child.Instantiate(parent_path=self.path))
+      setattr(self, name, _inherited(child, params).Instantiate(parent_path=self.path))
 
   # -- declarations (classmethods: usable without building) ---------------------
   @classmethod
@@ -188,10 +194,20 @@ class BaseLayer(Module):
 
   @classmethod
   def own_variable_specs(cls, p: Params, path: str) -> list[VariableSpec]:
-    return [VariableSpec(path=f'{path}/{d.name}', shape=tuple(d.shape),
-                         initializer=d.initializer, dtype=p.dtype,
-                         unshardable=dict(d.unshardable))
-            for d in cls.declare_variables(p)]
+    """The layer's own variables at `path`; under `p.tuning`, frozen where
+    it says and each LoRA target followed by its two adapters."""
+    tuning = p.tuning
+    specs = []
+    for d in cls.declare_variables(p):
+      spec = VariableSpec(path=f'{path}/{d.name}', shape=tuple(d.shape),
+                          initializer=d.initializer, dtype=p.dtype,
+                          unshardable=dict(d.unshardable),
+                          trainable=tuning is None or tuning.trains(f'{path}/{d.name}'))
+      specs.append(spec)
+      if tuning is not None and tuning.lora is not None and d.inputs and (
+          tuning.lora.adapts(spec.path)):
+        specs += lora.adapter_specs(spec, inputs=d.inputs, lora=tuning.lora)
+    return specs
 
   @classmethod
   def variable_specs(cls, p: Params, parent_path: str = '') -> list[VariableSpec]:
@@ -199,6 +215,7 @@ class BaseLayer(Module):
     path = f'{parent_path}/{p.name}' if parent_path else p.name
     specs = cls.own_variable_specs(p, path)
     for child in cls.child_params(p).values():
+      child = _inherited(child, p, dtype=False)
       specs += child.cls.variable_specs(child, path)
     return specs
 
@@ -344,6 +361,17 @@ class Sequential(BaseLayer):
       if not isinstance(outputs, tuple):
         outputs = (outputs,)
     return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _inherited(child: Params, parent: Params, *, dtype: bool = True) -> Params:
+  """`child` with what a sub-layer takes from its parent where it sets none:
+  the fprop dtype (`dtype`) and the tuning."""
+  inherit = {}
+  if dtype and child.fprop_dtype is None and parent.fprop_dtype is not None:
+    inherit['fprop_dtype'] = parent.fprop_dtype
+  if child.tuning is None and parent.tuning is not None:
+    inherit['tuning'] = parent.tuning
+  return child.Copy().Set(**inherit) if inherit else child
 
 
 def as_float32(x):

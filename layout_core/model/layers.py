@@ -195,7 +195,7 @@ class FeedForward(BaseLayer):
     for weight, bias in cls.matrices(p):
       out = p.input_dim if weight in ('w_out', 'w_down') else p.hidden_dim
       shape = (p.input_dim, p.hidden_dim) if out == p.hidden_dim else (p.hidden_dim, p.input_dim)
-      declared.append(Declared(weight, shape, init))
+      declared.append(Declared(weight, shape, init, inputs=1))
       if p.use_bias:
         declared.append(Declared(bias, (out,), Zeros()))
     return declared

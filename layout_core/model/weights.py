@@ -32,6 +32,7 @@ from typing import Callable, Hashable, Mapping, NamedTuple
 from layout_core.lazy import tf
 from layout_core.layout import fsdp
 from layout_core.layout.variables import path_seed
+from layout_core.model import lora
 from layout_core.model.random import DropoutInputs
 from layout_core.step_context import StepContext, current
 
@@ -164,13 +165,38 @@ class Weights:
     """
     raise NotImplementedError
 
+  lora = None
+  """The model's `layout_core.model.lora.LoraConfig` (None: no adapters):
+  `dense` and `project` add the low-rank path of a weight that has them."""
+
+  def has(self, name: str) -> bool:
+    """Whether there is a weight `name` (a LoRA adapter, say)."""
+    raise NotImplementedError
+
   def dense(self, x: tf.Tensor, name: str) -> tf.Tensor:
-    """x[..., d] @ w[d, f] with weight `name` (per slot under a lead)."""
-    return dense(x, self(name), lead=self.lead)
+    """x[..., d] @ w[d, f] with weight `name` (per slot under a lead), plus
+    its adapters' low-rank path where it has them (`layout_core.model.lora`)."""
+    y = self._dense(x, name)
+    if self._adapted(name):
+      y += lora.low_rank(self, dense_equation(x.shape.rank - len(self.lead)), x, name,
+                         self.lora)
+    return y
 
   def project(self, equation: str, x: tf.Tensor, name: str) -> tf.Tensor:
     """`tf.einsum(equation, x, self(name))`, each operand's subscripts
-    after the lead ones ('btd,dhk->bthk')."""
+    after the lead ones ('btd,dhk->bthk'), plus the adapters' path."""
+    y = self._project(equation, x, name)
+    if self._adapted(name):
+      y += lora.low_rank(self, equation, x, name, self.lora)
+    return y
+
+  def _adapted(self, name: str) -> bool:
+    return self.lora is not None and self.has(name + lora.A_SUFFIX)
+
+  def _dense(self, x, name):
+    return dense(x, self(name), lead=self.lead)
+
+  def _project(self, equation, x, name):
     return tf.einsum(fsdp.lead_equation(equation, self.lead), x, self(name))
 
   def vector(self, name: str, x: tf.Tensor) -> tf.Tensor:
@@ -200,6 +226,11 @@ class LayerWeights(Weights):
     self._at_use = at_use or GatheredAtUse(
         lambda: _layer_splits(layer, self.context.batch_split),
         waits_for(inputs, self.context))
+    tuning = layer.params.tuning
+    self.lora = None if tuning is None else tuning.lora
+
+  def has(self, name):
+    return name in self.layer.variable_names
 
   def __call__(self, name):
     variable = getattr(self.layer, name)
@@ -210,17 +241,17 @@ class LayerWeights(Weights):
   def _replica_axis(self, variable) -> str | None:
     return fsdp.replica_axis(variable, self.dtype, self.context.batch_split)
 
-  def dense(self, x, name):
+  def _dense(self, x, name):
     variable = getattr(self.layer, name)
     if self._replica_axis(variable) is None or x.shape.rank < 2:
-      return super().dense(x, name)
-    return self.project(dense_equation(x.shape.rank), x, name)
+      return super()._dense(x, name)
+    return self._project(dense_equation(x.shape.rank), x, name)
 
-  def project(self, equation, x, name):
+  def _project(self, equation, x, name):
     variable = getattr(self.layer, name)
     axis = self._replica_axis(variable)
     if axis is None:
-      return super().project(equation, x, name)
+      return super()._project(equation, x, name)
     # An input's rows made once, so the projections of one input (attention's
     # q, k, v) sum their gradients in one place, in the order a run without
     # FSDP does.

@@ -113,7 +113,8 @@ class StackedCells(Module):
     for i, template in enumerate(specs[0]):
       relative = template.path[len(f'{self.path}/{cells[0].name}/'):]
       per_cell = [s[i] for s in specs]
-      resolutions = [rules.resolve(s.path, s.shape, cell_axes) for s in per_cell]
+      resolutions = [rules.resolve(s.path, s.shape, cell_axes, follows=s.follows)
+                     for s in per_cell]
       cell_spec = resolutions[0].spec
       for spec, resolution in zip(per_cell, resolutions):
         if resolution.spec != cell_spec:
@@ -237,8 +238,9 @@ class SlotWeights(Weights):
                below: str = '', dtype: str | None = None,
                use_layouts: Mapping[str, tuple[dtensor.Layout, dtensor.Layout]] | None = None,
                context: StepContext | None = None, inputs: tuple = (),
-               at_use: GatheredAtUse | None = None):
+               at_use: GatheredAtUse | None = None, lora=None):
     self.select, self.slot_random, self.below, self.dtype = select, random, below, dtype
+    self.lora = lora  # the cells' LoraConfig (layout_core.model.lora), or None
     self.use_layouts = use_layouts or {}
     self.context = current() if context is None else context
     self._at_use = at_use or GatheredAtUse(
@@ -253,10 +255,18 @@ class SlotWeights(Weights):
     value = self.select(path)
     return value if self.dtype is None else cast(value, self.dtype)
 
+  def has(self, name):
+    try:
+      self.select(f'{self.below}/{name}' if self.below else name)
+    except KeyError:
+      return False
+    return True
+
   def child(self, name):
     return SlotWeights(self.select, self.slot_random,
                        f'{self.below}/{name}' if self.below else name, self.dtype,
-                       self.use_layouts, context=self.context, at_use=self._at_use)
+                       self.use_layouts, context=self.context, at_use=self._at_use,
+                       lora=self.lora)
 
   def random(self):
     """Each slot's mask from its own cell's layer path and its micro-batch's
@@ -386,6 +396,7 @@ class SpmdPipeline:
     outputs: list = [None] * num_micro
     cell = stack.cell_params[0]
     names, dtype = list(variables), cell.fprop_dtype or cell.dtype
+    lora = cell.tuning.lora if cell.tuning is not None else None
     pin = residual_pin(mesh=stack.mesh, batch_axis=stack.batch_axis,
                        lead_axes=(stack.stage_axis,))
     for clock, work in enumerate(self.order):
@@ -419,7 +430,7 @@ class SpmdPipeline:
           context = current().replace(residual=pin)  # a recomputation's: remat
           return cell.cls.apply(cell, SlotWeights(by_name.__getitem__, random, dtype=dtype,
                                                   use_layouts=use_layouts, context=context,
-                                                  inputs=(x,)), x)
+                                                  inputs=(x,), lora=lora), x)
         # The picked weights are inputs, not captures: a recomputed cell's
         # gradients reach only its inputs and the variables it reads itself.
         x = rematerialized(run_cell, x, *picked) if cell.remat else run_cell(x, *picked)

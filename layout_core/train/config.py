@@ -55,6 +55,10 @@ class TrainConfig:
   sample_every: int = 0
   sample_prompts: int = 4    # held-out prompts per sample
   sample_tokens: int = 32    # new tokens per prompt
+  # Fine-tuning: regexes on variable paths; only the variables they
+  # fullmatch train (gradients, optimizer state). None: every variable, or
+  # with LoRA (`lora.rank`) the adapters only (layout_core.model.lora).
+  trainable: tuple[str, ...] | None = None
 
   def __post_init__(self):
     check_types(self, name='train')
@@ -80,6 +84,8 @@ class TrainConfig:
                           where='train.profile_steps',
                           fix='give (start, stop) steps with 0 <= start < stop, e.g. (5, 8)')
       object.__setattr__(self, 'profile_steps', steps)
+    if self.trainable is not None:
+      object.__setattr__(self, 'trainable', tuple(self.trainable))
 
 
 @dataclasses.dataclass

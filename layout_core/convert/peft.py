@@ -1,0 +1,164 @@
+"""LoRA adapters in Hugging Face PEFT's format, out of a run and back in.
+
+    write_peft_dir('exports/my_adapters', kwargs=kwargs, lora=lora, read=read)
+    # adapter_config.json + adapter_model.safetensors, as PEFT saves them
+    lora, tensors = read_peft_dir('exports/my_adapters')
+    adapters = meshgin_adapters(kwargs, tensors, shapes)   # path -> value
+
+PEFT stores a Linear layer's adapters as `<module>.lora_A.weight` [r, in] and
+`<module>.lora_B.weight` [out, r] under `base_model.model.`, the update being
+(lora_alpha / r) * B @ A on the [out, in] weight. meshgin's adapters of the
+weight W [in..., out...] are A [in..., r] and B [r, out...]
+(`layout_core.model.lora`): the same two matrices transposed, with the
+weight's input and output dims flattened in the order the Hugging Face
+tables (`hf_names`) flatten the weight itself. Llama, Mistral and Qwen2
+blocks; GPT-2's fused attention projection has no per-head q/k/v modules
+to adapt separately (ConfigError).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from layout_core.convert import hf_config, hf_names
+from layout_core.durable import sync_directory
+from layout_core.errors import ConfigError
+from layout_core.model.lora import A_SUFFIX, B_SUFFIX, LoraConfig
+
+CONFIG_FILE, WEIGHTS_FILE = 'adapter_config.json', 'adapter_model.safetensors'
+PREFIX = 'base_model.model.'
+# PEFT's module names <-> the weights they are in a transformer_lm block.
+MODULES = {'q_proj': 'attn/wq', 'k_proj': 'attn/wk', 'v_proj': 'attn/wv', 'o_proj': 'attn/wo',
+           'gate_proj': 'ffn/w_gate', 'up_proj': 'ffn/w_up', 'down_proj': 'ffn/w_down'}
+# adapter_config.json fields meshgin does not implement, with the value it would need.
+_UNSUPPORTED = {'use_dora': False, 'use_rslora': False, 'bias': 'none', 'rank_pattern': {},
+                'alpha_pattern': {}, 'modules_to_save': None, 'fan_in_fan_out': False,
+                'layers_to_transform': None}
+
+
+def _linear_rules(kwargs: Mapping[str, Any]) -> list[hf_names.TensorRule]:
+  """The block weights PEFT could adapt: one Linear weight per meshgin variable."""
+  family = hf_config.family_of(kwargs)
+  if family == 'gpt2':
+    raise ConfigError('GPT-2 fuses q, k and v into one projection (c_attn), so its LoRA '
+                      'adapters have no per-projection PEFT form', where='--adapters_only',
+                      fix='export the adapters merged into the weights (without '
+                          '--adapters_only)')
+  rules = hf_names.tensor_rules(kwargs, family=family, tied=False)
+  return [r for r in rules if r.kind == 'linear' and len(r.paths) == 1
+          and r.hf_name.split('.')[-2] in MODULES]
+
+
+def write_peft_dir(target: str, *, kwargs: Mapping[str, Any], lora: LoraConfig,
+                   read: Callable[[str], np.ndarray | None],
+                   base_model: str = '') -> dict[str, Any]:
+  """Writes the run's adapters (`read(path)`: a variable's value, None if the
+  run has no such variable) into the new directory `target`; returns
+  {'files', 'modules', 'tensors'}."""
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  tensors, modules = {}, set()
+  for rule in _linear_rules(kwargs):
+    path = rule.paths[0]
+    a, b = read(path + A_SUFFIX), read(path + B_SUFFIX)
+    if a is None or b is None:
+      continue
+    out, in_ = rule.hf_shape
+    module = PREFIX + rule.hf_name[:-len('.weight')]
+    tensors[f'{module}.lora_A.weight'] = np.ascontiguousarray(a.reshape(in_, -1).T)
+    tensors[f'{module}.lora_B.weight'] = np.ascontiguousarray(b.reshape(-1, out).T)
+    modules.add(rule.hf_name.split('.')[-2])
+  if not tensors:
+    raise ConfigError('the run has no LoRA adapters on the projections PEFT names '
+                      f'({", ".join(MODULES)})', where='lora.targets',
+                      fix='export without --adapters_only')
+  config = {'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'r': lora.rank,
+            'lora_alpha': lora.alpha, 'lora_dropout': lora.dropout,
+            'target_modules': sorted(modules), 'bias': 'none', 'fan_in_fan_out': False,
+            'inference_mode': True, 'base_model_name_or_path': base_model}
+  partial = f'{target.rstrip(os.sep)}.partial-{os.getpid()}'  # renamed once complete
+  os.makedirs(partial)
+  try:
+    save_file(tensors, os.path.join(partial, WEIGHTS_FILE), metadata={'format': 'pt'})
+    with open(os.path.join(partial, CONFIG_FILE), 'w') as f:
+      json.dump(config, f, indent=2)
+    sync_directory(partial)
+    os.rename(partial, target)
+  except BaseException:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise
+  return {'files': [CONFIG_FILE, WEIGHTS_FILE], 'modules': sorted(modules),
+          'tensors': len(tensors)}
+
+
+def read_peft_dir(directory: str) -> tuple[LoraConfig, dict[str, np.ndarray]]:
+  """(the adapters' LoraConfig, their tensors by PEFT name) of a PEFT LoRA
+  directory; ConfigError naming a file or a field meshgin cannot take."""
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  path = os.path.join(directory, CONFIG_FILE)
+  try:
+    with open(path) as f:
+      config = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ConfigError(f'cannot read {path}: {e}', where='--peft_dir',
+                      fix='give the directory PEFT saved the adapters to '
+                          f'({CONFIG_FILE}, {WEIGHTS_FILE})') from None
+  if config.get('peft_type', 'LORA') != 'LORA':
+    raise ConfigError(f"{path}: peft_type is {config.get('peft_type')!r}", where=path,
+                      fix='give LoRA adapters (peft_type LORA)')
+  for field, default in _UNSUPPORTED.items():
+    if config.get(field, default) not in (default, None, [], {}):
+      raise ConfigError(f'{path}: {field} = {config[field]!r} is not implemented',
+                        where=path, fix=f'adapters saved with {field} = {default!r}')
+  modules = config.get('target_modules') or []
+  if isinstance(modules, str) or any(m not in MODULES for m in modules):
+    raise ConfigError(f'{path}: target_modules {modules!r}', where=path,
+                      fix=f'adapters on the projections {", ".join(MODULES)}')
+  lora = LoraConfig(rank=int(config['r']), alpha=float(config.get('lora_alpha', 8)),
+                    dropout=float(config.get('lora_dropout', 0.0)),
+                    targets=tuple(f'.*/{MODULES[m]}' for m in sorted(modules)))
+  try:
+    tensors = load_file(os.path.join(directory, WEIGHTS_FILE))
+  except (OSError, ValueError) as e:
+    raise ConfigError(f'cannot read {os.path.join(directory, WEIGHTS_FILE)}: {e}',
+                      where='--peft_dir', fix='save the adapters again') from None
+  return lora, tensors
+
+
+def meshgin_adapters(kwargs: Mapping[str, Any], tensors: Mapping[str, np.ndarray],
+                     shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+  """meshgin's adapter values (path -> array of `shapes[path]`) from PEFT's
+  `tensors`; ConfigError for a tensor that belongs to no adapter of the model,
+  or an adapter with no tensor."""
+  values, used = {}, set()
+  for rule in _linear_rules(kwargs):
+    path = rule.paths[0]
+    if path + A_SUFFIX not in shapes:
+      continue
+    module = PREFIX + rule.hf_name[:-len('.weight')]
+    names = (f'{module}.lora_A.weight', f'{module}.lora_B.weight')
+    missing = [n for n in names if n not in tensors]
+    if missing:
+      raise ConfigError(f'the adapters have no {missing[0]}', where='--peft_dir',
+                        fix='give adapters saved for this model')
+    a, b = (np.asarray(tensors[n], np.float32) for n in names)
+    for name, value, path_ in ((names[0], a, path + A_SUFFIX), (names[1], b, path + B_SUFFIX)):
+      if value.size != math.prod(shapes[path_]):
+        raise ConfigError(f'{name} is {list(value.shape)}, but {path_} is '
+                          f'{list(shapes[path_])}', where='--peft_dir',
+                          fix='give adapters saved for this model, at its rank')
+    values[path + A_SUFFIX] = np.ascontiguousarray(a.T).reshape(shapes[path + A_SUFFIX])
+    values[path + B_SUFFIX] = np.ascontiguousarray(b.T).reshape(shapes[path + B_SUFFIX])
+    used.update(names)
+  extra = sorted(set(tensors) - used)
+  if extra:
+    raise ConfigError(f'{len(extra)} adapter tensor(s) fit no weight of the model: '
+                      f'{", ".join(extra[:4])}', where='--peft_dir',
+                      fix='give adapters saved for this model (its layers and projections)')
+  return values
+

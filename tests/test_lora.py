@@ -1,0 +1,231 @@
+"""Fine-tuning: LoRA adapters on a frozen base, and `train.trainable`.
+
+In process: step 0 equals the base model exactly; only the adapters train
+and carry optimizer state; the same LoRA run on one device, `data=8` and the
+2x4 Megatron mesh (FSDP and the pipelines are crossed with LoRA in the
+composition matrix, tests/composition.py). Launched: a LoRA run started from
+a base run (`checkpoint.init_from`), preempted and resumed, against the same
+run straight through; targets that match nothing exit 2.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from layout_core.errors import ConfigError
+from layout_core.layout.mesh import MeshSpec, build_mesh
+from layout_core.layout.rules import LayoutRules
+from layout_core.layout.variables import to_numpy
+from layout_core.model.lm import transformer_lm_params
+from layout_core.model.lora import LoraConfig, is_adapter, tune
+from layout_core.optim import OptimizerConfig
+from layout_core.run import make_trainer
+from layout_core.tasks.lm import MarkovTask
+from layout_core.train.config import TrainConfig
+from tests import composition
+from tests.conftest import Launched, killed_if_left, read_events, run_module, run_modules
+from tests.numerics import assert_close
+from tests.test_layout_scope import MEGATRON
+
+MODEL = dict(vocab_size=32, model_dim=32, num_heads=4, ffn_dim=64, num_layers=2, max_len=16,
+             dropout_rate=0.1)
+LORA = LoraConfig(rank=4, alpha=8.0, dropout=0.1, targets=(r'.*/attn/w[qv]', r'.*/ffn/w_.*'))
+BATCH = 8
+
+
+def make(mesh, *, lora=None, trainable=None, rules=MEGATRON, steps=3):
+  model = tune(transformer_lm_params(**MODEL), lora=lora, trainable=trainable)
+  return make_trainer(
+      model=model, mesh=mesh, rules=LayoutRules(list(rules)),
+      task=MarkovTask(vocab_size=32, seq_len=16, seed=3),
+      optimizer=OptimizerConfig(learning_rate=1e-2, warmup_steps=0),
+      config=TrainConfig(num_steps=steps, batch_size=BATCH, log_every=1, eval_every=0,
+                         eval_batches=1))
+
+
+def values(trainer) -> dict[str, np.ndarray]:
+  return {path: to_numpy(v) for path, v in trainer.engine.variables.items()}
+
+
+def train(trainer, steps: int) -> list[float]:
+  reader = trainer.task.reader(split='train', batch_size=BATCH)
+  return [float(to_numpy(trainer.train_step(next(reader))[0])) for _ in range(steps)]
+
+
+@pytest.fixture(scope='module')
+def lora_run(mesh_2x4):
+  """A LoRA trainer on the 2x4 Megatron mesh: its initial values, 3 steps'
+  losses, its values after them."""
+  trainer = make(mesh_2x4, lora=LORA)
+  before = values(trainer)
+  losses = train(trainer, 3)
+  return trainer, before, losses, values(trainer)
+
+
+def test_step_0_equals_the_base_model_exactly(lora_run, mesh_2x4):
+  """B starts at zero: the first step's loss (with dropout) and the held-out
+  loss equal the base model's bit for bit."""
+  trainer, _, losses, _ = lora_run
+  base = make(mesh_2x4)
+  assert make(mesh_2x4, lora=LORA).evaluate()[0] == base.evaluate()[0]
+  assert train(base, 1)[0] == losses[0]
+  assert losses[1] != losses[0]  # and then it trains
+
+
+def test_only_the_adapters_change_and_hold_optimizer_state(lora_run):
+  trainer, before, _, after = lora_run
+  adapters = sorted(p for p in before if is_adapter(p))
+  assert len(adapters) == 2 * (2 * 2 + 2 * 2)  # A and B of wq, wv, w_in, w_out per block
+  for path in before:
+    if is_adapter(path):
+      continue
+    np.testing.assert_array_equal(after[path], before[path], err_msg=path)
+  changed = [p for p in adapters if not np.array_equal(after[p], before[p])]
+  assert changed == adapters
+  optimizer = trainer.engine.optimizer
+  assert sorted(optimizer.paths) == adapters
+  slots = [v for name in optimizer.SLOT_NAMES for v in getattr(optimizer, name).values()]
+  assert len(slots) == 2 * len(adapters)  # Adam's two moments each
+  adapter_bytes = sum(before[p].nbytes for p in adapters)
+  assert sum(int(np.prod(v.shape)) * 4 for v in slots) == 2 * adapter_bytes
+
+
+def test_the_same_losses_on_one_device_data8_and_the_megatron_mesh(lora_run, mesh_data8):
+  """Within 'order' (tests/composition.py: another mesh sums in another
+  order); the adapters follow their weights' split on 2x4."""
+  reference = train(make(build_mesh(MeshSpec(shape={'data': 1})), lora=LORA, rules=()), 3)
+  assert_close(train(make(mesh_data8, lora=LORA, rules=()), 3), reference,
+               rel=composition.TOLERANCES['order'], what='data=8 vs one device')
+  assert_close(lora_run[2], reference, rel=composition.TOLERANCES['order'],
+               what='2x4 Megatron vs one device')
+
+
+def test_train_trainable_freezes_everything_else(mesh_2x4):
+  norms = (r'.*/ln_\w+/.*', r'lm/final_ln/.*')
+  trainer = make(mesh_2x4, trainable=norms, steps=2)
+  before = values(trainer)
+  train(trainer, 2)
+  after = values(trainer)
+  trained = sorted(p for p in before if not np.array_equal(before[p], after[p]))
+  assert trained and all('ln' in p for p in trained), trained
+  assert sorted(trainer.engine.optimizer.paths) == sorted(
+      p for p in before if 'ln' in p.rsplit('/', 2)[-2])
+
+
+def test_targets_that_adapt_nothing_are_named():
+  with pytest.raises(ConfigError, match=r"\.\*/nothing") as error:
+    tune(transformer_lm_params(**MODEL), lora=LoraConfig(rank=2, targets=('.*/nothing',)),
+         trainable=None)
+  with pytest.raises(ConfigError, match='no layer contracts') as error:
+    tune(transformer_lm_params(**MODEL), lora=LoraConfig(rank=2, targets=('.*/emb/table',)),
+         trainable=None)
+  assert 'lm/emb/table' in str(error.value)
+  with pytest.raises(ConfigError, match='train.trainable'):
+    tune(transformer_lm_params(**MODEL), lora=None, trainable=('.*/nothing',))
+
+
+QUICK = ['--gin_file=configs/experiments/quickstart.gin', '--gin_bindings=train.log_every = 1',
+         '--gin_bindings=train.eval_every = 0', '--gin_bindings=train.eval_batches = 1',
+         '--gin_bindings=data.seq_len = 32', '--gin_bindings=train.batch_size = 16']
+ADAPT = ['--gin_bindings=lora.rank = 4', "--gin_bindings=lora.targets = [r'.*/attn/w[qv]']"]
+
+
+def test_a_lora_run_from_a_base_run_resumes_exactly_and_keeps_the_base(tmp_path):
+  """A base run (2 steps) starts LoRA runs (`checkpoint.init_from`): one
+  straight through 6 steps, one preempted (SIGTERM) and resumed. The resumed
+  run's losses equal the straight run's exactly; its final checkpoint holds
+  the base run's weights bit for bit and changed adapters. With targets
+  matching nothing, launch.train exits 2 naming them."""
+  base = str(tmp_path / 'base')
+  result = run_module('launch.train', *QUICK, '--gin_bindings=train.num_steps = 2',
+                      f'--model_dir={base}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  tune_from = [*QUICK, *ADAPT, '--gin_bindings=train.num_steps = 6',
+               f"--gin_bindings=checkpoint.init_from = '{base}'",
+               '--gin_bindings=checkpoint.every_steps = 0']
+  straight, cut = str(tmp_path / 'straight'), str(tmp_path / 'cut')
+  preempted = Launched('launch.train', *tune_from, f'--model_dir={cut}', label='preempted')
+  with killed_if_left(preempted):
+    done = run_modules([('launch.train', *tune_from, f'--model_dir={straight}'),
+                        ('launch.train', *QUICK, "--gin_bindings=lora.rank = 4",
+                         "--gin_bindings=lora.targets = ['.*/nothing']",
+                         f'--model_dir={tmp_path}/bad')])
+    output = preempted.stop_after(r'step 2/6')
+  assert done[0].returncode == 0, done[0].stderr[-3000:]
+  assert done[1].returncode == 2 and '.*/nothing' in done[1].stderr, done[1].stderr[-2000:]
+  assert 'Saved checkpoint' in output, output[-2000:]
+  resumed = run_module('launch.train', *tune_from, f'--model_dir={cut}')
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  losses = {run: dict(read_events(run)['scalars']['train/loss']) for run in (straight, cut)}
+  assert sorted(losses[cut]) == sorted(losses[straight]) == list(range(1, 7))
+  assert losses[cut] == losses[straight]
+  base_reader = tf.train.load_checkpoint(f'{base}/checkpoints/ckpt-2/ckpt')
+  tuned_reader = tf.train.load_checkpoint(f'{cut}/checkpoints/ckpt-6/ckpt')
+  model_keys = [k for k in tuned_reader.get_variable_to_shape_map()
+                if k.startswith('model/') and k.endswith('.ATTRIBUTES/VARIABLE_VALUE')]
+  adapters = [k for k in model_keys if '_lora_' in k]
+  assert adapters and len(model_keys) > len(adapters)
+  for key in model_keys:
+    if key in adapters:
+      continue
+    np.testing.assert_array_equal(tuned_reader.get_tensor(key), base_reader.get_tensor(key),
+                                  err_msg=key)
+  assert any(tuned_reader.get_tensor(k).any() for k in adapters if '_lora_b' in k)
+
+
+def test_merged_and_peft_exports_compute_the_lora_models_logits(tmp_path):
+  """A Llama imported from Hugging Face, fine-tuned with LoRA for 3 steps
+  (adapters on q, v and the gated FFN, from `checkpoint.init_from`): its
+  logits equal those of (1) its Hugging Face export with the adapters
+  merged, read by KerasHub; (2) its SavedModel (merged); (3) the base
+  re-imported with its PEFT-format adapters (`--adapters_only`, then
+  `launch.import_hf --peft_dir`), whose adapters are the run's bit for bit.
+  Control: the base model's logits differ."""
+  from plugins import hf, inference  # pylint: disable=g-import-not-at-top
+  from tests import hf_fixtures  # pylint: disable=g-import-not-at-top
+  from tests.test_hf_models import TOKENS, TOLERANCE, keras_hub_logits, relative_error  # pylint: disable=g-import-not-at-top
+  base_hf, base, tuned = (str(tmp_path / name) for name in ('hf', 'base', 'tuned'))
+  hf_fixtures.write_checkpoint(base_hf, 'llama')
+  hf.import_run(hf_dir=base_hf, model_dir=base)
+  done = run_module(
+      'launch.train', f'--gin_file={base}/config.gin', f'--model_dir={tuned}',
+      '--gin_bindings=lora.rank = 4', '--gin_bindings=lora.alpha = 8.0',
+      "--gin_bindings=lora.targets = [r'.*/attn/w[qv]', r'.*/ffn/w_(gate|up|down)']",
+      f"--gin_bindings=checkpoint.init_from = '{base}'", '--gin_bindings=train.num_steps = 3',
+      '--gin_bindings=train.batch_size = 4', '--gin_bindings=train.eval_every = 0',
+      '--gin_bindings=optimizer.warmup_steps = 0', '--gin_bindings=optimizer.learning_rate = 0.01')
+  assert done.returncode == 0, done.stderr[-3000:]
+  done = run_module('launch.export', f'--model_dir={tuned}', f'--export_dir={tmp_path}/saved',
+                    '--max_new_tokens=2')
+  assert done.returncode == 0, done.stderr[-3000:]
+
+  def logits(run):
+    loaded = inference.load_decoder(files=[inference.run_config(model_dir=run)], model_dir=run)
+    return loaded.lm.logits(TOKENS).numpy()
+  ours = logits(tuned)
+  assert relative_error(logits(base), ours) > 100 * TOLERANCE  # the adapters matter
+  files = [inference.run_config(model_dir=tuned)]
+  hf.export_run(export_dir=str(tmp_path / 'merged'), model_dir=tuned, files=files)
+  assert relative_error(keras_hub_logits(str(tmp_path / 'merged')), ours) < TOLERANCE
+  served = tf.saved_model.load(str(tmp_path / 'saved')).signatures['serving_default']
+  padded = np.zeros((TOKENS.shape[0], 64), np.int32)  # serving_default's positions
+  padded[:, :TOKENS.shape[1]] = TOKENS
+  out = next(iter(served(tokens=tf.constant(padded)).values())).numpy()[:, :TOKENS.shape[1]]
+  assert relative_error(out, ours) < TOLERANCE
+  written = hf.export_run(export_dir=str(tmp_path / 'peft'), model_dir=tuned, files=files,
+                          adapters_only=True)
+  assert written['modules'] == ['down_proj', 'gate_proj', 'q_proj', 'up_proj', 'v_proj']
+  again = str(tmp_path / 'again')
+  done = run_module('launch.import_hf', f'--hf_dir={base_hf}', f'--peft_dir={tmp_path}/peft',
+                    f'--model_dir={again}')
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert relative_error(logits(again), ours) < TOLERANCE
+  saved = {run: tf.train.load_checkpoint(inference.find_checkpoint(model_dir=run)[1])
+           for run in (tuned, again)}
+  keys = [k for k in saved[again].get_variable_to_shape_map() if '_lora_' in k and
+          k.startswith('model/')]
+  assert len(keys) == 2 * 5 * 2  # A and B of 5 weights in each of 2 blocks
+  for key in keys:
+    np.testing.assert_array_equal(saved[again].get_tensor(key), saved[tuned].get_tensor(key))
