@@ -63,6 +63,12 @@ def test_config_parses_and_builds(path, tmp_path, classifier_data):
     write_documents(str(tmp_path / 'eval-{shard}.tfrecord'), [[5, 6, 1]] * 2)
     bindings += [f"lm_corpus.train_files = '{tmp_path}/train-*.tfrecord'",
                  f"lm_corpus.eval_files = '{tmp_path}/eval-*.tfrecord'"]
+  if path.endswith('instruct_tiny.gin'):  # a few examples in place of its one-liner's
+    import json  # pylint: disable=g-import-not-at-top
+    for split in ('train', 'eval'):
+      (tmp_path / f'{split}.jsonl').write_text(''.join(
+          json.dumps({'prompt': f'{a}+1=', 'response': str(a + 1)}) + '\n' for a in range(3)))
+      bindings.append(f"instruct.{split}_files = '{tmp_path}/{split}.jsonl'")
   if path.endswith('lm_small.gin'):
     bindings.append('data.vocab_size = 256')  # a byte-sized vocabulary
   if 'layouts' in path:

@@ -42,6 +42,12 @@ class Tokenizer:
   def encode(self, text: str) -> list[int]:
     raise NotImplementedError
 
+  def encode_piece(self, text: str) -> list[int]:
+    """The ids of `text` as one piece of a longer text: what `encode` gives,
+    without the special tokens a tokenizer adds around a whole text (a
+    chat's pieces, tokenized one by one: `layout_core.tasks.instruct`)."""
+    return self.encode(text)
+
   def decode(self, ids: Sequence[int]) -> str:
     raise NotImplementedError
 
@@ -94,6 +100,9 @@ class HuggingFaceTokenizer(Tokenizer):
 
   def encode(self, text: str) -> list[int]:
     return list(self._tokenizer.encode(text).ids)
+
+  def encode_piece(self, text: str) -> list[int]:
+    return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
   def decode(self, ids: Sequence[int]) -> str:
     return self._tokenizer.decode([int(i) for i in ids if 0 <= i < self.vocab_size],

@@ -61,19 +61,33 @@ def target_mask(segments) -> 'tf.Tensor':
 
 class Packer:
   """Rows of `length` tokens from one stream of documents (see module doc).
-  Its position is (epoch, document, tokens of that document already used)."""
+  Its position is (epoch, document, tokens of that document already used).
+
+  A document is {'tokens': ids, name: values per token, ...}: the names of
+  `extra_features` are packed beside the tokens (zero in padding).
+  `too_long` says what becomes of a document longer than a row: 'split'
+  fills rows of its own with it, 'cut' keeps its first `length` tokens,
+  'drop' leaves it out; `cut` and `dropped` count them."""
+
+  extra_features: tuple[str, ...] = ()
 
   def __init__(self, stream: streams.RecordStream, *, length: int, pack: bool,
-               vocab_size: int, used: int = 0):
+               vocab_size: int, used: int = 0, too_long: str = 'split'):
     self.stream, self.length, self.pack, self.vocab_size = stream, length, pack, vocab_size
-    self._document: np.ndarray | None = None   # taken from the stream, not fully used
+    self.too_long = too_long
+    self.cut = self.dropped = 0
+    self._document: dict[str, np.ndarray] | None = None   # taken, not fully used
     self._document_position = stream.position
     self._used = used
     if used:
       self._document = self._take()
 
-  def _take(self) -> np.ndarray:
+  def _take(self) -> dict[str, np.ndarray]:
     self._document_position = self.stream.position
+    return self.read_document()
+
+  def read_document(self) -> dict[str, np.ndarray]:
+    """The next document of the stream, checked."""
     document = np.asarray(self.stream.take(1)[FEATURE][0], np.int64)
     if len(document) and (document.max() >= self.vocab_size or document.min() < 0):
       bad = int(document.max() if document.max() >= self.vocab_size else document.min())
@@ -83,7 +97,7 @@ class Packer:
                         where='lm_corpus.vocab_size',
                         fix='set lm_corpus.vocab_size to the SentencePiece model\'s '
                             'vocabulary size (corpus.json says it)')
-    return document.astype(np.int32)
+    return {FEATURE: document.astype(np.int32)}
 
   @property
   def position(self) -> tuple[int, int, int]:
@@ -92,14 +106,18 @@ class Packer:
     return self._document_position + (self._used,)
 
   def block(self, rows: int) -> dict[str, np.ndarray]:
-    out = {name: np.zeros((rows, self.length), np.int32)
-           for name in ('tokens', 'segments', 'positions')}
+    names = ('tokens', 'segments', 'positions') + self.extra_features
+    out = {name: np.zeros((rows, self.length), np.int32) for name in names}
     for row in range(rows):
       filled, segment = 0, 0
       while filled < self.length:
         if self._document is None:
           self._document, self._used = self._take(), 0
-        rest = self._document[self._used:]
+          if self.too_long == 'drop' and len(self._document[FEATURE]) > self.length:
+            self._document = None
+            self.dropped += 1
+            continue
+        rest = self._document[FEATURE][self._used:]
         space = self.length - filled
         if len(rest) > space and filled:
           break  # starts the next row whole
@@ -108,9 +126,15 @@ class Packer:
         out['tokens'][row, filled:filled + len(piece)] = piece
         out['segments'][row, filled:filled + len(piece)] = segment
         out['positions'][row, filled:filled + len(piece)] = np.arange(len(piece))
+        for name in self.extra_features:
+          out[name][row, filled:filled + len(piece)] = (
+              self._document[name][self._used:self._used + len(piece)])
         filled += len(piece)
         self._used += len(piece)
-        if self._used >= len(self._document):
+        if self.too_long == 'cut' and len(rest) > len(piece):
+          self._used = len(self._document[FEATURE])  # the rest is left out
+          self.cut += 1
+        if self._used >= len(self._document[FEATURE]):
           self._document = None
         if not self.pack:
           break

@@ -114,7 +114,8 @@ def open_stream_reader(
     rows: np.ndarray | None, state: Mapping | None, start_step: int, where: str,
     parse: Callable, seed: int, window: int, position_length: int,
     unsaved: Callable[[int, streams.StreamSpec, int], tuple[int, ...]],
-    source: Callable[[streams.RecordStream, tuple[int, ...]], object]
+    source: Callable[[streams.RecordStream, tuple[int, ...]], object],
+    records: Callable = streams.tfrecord_files, count: Callable[..., int] = streams.records_in
 ) -> streams.StreamReader:
   """The reader of one split (see the module docstring).
 
@@ -122,7 +123,8 @@ def open_stream_reader(
   is its position in `state` (a reader's `state()`), padded to
   `position_length`, else `unsaved(stream, spec, records before start_step)`.
   `source(stream, position)` turns a `RecordStream` opened at the position's
-  (epoch, index) into what `StreamReader` reads blocks from."""
+  (epoch, index) into what `StreamReader` reads blocks from. `records` and
+  `count` read and count the files' records (default: TFRecord files)."""
   num_streams = num_streams or streams.default_num_streams(num_files=len(files),
                                                            batch_size=batch_size)
   specs = streams.deal_streams(files=files, num_streams=num_streams, where=where)
@@ -132,11 +134,11 @@ def open_stream_reader(
   block = batch_size // num_streams if batch_size % num_streams == 0 else 0
   sources = {}
   for k in streams.rows_to_streams(rows, batch_size=batch_size, num_streams=num_streams):
-    spec = streams.wrap_short_file(specs[k])
+    spec = streams.wrap_short_file(specs[k], count=count)
     position = (streams.saved_position(state, k, position_length)
                 or unsaved(k, spec, start_step * block))
     stream = streams.RecordStream(spec, parse=parse, seed=seed, stream_id=k, window=window,
-                                  position=tuple(position[:2]))
+                                  position=tuple(position[:2]), records=records)
     sources[k] = source(stream, tuple(position))
   return streams.StreamReader(sources=sources, batch_size=batch_size,
                               num_streams=num_streams, files=record)

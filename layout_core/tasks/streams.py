@@ -155,13 +155,21 @@ def records_in(path: str, *, at_most: int) -> int:
   return count
 
 
-def wrap_short_file(spec: StreamSpec) -> StreamSpec:
+def tfrecord_files(files) -> 'tf.data.Dataset':
+  """The records of `files` (a string tensor [n]) in order: the default kind
+  of record file (`RecordStream(records=...)`)."""
+  return tf.data.TFRecordDataset(files, buffer_size=1 << 20)
+
+
+def wrap_short_file(spec: StreamSpec, *,
+                    count: Callable[..., int] = records_in) -> StreamSpec:
   """`spec`, reading its file around when it holds no more records than the
-  stream's first one (module docstring): record offset mod n of n records."""
+  stream's first one (module docstring): record offset mod n of n records.
+  `count(path, at_most=)` counts a file's records (default: TFRecord's)."""
   if spec.every == 1:
     return spec  # whole files: a stream of any non-empty file has records
   (path,) = spec.files
-  held = records_in(path, at_most=spec.offset + 1)
+  held = count(path, at_most=spec.offset + 1)
   if 0 < held <= spec.offset:
     return dataclasses.replace(spec, offset=spec.offset % held)
   return spec
@@ -172,11 +180,14 @@ class RecordStream:
 
   `parse(serialized [n]) -> {name: tensor [n, ...]}` runs inside tf.data on a
   window at a time; a ragged result is handed over as an object array of
-  rows."""
+  rows. `records(files [n]) -> dataset of strings` reads the files
+  (default: TFRecord; `layout_core.tasks.instruct` reads JSON lines)."""
 
   def __init__(self, spec: StreamSpec, *, parse: Callable[[tf.Tensor], Mapping[str, tf.Tensor]],
-               seed: int, stream_id: int, window: int, position: Position = (0, 0)):
+               seed: int, stream_id: int, window: int, position: Position = (0, 0),
+               records: Callable[[tf.Tensor], 'tf.data.Dataset'] = tfrecord_files):
     self.spec, self.parse, self.seed, self.stream_id = spec, parse, seed, stream_id
+    self.records = records
     # Traced once, not once per epoch's pipeline.
     self._parse = tf.function(parse, input_signature=[tf.TensorSpec([None], tf.string)])
     self.window = max(1, window)
@@ -210,7 +221,7 @@ class RecordStream:
                             [epoch], tf.bool)  # false: the stream holds no records
 
     def windows_of(epoch, files):
-      records = tf.data.TFRecordDataset(files, buffer_size=1 << 20)
+      records = self.records(files)
       if self.spec.every > 1:
         records = records.shard(self.spec.every, self.spec.offset)
       skipped = tf.where(tf.equal(epoch, first_epoch), np.int64(first_window), np.int64(0))
@@ -270,7 +281,7 @@ class RecordStream:
     detail = str(error).splitlines()[0] if str(error) else type(error).__name__
     for path in self.epoch_files(self.epoch):
       try:
-        for _ in tf.data.TFRecordDataset(path, buffer_size=1 << 20).batch(4096):
+        for _ in self.records(tf.constant([path])).batch(4096):
           pass
       except tf.errors.OpError as e:
         found = str(e).splitlines()[0]

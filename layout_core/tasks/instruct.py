@@ -1,0 +1,489 @@
+"""Instruction and chat fine-tuning: the loss on the responses only.
+
+    task = InstructionTask(train_files='/data/sft/train-*.jsonl',
+                           eval_files='/data/sft/eval-*.jsonl',
+                           tokenizer='runs/llama', vocab_size=32000, seq_len=512)
+    batch = task.features(split='train', step=0, batch_size=8)
+    # {'tokens', 'segments', 'positions', 'loss_mask'}: each [8, 513]
+
+Each line of the JSON-lines files is one example, either
+
+    {"prompt": "Add 2 and 3.", "response": "5"}
+    {"messages": [{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Add 2 and 3."},
+                  {"role": "assistant", "content": "5"}]}
+
+(a prompt/response pair is the conversation [user: prompt, assistant:
+response]). Every line is read and checked when the task is made: a line that
+is not such an object (bad JSON, a missing key, a role other than system,
+user or assistant, an empty line, no assistant turn) is a ConfigError naming
+the file and line.
+
+The text of a conversation comes from a chat template:
+
+  * the tokenizer directory's `tokenizer_config.json` has a `chat_template`
+    (Jinja, as Hugging Face models ship it): it is rendered with `messages`,
+    `add_generation_prompt`, `bos_token` and `eos_token`;
+  * else the default template, each turn as
+
+        <|system|>\\n{content}<|end|>\\n      (and <|user|> alike)
+        <|assistant|>\\n{content}<|end|>\\n
+
+    whose markers are plain text to the tokenizer.
+
+Only the assistant's tokens are trained: `loss_mask` is 1 on the tokens of
+each assistant turn's content and the end of its turn (`{content}<|end|>`
+above, or what the Jinja template renders after the generation prompt), 0 on
+everything else. The boundary is exact because the text is tokenized in
+pieces, each piece on its own (no special tokens added between them), and
+the ids concatenated: with a Jinja template, for each assistant turn i the
+conversation is rendered up to it with the generation prompt (the prefix the
+model answers from at inference) and up to and including it; the turn's
+trained text is the difference. A template whose renders are not prefixes of
+one another (it rewrites earlier turns) is a ConfigError. Tokenizing in
+pieces gives, at the boundary, the ids a model sees when it is prompted with
+the generation prompt and answers.
+
+Examples are packed as `lm_corpus` packs documents
+(`layout_core.tasks.corpus.Packer`): whole examples per row of seq_len + 1
+tokens while they fit, `segments` numbered from 1 (0: padding), `positions`
+from 0 in each; `pack=False` gives each example a row. An example longer than
+a row is cut to its first seq_len + 1 tokens (`too_long='cut'`) or left out
+('drop'); each stream logs how many at the end of each epoch, and
+`example_counts(reader)` gives them. The loss is the mean cross entropy over
+targets in the same example as their input whose token is a response token;
+`tokens_trained` counts those targets.
+
+Reading is streamed and resumable as `lm_corpus` is (`layout_core.tasks.
+reading`): the files are dealt to streams, read a window of lines at a time
+with tf.data and shuffled within it, and the position saved with each
+checkpoint continues exactly. The tokenizer is a run directory (its
+`tokenizer/`), a directory holding `tokenizer.json` or a SentencePiece
+`tokenizer.model` (or such a file), or 'bytes' (UTF-8 bytes, vocabulary 256).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from absl import logging
+
+from layout_core.errors import ConfigError
+from layout_core.fields import at_least
+from layout_core.infer import tokens as tokens_lib
+from layout_core.lazy import tf
+from layout_core.tasks import reading, streams
+from layout_core.tasks.base import SPLIT_INDEX, find_split_files
+from layout_core.tasks.corpus import Packer, masked_mean, target_mask
+from layout_core.tasks.lm import LMTask
+
+ROLES = ('system', 'user', 'assistant')
+TOO_LONG = ('cut', 'drop')
+END = '<|end|>'  # the default template's end of a turn
+RECORD = 'record'  # a stream's record: 'path\nline number\nline text'
+
+Messages = list[dict[str, str]]
+
+
+# -- examples ------------------------------------------------------------------
+def parse_example(text: str, *, path: str, line: int) -> Messages:
+  """The conversation on one line of a JSON-lines file (module doc); a
+  ConfigError naming `path:line` when the line is not an example."""
+  expected = ('one JSON object per line: {"prompt": "...", "response": "..."} or '
+              '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", '
+              '"content": "..."}]}')
+
+  def bad(what: str) -> ConfigError:
+    return ConfigError(f'{path}:{line} {what}', where=f'{path}:{line}', fix=f'write {expected}')
+
+  if not text.strip():
+    raise bad('is empty')
+  try:
+    example = json.loads(text)
+  except ValueError as e:
+    raise bad(f'is not JSON ({e})') from None
+  if not isinstance(example, dict):
+    raise bad(f'holds a {type(example).__name__}, not an object')
+  if 'messages' in example:
+    messages = example['messages']
+    if not isinstance(messages, list) or not messages:
+      raise bad('has "messages" that is not a non-empty list')
+    for number, message in enumerate(messages):
+      if not isinstance(message, dict) or not isinstance(message.get('content'), str):
+        raise bad(f'message {number} is {message!r}, not {{"role": ..., "content": "..."}}')
+      if message.get('role') not in ROLES:
+        raise bad(f'message {number} has role {message.get("role")!r}, not one of {ROLES}')
+    messages = [{'role': m['role'], 'content': m['content']} for m in messages]
+  elif 'prompt' in example or 'response' in example:
+    if not (isinstance(example.get('prompt'), str) and isinstance(example.get('response'), str)):
+      raise bad(f'needs string "prompt" and "response" (it has keys {sorted(example)})')
+    messages = [{'role': 'user', 'content': example['prompt']},
+                {'role': 'assistant', 'content': example['response']}]
+  else:
+    raise bad(f'has neither "messages" nor "prompt"/"response" (keys {sorted(example)})')
+  if not any(m['role'] == 'assistant' for m in messages):
+    raise bad('has no assistant turn: nothing to train on')
+  return messages
+
+
+def check_example_files(files: Sequence[str]) -> dict[str, int]:
+  """Reads and checks every line of `files` (`parse_example`); returns each
+  file's number of lines."""
+  counts = {}
+  for path in files:
+    number = 0
+    with open(path, 'rb') as f:
+      for number, raw in enumerate(f, 1):
+        try:
+          text = raw.decode('utf-8')
+        except UnicodeDecodeError as e:
+          raise ConfigError(f'{path}:{number} is not UTF-8 ({e})', where=f'{path}:{number}',
+                            fix='write the file as UTF-8') from None
+        parse_example(text, path=path, line=number)
+    counts[path] = number
+  return counts
+
+
+def count_lines(path: str, *, at_most: int) -> int:
+  """Lines of a file, counted up to `at_most` (the streams' `count`)."""
+  count = 0
+  with open(path, 'rb') as f:
+    for count, _ in enumerate(f, 1):
+      if count >= at_most:
+        break
+  return count
+
+
+def numbered_lines(files) -> 'tf.data.Dataset':
+  """The lines of `files` (a string tensor [n]) in order, each as
+  'path\\nline number\\ntext' so that an example can be named by file:line."""
+  def of_file(path):
+    lines = tf.data.TextLineDataset(path).enumerate(start=1)
+    return lines.map(lambda number, text: tf.strings.join(
+        [path, '\n', tf.strings.as_string(number), '\n', text]))
+  return tf.data.Dataset.from_tensor_slices(files).flat_map(of_file)
+
+
+# -- chat templates --------------------------------------------------------------
+Piece = tuple[str, bool]  # (text, trained)
+
+
+class DefaultTemplate:
+  """The default chat template (module doc), as pieces of text."""
+
+  def describe(self) -> str:
+    return 'default template'
+
+  def pieces(self, messages: Messages, *, where: str) -> list[Piece]:
+    del where  # this template renders every conversation
+    out: list[Piece] = []
+    for message in messages:
+      if message['role'] == 'assistant':
+        out += [('<|assistant|>\n', False), (message['content'] + END, True), ('\n', False)]
+      else:
+        out.append((f'<|{message["role"]}|>\n{message["content"]}{END}\n', False))
+    return out
+
+
+def _special(value: Any) -> str:
+  """A special token of tokenizer_config.json: a string or {'content': ...}."""
+  if isinstance(value, dict):
+    return str(value.get('content') or '')
+  return str(value or '')
+
+
+class JinjaTemplate:
+  """A tokenizer_config.json's `chat_template`, rendered as Hugging Face
+  renders it; `pieces` splits its text at each assistant turn (module doc)."""
+
+  def __init__(self, config_path: str, config: Mapping[str, Any]):
+    import jinja2  # pylint: disable=g-import-not-at-top
+    from jinja2 import sandbox  # pylint: disable=g-import-not-at-top
+    self.config_path = config_path
+    source = config['chat_template']
+    if isinstance(source, list):  # [{'name': 'default', 'template': ...}, ...]
+      named = {entry.get('name'): entry.get('template') for entry in source
+               if isinstance(entry, dict)}
+      source = named.get('default')
+    if not isinstance(source, str):
+      raise ConfigError(f'the chat_template of {config_path} is not a template string',
+                        where=config_path, fix='give a Jinja template string, or remove it '
+                                               'to use the default template')
+
+    def raise_exception(message):
+      raise jinja2.TemplateError(message)
+
+    environment = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment.globals['raise_exception'] = raise_exception
+    self._errors = (jinja2.TemplateError,)
+    try:
+      self.template = environment.from_string(source)
+    except jinja2.TemplateError as e:
+      raise ConfigError(f'the chat_template of {config_path} is not valid Jinja ({e})',
+                        where=config_path, fix='correct the template') from None
+    self.context = {'bos_token': _special(config.get('bos_token')),
+                    'eos_token': _special(config.get('eos_token'))}
+
+  def describe(self) -> str:
+    return f'chat_template of {self.config_path}'
+
+  def render(self, messages: Messages, *, generation_prompt: bool, where: str) -> str:
+    try:
+      return self.template.render(messages=messages, add_generation_prompt=generation_prompt,
+                                  **self.context)
+    except self._errors as e:
+      raise ConfigError(f'the chat_template of {self.config_path} fails on the example at '
+                        f'{where} ({e})', where=where,
+                        fix='correct the example or the template') from None
+
+  def pieces(self, messages: Messages, *, where: str) -> list[Piece]:
+    out: list[Piece] = []
+    done = ''  # the text the pieces so far spell
+
+    def extend(text: str, trained: bool, rendered: str) -> str:
+      if not text.startswith(done):
+        raise ConfigError(
+            f'the chat_template of {self.config_path} renders the example at {where} '
+            f'differently up to {rendered} than before it (it rewrites earlier turns), so '
+            'the assistant tokens cannot be told apart', where=self.config_path,
+            fix='use a template whose renders of a conversation\'s first turns are '
+                'prefixes of the whole, or remove chat_template to use the default')
+      out.append((text[len(done):], trained))
+      return text
+
+    for i, message in enumerate(messages):
+      if message['role'] == 'assistant':
+        done = extend(self.render(messages[:i], generation_prompt=True, where=where), False,
+                      f'the generation prompt of message {i}')
+        done = extend(self.render(messages[:i + 1], generation_prompt=False, where=where),
+                      True, f'message {i}')
+    extend(self.render(messages, generation_prompt=False, where=where), False, 'the end')
+    return out
+
+
+def find_tokenizer(tokenizer: str) -> tuple[tokens_lib.Tokenizer, str | None]:
+  """(the tokenizer, its directory) for the task's `tokenizer` setting
+  (module doc); the directory is None for 'bytes'."""
+  if tokenizer == 'bytes':
+    return tokens_lib.ByteTokenizer(), None
+  if os.path.isfile(tokenizer):
+    directory = os.path.dirname(tokenizer) or '.'
+    if tokenizer.endswith('.json'):
+      return tokens_lib.HuggingFaceTokenizer(tokenizer), directory
+    return tokens_lib.SentencePieceTokenizer(tokenizer, of_model=True), directory
+  for directory in (tokenizer, os.path.join(tokenizer, tokens_lib.RUN_TOKENIZER_DIR)):
+    if os.path.isfile(os.path.join(directory, 'tokenizer.json')):
+      return tokens_lib.HuggingFaceTokenizer(os.path.join(directory, 'tokenizer.json')), directory
+    if os.path.isfile(os.path.join(directory, 'tokenizer.model')):
+      return (tokens_lib.SentencePieceTokenizer(os.path.join(directory, 'tokenizer.model'),
+                                                of_model=True), directory)
+  raise ConfigError(f'instruct.tokenizer {tokenizer!r} holds no tokenizer.json or '
+                    'tokenizer.model (nor does its tokenizer/ directory)',
+                    where='instruct.tokenizer',
+                    fix="give a run directory, a directory with tokenizer.json or "
+                        "tokenizer.model, such a file, or 'bytes'")
+
+
+def find_template(directory: str | None) -> DefaultTemplate | JinjaTemplate:
+  """The chat_template of `directory/tokenizer_config.json`, else the default."""
+  path = os.path.join(directory, 'tokenizer_config.json') if directory else None
+  if not path or not os.path.isfile(path):
+    return DefaultTemplate()
+  try:
+    with open(path, encoding='utf-8') as f:
+      config = json.load(f)
+  except ValueError as e:
+    raise ConfigError(f'{path} is not JSON ({e})', where=path,
+                      fix='restore the tokenizer\'s tokenizer_config.json') from None
+  if not isinstance(config, dict) or not config.get('chat_template'):
+    return DefaultTemplate()
+  return JinjaTemplate(path, config)
+
+
+def tokenize(pieces: Sequence[Piece], tokenizer: tokens_lib.Tokenizer
+             ) -> tuple[np.ndarray, np.ndarray]:
+  """(token ids, loss mask) of the pieces, each tokenized on its own."""
+  ids: list[int] = []
+  mask: list[int] = []
+  for text, trained in pieces:
+    piece = tokenizer.encode_piece(text) if text else []
+    ids += piece
+    mask += [int(trained)] * len(piece)
+  return np.asarray(ids, np.int64), np.asarray(mask, np.int32)
+
+
+# -- packing -----------------------------------------------------------------------
+class ExamplePacker(Packer):
+  """Packs tokenized examples with their `loss_mask` (module doc)."""
+
+  extra_features = ('loss_mask',)
+
+  def __init__(self, stream, *, length, pack, vocab_size, used, too_long, tokenizer,
+               template):
+    self.tokenizer, self.template = tokenizer, template
+    self.examples = 0
+    self._epoch = stream.position[0]
+    super().__init__(stream, length=length, pack=pack, vocab_size=vocab_size, used=used,
+                     too_long=too_long)
+
+  def read_document(self) -> dict[str, np.ndarray]:
+    record = self.stream.take(1)[RECORD][0]
+    path, line, text = record.decode('utf-8').split('\n', 2)
+    where = f'{path}:{line}'
+    if self.stream.position[0] != self._epoch:
+      self.log_counts()
+      self._epoch = self.stream.position[0]
+    messages = parse_example(text, path=path, line=int(line))
+    ids, mask = tokenize(self.template.pieces(messages, where=where), self.tokenizer)
+    if not mask.any():
+      raise ConfigError(f'the example at {where} has no assistant tokens once formatted '
+                        f'({self.template.describe()})', where=where,
+                        fix='give the assistant turns some content')
+    if ids.max() >= self.vocab_size:
+      raise ConfigError(f'the example at {where} has token id {int(ids.max())}, outside the '
+                        f'vocabulary 0..{self.vocab_size - 1} ({self.tokenizer.describe()})',
+                        where='instruct.vocab_size',
+                        fix=f'set instruct.vocab_size to the model\'s vocabulary (at least '
+                            f'{self.tokenizer.vocab_size or int(ids.max()) + 1})')
+    self.examples += 1
+    return {'tokens': ids.astype(np.int32), 'loss_mask': mask}
+
+  def log_counts(self) -> None:
+    logging.info('instruct: stream %d, epoch %d: %d example(s) read since the reader '
+                 'opened, %d longer than a row (%d tokens) cut, %d dropped',
+                 self.stream.stream_id, self._epoch, self.examples, self.length, self.cut,
+                 self.dropped)
+
+
+def example_counts(reader: streams.StreamReader) -> dict[str, int]:
+  """{'examples', 'cut', 'dropped'}: summed over `reader`'s streams, since it
+  opened (an example may be counted as read while it waits for the next row)."""
+  sources = reader.sources.values()
+  return {'examples': sum(s.examples for s in sources), 'cut': sum(s.cut for s in sources),
+          'dropped': sum(s.dropped for s in sources)}
+
+
+def _parse(serialized):
+  return {RECORD: serialized}
+
+
+class InstructionTask(LMTask):
+  """Next-token prediction on the responses of instructions and chats (see
+  module doc).
+
+  Args:
+    train_files: Glob pattern of the train split's JSON-lines files (one
+      example per line, module doc); it must match at least one file.
+    eval_files: Glob pattern of the eval split's files, in the same format.
+    tokenizer: 'bytes' (UTF-8 bytes), or the path of a run directory (its
+      tokenizer/), a directory holding tokenizer.json or tokenizer.model, or
+      such a file; a tokenizer_config.json beside it with a chat_template
+      formats the conversations (else the default template).
+    vocab_size: Number of token ids (>= 2), the model's vocabulary; a token id
+      outside 0..vocab_size-1 is an error.
+    seq_len: Model input length in tokens (>= 1); each row holds seq_len + 1
+      tokens (inputs plus next-token labels).
+    pack: True packs whole examples into each row (segment-aware attention);
+      False gives each example a row of its own, padded.
+    too_long: What becomes of an example longer than seq_len + 1 tokens: 'cut'
+      keeps its first seq_len + 1 tokens, 'drop' leaves it out.
+    seed: As lm_corpus.seed (the same stream reader).
+    num_streams: As lm_corpus.num_streams (the same stream reader).
+    shuffle_window: As lm_corpus.shuffle_window, counting examples.
+  """
+
+  settings_name = 'instruct'
+
+  def __init__(self, *, train_files: str, eval_files: str, tokenizer: str, vocab_size: int,
+               seq_len: int = 128, pack: bool = True, too_long: str = 'cut',
+               seed: int = 1234, num_streams: int = 0, shuffle_window: int = 256):
+    at_least(dict(vocab_size=vocab_size, seq_len=seq_len), 'instruct', vocab_size=2,
+             seq_len=1)
+    if too_long not in TOO_LONG:
+      raise ConfigError(f'instruct.too_long is {too_long!r}', where='instruct.too_long',
+                        fix=f'use one of {TOO_LONG}')
+    self.files = find_split_files({'train': train_files, 'eval': eval_files},
+                                  where='instruct')
+    self.patterns = {'train': train_files, 'eval': eval_files}
+    self.examples = {}
+    for split, files in self.files.items():
+      self.examples[split] = sum(check_example_files(files).values())
+      if not self.examples[split]:
+        raise ConfigError(f'the {split} files {files} hold no examples',
+                          where=f'instruct.{split}_files', fix='write examples into them')
+    self.tokenizer, directory = find_tokenizer(tokenizer)
+    self.template = find_template(directory)
+    self.vocab_size, self.seq_len, self.pack, self.seed = vocab_size, seq_len, pack, seed
+    self.too_long, self.num_streams, self.shuffle_window = too_long, num_streams, shuffle_window
+
+  @property
+  def needs_segments(self) -> bool:
+    """Packed rows need a model that attends within segments only."""
+    return self.pack
+
+  def reader(self, *, split, batch_size, start_step=0, rows=None, state=None):
+    if start_step and not state:
+      raise ConfigError(f'resuming at step {start_step} needs the data position saved with '
+                        'the checkpoint (data_state.json), and this checkpoint has none',
+                        where='instruct', fix='resume from a checkpoint written by this '
+                        'version, or start a new model_dir')
+
+    def unsaved(stream, spec, records):
+      del spec, records  # a packed stream's position cannot follow from the step
+      if state:
+        saved = sorted((k for k in state if k != streams.FILES_KEY), key=int)
+        raise ConfigError(f'the checkpoint\'s data position has no stream {stream} (it has '
+                          f'{saved})', where='instruct.num_streams',
+                          fix='resume with the number of streams and files of the run '
+                              'that wrote it')
+      return (0, 0, 0)
+
+    def source(stream, position):
+      return ExamplePacker(stream, length=self.seq_len + 1, pack=self.pack,
+                           vocab_size=self.vocab_size, used=position[2],
+                           too_long=self.too_long, tokenizer=self.tokenizer,
+                           template=self.template)
+
+    return reading.open_stream_reader(
+        files=self.files[split], split=split, batch_size=batch_size,
+        num_streams=self.num_streams, rows=rows, state=state, start_step=start_step,
+        where=self.settings_name, parse=_parse, seed=2 * self.seed + SPLIT_INDEX[split],
+        window=self.shuffle_window, position_length=3, unsaved=unsaved, source=source,
+        records=numbered_lines, count=count_lines)
+
+  def features(self, *, split, step, batch_size):
+    reader = self.reader(split=split, batch_size=batch_size)
+    for _ in range(step):
+      next(reader)
+    return next(reader)
+
+  def model_inputs(self, batch):
+    return (batch['tokens'][:, :-1],)
+
+  def sequence_inputs(self, batch):
+    """(segments, positions) of the model's inputs, for segment-aware attention."""
+    return batch['segments'][:, :-1], batch['positions'][:, :-1]
+
+  def loss_and_metrics(self, outputs, batch):
+    labels = tf.cast(batch['tokens'][:, 1:], tf.int32)
+    mask = tf.logical_and(target_mask(batch['segments']), batch['loss_mask'][:, 1:] > 0)
+    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=outputs)
+    correct = tf.equal(tf.argmax(outputs, axis=-1, output_type=tf.int32), labels)
+    return masked_mean(losses, mask), {
+        'accuracy': masked_mean(tf.cast(correct, tf.float32), mask),
+        'tokens_trained': tf.reduce_sum(tf.cast(mask, tf.float32))}
+
+  def input_specs(self, batch_size):
+    return (((batch_size, self.seq_len), 'int32'),)
+
+  def describe(self) -> str:
+    counts = ', '.join(f'{split} {len(files)} file(s) {self.patterns[split]} '
+                       f'({self.examples[split]} examples)'
+                       for split, files in self.files.items())
+    packing = 'packed' if self.pack else 'one example per row'
+    return (f'instructions, {self.template.describe()}, {self.tokenizer.describe()}, vocab '
+            f'{self.vocab_size}, seq_len {self.seq_len}, {packing}, too long: '
+            f'{self.too_long}: {counts}')
