@@ -252,6 +252,16 @@ FIGURES: dict[str, Figure] = {
         'checkpoint.json', lambda r: f"{r['meshgin_save_mib_s']:.0f} MiB/s", quoted=False,
         what='checkpoint save of a sharded state on 2x4',
         against=lambda r: f"{r['raw_write_fsync_mib_s']:.0f} MiB/s raw disk write + fsync"),
+    'finetune.budget': Figure('finetune.json', lambda r: f"{r['budget_gib']:g} GiB"),
+    'finetune.lora_params': Figure(
+        'finetune.json', lambda r: f"{r['settings']['lora']['largest_parameters'] / 1e6:.0f}M"),
+    'finetune.full_params': Figure(
+        'finetune.json', lambda r: f"{r['settings']['full']['largest_parameters'] / 1e6:.0f}M"),
+    'finetune.largest_ratio': Figure('finetune.json',
+                                     lambda r: f"{r['largest_lora / largest_full']:.1f}x"),
+    'finetune.peak_ratio': Figure('finetune.json',
+                                  lambda r: f"{r['peak_full / peak_lora']:.1f}x"),
+    'finetune.speed': Figure('finetune.json', lambda r: f"{r['steps_lora / steps_full']:.1f}x"),
     'import_hf.checkpoint': Figure('import_hf.json', lambda r: f"{r['checkpoint_gib']:.2f} GiB"),
     'import_hf.peak': Figure('import_hf.json', lambda r: f"{r['import']['peak_gib']:.1f} GiB"),
     'import_hf.build': Figure('import_hf.json', lambda r: f"{r['build']['peak_gib']:.1f}"),

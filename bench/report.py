@@ -195,6 +195,23 @@ def _memory(r: Results) -> Rendered:
                         'largest that fits', 'its parameters'], rows)
 
 
+def _finetune(r: Results) -> Rendered:
+  full, lora = r['settings']['full'], r['settings']['lora']
+  shows = (f"In {figure('finetune.budget', r)}, LoRA (rank {r['rank']} on the queries and "
+           f"values) trains a model of {figure('finetune.lora_params', r)} parameters, "
+           f"{figure('finetune.largest_ratio', r)} the {figure('finetune.full_params', r)} "
+           f"full fine-tuning can (goal 3x: {'met' if r['largest_lora / largest_full'] >= 3 else 'not met'}). "
+           f"At width {r['width']} full fine-tuning peaks at {figure('finetune.peak_ratio', r)} "
+           f"LoRA's host memory, and LoRA runs {figure('finetune.speed', r)} its steps per "
+           'second.')
+  rows = [[name, f"{e['trainable']:,} of {e['parameters']:,}",
+           in_bytes(e['at_width']['peak_bytes']), f"{e['at_width']['steps_per_sec']:.2f}",
+           f"width {e.get('largest_width')}", in_millions(e.get('largest_parameters'))]
+          for name, e in (('full fine-tuning', full), (f"LoRA rank {r['rank']}, q and v", lora))]
+  return shows, _table(['setting', f"trained parameters at width {r['width']}", 'peak',
+                        'steps/s', 'largest that fits', 'its parameters'], rows)
+
+
 def _peak_breakdown(r: Results) -> Rendered:
   shows = (f"At width {r['width']} ({in_millions(r['parameters'])} parameters, {r['setting']}) "
            f"the allocator peaks at {in_bytes(r['allocator_peak_bytes'])}, "
@@ -456,6 +473,9 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
     'Memory': {
         'memory.json': Section('The largest model in a memory budget', 'Peak host memory of '
                                'training runs, predicted and measured.', _memory),
+        'finetune.json': Section('Fine-tuning: full vs LoRA', '`bench/finetune.py`: the LM of '
+                                 '`bench/memory.py` trained whole, or frozen with LoRA '
+                                 'adapters, in one host-memory budget.', _finetune),
         'peak_breakdown.json': Section("What makes a step's peak", "Tensors live at a gradients "
                                        "call's allocator peak, by op.", _peak_breakdown),
         'fsdp_collectives.json': Section("FSDP's collectives on one weight", "A [2048, 8192] "

@@ -104,8 +104,14 @@ def build_trainer(plan: RunPlan, *, watcher: PreemptionWatcher | None = None,
                                                        task=plan.task),
                          zero_init=zero_init, **flop_figures(plan))
   variables = trainer.engine.variables
-  logging.info('Model: %s parameters in %d variables',
-               f'{sum(math.prod(v.shape) for v in variables.values()):,}', len(variables))
+  total = sum(math.prod(v.shape) for v in variables.values())
+  logging.info('Model: %s parameters in %d variables', f'{total:,}', len(variables))
+  trained = [v for v in variables.values() if v.trainable]
+  if len(trained) < len(variables):  # lora.* / train.trainable
+    count = sum(math.prod(v.shape) for v in trained)
+    logging.info('Training %s of them (%.2f%%) in %d variables; the other %d are frozen: no '
+                 'gradients, no optimizer state', f'{count:,}', 100 * count / total,
+                 len(trained), len(variables) - len(trained))
   return trainer
 
 

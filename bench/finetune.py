@@ -1,0 +1,107 @@
+r"""Benchmark: full fine-tuning vs LoRA in one host-memory budget.
+
+The LM of bench/memory.py (quickstart's Markov task, 2 blocks, ffn = 4 x
+width, batch 32 x 64 tokens, data-parallel on 8 virtual CPU devices, float32,
+optimizer state whole) trains `--steps` steps in a fresh `launch.train`
+child, in two settings side by side:
+
+    full   every weight trains (gradients and Adam's two moments for all)
+    lora   the base frozen; rank-8 adapters on attention's queries and values
+           (`lora.rank = 8`, `lora.targets = [r'.*/attn/w[qv]']`)
+
+Measured: at `--width`, each child's peak RSS, steps/s and trainable
+parameters; then the largest width (multiples of 64) each trains within
+`--budget_gib` (doubling, then bisection, as bench/memory.py searches), and
+the ratio of the two largest models' parameter counts (the issue's goal: at
+least 3x).
+
+    python bench/finetune.py [--quick] [--budget_gib 4] [--out bench/results/finetune.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from bench.common import write_json  # noqa: E402
+from bench.memory import WHOLE_STATE, inspect, largest, lm_bindings, train  # noqa: E402
+
+RANK = 8
+SETTINGS = {
+    'full': WHOLE_STATE,
+    'lora': WHOLE_STATE + [f'lora.rank = {RANK}', "lora.targets = [r'.*/attn/w[qv]']"],
+}
+
+
+def trainable(bindings: list[str]) -> int:
+  """Parameters that train with `bindings`, from the plan's model (no TensorFlow)."""
+  from plugins import gin_setup, plan as plan_lib  # pylint: disable=g-import-not-at-top
+  with gin_setup.parsed_config(files=['configs/experiments/quickstart.gin'], bindings=bindings,
+                               search_paths=[]):
+    params = plan_lib.make_plan().params
+  return sum(s.num_elements for s in params.cls.variable_specs(params) if s.trainable)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--quick', action='store_true',
+                      help='smoke run: width 128 side by side only, no largest-model search')
+  parser.add_argument('--budget_gib', type=float, default=4.0)
+  parser.add_argument('--width', type=int, default=1024, help='the width compared side by side')
+  parser.add_argument('--steps', type=int, default=3)
+  parser.add_argument('--bisect', type=int, default=2)
+  parser.add_argument('--out', default=os.path.join(REPO_ROOT, 'bench', 'results',
+                                                    'finetune.json'))
+  args = parser.parse_args()
+  if args.quick:
+    args.width = 128
+  budget = int(args.budget_gib * 2**30)
+  results = {'budget_gib': args.budget_gib, 'width': args.width, 'steps': args.steps,
+             'rank': RANK, 'settings': {}}
+  print(f'LM: 2 blocks, ffn 4 x width, batch 32 x 64 tokens, 8 CPU devices (data), float32, '
+        f'{args.steps} steps; budget {args.budget_gib} GiB', flush=True)
+  cache: dict = {}
+  for name, setting in SETTINGS.items():
+    run = train(setting + lm_bindings(args.width, args.steps), budget=2**62)
+    cache[(tuple(setting), args.width)] = dict(run, fits=run['fits']
+                                               and run['peak_bytes'] <= budget)
+    entry = {'bindings': setting, 'at_width': run,
+             'parameters': inspect(setting + lm_bindings(args.width, args.steps))['parameters']}
+    entry['trainable'] = trainable(setting + lm_bindings(args.width, args.steps))
+    print(f'{name}: width {args.width}: {run["peak_bytes"] / 2**30:.2f} GiB, '
+          f'{run["steps_per_sec"]:.2f} steps/s, {entry["trainable"]:,} of '
+          f'{entry["parameters"]:,} parameters trained', flush=True)
+    if not args.quick and run['ok']:
+      width, _ = largest(setting, budget=budget, steps=args.steps, bisect=args.bisect,
+                         start=512, cache=cache)
+      entry['largest_width'] = width
+      entry['largest_parameters'] = (inspect(setting + lm_bindings(width, args.steps))[
+          'parameters'] if width else None)
+    results['settings'][name] = entry
+  full, lora = results['settings']['full'], results['settings']['lora']
+  results['peak_full / peak_lora'] = (full['at_width']['peak_bytes']
+                                      / max(lora['at_width']['peak_bytes'], 1))
+  results['steps_lora / steps_full'] = (lora['at_width']['steps_per_sec']
+                                        / max(full['at_width']['steps_per_sec'], 1e-9))
+  if full.get('largest_parameters') and lora.get('largest_parameters'):
+    results['largest_lora / largest_full'] = (lora['largest_parameters']
+                                              / full['largest_parameters'])
+  print(f"\nat width {args.width}: full / lora peak memory "
+        f"{results['peak_full / peak_lora']:.2f}x, lora / full steps/s "
+        f"{results['steps_lora / steps_full']:.2f}x")
+  if 'largest_lora / largest_full' in results:
+    print(f"largest in {args.budget_gib} GiB: full width {full['largest_width']} "
+          f"({full['largest_parameters']:,} parameters), lora width {lora['largest_width']} "
+          f"({lora['largest_parameters']:,}): {results['largest_lora / largest_full']:.2f}x "
+          '(goal 3x)')
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  write_json(results, args.out)
+
+
+if __name__ == '__main__':
+  main()
