@@ -147,8 +147,16 @@ def adapter_specs(spec: VariableSpec, *, inputs: int, lora: LoraConfig) -> list[
 def tuned(p, tuning: Tuning):
   """A copy of the Params tree `p` whose every layer carries `tuning`
   (composite layers hand it to the children they make: `BaseLayer`)."""
-  if not tuning.active:
-    return p
+  return _carrying(p, tuning) if tuning.active else p
+
+
+def untuned(p):
+  """A copy of the Params tree `p` without tuning: the base model."""
+  return _carrying(p, None)
+
+
+def _carrying(p, tuning: Tuning | None):
+  """A frozen copy of `p` with `tuning` set on every node of its Sequentials."""
   from layout_core.model.base import Sequential  # pylint: disable=g-import-not-at-top
   p = p.Copy()
 
@@ -177,20 +185,6 @@ def tune(model, *, lora: LoraConfig | None, trainable: Sequence[str] | None):
   p = tuned(model, tuning)
   check_targets(p.cls.variable_specs(p), tuning.lora, tuning.trainable)
   return p
-
-
-def untuned(p):
-  """A copy of the Params tree `p` without tuning: the base model."""
-  from layout_core.model.base import Sequential  # pylint: disable=g-import-not-at-top
-  p = p.Copy()
-
-  def walk(node) -> None:
-    node.tuning = None
-    if issubclass(node.cls, Sequential):
-      for sub in node.sub:
-        walk(sub)
-  walk(p)
-  return p.Freeze()
 
 
 def lora_of(p) -> LoraConfig | None:

@@ -59,6 +59,15 @@ def target_mask(segments) -> 'tf.Tensor':
   return tf.logical_and(tf.equal(inputs, targets), targets > 0)
 
 
+def next_token_loss(outputs, tokens, mask) -> tuple['tf.Tensor', 'tf.Tensor']:
+  """(mean cross entropy, accuracy) of the logits `outputs` [B, T, V] against
+  the next tokens of `tokens` [B, T + 1], over the targets where `mask` [B, T]."""
+  labels = tf.cast(tokens[:, 1:], tf.int32)
+  losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=outputs)
+  correct = tf.equal(tf.argmax(outputs, axis=-1, output_type=tf.int32), labels)
+  return masked_mean(losses, mask), masked_mean(tf.cast(correct, tf.float32), mask)
+
+
 class Packer:
   """Rows of `length` tokens from one stream of documents (see module doc).
   Its position is (epoch, document, tokens of that document already used).
@@ -194,28 +203,36 @@ class LMCorpusTask(LMTask):
     if start_step and not state:
       raise ConfigError(f'resuming at step {start_step} needs the data position saved with '
                         'the checkpoint (data_state.json), and this checkpoint has none',
-                        where='lm_corpus', fix='resume from a checkpoint written by this '
-                        'version, or start a new model_dir')
+                        where=self.settings_name, fix='resume from a checkpoint written by '
+                        'this version, or start a new model_dir')
 
     def unsaved(stream, spec, records):
       del spec, records  # a packed stream's position cannot follow from the step
       if state:
         saved = sorted((k for k in state if k != streams.FILES_KEY), key=int)
         raise ConfigError(f'the checkpoint\'s data position has no stream {stream} (it has '
-                          f'{saved})', where='lm_corpus.num_streams',
+                          f'{saved})', where=f'{self.settings_name}.num_streams',
                           fix='resume with the number of streams and files of the run '
                               'that wrote it')
       return (0, 0, 0)
-
-    def source(stream, position):
-      return Packer(stream, length=self.seq_len + 1, pack=self.pack,
-                    vocab_size=self.vocab_size, used=position[2])
 
     return reading.open_stream_reader(
         files=self.files[split], split=split, batch_size=batch_size,
         num_streams=self.num_streams, rows=rows, state=state, start_step=start_step,
         where=self.settings_name, parse=self._parse, seed=2 * self.seed + SPLIT_INDEX[split],
-        window=self.shuffle_window, position_length=3, unsaved=unsaved, source=source)
+        window=self.shuffle_window, position_length=3, unsaved=unsaved,
+        source=lambda stream, position: self._packer(stream, used=position[2]),
+        **self._record_format())
+
+  def _packer(self, stream: streams.RecordStream, *, used: int) -> Packer:
+    """The rows of one stream, `used` tokens into its current document."""
+    return Packer(stream, length=self.seq_len + 1, pack=self.pack, vocab_size=self.vocab_size,
+                  used=used)
+
+  def _record_format(self) -> dict:
+    """How the streams read the files (`reading.open_stream_reader`'s
+    `records` and `count`): TFRecord files by default."""
+    return {}
 
   def features(self, *, split, step, batch_size):
     reader = self.reader(split=split, batch_size=batch_size)
@@ -231,13 +248,10 @@ class LMCorpusTask(LMTask):
     return batch['segments'][:, :-1], batch['positions'][:, :-1]
 
   def loss_and_metrics(self, outputs, batch):
-    labels = tf.cast(batch['tokens'][:, 1:], tf.int32)
     mask = target_mask(batch['segments'])
-    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=outputs)
-    correct = tf.equal(tf.argmax(outputs, axis=-1, output_type=tf.int32), labels)
-    return masked_mean(losses, mask), {
-        'accuracy': masked_mean(tf.cast(correct, tf.float32), mask),
-        'target_fraction': tf.reduce_mean(tf.cast(mask, tf.float32))}
+    loss, accuracy = next_token_loss(outputs, batch['tokens'], mask)
+    return loss, {'accuracy': accuracy,
+                  'target_fraction': tf.reduce_mean(tf.cast(mask, tf.float32))}
 
   def input_specs(self, batch_size):
     return (((batch_size, self.seq_len), 'int32'),)

@@ -75,10 +75,9 @@ from layout_core.errors import ConfigError
 from layout_core.fields import at_least
 from layout_core.infer import tokens as tokens_lib
 from layout_core.lazy import tf
-from layout_core.tasks import reading, streams
-from layout_core.tasks.base import SPLIT_INDEX, find_split_files
-from layout_core.tasks.corpus import Packer, masked_mean, target_mask
-from layout_core.tasks.lm import LMTask
+from layout_core.tasks import streams
+from layout_core.tasks.base import find_split_files
+from layout_core.tasks.corpus import LMCorpusTask, Packer, next_token_loss, target_mask
 
 ROLES = ('system', 'user', 'assistant')
 TOO_LONG = ('cut', 'drop')
@@ -370,7 +369,7 @@ def _parse(serialized):
   return {RECORD: serialized}
 
 
-class InstructionTask(LMTask):
+class InstructionTask(LMCorpusTask):
   """Next-token prediction on the responses of instructions and chats (see
   module doc).
 
@@ -419,65 +418,20 @@ class InstructionTask(LMTask):
     self.vocab_size, self.seq_len, self.pack, self.seed = vocab_size, seq_len, pack, seed
     self.too_long, self.num_streams, self.shuffle_window = too_long, num_streams, shuffle_window
 
-  @property
-  def needs_segments(self) -> bool:
-    """Packed rows need a model that attends within segments only."""
-    return self.pack
+  _parse = staticmethod(_parse)
 
-  def reader(self, *, split, batch_size, start_step=0, rows=None, state=None):
-    if start_step and not state:
-      raise ConfigError(f'resuming at step {start_step} needs the data position saved with '
-                        'the checkpoint (data_state.json), and this checkpoint has none',
-                        where='instruct', fix='resume from a checkpoint written by this '
-                        'version, or start a new model_dir')
+  def _packer(self, stream, *, used):
+    return ExamplePacker(stream, length=self.seq_len + 1, pack=self.pack,
+                         vocab_size=self.vocab_size, used=used, too_long=self.too_long,
+                         tokenizer=self.tokenizer, template=self.template)
 
-    def unsaved(stream, spec, records):
-      del spec, records  # a packed stream's position cannot follow from the step
-      if state:
-        saved = sorted((k for k in state if k != streams.FILES_KEY), key=int)
-        raise ConfigError(f'the checkpoint\'s data position has no stream {stream} (it has '
-                          f'{saved})', where='instruct.num_streams',
-                          fix='resume with the number of streams and files of the run '
-                              'that wrote it')
-      return (0, 0, 0)
-
-    def source(stream, position):
-      return ExamplePacker(stream, length=self.seq_len + 1, pack=self.pack,
-                           vocab_size=self.vocab_size, used=position[2],
-                           too_long=self.too_long, tokenizer=self.tokenizer,
-                           template=self.template)
-
-    return reading.open_stream_reader(
-        files=self.files[split], split=split, batch_size=batch_size,
-        num_streams=self.num_streams, rows=rows, state=state, start_step=start_step,
-        where=self.settings_name, parse=_parse, seed=2 * self.seed + SPLIT_INDEX[split],
-        window=self.shuffle_window, position_length=3, unsaved=unsaved, source=source,
-        records=numbered_lines, count=count_lines)
-
-  def features(self, *, split, step, batch_size):
-    reader = self.reader(split=split, batch_size=batch_size)
-    for _ in range(step):
-      next(reader)
-    return next(reader)
-
-  def model_inputs(self, batch):
-    return (batch['tokens'][:, :-1],)
-
-  def sequence_inputs(self, batch):
-    """(segments, positions) of the model's inputs, for segment-aware attention."""
-    return batch['segments'][:, :-1], batch['positions'][:, :-1]
+  def _record_format(self):
+    return {'records': numbered_lines, 'count': count_lines}
 
   def loss_and_metrics(self, outputs, batch):
-    labels = tf.cast(batch['tokens'][:, 1:], tf.int32)
     mask = tf.logical_and(target_mask(batch['segments']), batch['loss_mask'][:, 1:] > 0)
-    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=outputs)
-    correct = tf.equal(tf.argmax(outputs, axis=-1, output_type=tf.int32), labels)
-    return masked_mean(losses, mask), {
-        'accuracy': masked_mean(tf.cast(correct, tf.float32), mask),
-        'tokens_trained': tf.reduce_sum(tf.cast(mask, tf.float32))}
-
-  def input_specs(self, batch_size):
-    return (((batch_size, self.seq_len), 'int32'),)
+    loss, accuracy = next_token_loss(outputs, batch['tokens'], mask)
+    return loss, {'accuracy': accuracy, 'tokens_trained': tf.reduce_sum(tf.cast(mask, tf.float32))}
 
   def describe(self) -> str:
     counts = ', '.join(f'{split} {len(files)} file(s) {self.patterns[split]} '
