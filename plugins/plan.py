@@ -24,7 +24,7 @@ import re
 import gin
 
 from layout_core.model import keras as keras_models
-from layout_core.model import lora as lora_lib
+from layout_core.model import tuning
 from layout_core.layout import scope as layout_scope
 from layout_core import pipeline as pipeline_lib
 from layout_core.checkpoint.manager import CheckpointConfig
@@ -90,7 +90,7 @@ class RunPlan:
 def make_plan() -> RunPlan:
   """Calls every configurable once and validates the result (see module doc)."""
   train = configurables.train()
-  params = lora_lib.tune(configurables.model(), lora=configurables.lora(),
+  params = tuning.tune(configurables.model(), lora=configurables.lora(),
                          trainable=train.trainable)
   parts = dict(mesh_spec=configurables.mesh(), params=params,
                rules=configurables.layout_rules(), task=configurables.data(),

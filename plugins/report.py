@@ -8,6 +8,8 @@ Built from the typed plan alone (nothing allocated, no device touched), so a
 
 from __future__ import annotations
 
+import math
+
 from layout_core.layout import scope as layout_scope
 from layout_core.train import memory
 from plugins.plan import RunPlan
@@ -85,8 +87,15 @@ def describe_plan(plan: RunPlan, *, max_rows: int = 0) -> str:
     rule = use.rule
     note = f'   <- {use.describe()}' if use.unused else ''
     lines.append(f'  {use.matched:6d}  rule {rule.index}: {rule.pattern} -> {rule.spec}{note}')
-  unmatched = sum(r.rule_index is None for r in records)
+  following = sum(r.rule_index is None and r.source.startswith('as ') for r in records)
+  unmatched = sum(r.rule_index is None for r in records) - following
+  if following:  # LoRA adapters no rule names
+    lines.append(f'  {following:6d}  as the weight they adapt')
   lines.append(f'  {unmatched:6d}  default: replicated')
+  frozen = sum(math.prod(r.shape) for r in records if not r.trainable)
+  if frozen:
+    lines.append(f'Trained: {plan.num_parameters - frozen:,} of the parameters; the rest '
+                 'frozen (lora.*, train.trainable: no gradients, no optimizer state)')
   param_bytes = layout_scope.bytes_per_device(records)
   if plan.pipeline is not None:
     lines += ['', f'Pipeline: {plan.pipeline.num_micro_batches} micro-batches of '

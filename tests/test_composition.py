@@ -27,7 +27,8 @@ from layout_core.optim import OptimizerConfig
 from layout_core.pipeline import PipelineConfig
 from layout_core.run import make_trainer
 from layout_core.tasks import Task
-from layout_core.model.lora import LoraConfig, tune
+from layout_core.model.lora import LoraConfig
+from layout_core.model.tuning import tune
 from layout_core.tasks.corpus import LMCorpusTask
 from layout_core.tasks.lm import MarkovTask
 from layout_core.train.config import TrainConfig

@@ -19,7 +19,8 @@ from layout_core.layout.mesh import MeshSpec, build_mesh
 from layout_core.layout.rules import LayoutRules
 from layout_core.layout.variables import to_numpy
 from layout_core.model.lm import transformer_lm_params
-from layout_core.model.lora import LoraConfig, is_adapter, tune
+from layout_core.model.lora import LoraConfig, is_adapter
+from layout_core.model.tuning import tune
 from layout_core.optim import OptimizerConfig
 from layout_core.run import make_trainer
 from layout_core.tasks.lm import MarkovTask

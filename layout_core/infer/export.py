@@ -49,7 +49,7 @@ from layout_core.infer.decode import check_fits as check_decoding_fits
 from layout_core.infer.sampling import Sampling
 from layout_core.layout.variables import VariableSpec, variable_creator
 from layout_core.lazy import tf
-from layout_core.model import lora
+from layout_core.model import lora, tuning
 from layout_core.model.base import compute_params
 from layout_core.params import Params
 from layout_core.tasks import Task
@@ -93,9 +93,9 @@ def load_plain_model(model: Params | KerasModel, *, task: Task, prefix: str,
   no adapter path left to run. ConfigError when the checkpoint is not this
   model's (keys or shapes)."""
   specs = tuple(((None,) + tuple(shape[1:]), str(dtype)) for shape, dtype in task.input_specs(1))
-  adapters = lora.lora_of(model) if isinstance(model, Params) else None
+  adapters = tuning.lora_of(model) if isinstance(model, Params) else None
   if isinstance(model, Params):
-    params = compute_params(lora.untuned(model) if adapters else model.Copy().Freeze(),
+    params = compute_params(tuning.untuned(model) if adapters else model.Copy().Freeze(),
                             dtype=compute_dtype)
     variables: dict[str, Any] = {}
 

@@ -1,7 +1,7 @@
 """Fine-tuning a Params model: which weights train, and low-rank adapters.
 
     tuning = Tuning(lora=LoraConfig(rank=8, alpha=16, targets=(r'.*/attn/w[qv]',)))
-    p = tuned(lm_params, tuning)          # every layer of the tree carries it
+    p = tuned(lm_params, tuning)          # layout_core.model.tuning: every layer carries it
     model = p.Instantiate()               # wq, wv frozen; wq_lora_a, wq_lora_b, ... train
 
 A weight a LoRA target regex fullmatches stays as it is, frozen, and gets two
@@ -142,55 +142,6 @@ def adapter_specs(spec: VariableSpec, *, inputs: int, lora: LoraConfig) -> list[
                    initializer=Zeros(),
                    follows=Follows(spec.path, shape,
                                    (None,) + tuple(range(inputs, len(shape)))))]
-
-
-def tuned(p, tuning: Tuning):
-  """A copy of the Params tree `p` whose every layer carries `tuning`
-  (composite layers hand it to the children they make: `BaseLayer`)."""
-  return _carrying(p, tuning) if tuning.active else p
-
-
-def untuned(p):
-  """A copy of the Params tree `p` without tuning: the base model."""
-  return _carrying(p, None)
-
-
-def _carrying(p, tuning: Tuning | None):
-  """A frozen copy of `p` with `tuning` set on every node of its Sequentials."""
-  from layout_core.model.base import Sequential  # pylint: disable=g-import-not-at-top
-  p = p.Copy()
-
-  def walk(node) -> None:
-    node.tuning = tuning
-    if issubclass(node.cls, Sequential):
-      for sub in node.sub:
-        walk(sub)
-  walk(p)
-  return p.Freeze()
-
-
-def tune(model, *, lora: LoraConfig | None, trainable: Sequence[str] | None):
-  """`model` (a Params tree) tuned as `lora` and `trainable` say, each regex
-  checked to match (`check_targets`); `model` itself when neither is set. A
-  ConfigError for a Keras model."""
-  tuning = Tuning(lora=lora, trainable=trainable)
-  if not tuning.active:
-    return model
-  from layout_core.params import Params  # pylint: disable=g-import-not-at-top
-  if not isinstance(model, Params):
-    raise ConfigError('lora.* and train.trainable tune a Params model; this one is a '
-                      f'{type(model).__name__}', where='lora.rank / train.trainable',
-                      fix="a Keras 3 model has its own layer.enable_lora(rank); or train a "
-                          'Params model (model.params = @transformer_lm())')
-  p = tuned(model, tuning)
-  check_targets(p.cls.variable_specs(p), tuning.lora, tuning.trainable)
-  return p
-
-
-def lora_of(p) -> LoraConfig | None:
-  """The LoRA settings a (tuned) Params tree carries, or None."""
-  tuning = p.tuning if 'tuning' in p else None
-  return tuning.lora if tuning is not None else None
 
 
 def merged(weight: np.ndarray, a: np.ndarray, b: np.ndarray, *, scale: float) -> np.ndarray:

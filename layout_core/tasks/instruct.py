@@ -73,7 +73,7 @@ from absl import logging
 
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least
-from layout_core.infer import tokens as tokens_lib
+from layout_core.tasks import tokenizer as tokens_lib
 from layout_core.lazy import tf
 from layout_core.tasks import streams
 from layout_core.tasks.base import find_split_files
