@@ -257,7 +257,7 @@ class CachedLM:
   # -- the math ---------------------------------------------------------------------------
   def _weights(self, path: str, p: Params) -> TensorWeights:
     return TensorWeights(self._values, path, dtype=compute_dtype(p),
-                         lora=p.tuning.lora if p.tuning is not None else None)
+                         adapters=p.tuning.lora if p.tuning is not None else None)
 
   def _embed(self, ids, positions=None):
     path, p = self.layers.embedding

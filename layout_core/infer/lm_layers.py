@@ -100,8 +100,8 @@ class TensorWeights(Weights):
   or tensor, as a layer's `apply` reads them: cast to `dtype`, gathered first
   where FSDP stores them split. No dropout (`random()` is None)."""
 
-  def __init__(self, values: Mapping[str, object], path: str, *, dtype, lora=None):
-    self._values, self.path, self.dtype, self.lora = values, path, dtype, lora
+  def __init__(self, values: Mapping[str, object], path: str, *, dtype, adapters=None):
+    self._values, self.path, self.dtype, self.adapters = values, path, dtype, adapters
 
   def has(self, name):
     return f'{self.path}/{name}' in self._values
@@ -111,7 +111,7 @@ class TensorWeights(Weights):
 
   def child(self, name):
     return TensorWeights(self._values, f'{self.path}/{name}', dtype=self.dtype,
-                         lora=self.lora)
+                         adapters=self.adapters)
 
   def random(self):
     return None

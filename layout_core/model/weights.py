@@ -165,7 +165,7 @@ class Weights:
     """
     raise NotImplementedError
 
-  lora = None
+  adapters = None
   """The model's `layout_core.model.lora.LoraConfig` (None: no adapters):
   `dense` and `project` add the low-rank path of a weight that has them."""
 
@@ -179,7 +179,7 @@ class Weights:
     y = self._dense(x, name)
     if self._adapted(name):
       y += lora.low_rank(self, dense_equation(x.shape.rank - len(self.lead)), x, name,
-                         self.lora)
+                         self.adapters)
     return y
 
   def project(self, equation: str, x: tf.Tensor, name: str) -> tf.Tensor:
@@ -187,11 +187,11 @@ class Weights:
     after the lead ones ('btd,dhk->bthk'), plus the adapters' path."""
     y = self._project(equation, x, name)
     if self._adapted(name):
-      y += lora.low_rank(self, equation, x, name, self.lora)
+      y += lora.low_rank(self, equation, x, name, self.adapters)
     return y
 
   def _adapted(self, name: str) -> bool:
-    return self.lora is not None and self.has(name + lora.A_SUFFIX)
+    return self.adapters is not None and self.has(name + lora.A_SUFFIX)
 
   def _dense(self, x, name):
     return dense(x, self(name), lead=self.lead)
@@ -227,7 +227,7 @@ class LayerWeights(Weights):
         lambda: _layer_splits(layer, self.context.batch_split),
         waits_for(inputs, self.context))
     tuning = layer.params.tuning
-    self.lora = None if tuning is None else tuning.lora
+    self.adapters = None if tuning is None else tuning.lora
 
   def has(self, name):
     return name in self.layer.variable_names

@@ -238,9 +238,9 @@ class SlotWeights(Weights):
                below: str = '', dtype: str | None = None,
                use_layouts: Mapping[str, tuple[dtensor.Layout, dtensor.Layout]] | None = None,
                context: StepContext | None = None, inputs: tuple = (),
-               at_use: GatheredAtUse | None = None, lora=None):
+               at_use: GatheredAtUse | None = None, adapters=None):
     self.select, self.slot_random, self.below, self.dtype = select, random, below, dtype
-    self.lora = lora  # the cells' LoraConfig (layout_core.model.lora), or None
+    self.adapters = adapters  # the cells' LoraConfig (layout_core.model.lora), or None
     self.use_layouts = use_layouts or {}
     self.context = current() if context is None else context
     self._at_use = at_use or GatheredAtUse(
@@ -266,7 +266,7 @@ class SlotWeights(Weights):
     return SlotWeights(self.select, self.slot_random,
                        f'{self.below}/{name}' if self.below else name, self.dtype,
                        self.use_layouts, context=self.context, at_use=self._at_use,
-                       lora=self.lora)
+                       adapters=self.adapters)
 
   def random(self):
     """Each slot's mask from its own cell's layer path and its micro-batch's
@@ -396,7 +396,7 @@ class SpmdPipeline:
     outputs: list = [None] * num_micro
     cell = stack.cell_params[0]
     names, dtype = list(variables), cell.fprop_dtype or cell.dtype
-    lora = cell.tuning.lora if cell.tuning is not None else None
+    adapters = cell.tuning.lora if cell.tuning is not None else None
     pin = residual_pin(mesh=stack.mesh, batch_axis=stack.batch_axis,
                        lead_axes=(stack.stage_axis,))
     for clock, work in enumerate(self.order):
@@ -430,7 +430,7 @@ class SpmdPipeline:
           context = current().replace(residual=pin)  # a recomputation's: remat
           return cell.cls.apply(cell, SlotWeights(by_name.__getitem__, random, dtype=dtype,
                                                   use_layouts=use_layouts, context=context,
-                                                  inputs=(x,), lora=lora), x)
+                                                  inputs=(x,), adapters=adapters), x)
         # The picked weights are inputs, not captures: a recomputed cell's
         # gradients reach only its inputs and the variables it reads itself.
         x = rematerialized(run_cell, x, *picked) if cell.remat else run_cell(x, *picked)
