@@ -69,7 +69,7 @@ with hf_lib.open_hf(sys.argv[1]) as source:
     f.write(hf.base_config(source.kwargs))
 with gin_setup.parsed_config(files=[base], bindings=json.loads(sys.argv[3])):
   plan = make_plan()
-trainer = build_trainer(plan, zero_init=True)  # as the import builds it
+trainer = build_trainer(plan, weights_only=True)  # as the import builds it
 print('RESULT ' + json.dumps({'seconds': time.perf_counter() - start, 'peak_gib': peak_gib(),
                               'parameters': plan.num_parameters}))
 """

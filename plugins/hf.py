@@ -141,7 +141,7 @@ def import_run(*, hf_dir: str, model_dir: str, files: Sequence[str] = (),
         _check_architecture_kept(source.kwargs)
     # Written unpipelined: a pipelined run's checkpoint has the plain model's keys.
     # Every variable is assigned below (checked first): no initial values computed.
-    trainer = build_trainer(dataclasses.replace(plan, pipeline=None), zero_init=True)
+    trainer = build_trainer(dataclasses.replace(plan, pipeline=None), weights_only=True)
     variables = trainer.engine.variables
     shapes = {path: tuple(v.shape.as_list()) for path, v in variables.items()}
     adapted = peft.meshgin_adapters(source.kwargs, adapter_tensors, shapes) if adapters else {}

@@ -87,10 +87,11 @@ def join_cluster(plan: RunPlan, cluster: cluster_lib.ClusterSpec, *,
 
 def build_trainer(plan: RunPlan, *, watcher: PreemptionWatcher | None = None,
                   writer=None, profile_dir: str | None = None,
-                  zero_init: bool = False) -> Trainer:
+                  weights_only: bool = False) -> Trainer:
   """Builds the mesh, the step engine the plan asks for (model and optimizer,
-  every variable laid out) and the training loop around it. `zero_init`: the
-  model's variables start as zeros, for a caller that assigns every one."""
+  every variable laid out) and the training loop around it. `weights_only`:
+  the model's variables alone, started as zeros for a caller that assigns
+  every one (an import), no optimizer."""
   mesh = mesh_lib.build_mesh(plan.mesh_spec)
   if watcher is not None:
     watcher.reinstall()  # TF took SIGTERM/SIGINT while initialising its devices
@@ -102,7 +103,7 @@ def build_trainer(plan: RunPlan, *, watcher: PreemptionWatcher | None = None,
                          pipeline_plan=plan.pipeline, writer=writer, profile_dir=profile_dir,
                          text_samples=text_samples_for(config=plan.train, params=plan.params,
                                                        task=plan.task),
-                         zero_init=zero_init, **flop_figures(plan))
+                         weights_only=weights_only, **flop_figures(plan))
   variables = trainer.engine.variables
   total = sum(math.prod(v.shape) for v in variables.values())
   logging.info('Model: %s parameters in %d variables', f'{total:,}', len(variables))

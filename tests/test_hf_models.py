@@ -23,7 +23,7 @@ from layout_core.lazy import tf
 from plugins import gin_setup, hf, inference
 from plugins.plan import make_plan
 from tests import hf_fixtures
-from tests.conftest import run_module
+from tests.conftest import read_events, run_module, run_modules
 
 FAMILIES = tuple(hf_fixtures.CONFIGS)
 # max |meshgin - KerasHub| / max |KerasHub| over the logits, float32 both (each
@@ -239,13 +239,27 @@ def test_the_launchers_take_an_imported_run(hf_dirs, keras_hub_reference, tmp_pa
                     f'--export_dir={tmp_path}/exported')
   assert done.returncode == 0, done.stderr[-3000:]
   assert os.path.isfile(tmp_path / 'exported' / 'model.safetensors')
+  # The import wrote the weights alone: no optimizer state.
+  keys = [k for k, _ in tf.train.list_variables(inference.find_checkpoint(model_dir=run)[1])]
+  assert any(k.startswith('model/') for k in keys)
+  assert not any(k.startswith('optimizer/') for k in keys)
   # launch.train reads only the files it is given: the run's own config.gin here.
-  done = run_module('launch.train', f'--gin_file={run}/config.gin', f'--model_dir={run}',
-                    '--gin_bindings=train.num_steps = 2',
-                    '--gin_bindings=train.batch_size = 4', '--gin_bindings=train.eval_every = 2',
-                    '--gin_bindings=train.eval_batches = 1')
-  assert done.returncode == 0, done.stderr[-3000:]
+  # Resuming the weights-only step 0 (the optimizer fresh) trains as a new run
+  # started from the same weights by checkpoint.init_from, step for step.
+  steps = ['--gin_bindings=train.num_steps = 2', '--gin_bindings=train.batch_size = 4',
+           '--gin_bindings=train.eval_every = 2', '--gin_bindings=train.eval_batches = 1',
+           '--gin_bindings=train.log_every = 1']
+  started = str(tmp_path / 'started')
+  done = run_modules([
+      ('launch.train', f'--gin_file={run}/config.gin', f'--model_dir={run}', *steps),
+      ('launch.train', f'--gin_file={run}/config.gin', f'--model_dir={started}', *steps,
+       f"--gin_bindings=checkpoint.init_from = '{run}'")])
+  for result in done:
+    assert result.returncode == 0, result.stderr[-3000:]
+  assert 'holds the weights only' in done[0].stderr
   assert inference.find_checkpoint(model_dir=run)[0] == 2
+  losses = [read_events(path)['scalars']['train/loss'] for path in (run, started)]
+  assert len(losses[0]) == 2 and losses[0] == losses[1]
   # Trained, the output matrix is no longer the embedding: both are written.
   written = hf.export_run(export_dir=str(tmp_path / 'trained'), model_dir=run,
                           files=[inference.run_config(model_dir=run)])

@@ -60,7 +60,8 @@ from absl import logging
 from layout_core.checkpoint import shard_io
 # Re-exported: callers read keys and values through the manager module.
 from layout_core.checkpoint.shard_io import checkpoint_keys, checkpoint_values
-from layout_core.checkpoint.damage import CheckpointDamage, aside_path, describe, is_damage
+from layout_core.checkpoint.damage import (CheckpointDamage, aside_path, describe, is_damage,
+                                           saved_variables)
 from layout_core.checkpoint.files import (DATA_STATE_FILE, DirectoryWatch, checkpoint_dirs,
                                           directory_size, latest_valid,
                                           read_data_state, resolve_checkpoint_path, validate,
@@ -207,15 +208,30 @@ class Checkpointer:
     for step, path in checkpoint_dirs(self.directory):
       if validate(path) is None:
         try:
-          self.check_compatible(os.path.join(path, 'ckpt'))
+          self.check_compatible(os.path.join(path, 'ckpt'), step=step)
         except CheckpointDamage:  # an unreadable index: restore moves it aside
           continue
         return step
     return None
 
-  def check_compatible(self, prefix: str) -> None:
-    """ConfigError listing every variable whose name or shape does not match."""
-    check_fits(prefix, self.entries, roots=[_escape(name) + '/' for name in self.state])
+  def check_compatible(self, prefix: str, *, step: int | None = None) -> None:
+    """ConfigError listing every variable whose name or shape does not match
+    (of those `restorable` reads from the checkpoint of `step`)."""
+    check_fits(prefix, self.restorable(prefix, step=step),
+               roots=[_escape(name) + '/' for name in self.state])
+
+  def restorable(self, prefix: str, *, step: int | None) -> list:
+    """The entries a restore reads from the checkpoint at `prefix`: every
+    one; but from a step-0 checkpoint that holds no optimizer state at all
+    (an import's: its weights alone, `layout_core.run.make_engine`'s
+    `weights_only`), all but the optimizer's, whose fresh state is then the
+    state it would have at step 0 anyway."""
+    root = _escape('optimizer') + '/'
+    if step != 0 or 'optimizer' not in self.state:
+      return self.entries
+    if any(key.startswith(root) for key in saved_variables(prefix)):
+      return self.entries
+    return [e for e in self.entries if not e.key.startswith(root)]
 
   def restore_latest(self) -> int | None:
     """Restores the newest undamaged checkpoint; returns its step or None.
@@ -237,8 +253,12 @@ class Checkpointer:
       problem, data_state = validate(path, check_contents=self.is_chief), None
       if problem is None:
         try:
-          self.check_compatible(prefix)
-          shard_io.read_entries(prefix, self.entries)
+          self.check_compatible(prefix, step=step)
+          entries = self.restorable(prefix, step=step)
+          shard_io.read_entries(prefix, entries)
+          if len(entries) < len(self.entries):
+            logging.info('%s holds the weights only (an import): the optimizer starts fresh',
+                         prefix)
           data_state = read_data_state(path)
         except Exception as e:  # pylint: disable=broad-except  # all but damage re-raised
           if not is_damage(e):

@@ -40,14 +40,15 @@ def make_engine(*, model, mesh, rules: LayoutRules | None, task: Task,
                 optimizer: OptimizerConfig, config: TrainConfig, counters: Counters,
                 pipeline: PipelineConfig | None = None,
                 pipeline_plan: PipelinePlan | None = None,
-                bubble_fill: float | None = None, zero_init: bool = False) -> StepEngine:
+                bubble_fill: float | None = None, weights_only: bool = False) -> StepEngine:
   """The engine for `model` (a Params tree or `layout_core.model.keras.KerasModel`).
 
   A pipelined run passes its `pipeline` config and the `pipeline_plan` made
   at config time (`plugins.plan`); a library caller may leave the plan out
   and it is made here. `bubble_fill` (tests: NaN) fills the SPMD engine's idle slots.
-  `zero_init`: a Params model's variables start as zeros, for a caller that
-  assigns every one (one-program engine only; `LayoutScope`)."""
+  `weights_only`: a Params model's variables alone, started as zeros for a
+  caller that assigns every one (an import), with no optimizer (one-program
+  engine only; `LayoutScope.zero_init`)."""
   mesh_axes = mesh_lib.mesh_axes(mesh)
   # Resolved once (UNSHARDED when the mesh lacks the axis); every engine gets these.
   batch_axis = batch_axis_for(config, mesh_axes, warn=True)
@@ -57,20 +58,20 @@ def make_engine(*, model, mesh, rules: LayoutRules | None, task: Task,
   engine = _engine(model, mesh=mesh, rules=rules, task=task, optimizer=optimizer,
                    config=config, counters=counters, pipeline=pipeline,
                    pipeline_plan=pipeline_plan, bubble_fill=bubble_fill,
-                   batch_axis=batch_axis, fsdp_axis=split_axis, zero_init=zero_init)
+                   batch_axis=batch_axis, fsdp_axis=split_axis, weights_only=weights_only)
   if split_axis is not None:
     fsdp.log_split(engine.layout_records, split_axis)
   return engine
 
 
 def _engine(model, *, mesh, rules, task, optimizer, config, counters, pipeline, pipeline_plan,
-            bubble_fill, batch_axis, fsdp_axis, zero_init=False) -> StepEngine:
+            bubble_fill, batch_axis, fsdp_axis, weights_only=False) -> StepEngine:
   """`make_engine` with the batch and FSDP axes resolved."""
   mesh_axes = mesh_lib.mesh_axes(mesh)
   pipelined = pipeline is not None and pipeline.enabled
   check_segments_supported(model, task, pipelined=pipelined)
-  if zero_init and (pipelined or not isinstance(model, Params)):
-    raise ValueError('zero_init builds a Params model on the one-program engine only')
+  if weights_only and (pipelined or not isinstance(model, Params)):
+    raise ValueError('weights_only builds a Params model on the one-program engine only')
   if isinstance(model, Params):
     model = compute_params(model, dtype=config.compute_dtype, remat=config.remat)
   if pipelined:
@@ -87,7 +88,7 @@ def _engine(model, *, mesh, rules, task, optimizer, config, counters, pipeline, 
                        fsdp_axis=fsdp_axis)
   if isinstance(model, Params):
     built = build_params_model(model, mesh=mesh, rules=rules, seed=config.seed,
-                               fsdp_axis=fsdp_axis, zero_init=zero_init)
+                               fsdp_axis=fsdp_axis, zero_init=weights_only)
   else:
     from layout_core.model import keras  # pylint: disable=g-import-not-at-top
     built = keras.build(model, mesh=mesh, rules=rules, seed=config.seed,
@@ -95,7 +96,8 @@ def _engine(model, *, mesh, rules, task, optimizer, config, counters, pipeline, 
                         compute_dtype=config.compute_dtype, remat=config.remat)
   return SingleProgramEngine(
       program=ModelProgram(model=built, task=task, mesh=mesh, batch_axis=batch_axis),
-      mesh=mesh, optimizer=optimizer, config=config, counters=counters)
+      mesh=mesh, optimizer=None if weights_only else optimizer, config=config,
+      counters=counters)
 
 
 def make_trainer(*, model, mesh, rules: LayoutRules | None, task: Task,
@@ -106,7 +108,7 @@ def make_trainer(*, model, mesh, rules: LayoutRules | None, task: Task,
                  model_flops_per_step: float | None = None,
                  peak_flops: float | None = None,
                  text_samples: Callable[[Mapping[str, Any]], str] | None = None,
-                 zero_init: bool = False) -> Trainer:
+                 weights_only: bool = False) -> Trainer:
   """Counters, the engine (`make_engine`) and the loop around them (the FLOP
   figures feed train/model_flops_per_sec and train/mfu, and `text_samples`
   samples/text, see `Trainer`)."""
@@ -114,7 +116,7 @@ def make_trainer(*, model, mesh, rules: LayoutRules | None, task: Task,
   engine = make_engine(model=model, mesh=mesh, rules=rules, task=task, optimizer=optimizer,
                        config=config, counters=counters, pipeline=pipeline,
                        pipeline_plan=pipeline_plan, bubble_fill=bubble_fill,
-                       zero_init=zero_init)
+                       weights_only=weights_only)
   return Trainer(engine=engine, counters=counters, task=task, config=config, writer=writer,
                  profile_dir=profile_dir, model_flops_per_step=model_flops_per_step,
                  peak_flops=peak_flops, text_samples=text_samples)

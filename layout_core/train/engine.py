@@ -58,7 +58,7 @@ class StepEngine(Protocol):
   mesh: Any                                 # the whole mesh (counters live on it)
   variables: Mapping[str, Any]              # path -> variable
   layout_records: Sequence[LayoutRecord]
-  optimizer: Optimizer
+  optimizer: Optimizer | None               # None: the weights only (an import)
   model_state: Any                          # what a checkpoint holds as 'model'
   description: str                          # the model as text (params.txt)
 
@@ -164,19 +164,21 @@ class SingleProgramEngine:
   the collectives (module doc): a `ModelProgram` (Params or Keras model) or
   the SPMD pipeline's program (`layout_core.pipeline.engines.SpmdProgram`)."""
 
-  def __init__(self, *, program: Program, mesh, optimizer: OptimizerConfig,
+  def __init__(self, *, program: Program, mesh, optimizer: OptimizerConfig | None,
                config: TrainConfig, counters: Counters):
+    """`optimizer` None: the model's weights only, nothing to update them
+    (an import writes them as a step-0 checkpoint; training from it starts
+    the optimizer fresh, `layout_core.checkpoint.manager`)."""
     self.program, self.mesh, self.config, self.counters = program, mesh, config, counters
     model = program.model
     self.variables, self.layout_records = model.variables, model.records
     self.model_state, self.description = model.checkpoint_root, model.description
     trainable = {p: v for p, v in model.variables.items() if v.trainable}
     self.trainable = list(trainable.values())
-    self.optimizer = make_optimizer(optimizer, variables=self.trainable, paths=list(trainable),
-                                    total_steps=config.num_steps,
-                                    mesh_axes=mesh_lib.mesh_axes(mesh),
-                                    batch_axis=program.batch_axis, lead_dims=model.lead_dims,
-                                    fsdp_axis=model.fsdp_axis)
+    self.optimizer = None if optimizer is None else make_optimizer(
+        optimizer, variables=self.trainable, paths=list(trainable),
+        total_steps=config.num_steps, mesh_axes=mesh_lib.mesh_axes(mesh),
+        batch_axis=program.batch_axis, lead_dims=model.lead_dims, fsdp_axis=model.fsdp_axis)
     self.micro_steps = MicroSteps(count=config.grad_accum_steps, batch_size=config.batch_size)
     self._gradients = StepFunction(self._gradients_fn)
     self._apply = StepFunction(self._apply_fn)

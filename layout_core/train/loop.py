@@ -64,8 +64,9 @@ class Trainer:
 
     Random state needs no entry: initial weights and dropout are pure
     functions of (seed, path) and (seed, step)."""
-    return {'model': self.engine.model_state, 'optimizer': self.engine.optimizer,
-            'counters': self.counters.module}
+    state = {'model': self.engine.model_state, 'optimizer': self.engine.optimizer,
+             'counters': self.counters.module}
+    return {name: part for name, part in state.items() if part is not None}
 
   def data_state(self) -> dict | None:
     """Where this client's input stands after the last step it trained (the
