@@ -48,7 +48,8 @@ def _params_builder(cls: type, name: str) -> Callable[..., Params]:
   """A function `name(**params keys) -> cls.Params().Set(...)` with a real
   signature (gin validates parameter names against it)."""
   defaults = cls.Params()
-  keys = [key for key, _ in defaults.IterParams() if key != 'cls']
+  # Not `cls`, nor `tuning`, which the run's lora.* and train.trainable set.
+  keys = [key for key, _ in defaults.IterParams() if key not in ('cls', 'tuning')]
   unset = object()
 
   def build(**kwargs: Any) -> Params:
@@ -71,7 +72,7 @@ def register_layer(cls: type | None = None, *, name: str | None = None,
 
   A decorator, bare or with arguments. It registers a function named after
   the class in snake_case whose keyword arguments are exactly the class's
-  Params keys (but `cls`), so gin reports a misspelt key with the real ones;
+  Params keys (but `cls` and `tuning`), so gin reports a misspelt key with the real ones;
   `@gated_dense()` in gin then returns `GatedDense.Params()` with the bound
   keys set. The class itself is returned unchanged.
 
