@@ -7,9 +7,9 @@ parameters by default), then, each in a fresh process, side by side:
 
   * `read`: every tensor read one at a time with safetensors and widened to
     float32, as the import reads them, and dropped (the files' own speed);
-  * `build`: the run the import builds (8 CPU devices, `data=8`, FSDP), its
-    weights and optimizer state made as the import makes them (zeros, to be
-    overwritten), nothing read: the memory any run of this model takes;
+  * `build`: what the import builds (8 CPU devices, `data=8`, FSDP): the
+    model's weights alone, as zeros to be overwritten, no optimizer (a
+    training run adds its state), nothing read;
   * `import`: `plugins.hf.import_run` of the directory into that run, step-0
     checkpoint written.
 

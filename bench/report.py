@@ -291,13 +291,14 @@ def _import_hf(r: Results) -> Rendered:
            f"({figure('import_hf.checkpoint', r)} of bfloat16 "
            f"safetensors) peaked at {figure('import_hf.peak', r)} of host memory, "
            f"{r['import_peak / checkpoint']:.1f}x the checkpoint (goal 1.3x: not met); "
-           f"{r['import_peak - build_peak (GiB)']:.1f} GiB of it above the run alone, whose "
-           "float32 weights and Adam state take the rest. It took "
-           f"{r['import_seconds / read_seconds']:.0f}x as long as reading the files: the run's "
-           'state, optimizer included, is built and written as a checkpoint.')
+           f"{r['import_peak - build_peak (GiB)']:.1f} GiB of it above the model alone "
+           "(its float32 weights; no optimizer state: the step-0 checkpoint holds the "
+           "weights only), most of that the save's host copy of the shards. It took "
+           f"{r['import_seconds / read_seconds']:.0f}x as long as reading the files: the "
+           'model is built on the mesh, assigned and written as a checkpoint.')
   shows += ' ' + '; '.join(f"{name} {r[key]['seconds']:.1f} s, peak {r[key]['peak_gib']:.2f} GiB"
                            for name, key in (('reading every tensor', 'read'),
-                                             ('building the run alone', 'build'),
+                                             ('building the model alone', 'build'),
                                              ('the import', 'import'))) + '.'
   return shows, []
 
