@@ -52,6 +52,11 @@ MODEL_DIR, CHECKPOINT = checkpoint_flags.MODEL_DIR, checkpoint_flags.CHECKPOINT
 
 PROMPT = flags.DEFINE_multi_string(
     'prompt', [], 'A prompt as text (repeat for more), through the run\'s tokenizer.')
+CHAT = flags.DEFINE_bool(
+    'chat', False, 'Give each text prompt as a user turn of a conversation, formatted by '
+    'the chat template the run was tuned with (its instruct task\'s; else the '
+    'chat_template of its tokenizer/, as an imported chat model has; else the default '
+    'template), up to where the assistant\'s answer starts.')
 PROMPT_IDS = flags.DEFINE_multi_string(
     'prompt_ids', [], 'A prompt as token ids, e.g. "1,2,3" (repeat for more).')
 PROMPTS_FILE = flags.DEFINE_string(
@@ -85,10 +90,12 @@ def parse_ids(text: str, where: str) -> list[int]:
   return [int(p) for p in parts]
 
 
-def read_prompts(tokenizer) -> list[tuple[str, list[int]]]:
-  """(prompt as given, its ids) for every prompt of the flags, in order."""
+def read_prompts(tokenizer, encode=None) -> list[tuple[str, list[int]]]:
+  """(prompt as given, its ids) for every prompt of the flags, in order;
+  text through `encode` (default: the tokenizer's)."""
   from layout_core.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  prompts = [(text, tokenizer.encode(text)) for text in PROMPT.value]
+  encode = encode or tokenizer.encode
+  prompts = [(text, encode(text)) for text in PROMPT.value]
   prompts += [(text, parse_ids(text, '--prompt_ids')) for text in PROMPT_IDS.value]
   path = PROMPTS_FILE.value
   if path:
@@ -108,20 +115,38 @@ def read_prompts(tokenizer) -> list[tuple[str, list[int]]]:
           raise ConfigError(f'{where} is not JSON ({e})', where=where,
                             fix='write {"prompt": "text"} or {"ids": [1, 2]} a line') from None
         if isinstance(record, dict) and isinstance(record.get('prompt'), str):
-          prompts.append((record['prompt'], tokenizer.encode(record['prompt'])))
+          prompts.append((record['prompt'], encode(record['prompt'])))
         elif isinstance(record, dict) and isinstance(record.get('ids'), list):
           prompts.append((str(record['ids']), parse_ids(','.join(map(str, record['ids'])), where)))
         else:
           raise ConfigError(f'{where} has neither "prompt" (text) nor "ids" (a list)',
                             where=where, fix='write {"prompt": "text"} or {"ids": [1, 2]}')
       elif tokenizer.has_text:
-        prompts.append((line, tokenizer.encode(line)))
+        prompts.append((line, encode(line)))
       else:
         prompts.append((line, parse_ids(line, where)))
   if not prompts:
     raise ConfigError('no prompt given', where='the command line',
                       fix='add --prompt="text", --prompt_ids=1,2,3 or --prompts_file=FILE')
   return prompts
+
+
+def chat_encoder(plan, tokenizer):
+  """--chat's encoding of a prompt (`layout_core.tasks.instruct.chat_prompt`)
+  with the run's chat template (the flag's help says which)."""
+  # pylint: disable=g-import-not-at-top
+  from layout_core.errors import ConfigError
+  from layout_core.tasks import instruct
+  from layout_core.tasks.tokenizer import RUN_TOKENIZER_DIR
+  from plugins import inference
+  if not tokenizer.has_text:
+    raise ConfigError(f'--chat formats text, but {tokenizer.why}', where='--chat',
+                      fix='leave out --chat and give the prompt as ids')
+  template = getattr(plan.task, 'template', None)
+  if template is None:
+    run = inference.run_directory(model_dir=MODEL_DIR.value, checkpoint=CHECKPOINT.value)
+    template = instruct.find_template(os.path.join(run, RUN_TOKENIZER_DIR) if run else None)
+  return lambda text: instruct.chat_prompt(text, template=template, tokenizer=tokenizer)
 
 
 def stop_ids(tokenizer) -> list[int]:
@@ -160,8 +185,8 @@ def main(argv):
     prompts, stops = [], []
 
     def check(plan, layers, tokenizer):  # before the checkpoint is read
-      del plan
-      prompts[:], stops[:] = read_prompts(tokenizer), stop_ids(tokenizer)
+      encode = chat_encoder(plan, tokenizer) if CHAT.value else None
+      prompts[:], stops[:] = read_prompts(tokenizer, encode), stop_ids(tokenizer)
       for index, (text, ids) in enumerate(prompts):
         decode.check_fits(prompt_length=len(ids), max_new_tokens=MAX_NEW_TOKENS.value,
                           max_len=layers.max_len,

@@ -290,3 +290,27 @@ def test_a_reader_from_the_saved_state_continues_exactly(tmp_path):
   assert not np.array_equal(first[0]['tokens'], fourth['tokens'])
   with pytest.raises(ConfigError, match='needs the data position'):
     task.reader(split='train', batch_size=2, start_step=3)
+
+
+def test_a_chat_prompt_is_what_training_saw_before_the_answer(tmp_path):
+  """`launch.decode --chat` encodes a prompt as `chat_prompt` does: the user
+  turn and the generation prompt, the exact ids a trained row holds before
+  its first response token (the default template on bytes, and a Llama-like
+  Jinja template with a BOS-adding tokenizer). The run's tokenizer is the
+  task's own."""
+  from layout_core.infer.tokens import tokenizer_for  # pylint: disable=g-import-not-at-top
+  from layout_core.tasks.instruct import chat_prompt  # pylint: disable=g-import-not-at-top
+  directory, _ = hf_tokenizer_dir(tmp_path, LLAMA_LIKE)
+  for settings, prompt in ((dict(), 'add 2 and 3'), (dict(tokenizer=directory, vocab_size=32),
+                                                     'name a colour')):
+    example = {'prompt': prompt, 'response': 'red'}
+    task = make_task(tmp_path, [example], pack=False, **settings)
+    assert tokenizer_for(task) is task.tokenizer
+    row = next(task.reader(split='train', batch_size=1))
+    first_trained = int(np.argmax(row['loss_mask'][0]))
+    assert row['loss_mask'][0, first_trained] == 1
+    ids = chat_prompt(prompt, template=task.template, tokenizer=task.tokenizer)
+    assert ids == row['tokens'][0, :first_trained].tolist()
+  assert bytes(chat_prompt('hi', template=make_task(tmp_path, [example]).template,
+                           tokenizer=tokenizer_for(make_task(tmp_path, [example])))
+               ) == b'<|user|>\nhi<|end|>\n<|assistant|>\n'

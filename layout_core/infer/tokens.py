@@ -48,6 +48,8 @@ def tokenizer_for(task, *, spm_model: str | None = None,
   own = run_tokenizer(run_dir) if run_dir else None
   if own is not None:
     return own
+  if isinstance(getattr(task, 'tokenizer', None), Tokenizer):  # it tokenizes text itself
+    return task.tokenizer
   if isinstance(task, LMCorpusTask):
     found = corpus_spm_model(task.patterns['train'])
     if found is None:

@@ -302,6 +302,17 @@ def find_template(directory: str | None) -> DefaultTemplate | JinjaTemplate:
   return JinjaTemplate(path, config)
 
 
+def chat_prompt(text: str, *, template: DefaultTemplate | JinjaTemplate,
+                tokenizer: tokens_lib.Tokenizer) -> list[int]:
+  """The ids a model tuned with `template` answers `text` from: `text` as a
+  user turn, up to where the assistant's answer starts (its generation
+  prompt), tokenized as training tokenized it."""
+  pieces = template.pieces([{'role': 'user', 'content': text},
+                            {'role': 'assistant', 'content': ''}], where='the prompt')
+  last = max(i for i, (_, trained) in enumerate(pieces) if trained)
+  return [int(i) for i in tokenize(pieces[:last], tokenizer)[0]]
+
+
 def tokenize(pieces: Sequence[Piece], tokenizer: tokens_lib.Tokenizer
              ) -> tuple[np.ndarray, np.ndarray]:
   """(token ids, loss mask) of the pieces, each tokenized on its own."""
