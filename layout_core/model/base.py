@@ -196,17 +196,14 @@ class BaseLayer(Module):
   def own_variable_specs(cls, p: Params, path: str) -> list[VariableSpec]:
     """The layer's own variables at `path`; under `p.tuning`, frozen where
     it says and each LoRA target followed by its two adapters."""
-    tuning = p.tuning
-    specs = []
+    tuning, specs = p.tuning, []
     for d in cls.declare_variables(p):
-      spec = VariableSpec(path=f'{path}/{d.name}', shape=tuple(d.shape),
-                          initializer=d.initializer, dtype=p.dtype,
-                          unshardable=dict(d.unshardable),
-                          trainable=tuning is None or tuning.trains(f'{path}/{d.name}'))
-      specs.append(spec)
-      if tuning is not None and tuning.lora is not None and d.inputs and (
-          tuning.lora.adapts(spec.path)):
-        specs += lora.adapter_specs(spec, inputs=d.inputs, lora=tuning.lora)
+      specs.append(VariableSpec(
+          path=f'{path}/{d.name}', shape=tuple(d.shape), initializer=d.initializer,
+          dtype=p.dtype, unshardable=dict(d.unshardable),
+          trainable=tuning is None or tuning.trains(f'{path}/{d.name}')))
+      if tuning is not None and tuning.lora and d.inputs and tuning.lora.adapts(specs[-1].path):
+        specs += lora.adapter_specs(specs[-1], inputs=d.inputs, lora=tuning.lora)
     return specs
 
   @classmethod

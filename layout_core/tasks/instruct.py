@@ -64,6 +64,7 @@ checkpoint continues exactly. The tokenizer is a run directory (its
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Any, Mapping, Sequence
@@ -148,12 +149,8 @@ def check_example_files(files: Sequence[str]) -> dict[str, int]:
 
 def count_lines(path: str, *, at_most: int) -> int:
   """Lines of a file, counted up to `at_most` (the streams' `count`)."""
-  count = 0
   with open(path, 'rb') as f:
-    for count, _ in enumerate(f, 1):
-      if count >= at_most:
-        break
-  return count
+    return sum(1 for _ in itertools.islice(f, at_most))
 
 
 def numbered_lines(files) -> 'tf.data.Dataset':
@@ -333,8 +330,7 @@ class ExamplePacker(Packer):
 
   def __init__(self, stream, *, length, pack, vocab_size, used, too_long, tokenizer,
                template):
-    self.tokenizer, self.template = tokenizer, template
-    self.examples = 0
+    self.tokenizer, self.template, self.examples = tokenizer, template, 0
     self._epoch = stream.position[0]
     super().__init__(stream, length=length, pack=pack, vocab_size=vocab_size, used=used,
                      too_long=too_long)
@@ -371,9 +367,8 @@ class ExamplePacker(Packer):
 def example_counts(reader: streams.StreamReader) -> dict[str, int]:
   """{'examples', 'cut', 'dropped'}: summed over `reader`'s streams, since it
   opened (an example may be counted as read while it waits for the next row)."""
-  sources = reader.sources.values()
-  return {'examples': sum(s.examples for s in sources), 'cut': sum(s.cut for s in sources),
-          'dropped': sum(s.dropped for s in sources)}
+  return {name: sum(getattr(s, name) for s in reader.sources.values())
+          for name in ('examples', 'cut', 'dropped')}
 
 
 def _parse(serialized):
