@@ -81,6 +81,7 @@ def main(argv):
     if not MODEL_DIR.value:
       raise ConfigError('--model_dir is not given', where='the command line',
                         fix='add --model_dir=runs/<name> (a new directory)')
+    hf.return_freed_memory_promptly()
     report = hf.import_run(hf_dir=HF_DIR.value, model_dir=MODEL_DIR.value,
                            files=gin_flags.GIN_FILES.value,
                            bindings=gin_flags.GIN_BINDINGS.value,

@@ -228,6 +228,22 @@ def test_bfloat16_shards_read_one_tensor_at_a_time_exactly(tmp_path):
   assert all(np.array_equal(again[p], values[p]) for p in values)  # bf16 values survive bf16
 
 
+def test_the_reader_keeps_no_file_mapped_between_reads(tmp_path):
+  """A mapping kept open keeps every page read so far in the process: the
+  whole checkpoint by the end of an import (bench/import_hf.py)."""
+  directory = str(tmp_path / 'bf16')
+  hf_fixtures.write_checkpoint(directory, 'llama', dtype='bfloat16', shards=3, tokenizer=False)
+
+  def mapped():
+    with open('/proc/self/maps') as maps:
+      return [line for line in maps if directory in line]
+  with hf.open_hf(directory) as source:
+    assert not mapped()
+    for path, value in source.values():
+      assert value.dtype == np.float32 and value.flags.c_contiguous, path
+      assert not mapped(), path
+
+
 # -- bad input -----------------------------------------------------------------------------
 def _break_config(family, **changes):
   def make(directory):

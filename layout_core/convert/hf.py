@@ -70,12 +70,9 @@ class HFSource:
     """(variable path, float32 value) for every variable, one Hugging Face
     tensor read at a time."""
     for rule in self.rules:
-      tensor = self.reader.read(rule.hf_name)
-      if tensor.dtype != np.float32:
-        tensor = tensor.astype(np.float32)
-      for path, value in zip(rule.paths, rule.to_meshgin(tensor)):
-        yield path, value
-      del tensor
+      values = rule.to_meshgin(self.reader.read(rule.hf_name), np.float32)
+      for path in rule.paths:
+        yield path, values.pop(0)  # handed over: the caller's is the only reference
 
   def close(self) -> None:
     self.reader.close()

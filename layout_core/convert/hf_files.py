@@ -6,12 +6,14 @@
     write_safetensors('out/', tensors(), sizes, max_shard_bytes=5 << 30)
 
 Reading: a directory holds `model.safetensors`, or shards named by
-`model.safetensors.index.json`. Every file is opened once with
+`model.safetensors.index.json`. Every file is opened with
 `safetensors.safe_open(framework='numpy')`, which memory-maps it and checks
 its header against its size (a truncated file is refused on open), and a
-tensor is copied out only when asked for: an import holds one tensor (and
-its converted copies) in host memory at a time, beside the mapped files
-(page cache, not the process's own memory). bfloat16 tensors come back as
+tensor is copied out only when asked for, through a mapping of its own file
+that is closed right after: an import holds one tensor (and its converted
+copies) in host memory at a time. (A mapping kept open would keep every
+page read so far resident in the process: the whole checkpoint by the end
+of an import, measured in `bench/import_hf.py`.) bfloat16 tensors come back as
 `ml_dtypes.bfloat16` arrays (safetensors 0.8 does this with numpy once
 ml_dtypes is imported); the import widens each to float32 on its own.
 
@@ -26,9 +28,10 @@ Every problem with the files is a ConfigError naming the file (or tensor).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -47,57 +50,42 @@ class SafetensorsReader:
 
   def __init__(self, directory: str):
     self.directory = directory
-    self._files: dict[str, object] = {}
     self.file_of: dict[str, str] = {}
     self.shapes: dict[str, tuple[int, ...]] = {}
     self.dtypes: dict[str, str] = {}
-    try:
-      self._open()
-    except BaseException:
-      self.close()
-      raise
-
-  def _open(self) -> None:
     # safetensors gives bfloat16 to numpy only once ml_dtypes (TensorFlow's own
     # dependency) is imported; without it, get_tensor raises TypeError.
     import ml_dtypes  # pylint: disable=g-import-not-at-top,unused-import
-    from safetensors import SafetensorError, safe_open  # pylint: disable=g-import-not-at-top
-    single = os.path.join(self.directory, SINGLE_FILE)
-    index_path = os.path.join(self.directory, INDEX_FILE)
+    single = os.path.join(directory, SINGLE_FILE)
+    index_path = os.path.join(directory, INDEX_FILE)
     if os.path.isfile(index_path):
       weight_map = _weight_map(index_path)
     elif os.path.isfile(single):
       weight_map = None
     else:
-      others = sorted(n for n in os.listdir(self.directory)
+      others = sorted(n for n in os.listdir(directory)
                       if n.endswith(('.bin', '.pt', '.pth', '.h5', '.msgpack')))
       found = f' (it has {", ".join(others)}: not safetensors)' if others else ''
-      raise ConfigError(f'{self.directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}{found}',
+      raise ConfigError(f'{directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}{found}',
                         where='--hf_dir', fix='give a directory with safetensors weights, as '
                         'save_pretrained writes them (transformers can convert a .bin '
                         'checkpoint: load it and save_pretrained(safe_serialization=True))')
-    files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
-    for name in files:
-      path = os.path.join(self.directory, name)
+    for name in sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]:
+      path = os.path.join(directory, name)
       if not os.path.isfile(path):
         raise ConfigError(f'the shard {path} named by {index_path} does not exist',
                           where=index_path, fix='download every shard the index names')
-      try:
-        handle = safe_open(path, framework='numpy')
-        self._files[name] = handle.__enter__()
-      except (SafetensorError, OSError) as e:
-        raise ConfigError(f'{path} is not a readable safetensors file ({e})', where=path,
-                          fix='download the file again (it is truncated or damaged)') from None
-      for key in self._files[name].keys():
-        if weight_map is not None and weight_map.get(key) != name:
-          if key not in weight_map:
-            raise ConfigError(f'{path} holds {key!r}, which {index_path} does not list',
-                              where=index_path, fix='give the index saved with these shards')
-          continue  # listed under another shard: that shard's copy is the one read
-        piece = self._files[name].get_slice(key)
-        self.file_of[key] = name
-        self.shapes[key] = tuple(int(s) for s in piece.get_shape())
-        self.dtypes[key] = piece.get_dtype()
+      with _opened(path) as handle:
+        for key in handle.keys():
+          if weight_map is not None and weight_map.get(key) != name:
+            if key not in weight_map:
+              raise ConfigError(f'{path} holds {key!r}, which {index_path} does not list',
+                                where=index_path, fix='give the index saved with these shards')
+            continue  # listed under another shard: that shard's copy is the one read
+          piece = handle.get_slice(key)
+          self.file_of[key] = name
+          self.shapes[key] = tuple(int(s) for s in piece.get_shape())
+          self.dtypes[key] = piece.get_dtype()
     if weight_map is not None:
       lost = sorted(k for k in weight_map if k not in self.file_of)
       if lost:
@@ -106,19 +94,32 @@ class SafetensorsReader:
                           where=index_path, fix='download the shards again')
 
   def read(self, name: str) -> np.ndarray:
-    """The tensor `name`, copied into host memory."""
-    return self._files[self.file_of[name]].get_tensor(name)
+    """The tensor `name`, copied into host memory (its file mapped meanwhile)."""
+    with _opened(os.path.join(self.directory, self.file_of[name])) as handle:
+      return handle.get_tensor(name)
 
   def close(self) -> None:
-    for handle in self._files.values():
-      handle.__exit__(None, None, None)
-    self._files.clear()
+    """Nothing stays open between reads; kept for the context manager."""
 
   def __enter__(self) -> 'SafetensorsReader':
     return self
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+@contextlib.contextmanager
+def _opened(path: str) -> Iterator:
+  """`safe_open(path)`, its mapping closed on leaving; a file safetensors
+  refuses (truncated, damaged) is a ConfigError naming it."""
+  from safetensors import SafetensorError, safe_open  # pylint: disable=g-import-not-at-top
+  try:
+    handle = safe_open(path, framework='numpy')
+  except (SafetensorError, OSError) as e:
+    raise ConfigError(f'{path} is not a readable safetensors file ({e})', where=path,
+                      fix='download the file again (it is truncated or damaged)') from None
+  with handle as opened:
+    yield opened
 
 
 def _weight_map(index_path: str) -> dict[str, str]:

@@ -58,15 +58,18 @@ class TensorRule:
   shapes: tuple[Shape, ...]
   kind: str = 'reshape'   # 'linear' or 'reshape'
 
-  def to_meshgin(self, array: np.ndarray) -> list[np.ndarray]:
-    """The variables' values from the Hugging Face tensor (shape checked by the reader)."""
+  def to_meshgin(self, array: np.ndarray, dtype=None) -> list[np.ndarray]:
+    """The variables' values from the Hugging Face tensor (shape checked by
+    the reader), in `dtype` (None: the tensor's): converted as they are
+    copied out, so a value costs one copy of itself at most."""
+    dtype = array.dtype if dtype is None else np.dtype(dtype)
     if self.kind == 'linear':
-      return [np.ascontiguousarray(array.T).reshape(self.shapes[0])]
+      return [np.asarray(array.T, dtype=dtype, order='C').reshape(self.shapes[0])]
     if len(self.paths) == 1:
-      return [array.reshape(self.shapes[0])]
+      return [np.asarray(array.reshape(self.shapes[0]), dtype=dtype)]
     sizes = [int(np.prod(s)) // int(np.prod(self.hf_shape[:-1])) for s in self.shapes]
     parts = np.split(array, np.cumsum(sizes)[:-1], axis=-1)
-    return [np.ascontiguousarray(p).reshape(s) for p, s in zip(parts, self.shapes)]
+    return [np.asarray(p, dtype=dtype, order='C').reshape(s) for p, s in zip(parts, self.shapes)]
 
   def to_hf(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
     """The Hugging Face tensor from the variables' values: `to_meshgin` undone."""
