@@ -28,8 +28,8 @@ written on that mesh in that layout, and tokenizer/. Then:
 --adapters_only) to the run: its config binds lora.* to theirs, and the
 checkpoint holds them beside the base weights (docs/fine-tune.md).
 
-Tied embeddings are untied: lm/softmax/w starts as the embedding's transpose
-(launch.export --format=hf ties them again while they are still equal).
+Tied embeddings stay tied (transformer_lm.tie_embeddings = True in its
+config): the softmax reads lm/emb/table, and the export writes one matrix.
 
 Exit status: 0 imported; 2 a configuration error in one paragraph (a missing,
 truncated or unknown file or tensor, a field meshgin does not implement, a

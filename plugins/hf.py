@@ -80,7 +80,7 @@ class ImportReport:
 
   def line(self) -> str:
     return (f'Imported a {self.family} model ({self.num_parameters:,} parameters'
-            f'{", tied embeddings untied" if self.tied else ""}) into {self.model_dir} on '
+            f'{", tied embeddings" if self.tied else ""}) into {self.model_dir} on '
             f'{self.mesh} in {self.seconds:.1f} s: config.gin, checkpoints/ckpt-0')
 
 

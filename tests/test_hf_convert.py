@@ -155,7 +155,11 @@ def test_qwen2_biases_and_tied_embedding(checkpoints):
   np.testing.assert_array_equal(v['lm/stack/block_000/attn/bk'],
                                 t['model.layers.0.self_attn.k_proj.bias'].reshape(2, 8))
   assert 'lm/stack/block_000/attn/bo' not in v
-  np.testing.assert_array_equal(v['lm/softmax/w'], t['model.embed_tokens.weight'].T)
+  # Tied: the model's softmax reads the embedding, and has no matrix of its own.
+  with hf.open_hf(directory) as source:
+    assert source.kwargs['tie_embeddings'] is True
+  assert 'lm/softmax/w' not in v
+  np.testing.assert_array_equal(v['lm/emb/table'], t['model.embed_tokens.weight'])
 
 
 def test_gpt2_fused_qkv_and_conv1d(checkpoints):
@@ -174,7 +178,7 @@ def test_gpt2_fused_qkv_and_conv1d(checkpoints):
   np.testing.assert_array_equal(v['lm/stack/block_000/ffn/w_in'], t['h.0.mlp.c_fc.weight'])
   np.testing.assert_array_equal(v['lm/emb/pos_table'], t['wpe.weight'])
   np.testing.assert_array_equal(v['lm/final_ln/bias'], t['ln_f.bias'])
-  np.testing.assert_array_equal(v['lm/softmax/w'], t['wte.weight'].T)
+  assert 'lm/softmax/w' not in v  # tied: GPT-2's output projection is wte
 
 
 # -- files: read, write, read again ----------------------------------------------------------
@@ -201,15 +205,21 @@ def test_write_then_read_gives_the_same_values_and_tensors(family, checkpoints, 
       assert np.array_equal(reader.read(prefix + name), tensor), name
 
 
-def test_export_unties_a_trained_output_matrix(checkpoints, tmp_path):
+def test_an_untied_models_export_ties_equal_matrices_only(checkpoints, tmp_path):
+  """A model with its own output matrix (tie_embeddings off) is written
+  tied while that matrix is the embedding transposed, untied once it is not."""
   directory, _ = checkpoints['qwen2']
   with hf.open_hf(directory) as source:
-    values, kwargs = dict(source.values()), source.kwargs
-  values['lm/softmax/w'] = values['lm/softmax/w'] + np.float32(1e-3)
-  written = hf.write_hf_dir(str(tmp_path / 'out'), kwargs=kwargs, read=values.__getitem__)
-  assert not written['tied'] and written['config']['tie_word_embeddings'] is False
-  np.testing.assert_array_equal(values_of(str(tmp_path / 'out'))['lm/softmax/w'],
-                                values['lm/softmax/w'])
+    values, kwargs = dict(source.values()), dict(source.kwargs, tie_embeddings=False)
+  for change, tied in ((0, True), (1e-3, False)):
+    values['lm/softmax/w'] = values['lm/emb/table'].T + np.float32(change)
+    out = str(tmp_path / f'out-{change}')
+    written = hf.write_hf_dir(out, kwargs=kwargs, read=values.__getitem__)
+    assert written['tied'] is tied and written['config']['tie_word_embeddings'] is tied
+    again = values_of(out)
+    assert ('lm/softmax/w' in again) is not tied  # read back as the model it says
+    if not tied:
+      np.testing.assert_array_equal(again['lm/softmax/w'], values['lm/softmax/w'])
 
 
 def test_bfloat16_shards_read_one_tensor_at_a_time_exactly(tmp_path):

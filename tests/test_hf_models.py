@@ -115,8 +115,11 @@ def test_logits_and_greedy_decoding_equal_keras_hub(family, runs, keras_hub_refe
 ], ids=['llama-data8', 'llama-megatron', 'qwen2-megatron-fsdp', 'gpt2-megatron'])
 def test_an_import_on_a_mesh_computes_the_same_logits(name, files, shape, more, hf_dirs,
                                                       keras_hub_reference, tmp_path):
+  # Strict: every rule lays out a variable; but the tied families' models
+  # (the fixtures' Qwen2 and GPT-2) have no softmax/w for its rule to find.
+  strict = name == 'llama'
   run = import_to(hf_dirs[name], str(tmp_path / 'run'), files=files,
-                  bindings=[f'mesh.shape = {shape!r}', 'layout_rules.strict = True', *more])
+                  bindings=[f'mesh.shape = {shape!r}', f'layout_rules.strict = {strict}', *more])
   loaded = decoder(run)
   assert loaded.plan.mesh_spec.shape == shape
   if 'model' in shape:  # control: the weights really are split over 'model'
@@ -260,11 +263,11 @@ def test_the_launchers_take_an_imported_run(hf_dirs, keras_hub_reference, tmp_pa
   assert inference.find_checkpoint(model_dir=run)[0] == 2
   losses = [read_events(path)['scalars']['train/loss'] for path in (run, started)]
   assert len(losses[0]) == 2 and losses[0] == losses[1]
-  # Trained, the output matrix is no longer the embedding: both are written.
+  # Trained, the tied model is still written tied: one matrix, the trained table.
   written = hf.export_run(export_dir=str(tmp_path / 'trained'), model_dir=run,
                           files=[inference.run_config(model_dir=run)])
-  assert written['step'] == 2 and not written['tied']
-  assert written['config']['tie_word_embeddings'] is False
+  assert written['step'] == 2 and written['tied']
+  assert written['config']['tie_word_embeddings'] is True
 
 
 def test_bindings_that_change_the_architecture_are_refused_with_nothing_written(

@@ -22,9 +22,9 @@ float16 widen exactly).
 `read(path)`, become the family's tensors (float32, or `dtype`), sharded over
 `max_shard_bytes`, with config.json and the tokenizer files, in a directory
 that appears whole (written beside it, renamed). It writes the embedding
-once and `tie_word_embeddings: true` when `lm/softmax/w` is exactly the
-embedding table transposed (an import of a tied checkpoint that was never
-trained), else both matrices and `false`.
+once and `tie_word_embeddings: true` when the model ties its embeddings
+(`transformer_lm.tie_embeddings`) or `lm/softmax/w` is exactly the
+embedding table transposed, else both matrices and `false`.
 
 The plugin side (`plugins.hf`) builds the run around these: the mesh, the
 layout, the checkpoint and config.gin.
@@ -165,7 +165,8 @@ def write_hf_dir(target: str, *, kwargs: Mapping[str, Any],
                         f'makes it {list(shapes[path])}', where='the run\'s config.gin',
                         fix='export with the config the checkpoint was trained with')
     return value
-  tied = is_tied(checked('lm/emb/table'), checked('lm/softmax/w'))
+  tied = (hf_config.resolved(kwargs)['tie_embeddings']
+          or is_tied(checked('lm/emb/table'), checked('lm/softmax/w')))
   config = hf_config.hf_config_from_lm(kwargs, tied=tied, dtype=dtype, kept=kept)
   prefix = 'transformer.' if family == 'gpt2' else ''
   rules = hf_names.tensor_rules(kwargs, family=family, tied=tied, prefix=prefix)

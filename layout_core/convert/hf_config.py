@@ -16,10 +16,10 @@ field, its value and the file: an import never yields a model that computes
 something else than the checkpoint's. A field missing from the file takes
 the default Hugging Face's config class gives it.
 
-Tied input and output embeddings are not a model option: `facts.tied` says
-the checkpoint has one matrix for both, and the import copies it into
-`lm/softmax/w` (`layout_core.convert.hf_names`). The inverse writes
-`tie_word_embeddings` as the export decides (`tied`).
+Tied input and output embeddings (`facts.tied`: the checkpoint has one
+matrix for both) become a tied model, `tie_embeddings=True` in the kwargs.
+The inverse writes `tie_word_embeddings` true for a tied model, or as the
+export decides (`tied`: an untied model whose matrices are still equal).
 
 Nothing here imports TensorFlow.
 """
@@ -38,7 +38,8 @@ FAMILIES = ('llama', 'mistral', 'qwen2', 'gpt2')
 LM_DEFAULTS: dict[str, Any] = dict(
     max_len=128, activation='relu', norm='layer', norm_epsilon=1e-6, positions='learned',
     rope_theta=10000.0, rope_scaling=None, ffn='mlp', num_kv_heads=0, head_dim=0,
-    qkv_bias=False, attention_out_bias=False, ffn_bias=None, output_bias=True)
+    qkv_bias=False, attention_out_bias=False, ffn_bias=None, output_bias=True,
+    tie_embeddings=False)
 ROPE_SCALING_KEYS = ('factor', 'low_freq_factor', 'high_freq_factor',
                      'original_max_position_embeddings')
 # Fields that give a model experts (mixture of experts), in any family's spelling.
@@ -163,7 +164,7 @@ def _llama_kwargs(fields: _Fields, family: str) -> tuple[dict[str, Any], bool]:
       qkv_bias=qkv_bias, attention_out_bias=attention_bias if family != 'qwen2' else False,
       ffn_bias=bool(fields.get('mlp_bias', False)) if family == 'llama' else False,
       output_bias=False)
-  return kwargs, bool(fields.get('tie_word_embeddings', False))
+  return _tie(kwargs, bool(fields.get('tie_word_embeddings', False)))
 
 
 def _rope(fields: _Fields) -> tuple[float, dict | None]:
@@ -212,7 +213,12 @@ def _gpt2_kwargs(fields: _Fields) -> tuple[dict[str, Any], bool]:
       activation=_GPT2_ACTIVATIONS[activation], norm='layer',
       norm_epsilon=float(fields.get('layer_norm_epsilon', 1e-5)), positions='learned',
       ffn='mlp', qkv_bias=True, attention_out_bias=True, ffn_bias=True, output_bias=False)
-  return kwargs, bool(fields.get('tie_word_embeddings', True))
+  return _tie(kwargs, bool(fields.get('tie_word_embeddings', True)))
+
+
+def _tie(kwargs: dict[str, Any], tied: bool) -> tuple[dict[str, Any], bool]:
+  """(kwargs, tied), kwargs tying the model's embeddings where the checkpoint's are."""
+  return ({**kwargs, 'tie_embeddings': True} if tied else kwargs), tied
 
 
 # -- the inverse --------------------------------------------------------------------------
@@ -275,7 +281,8 @@ def hf_config_from_lm(kwargs: Mapping[str, Any], *, tied: bool, dtype: str = 'fl
     family = 'mistral'  # an imported Mistral goes back as one (the same math as Llama's)
   extra = {name: kept[name] for name in KEPT_FIELDS if kept and name in kept}
   common = dict(architectures=[_ARCHITECTURES[family]], model_type=family,
-                vocab_size=k['vocab_size'], tie_word_embeddings=tied, torch_dtype=dtype, **extra)
+                vocab_size=k['vocab_size'], tie_word_embeddings=tied or k['tie_embeddings'],
+                torch_dtype=dtype, **extra)
   if family == 'gpt2':
     activation = {v: n for n, v in reversed(_GPT2_ACTIVATIONS.items())}[k['activation']]
     return dict(common, n_embd=k['model_dim'], n_head=k['num_heads'], n_layer=k['num_layers'],

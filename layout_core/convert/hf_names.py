@@ -24,8 +24,9 @@ RoPE needs no permutation: meshgin rotates the two halves of each head
 already have. Grouped-query heads keep their order (query head h reads kv
 head h // (H / Hkv), as `repeat_kv` does).
 
-With tied embeddings (`tied=True`) the output projection's rule reads the
-embedding's tensor: `lm/softmax/w` starts as its transpose.
+A model with tied embeddings (`tie_embeddings`) has no output projection
+of its own, so no rule writes or reads one; an untied model read from tied
+embeddings (`tied=True`) gets a rule reading the embedding's tensor.
 
 Nothing here imports TensorFlow.
 """
@@ -92,13 +93,16 @@ def _rule(hf_name: str, hf_shape: Sequence[int], path: str | Sequence[str],
 def tensor_rules(kwargs: Mapping[str, Any], *, family: str, tied: bool,
                  prefix: str = '') -> list[TensorRule]:
   """Every tensor of a `family` checkpoint of transformer_lm(**kwargs), in
-  the model's order. `tied`: the output projection reads the embedding.
+  the model's order. `tied`: the output projection reads the embedding (a
+  model that ties its embeddings, `tie_embeddings`, has no rule for it).
   `prefix`: GPT-2's names with ('transformer.') or without ('') the prefix
   of GPT2LMHeadModel."""
   k, blocks = resolved(kwargs), block_paths(kwargs)
   rules = _gpt2_rules(k, blocks, prefix) if family == 'gpt2' else _llama_rules(k, blocks)
   embedding = rules[0]
   head = rules[-1]
+  if k['tie_embeddings']:  # the model's softmax reads the embedding: no tensor of its own
+    return rules[:-1]
   if tied:  # the output projection is the embedding, transposed
     rules[-1] = dataclasses.replace(head, hf_name=embedding.hf_name,
                                     hf_shape=embedding.hf_shape)

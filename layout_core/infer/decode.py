@@ -55,7 +55,7 @@ from layout_core.lazy import dtensor, tf
 from layout_core.model.attention import (MultiHeadAttention, attend, attention_inputs,
                                          attention_output, causal_mask)
 from layout_core.model.layers import (Embedding, LayerNorm, Softmax, TransformerBlock,
-                                      learned_positions)
+                                      learned_positions, tied_logits_table)
 from layout_core.params import Params
 
 # Re-exported: the decoder's callers check models and prompts through this module.
@@ -277,7 +277,11 @@ class CachedLM:
     (norm_path, norm), (softmax_path, softmax) = self.layers.final_norm, self.layers.softmax
     x = LayerNorm.apply(norm, self._weights(norm_path, norm), x)
     w = self._weights(softmax_path, softmax)
-    return Softmax.logits(x, w=w('w'), b=w('b') if softmax.use_bias else None)
+    b = w('b') if softmax.use_bias else None
+    if softmax.tied_to:  # the embedding's table, as the trained model reads it
+      table = self._values[f"{softmax_path.rsplit('/', 1)[0]}/{softmax.tied_to}"]
+      return Softmax.logits(x, table=tied_logits_table(table, compute_dtype(softmax)), b=b)
+    return Softmax.logits(x, w=w('w'), b=b)
 
   def _hidden(self, tokens):
     x = self._embed(tokens)

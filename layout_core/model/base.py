@@ -167,6 +167,8 @@ class BaseLayer(Module):
     self.child_names = tuple(children)
     for name, child in children.items():
       setattr(self, name, _inherited(child, params).Instantiate(parent_path=self.path))
+    for child in self.children():
+      child.link_siblings(self)
 
   # -- declarations (classmethods: usable without building) ---------------------
   @classmethod
@@ -248,6 +250,9 @@ class BaseLayer(Module):
     `LayerWeights`): a variable read directly is still right, but FSDP then
     leaves its communication to DTensor."""
     return fsdp.at_use(getattr(self, name), self.compute_dtype)
+
+  def link_siblings(self, parent: Module) -> None:
+    """Once `parent` built every child: take a sibling's variable (`Softmax.tied_to`)."""
 
   def children(self) -> list['BaseLayer']:
     """The built sub-layers, in `child_params` order."""

@@ -10,9 +10,10 @@ Transformer block and the softmax projection (attention:
 
 from __future__ import annotations
 
-from layout_core.lazy import tf
+from layout_core.lazy import dtensor, tf
 from layout_core.errors import ConfigError
 from layout_core.layout import fsdp
+from layout_core.layout.rules import UNSHARDED
 from layout_core.layout.variables import Normal, Ones, Zeros
 from layout_core.model.base import (BaseLayer, Declared, LayerMeta, as_float32,
                                     num_elements as _size)
@@ -328,7 +329,8 @@ class TransformerBlock(BaseLayer):
 
 
 class Softmax(BaseLayer):
-  """Projection to logits over classes (the loss is applied outside)."""
+  """Projection to logits over classes (the loss is applied outside), by a
+  `w` of its own or, tied (`tied_to`), by a sibling embedding's table."""
 
   @classmethod
   def Params(cls):
@@ -338,11 +340,16 @@ class Softmax(BaseLayer):
     p.Define('num_classes', 256, 'Output classes (vocabulary).')
     p.Define('use_bias', True, 'Add a bias to the logits.')
     p.Define('init_stddev', 0.02, 'Stddev of the initial weights.')
+    p.Define('tied_to', '', "A sibling's [num_classes, input_dim] embedding table, as "
+             "'<layer>/<variable>' under the same parent ('emb/table'), that the "
+             'projection reads transposed instead of a w of its own (tied input and output '
+             "embeddings); '': its own w.")
     return p
 
   @classmethod
   def declare_variables(cls, p):
-    declared = [Declared('w', (p.input_dim, p.num_classes), Normal(p.init_stddev))]
+    declared = [] if p.tied_to else [
+        Declared('w', (p.input_dim, p.num_classes), Normal(p.init_stddev))]
     if p.use_bias:
       declared.append(Declared('b', (p.num_classes,), Zeros()))
     return declared
@@ -355,13 +362,60 @@ class Softmax(BaseLayer):
     return LayerMeta(out_shapes=(tuple(x_shape[:-1]) + (p.num_classes,),),
                      flops=matmul + tokens * p.num_classes, matmul_flops=matmul)
 
+  def link_siblings(self, parent):
+    if self.params.tied_to:
+      self._tied = TiedTable(tied_variable(parent, self.params.tied_to, where=self.path))
+
   def fprop(self, x):
-    return self.logits(x, w=self.weight('w'),
-                       b=self.weight('b') if self.params.use_bias else None)
+    b = self.weight('b') if self.params.use_bias else None
+    if self.params.tied_to:
+      return self.logits(x, table=tied_logits_table(self._tied.variable, self.compute_dtype), b=b)
+    return self.logits(x, w=self.weight('w'), b=b)
 
   @classmethod
-  def logits(cls, x, *, w, b) -> tf.Tensor:
-    """The projection's math: float32 logits of x [..., input_dim] (b: None
-    without a bias)."""
-    out = dense(x, w)
+  def logits(cls, x, *, w=None, table=None, b) -> tf.Tensor:
+    """The projection's math: float32 logits of x [..., input_dim], by `w`
+    [input_dim, num_classes] or, tied, by the embedding `table` [num_classes,
+    input_dim] transposed (b: None without a bias)."""
+    if table is None:
+      out = dense(x, w)
+    else:  # DTensor's einsum takes no '...'
+      lead = 'abcefghijk'[:x.shape.rank - 1]
+      out = tf.einsum(f'{lead}d,vd->{lead}v', x, table)
     return as_float32(out + b if b is not None else out)  # float32 logits
+
+
+def tied_logits_table(variable, dtype):
+  """The embedding table [V, D] `variable` as the tied logits read it, in
+  `dtype`: a table stored split over its features (the lookup cannot gather
+  from vocabulary-split rows) moves to the same axis over its vocabulary, as
+  an untied softmax/w is split, so the logits come out split over the
+  vocabulary. (Contracting over the split features instead failed in the
+  SPMD pipeline: DTensor could not propagate layouts through its relayouts.)"""
+  table = fsdp.at_use(variable, dtype)
+  layout = fsdp.use_layout(variable) or getattr(variable, 'layout', None)
+  if layout is None or layout.sharding_specs[0] != UNSHARDED or layout.sharding_specs[1] == UNSHARDED:
+    return table
+  return dtensor.relayout(table, dtensor.Layout([layout.sharding_specs[1], UNSHARDED],
+                                                layout.mesh))
+
+
+class TiedTable:
+  """A tied softmax's reference to the embedding's variable: a plain object,
+  so the variable is tracked (checkpointed, listed, trained) once, by the
+  layer that owns it."""
+
+  def __init__(self, variable):
+    self.variable = variable
+
+
+def tied_variable(parent, tied_to: str, *, where: str):
+  """The variable `tied_to` ('emb/table') names under `parent`'s children;
+  a ConfigError naming both when there is none."""
+  layer, _, name = tied_to.partition('/')
+  variable = getattr(getattr(parent, layer, None), name, None)
+  if not isinstance(variable, tf.Variable):
+    raise ConfigError(f'{where} is tied to {tied_to!r}, which is not a variable of a layer '
+                      'beside it', where=f'{where} (tied_to)',
+                      fix="name a sibling embedding's table, e.g. 'emb/table'")
+  return variable

@@ -115,7 +115,7 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
                           ffn: str = 'mlp', ffn_bias: bool | None = None,
                           num_kv_heads: int = 0, head_dim: int = 0, qkv_bias: bool = False,
                           attention_out_bias: bool = False,
-                          output_bias: bool = True) -> Params:
+                          output_bias: bool = True, tie_embeddings: bool = False) -> Params:
   """A decoder-only Transformer LM as a flat Sequential of heterogeneous layers:
 
   lm/emb -> lm/stack/block_000..N-1 -> lm/final_ln -> lm/softmax (logits).
@@ -171,6 +171,10 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
     qkv_bias: Biases on the query, key and value projections (Qwen2, GPT-2).
     attention_out_bias: A bias on the attention's output projection (GPT-2).
     output_bias: A bias on the logits (softmax/b).
+    tie_embeddings: One matrix for the input embedding and the output
+      projection: the softmax reads lm/emb/table transposed and has no w of
+      its own (GPT-2, small Llama 3.2 and Qwen2 models). Both sit on one mesh:
+      the SPMD pipeline takes it, the sub-mesh (GPipe) engine does not.
   """
   check_arguments(transformer_lm_params, name='transformer_lm', values=locals())
   at_least(locals(), 'transformer_lm', vocab_size=1, model_dim=1, num_layers=1, max_len=0)
@@ -225,7 +229,8 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
                              learned_positions=positions == 'learned'),
       stack,
       LayerNorm.Params().Set(name='final_ln', dim=model_dim, kind=norm, epsilon=norm_epsilon),
-      Softmax.Params().Set(input_dim=model_dim, num_classes=vocab_size, use_bias=output_bias),
+      Softmax.Params().Set(input_dim=model_dim, num_classes=vocab_size, use_bias=output_bias,
+                           tied_to='emb/table' if tie_embeddings else ''),
   ])
 
 

@@ -43,7 +43,7 @@ from layout_core.layout import mesh as mesh_lib
 from layout_core.layout.rules import UNSHARDED, LayoutRules
 from layout_core.layout.scope import LayoutRecord, LayoutScope
 from layout_core.layout.variables import to_numpy
-from layout_core.model.base import Sequential, as_float32
+from layout_core.model.base import BaseLayer, Sequential, as_float32
 from layout_core.model.built import BuiltModel, StepFunction
 from layout_core.model.random import current_random, random_context, step_seed
 from layout_core.step_context import current
@@ -244,6 +244,9 @@ def build_spmd_model(params: Params, *, plan: PipelinePlan, stage_axis: str, mes
         records += [r for r in plain.records if r.path in new]
         variables.update({p: plain.variables[p] for p in new})
   model = SpmdModel(params.name, built)
+  for _, layer in built:
+    if isinstance(layer, BaseLayer):  # the stack is not: no cell reads a sibling
+      layer.link_siblings(model)
   before = [m for _, m in built[:plan.stack_index]]
   after = [m for _, m in built[plan.stack_index + 1:]]
   return (BuiltModel(module=model, call=None, variables=variables, records=records,

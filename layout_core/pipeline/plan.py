@@ -164,10 +164,25 @@ def plan_pipeline(config: PipelineConfig, *, params: Params, mesh_axes: Mapping[
   partition = partition_lib.partition(
       [p for _, p in leaves], num_stages=config.num_stages,
       input_shapes=[(micro_size, seq_len)], method=config.partition)
-  return PipelinePlan(engine='submesh', partition=partition,
-                      layer_stages=partition_lib.layer_stages([p for p, _ in leaves],
-                                                              partition),
+  stages = partition_lib.layer_stages([p for p, _ in leaves], partition)
+  _check_ties_in_one_stage(leaves, stages)
+  return PipelinePlan(engine='submesh', partition=partition, layer_stages=stages,
                       num_micro_batches=num_micro, micro_batch_size=micro_size)
+
+
+def _check_ties_in_one_stage(leaves, stages: Mapping[str, int]) -> None:
+  """ConfigError for a layer reading a variable of a layer on another stage
+  (a tied softmax): the sub-mesh engine gives each stage its own devices."""
+  for path, p in leaves:
+    tied_to = p.tied_to if 'tied_to' in p else ''
+    owner = f"{path.rsplit('/', 1)[0]}/{tied_to.split('/')[0]}" if tied_to else None
+    if owner in stages and stages[owner] != stages[path]:
+      raise ConfigError(
+          f'{path} reads {tied_to} (tied embeddings), which the sub-mesh engine places on '
+          f'stage {stages[owner]} of its devices, and {path} on stage {stages[path]}',
+          where='transformer_lm.tie_embeddings / pipeline.engine',
+          fix="use pipeline.engine = 'spmd' (one mesh for every stage), or untie "
+              '(transformer_lm.tie_embeddings = False)')
 
 
 def _plan_spmd(config: PipelineConfig, *, params: Params, num_micro: int, micro_size: int,
