@@ -37,9 +37,10 @@ FACTORS = {  # feature -> its settings, the reference's first
     'optimizer': ('adam', 'adafactor'),
     'arch': ('classic', 'llama'),   # transformer_lm's defaults, or its Llama-family options
     'lora': (False, True),          # a frozen base with LoRA adapters (`LORA`)
+    'tied': (False, True),          # transformer_lm.tie_embeddings: the softmax reads the table
 }
 # Settings that change what is trained (kept in the reference) ...
-KEPT = ('packed', 'dtype', 'optimizer', 'arch', 'lora')
+KEPT = ('packed', 'dtype', 'optimizer', 'arch', 'lora', 'tied')
 # ... and those that must not (the reference switches them off).
 TRANSPARENT = ('remat', 'fsdp', 'accum', 'shard_state')
 # Relative to the values' scale (tests/numerics.py). measured (default / no oneDNN / 1 thread,
@@ -55,13 +56,14 @@ REFUSED = {
     ('engine', 'keras', 'packed', True): ('lm_corpus.pack', 'Keras'),
     ('engine', 'keras', 'fsdp', True): ('train.fsdp', 'Keras'),
     ('engine', 'keras', 'lora', True): ('lora', 'Keras'),
+    ('engine', 'gpipe', 'tied', True): ('tie_embeddings', 'pipeline.engine'),
 }
 # The adapters of 'lora': attention's queries and values and every
 # feed-forward matrix, with dropout on their inputs.
 LORA = dict(rank=4, alpha=8.0, dropout=0.1, targets=(r'.*/attn/w[qv]', r'.*/ffn/w_.*'))
 
 # Pairs that mean nothing together: a Keras model has no transformer_lm options.
-NOT_APPLICABLE = {('engine', 'keras', 'arch', 'llama')}
+NOT_APPLICABLE = {('engine', 'keras', 'arch', 'llama'), ('engine', 'keras', 'tied', True)}
 
 Cell = dict  # feature -> setting
 
@@ -145,9 +147,11 @@ def name(cell: Cell) -> str:
 # process of 8 devices running its reference (test_composition.py) ...
 TWO_CLIENT_CELLS = [
     {'engine': 'plain', 'remat': 'block', 'packed': False, 'fsdp': False, 'dtype': 'float32',
-     'accum': 2, 'shard_state': True, 'optimizer': 'adafactor', 'arch': 'llama', 'lora': True},
+     'accum': 2, 'shard_state': True, 'optimizer': 'adafactor', 'arch': 'llama', 'lora': True,
+     'tied': True},
     {'engine': 'keras', 'remat': 'full', 'packed': False, 'fsdp': False, 'dtype': 'bfloat16',
-     'accum': 2, 'shard_state': False, 'optimizer': 'adam', 'arch': 'classic', 'lora': False},
+     'accum': 2, 'shard_state': False, 'optimizer': 'adam', 'arch': 'classic', 'lora': False,
+     'tied': False},
 ]
 # ... and the settings other multi-client tests run against one process.
 TWO_CLIENTS = {
@@ -167,7 +171,8 @@ def gin_bindings(cell: Cell) -> list[str]:
   come from the config file)."""
   lora = [f'--gin_bindings=lora.{key} = {value!r}' for key, value in LORA.items()]
   return [f'--gin_bindings={GIN[f]} = {cell[f]!r}' for f in GIN] + (
-      lora if cell['lora'] else [])
+      lora if cell['lora'] else []) + (
+      ['--gin_bindings=transformer_lm.tie_embeddings = True'] if cell['tied'] else [])
 
 
 def _label(feature: str, setting) -> str:

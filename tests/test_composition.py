@@ -102,7 +102,7 @@ def make(cell: dict, meshes: dict):
   else:
     model = transformer_lm_params(vocab_size=32, model_dim=32, num_heads=4, ffn_dim=64,
                                   num_layers=2, max_len=16, dropout_rate=0.1,
-                                  **ARCHS[cell['arch']])
+                                  tie_embeddings=cell['tied'], **ARCHS[cell['arch']])
     task = MarkovTask(vocab_size=32, seq_len=16, seed=3)
   if cell['packed']:
     task = PackedMarkovTask(vocab_size=32, seq_len=16, seed=3)
