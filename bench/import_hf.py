@@ -49,10 +49,10 @@ import time
 from layout_core.convert import hf_files
 import numpy as np
 start = time.perf_counter()
-with hf_files.SafetensorsReader(sys.argv[1]) as reader:
-  for name in reader.shapes:
-    value = reader.read(name).astype(np.float32)
-    del value
+reader = hf_files.SafetensorsReader(sys.argv[1])
+for name in reader.shapes:
+  value = reader.read(name).astype(np.float32)
+  del value
 print('RESULT ' + json.dumps({'seconds': time.perf_counter() - start, 'peak_gib': peak_gib()}))
 """
 
@@ -63,10 +63,10 @@ from plugins.plan import make_plan
 from plugins.training import build_trainer
 from layout_core.convert import hf as hf_lib
 start = time.perf_counter()
-with hf_lib.open_hf(sys.argv[1]) as source:
-  base = sys.argv[2] + '.gin'
-  with open(base, 'w') as f:
-    f.write(hf.base_config(source.kwargs))
+source = hf_lib.open_hf(sys.argv[1])
+base = sys.argv[2] + '.gin'
+with open(base, 'w') as f:
+  f.write(hf.base_config(source.kwargs))
 with gin_setup.parsed_config(files=[base], bindings=json.loads(sys.argv[3])):
   plan = make_plan()
 trainer = build_trainer(plan, weights_only=True)  # as the import builds it

@@ -146,38 +146,37 @@ def import_run(*, hf_dir: str, model_dir: str, files: Sequence[str] = (),
   if adapters is not None:
     bindings = [*bindings, *(f'lora.{field} = {getattr(adapters, field)!r}'
                              for field in ('rank', 'alpha', 'dropout', 'targets'))]
-  with hf_lib.open_hf(hf_dir) as source:
-    with tempfile.TemporaryDirectory(prefix='meshgin-import-') as scratch:
-      base = os.path.join(scratch, 'imported.gin')
-      with open(base, 'w') as f:
-        f.write(base_config(source.kwargs))
-      with gin_setup.parsed_config(files=[base, *files], bindings=list(bindings),
-                                   search_paths=list(search_paths)):
-        plan = make_plan()
-        _check_architecture_kept(source.kwargs)
-    # Written unpipelined: a pipelined run's checkpoint has the plain model's keys.
-    # Every variable is assigned below (checked first): no initial values computed.
-    trainer = build_trainer(dataclasses.replace(plan, pipeline=None), weights_only=True)
-    variables = trainer.engine.variables
-    shapes = {path: tuple(v.shape.as_list()) for path, v in variables.items()}
-    adapted = peft.meshgin_adapters(source.kwargs, adapter_tensors, shapes) if adapters else {}
-    _check_variables(variables, {**source.variable_shapes,
-                                 **{path: v.shape for path, v in adapted.items()}},
-                     hf_dir=hf_dir)
-    for path, value in itertools.chain(source.values(), adapted.items()):
-      variable = variables[path]
-      assign_global(variable, value.astype(variable.dtype.as_numpy_dtype, copy=False))
-      del value  # before the next tensor is read: one in host memory at a time
-    if on_write is not None:
-      on_write()
-    record = {'hf_dir': os.path.abspath(hf_dir), 'family': source.facts.family,
-              'peft_dir': os.path.abspath(peft_dir) if peft_dir else None,
-              'tied': source.facts.tied, 'torch_dtype': source.facts.dtype,
-              'kwargs': source.kwargs, 'config': source.config}
-    _write_run(model_dir, trainer=trainer, plan=plan, hf_dir=hf_dir, record=record,
-               overwrite=overwrite)
-    family, tied = source.facts.family, source.facts.tied
-  return ImportReport(model_dir=model_dir, family=family, tied=tied,
+  source = hf_lib.open_hf(hf_dir)
+  with tempfile.TemporaryDirectory(prefix='meshgin-import-') as scratch:
+    base = os.path.join(scratch, 'imported.gin')
+    with open(base, 'w') as f:
+      f.write(base_config(source.kwargs))
+    with gin_setup.parsed_config(files=[base, *files], bindings=list(bindings),
+                                 search_paths=list(search_paths)):
+      plan = make_plan()
+      _check_architecture_kept(source.kwargs)
+  # Written unpipelined: a pipelined run's checkpoint has the plain model's keys.
+  # Every variable is assigned below (checked first): no initial values computed.
+  trainer = build_trainer(dataclasses.replace(plan, pipeline=None), weights_only=True)
+  variables = trainer.engine.variables
+  shapes = {path: tuple(v.shape.as_list()) for path, v in variables.items()}
+  adapted = peft.meshgin_adapters(source.kwargs, adapter_tensors, shapes) if adapters else {}
+  _check_variables(variables, {**source.variable_shapes,
+                               **{path: v.shape for path, v in adapted.items()}},
+                   hf_dir=hf_dir)
+  for path, value in itertools.chain(source.values(), adapted.items()):
+    variable = variables[path]
+    assign_global(variable, value.astype(variable.dtype.as_numpy_dtype, copy=False))
+    del value  # before the next tensor is read: one in host memory at a time
+  if on_write is not None:
+    on_write()
+  record = {'hf_dir': os.path.abspath(hf_dir), 'family': source.facts.family,
+            'peft_dir': os.path.abspath(peft_dir) if peft_dir else None,
+            'tied': source.facts.tied, 'torch_dtype': source.facts.dtype,
+            'kwargs': source.kwargs, 'config': source.config}
+  _write_run(model_dir, trainer=trainer, plan=plan, hf_dir=hf_dir, record=record,
+             overwrite=overwrite)
+  return ImportReport(model_dir=model_dir, family=source.facts.family, tied=source.facts.tied,
                       num_parameters=plan.num_parameters, mesh=plan.mesh_spec.describe(),
                       seconds=time.perf_counter() - start)
 

@@ -35,8 +35,8 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[str, dict[str, np.ndarray]]
 
 
 def values_of(directory: str) -> dict[str, np.ndarray]:
-  with hf.open_hf(directory) as source:
-    return dict(source.values())
+  source = hf.open_hf(directory)
+  return dict(source.values())
 
 
 # -- config.json <-> transformer_lm --------------------------------------------------------
@@ -114,13 +114,13 @@ def test_a_model_no_family_computes_has_no_config(change, named):
 @pytest.mark.parametrize('family', FAMILIES)
 def test_every_rule_is_undone_exactly_by_its_inverse(family, checkpoints):
   directory, tensors = checkpoints[family]
-  with hf.open_hf(directory) as source:
-    for rule in source.rules:
-      original = tensors[rule.hf_name]
-      converted = rule.to_meshgin(original)
-      assert [v.shape for v in converted] == list(rule.shapes)
-      back = rule.to_hf(converted)
-      assert back.dtype == original.dtype and np.array_equal(back, original), rule.hf_name
+  source = hf.open_hf(directory)
+  for rule in source.rules:
+    original = tensors[rule.hf_name]
+    converted = rule.to_meshgin(original)
+    assert [v.shape for v in converted] == list(rule.shapes)
+    back = rule.to_hf(converted)
+    assert back.dtype == original.dtype and np.array_equal(back, original), rule.hf_name
 
 
 def test_llama_tensors_land_where_the_attention_reads_them(checkpoints):
@@ -156,8 +156,8 @@ def test_qwen2_biases_and_tied_embedding(checkpoints):
                                 t['model.layers.0.self_attn.k_proj.bias'].reshape(2, 8))
   assert 'lm/stack/block_000/attn/bo' not in v
   # Tied: the model's softmax reads the embedding, and has no matrix of its own.
-  with hf.open_hf(directory) as source:
-    assert source.kwargs['tie_embeddings'] is True
+  source = hf.open_hf(directory)
+  assert source.kwargs['tie_embeddings'] is True
   assert 'lm/softmax/w' not in v
   np.testing.assert_array_equal(v['lm/emb/table'], t['model.embed_tokens.weight'])
 
@@ -185,8 +185,8 @@ def test_gpt2_fused_qkv_and_conv1d(checkpoints):
 @pytest.mark.parametrize('family', FAMILIES)
 def test_write_then_read_gives_the_same_values_and_tensors(family, checkpoints, tmp_path):
   directory, tensors = checkpoints[family]
-  with hf.open_hf(directory) as source:
-    values, kwargs, config = dict(source.values()), source.kwargs, source.config
+  source = hf.open_hf(directory)
+  values, kwargs, config = dict(source.values()), source.kwargs, source.config
   target = str(tmp_path / 'out')
   written = hf.write_hf_dir(target, kwargs=kwargs, read=values.__getitem__,
                             max_shard_bytes=40_000, tokenizer_dir=directory, kept=config)
@@ -197,20 +197,20 @@ def test_write_then_read_gives_the_same_values_and_tensors(family, checkpoints, 
   assert sorted(again) == sorted(values)
   for path in values:
     assert again[path].dtype == np.float32 and np.array_equal(again[path], values[path]), path
-  with hf_files.SafetensorsReader(target) as reader:
-    prefix = 'transformer.' if family == 'gpt2' else ''
-    for name, tensor in tensors.items():
-      if hf_names.is_ignored(name, family):
-        continue
-      assert np.array_equal(reader.read(prefix + name), tensor), name
+  reader = hf_files.SafetensorsReader(target)
+  prefix = 'transformer.' if family == 'gpt2' else ''
+  for name, tensor in tensors.items():
+    if hf_names.is_ignored(name, family):
+      continue
+    assert np.array_equal(reader.read(prefix + name), tensor), name
 
 
 def test_an_untied_models_export_ties_equal_matrices_only(checkpoints, tmp_path):
   """A model with its own output matrix (tie_embeddings off) is written
   tied while that matrix is the embedding transposed, untied once it is not."""
   directory, _ = checkpoints['qwen2']
-  with hf.open_hf(directory) as source:
-    values, kwargs = dict(source.values()), dict(source.kwargs, tie_embeddings=False)
+  source = hf.open_hf(directory)
+  values, kwargs = dict(source.values()), dict(source.kwargs, tie_embeddings=False)
   for change, tied in ((0, True), (1e-3, False)):
     values['lm/softmax/w'] = values['lm/emb/table'].T + np.float32(change)
     out = str(tmp_path / f'out-{change}')
@@ -225,9 +225,9 @@ def test_an_untied_models_export_ties_equal_matrices_only(checkpoints, tmp_path)
 def test_bfloat16_shards_read_one_tensor_at_a_time_exactly(tmp_path):
   tensors = hf_fixtures.write_checkpoint(str(tmp_path / 'bf16'), 'llama', dtype='bfloat16',
                                          shards=3, tokenizer=False)
-  with hf.open_hf(str(tmp_path / 'bf16')) as source:
-    assert set(source.reader.dtypes.values()) == {'BF16'}
-    values = dict(source.values())
+  source = hf.open_hf(str(tmp_path / 'bf16'))
+  assert set(source.reader.dtypes.values()) == {'BF16'}
+  values = dict(source.values())
   np.testing.assert_array_equal(values['lm/stack/block_000/attn/wv'],
                                 tensors['model.layers.0.self_attn.v_proj.weight'].T.reshape(
                                     32, 2, 8))
@@ -247,11 +247,11 @@ def test_the_reader_keeps_no_file_mapped_between_reads(tmp_path):
   def mapped():
     with open('/proc/self/maps') as maps:
       return [line for line in maps if directory in line]
-  with hf.open_hf(directory) as source:
-    assert not mapped()
-    for path, value in source.values():
-      assert value.dtype == np.float32 and value.flags.c_contiguous, path
-      assert not mapped(), path
+  source = hf.open_hf(directory)
+  assert not mapped()
+  for path, value in source.values():
+    assert value.dtype == np.float32 and value.flags.c_contiguous, path
+    assert not mapped(), path
 
 
 # -- bad input -----------------------------------------------------------------------------
@@ -332,7 +332,7 @@ def test_bad_checkpoint_is_a_config_error_naming_it(case, tmp_path):
   directory = str(tmp_path / 'hf')
   make(directory)
   with pytest.raises(ConfigError) as raised:
-    hf.open_hf(directory).close()
+    hf.open_hf(directory)
   text = str(raised.value)
   assert 'Fix:' in text and all(part in text for part in named), text
   assert sorted(os.listdir(tmp_path)) == ['hf']

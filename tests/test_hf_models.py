@@ -162,13 +162,12 @@ def assert_same_tensors(exported: str, original: str, family: str) -> None:
   """Every weight of the original Hugging Face directory is in the export,
   bit for bit (GPT-2's are written under GPT2LMHeadModel's `transformer.`)."""
   from layout_core.convert import hf_files, hf_names  # pylint: disable=g-import-not-at-top
-  with hf_files.SafetensorsReader(original) as before, \
-       hf_files.SafetensorsReader(exported) as after:
-    names = {name.removeprefix('transformer.'): name for name in after.shapes}
-    weights = [n for n in before.shapes if not hf_names.is_ignored(n, family)]
-    assert sorted(weights) == sorted(names)
-    for name in weights:
-      assert np.array_equal(before.read(name), after.read(names[name])), name
+  before, after = hf_files.SafetensorsReader(original), hf_files.SafetensorsReader(exported)
+  names = {name.removeprefix('transformer.'): name for name in after.shapes}
+  weights = [n for n in before.shapes if not hf_names.is_ignored(n, family)]
+  assert sorted(weights) == sorted(names)
+  for name in weights:
+    assert np.array_equal(before.read(name), after.read(names[name])), name
 
 
 def checkpoint_values(model_dir: str) -> dict[str, np.ndarray]:

@@ -92,12 +92,15 @@ def test_logits_equal_the_untied_model_with_the_table_as_its_matrix(values, mesh
 
 
 # -- trained ---------------------------------------------------------------------------------
-TRAIN = ['--gin_bindings=transformer_lm.tie_embeddings = True', '--gin_bindings=train.num_steps = 4',
+TRAIN = ['--gin_bindings=transformer_lm.tie_embeddings = True',
+         '--gin_bindings=train.num_steps = 4',
          '--gin_bindings=train.log_every = 1', '--gin_bindings=train.eval_every = 0',
          '--gin_bindings=train.batch_size = 16',
          "--gin_bindings=optimizer.decay = 'constant'"]
-SPMD = ['--gin_file=configs/experiments/lm_pipeline_spmd.gin', '--gin_bindings=pipeline.num_micro_batches = 2',
-        '--gin_bindings=pipeline.circular_repeats = 1', '--gin_bindings=transformer_lm.num_layers = 2']
+SPMD = ['--gin_file=configs/experiments/lm_pipeline_spmd.gin',
+        '--gin_bindings=pipeline.num_micro_batches = 2',
+        '--gin_bindings=pipeline.circular_repeats = 1',
+        '--gin_bindings=transformer_lm.num_layers = 2']
 
 
 @pytest.fixture(scope='module')
@@ -107,8 +110,10 @@ def trained(tmp_path_factory):
   pipeline, and lm_pipeline.gin tied (the sub-mesh engine)."""
   root = tmp_path_factory.mktemp('tied')
   dirs = {name: str(root / name) for name in ('plain', 'spmd', 'gpipe')}
-  plain = [*SPMD, "--gin_bindings=mesh.shape = {'stage': 1, 'data': 8}", '--gin_bindings=pipeline.num_stages = 1',
-           '--gin_bindings=pipeline.num_micro_batches = 1', '--gin_bindings=layout_rules.rules = []']
+  plain = [*SPMD, "--gin_bindings=mesh.shape = {'stage': 1, 'data': 8}",
+           '--gin_bindings=pipeline.num_stages = 1',
+           '--gin_bindings=pipeline.num_micro_batches = 1',
+           '--gin_bindings=layout_rules.rules = []']
   done = run_modules([('launch.train', *plain, *TRAIN, f'--model_dir={dirs["plain"]}'),
                       ('launch.train', *SPMD, *TRAIN, f'--model_dir={dirs["spmd"]}'),
                       ('launch.train', '--gin_file=configs/experiments/lm_pipeline.gin', *TRAIN,

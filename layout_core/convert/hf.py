@@ -4,7 +4,6 @@
     source.kwargs                            # transformer_lm(**kwargs) is the model
     for path, value in source.values():      # one tensor at a time, meshgin's layout
       assign(variables[path], value)
-    source.close()
 
     write_hf_dir('exports/llama-hf', kwargs=kwargs, read=lambda path: value_of(path),
                  tokenizer_dir='runs/llama/tokenizer')
@@ -74,29 +73,16 @@ class HFSource:
       for path in rule.paths:
         yield path, values.pop(0)  # handed over: the caller's is the only reference
 
-  def close(self) -> None:
-    self.reader.close()
-
-  def __enter__(self) -> 'HFSource':
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.close()
-
 
 def open_hf(directory: str) -> HFSource:
   """The checkpoint in `directory`, every tensor name and shape checked (module doc)."""
   config = hf_files.read_config(directory)
   source_name = os.path.join(directory, 'config.json')
   kwargs, facts = hf_config.lm_kwargs_from_hf(config, source=source_name)
-  reader = hf_files.SafetensorsReader(directory)
-  try:
-    prefix = hf_names.gpt2_prefix(list(reader.shapes)) if facts.family == 'gpt2' else ''
-    rules = hf_names.tensor_rules(kwargs, family=facts.family, tied=facts.tied, prefix=prefix)
-    check_tensors(reader, rules, family=facts.family, directory=directory, tied=facts.tied)
-  except BaseException:
-    reader.close()
-    raise
+  reader = hf_files.SafetensorsReader(directory)  # holds no file open
+  prefix = hf_names.gpt2_prefix(list(reader.shapes)) if facts.family == 'gpt2' else ''
+  rules = hf_names.tensor_rules(kwargs, family=facts.family, tied=facts.tied, prefix=prefix)
+  check_tensors(reader, rules, family=facts.family, directory=directory, tied=facts.tied)
   return HFSource(directory=directory, config=config, kwargs=kwargs, facts=facts, rules=rules,
                   reader=reader)
 

@@ -1,8 +1,8 @@
 """Safetensors weights on disk, read and written one tensor at a time.
 
-    with SafetensorsReader('llama/') as weights:        # model.safetensors or its index
-      weights.shapes['model.norm.weight']               # (64,), from the headers only
-      weights.read('model.norm.weight')                 # np.ndarray: that tensor alone
+    weights = SafetensorsReader('llama/')             # model.safetensors or its index
+    weights.shapes['model.norm.weight']               # (64,), from the headers only
+    weights.read('model.norm.weight')                 # np.ndarray: that tensor alone
     write_safetensors('out/', tensors(), sizes, max_shard_bytes=5 << 30)
 
 Reading: a directory holds `model.safetensors`, or shards named by
@@ -97,15 +97,6 @@ class SafetensorsReader:
     """The tensor `name`, copied into host memory (its file mapped meanwhile)."""
     with _opened(os.path.join(self.directory, self.file_of[name])) as handle:
       return handle.get_tensor(name)
-
-  def close(self) -> None:
-    """Nothing stays open between reads; kept for the context manager."""
-
-  def __enter__(self) -> 'SafetensorsReader':
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.close()
 
 
 @contextlib.contextmanager

@@ -279,7 +279,7 @@ class CachedLM:
     w = self._weights(softmax_path, softmax)
     b = w('b') if softmax.use_bias else None
     if softmax.tied_to:  # the embedding's table, as the trained model reads it
-      table = self._values[f"{softmax_path.rsplit('/', 1)[0]}/{softmax.tied_to}"]
+      table = self._values[Softmax.tied_path(softmax, softmax_path)]
       return Softmax.logits(x, table=tied_logits_table(table, compute_dtype(softmax)), b=b)
     return Softmax.logits(x, w=w('w'), b=b)
 

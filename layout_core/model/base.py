@@ -244,11 +244,10 @@ class BaseLayer(Module):
     return self.params.fprop_dtype or self.params.dtype
 
   def weight(self, name: str) -> tf.Tensor:
-    """Variable `name` as the math uses it: cast to the compute dtype, and
-    gathered when FSDP stores it split (`layout_core.layout.fsdp.at_use`). A
-    user layer's own `fprop` reads its weights through this (or
-    `LayerWeights`): a variable read directly is still right, but FSDP then
-    leaves its communication to DTensor."""
+    """Variable `name` as the math uses it: cast to the compute dtype, gathered
+    when FSDP stores it split (`fsdp.at_use`). A user layer's `fprop` reads its
+    weights through this (or `LayerWeights`): a variable read directly is
+    still right, but FSDP then leaves its communication to DTensor."""
     return fsdp.at_use(getattr(self, name), self.compute_dtype)
 
   def link_siblings(self, parent: Module) -> None:
@@ -366,8 +365,7 @@ class Sequential(BaseLayer):
 
 
 def _inherited(child: Params, parent: Params, *, dtype: bool = True) -> Params:
-  """`child` with what a sub-layer takes from its parent where it sets none:
-  the fprop dtype (`dtype`) and the tuning."""
+  """`child` taking its parent's fprop dtype (`dtype`) and tuning where it sets none."""
   inherit = {}
   if dtype and child.fprop_dtype is None and parent.fprop_dtype is not None:
     inherit['fprop_dtype'] = parent.fprop_dtype
@@ -428,14 +426,11 @@ def leaf_layers(p: Params, parent_path: str = '') -> list[tuple[str, Params]]:
 
 
 def frozen_meta(p: Params, shapes: tuple) -> LayerMeta:
-  """`p.cls.fprop_meta(p, *shapes)`, once per frozen `p` and shapes (the
-  layout suggester plans one model for hundreds of candidates)."""
+  """`p.cls.fprop_meta(p, *shapes)` once per frozen `p` and shapes (for the suggester)."""
   return once_per_frozen(_METAS, p, (id(p), shapes), lambda: p.cls.fprop_meta(p, *shapes))
 
 
-_METAS: dict = {}
-_LEAVES: dict = {}
-_CHILDREN: dict = {}
+_METAS, _LEAVES, _CHILDREN = {}, {}, {}  # once_per_frozen's caches
 
 
 def _leaf_layers(p: Params, parent_path: str) -> list[tuple[str, Params]]:

@@ -362,6 +362,12 @@ class Softmax(BaseLayer):
     return LayerMeta(out_shapes=(tuple(x_shape[:-1]) + (p.num_classes,),),
                      flops=matmul + tokens * p.num_classes, matmul_flops=matmul)
 
+  @classmethod
+  def tied_path(cls, p, path: str) -> str | None:
+    """The path of the table a tied softmax at `path` reads ('lm/softmax':
+    'lm/emb/table'); None untied."""
+    return f"{path.rsplit('/', 1)[0]}/{p.tied_to}" if p.tied_to else None
+
   def link_siblings(self, parent):
     if self.params.tied_to:
       self._tied = TiedTable(tied_variable(parent, self.params.tied_to, where=self.path))
@@ -369,7 +375,8 @@ class Softmax(BaseLayer):
   def fprop(self, x):
     b = self.weight('b') if self.params.use_bias else None
     if self.params.tied_to:
-      return self.logits(x, table=tied_logits_table(self._tied.variable, self.compute_dtype), b=b)
+      table = tied_logits_table(self._tied.variable, self.compute_dtype)
+      return self.logits(x, table=table, b=b)
     return self.logits(x, w=self.weight('w'), b=b)
 
   @classmethod
@@ -394,10 +401,10 @@ def tied_logits_table(variable, dtype):
   SPMD pipeline: DTensor could not propagate layouts through its relayouts.)"""
   table = fsdp.at_use(variable, dtype)
   layout = fsdp.use_layout(variable) or getattr(variable, 'layout', None)
-  if layout is None or layout.sharding_specs[0] != UNSHARDED or layout.sharding_specs[1] == UNSHARDED:
+  vocabulary, features = layout.sharding_specs if layout is not None else (None, UNSHARDED)
+  if vocabulary != UNSHARDED or features == UNSHARDED:
     return table
-  return dtensor.relayout(table, dtensor.Layout([layout.sharding_specs[1], UNSHARDED],
-                                                layout.mesh))
+  return dtensor.relayout(table, dtensor.Layout([features, UNSHARDED], layout.mesh))
 
 
 class TiedTable:

@@ -18,6 +18,7 @@ from layout_core.layout import scope as layout_scope_lib
 from layout_core.tasks.lm import LMTask
 from layout_core.errors import ConfigError
 from layout_core.model.base import Sequential, leaf_layers
+from layout_core.model.layers import Softmax
 from layout_core.params import Params, once_per_frozen
 from layout_core.pipeline import partitioning as partition_lib
 from layout_core.pipeline import schedule as schedule_lib
@@ -174,11 +175,11 @@ def _check_ties_in_one_stage(leaves, stages: Mapping[str, int]) -> None:
   """ConfigError for a layer reading a variable of a layer on another stage
   (a tied softmax): the sub-mesh engine gives each stage its own devices."""
   for path, p in leaves:
-    tied_to = p.tied_to if 'tied_to' in p else ''
-    owner = f"{path.rsplit('/', 1)[0]}/{tied_to.split('/')[0]}" if tied_to else None
+    table = p.cls.tied_path(p, path) if p.cls is Softmax else None
+    owner = table.rsplit('/', 1)[0] if table else None
     if owner in stages and stages[owner] != stages[path]:
       raise ConfigError(
-          f'{path} reads {tied_to} (tied embeddings), which the sub-mesh engine places on '
+          f'{path} reads {p.tied_to} (tied embeddings), which the sub-mesh engine places on '
           f'stage {stages[owner]} of its devices, and {path} on stage {stages[path]}',
           where='transformer_lm.tie_embeddings / pipeline.engine',
           fix="use pipeline.engine = 'spmd' (one mesh for every stage), or untie "
