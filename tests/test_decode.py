@@ -29,7 +29,7 @@ from layout_core.layout.variables import to_numpy
 from layout_core.model.built import build_params_model
 from layout_core.model.layers import FeedForward
 from layout_core.model.lm import transformer_lm_params
-from tests.conftest import read_events, run_module
+from tests.conftest import TWO_DEVICES, read_events, run_module
 from tests.numerics import assert_close
 
 PARAMS = transformer_lm_params(vocab_size=32, model_dim=32, num_heads=4, ffn_dim=64,
@@ -288,7 +288,7 @@ def test_sample_every_is_refused_where_it_cannot_run(classifier_data):
 @pytest.fixture(scope='module')
 def quick_run(tmp_path_factory):
   model_dir = str(tmp_path_factory.mktemp('decode') / 'run')
-  done = run_module('launch.train', '--gin_file=configs/experiments/quickstart.gin',
+  done = run_module('launch.train', '--gin_file=configs/experiments/quickstart.gin', TWO_DEVICES,
                     f'--model_dir={model_dir}', '--gin_bindings=train.num_steps = 8',
                     '--gin_bindings=train.eval_every = 0', '--gin_bindings=train.log_every = 4',
                     '--gin_bindings=train.sample_every = 4',

@@ -1,7 +1,7 @@
 """launch.eval with real processes: a checkpoint evaluated on other meshes gives
 the loss its training run logged, and the run's directory is left as it was.
 
-One short quickstart training (data=8) is shared by the module; its final
+One short quickstart training (data=2) is shared by the module; its final
 evaluation (run_status.json, TensorBoard eval/* at the final step) is the
 independent reference: another process, mesh and layout reading the
 checkpoint must reproduce it within float rounding. The step-0 evaluation is
@@ -16,11 +16,11 @@ import os
 
 import pytest
 
-from tests.conftest import read_events, run_module, run_modules
+from tests.conftest import TWO_DEVICES, read_events, run_module, run_modules
 from tests.numerics import assert_close
 
 STEPS = 6
-TRAIN = ['--gin_file=configs/experiments/quickstart.gin',
+TRAIN = ['--gin_file=configs/experiments/quickstart.gin', TWO_DEVICES,
          f'--gin_bindings=train.num_steps = {STEPS}', '--gin_bindings=train.eval_batches = 2',
          '--gin_bindings=train.eval_every = 0', '--gin_bindings=train.log_every = 3',
          '--gin_bindings=checkpoint.every_steps = 3']

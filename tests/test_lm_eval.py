@@ -35,7 +35,7 @@ from layout_core.model.built import build_params_model  # noqa: E402
 from layout_core.model.lm import transformer_lm_params  # noqa: E402
 from layout_core.tasks import prepare  # noqa: E402
 from plugins.lm_eval import HarnessLM, scoring_windows  # noqa: E402
-from tests.conftest import run_module  # noqa: E402
+from tests.conftest import TWO_DEVICES, run_module  # noqa: E402
 
 MAX_LEN = 32
 PARAMS = transformer_lm_params(vocab_size=256, model_dim=32, num_heads=4, ffn_dim=64,
@@ -279,7 +279,7 @@ def bytes_run(tmp_path_factory):
   text = directory / 'text.txt'
   text.write_text('\n'.join(lines) + '\n')
   model_dir = str(directory / 'run')
-  done = run_module('launch.train', '--gin_file=configs/experiments/quickstart.gin',
+  done = run_module('launch.train', '--gin_file=configs/experiments/quickstart.gin', TWO_DEVICES,
                     f'--model_dir={model_dir}', f"--gin_bindings=data.text_file = '{text}'",
                     '--gin_bindings=transformer_lm.vocab_size = 256',
                     '--gin_bindings=train.num_steps = 40', '--gin_bindings=train.eval_every = 0',
@@ -302,7 +302,7 @@ def test_lm_eval_runs_the_local_tasks_end_to_end(bytes_run, tmp_path):
   assert 0 <= results['meshgin_until']['exact_match,none'] <= 1
   assert 0 < results['meshgin_rolling']['bits_per_byte,none'] < 8   # below uniform bytes
   assert record['n-samples']['meshgin_choice']['effective'] == 4
-  assert record['meshgin']['step'] == 40 and 'data=8' in record['meshgin']['mesh']
+  assert record['meshgin']['step'] == 40 and 'data=2' in record['meshgin']['mesh']
   answers = [s['filtered_resps'][0] for s in record['samples']['meshgin_until']]
   assert len(answers) == 4 and all('.' not in a and '\n' not in a for a in answers)
   assert 'meshgin_choice' in done.stdout and 'Scored' in done.stdout

@@ -26,7 +26,7 @@ from layout_core.run import make_trainer
 from layout_core.tasks.lm import MarkovTask
 from layout_core.train.config import TrainConfig
 from tests import composition
-from tests.conftest import Launched, killed_if_left, read_events, run_module, run_modules
+from tests.conftest import TWO_DEVICES, Launched, killed_if_left, read_events, run_module, run_modules
 from tests.numerics import assert_close
 from tests.test_layout_scope import MEGATRON
 
@@ -129,7 +129,8 @@ def test_targets_that_adapt_nothing_are_named():
     tune(transformer_lm_params(**MODEL), lora=None, trainable=('.*/nothing',))
 
 
-QUICK = ['--gin_file=configs/experiments/quickstart.gin', '--gin_bindings=train.log_every = 1',
+QUICK = ['--gin_file=configs/experiments/quickstart.gin', TWO_DEVICES,
+         '--gin_bindings=train.log_every = 1',
          '--gin_bindings=train.eval_every = 0', '--gin_bindings=train.eval_batches = 1',
          '--gin_bindings=data.seq_len = 32', '--gin_bindings=train.batch_size = 16']
 ADAPT = ['--gin_bindings=lora.rank = 4', "--gin_bindings=lora.targets = [r'.*/attn/w[qv]']"]

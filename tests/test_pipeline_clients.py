@@ -6,11 +6,11 @@ axis on lm_pipeline_spmd.gin in bfloat16, dropout on), one module fixture
 trains, with real `launch.train` processes (2-cell models, 2 micro-batches:
 a fraction of the configs' compile):
 
-* the reference: 1 process, 20 steps, uninterrupted;
-* the same 20 steps as a relay of three runs, each resuming the last one's
-  checkpoint: 2 clients until SIGTERM reaches client 1 alone (after step 4
+* the reference: 1 process, NUM_STEPS (10) steps, uninterrupted;
+* the same steps as a relay of three runs, each resuming the last one's
+  checkpoint: 2 clients until SIGTERM reaches client 1 alone (after step 2
   is saved; both clients stop at one step s and save it), then 1 process
-  (2 -> 1) for 3 steps, then 2 clients again (1 -> 2) to step 20.
+  (2 -> 1) for LEG (2) steps, then 2 clients again (1 -> 2) to the last step.
 
 Every step's loss of the relay equals the reference's (1e-5), and its final
 parameters equal the reference's (1e-6): the pipelines across clients, the
@@ -33,10 +33,12 @@ from tests.numerics import assert_close
 from tests.test_multi_client import (Client, assert_same_state, ckpt, copy_checkpoint,
                                      free_cluster, wait_until)
 
-NUM_STEPS = 20
+NUM_STEPS = 10
+SAVE_EVERY = 2  # the first save, after which client 1 gets its SIGTERM
+LEG = 2         # steps of the one-process run between the 2-client runs
 COMMON = ['--gin_bindings=pipeline.num_micro_batches = 2', '--gin_bindings=train.log_every = 1',
           '--gin_bindings=train.eval_every = 0', '--gin_bindings=train.eval_batches = 1',
-          '--gin_bindings=checkpoint.every_steps = 4', '--gin_bindings=checkpoint.keep = 10',
+          f'--gin_bindings=checkpoint.every_steps = {SAVE_EVERY}', '--gin_bindings=checkpoint.keep = 10',
           # The relay's one-process leg ends early (its own train.num_steps): a
           # schedule that does not depend on the step count.
           "--gin_bindings=optimizer.decay = 'constant'",
@@ -100,21 +102,22 @@ def relay(tmp_path_factory):
                        for k in (0, 1)]
   everything = [*references, *(c for pair in clients.values() for c in pair)]
   with killed_if_left(*everything):
-    # Each engine's client 1 gets its SIGTERM as soon as its client 0 saved step 4:
-    # the engines run at different speeds, and the faster one waiting for the
-    # slower one's save would be stopped too late to resume (stop + 3 >= 20).
+    # Each engine's client 1 gets its SIGTERM as soon as its client 0 saved its
+    # first checkpoint: the engines run at different speeds, and the faster one
+    # waiting for the slower one's save would be stopped too late to relay
+    # (stop + LEG >= NUM_STEPS).
     waiting = dict(clients)
 
     def signalled_each():
       for engine, pair in list(waiting.items()):
-        if re.search(r'Saved checkpoint .*ckpt-4/ckpt', pair[0].output):
+        if re.search(rf'Saved checkpoint .*ckpt-{SAVE_EVERY}/ckpt', pair[0].output):
           pair[1].kill(signal.SIGTERM)
           del waiting[engine]
         else:
           assert pair[0].process.poll() is None, (
-              f'{engine} client 0 ended without saving step 4:\n{pair[0].output[-3000:]}')
+              f'{engine} client 0 ended without saving step {SAVE_EVERY}:\n{pair[0].output[-3000:]}')
       return not waiting
-    wait_until(signalled_each, timeout=400, what="each engine's client 0 saving step 4")
+    wait_until(signalled_each, timeout=400, what="each engine's client 0 saving its first checkpoint")
     for run in everything:
       run.finish(timeout=400)
   for run in everything:
@@ -124,21 +127,21 @@ def relay(tmp_path_factory):
     stops = [int(re.search(r'Preempted by .* at step (\d+): saved', c.output).group(1))
              for c in pair]
     assert stops[0] == stops[1], stops
-    assert stops[0] + 3 < NUM_STEPS, f'{engine}: stopped at step {stops[0]}, too late to relay'
+    assert stops[0] + LEG < NUM_STEPS, f'{engine}: stopped at step {stops[0]}, too late to relay'
     result[engine] = dict(dirs[engine], stopped=stops[0],
                           outputs={k: c.output for k, c in enumerate(pair)})
-  # Phase 2: 2 -> 1, three steps in one process.
+  # Phase 2: 2 -> 1, LEG steps in one process.
   calls = []
   for engine, args in args_of.items():
     copy_checkpoint(dirs[engine]['first'], result[engine]['stopped'], dirs[engine]['second'])
     calls.append(('launch.train', *args, f'--model_dir={dirs[engine]["second"]}',
-                  f'--gin_bindings=train.num_steps = {result[engine]["stopped"] + 3}'))
+                  f'--gin_bindings=train.num_steps = {result[engine]["stopped"] + LEG}'))
   for done in run_modules(calls, timeout=400):
     assert done.returncode == 0, done.stderr[-3000:]
   # Phase 3: 1 -> 2, to the last step on 2 clients.
   calls = []
   for engine, args in args_of.items():
-    copy_checkpoint(dirs[engine]['second'], result[engine]['stopped'] + 3, dirs[engine]['third'])
+    copy_checkpoint(dirs[engine]['second'], result[engine]['stopped'] + LEG, dirs[engine]['third'])
     calls.append((*TWO_CLIENTS, *args, f'--model_dir={dirs[engine]["third"]}'))
   for engine, done in zip(ENGINES, run_modules(calls, timeout=400)):
     assert done.returncode == 0, done.stdout[-3000:]
@@ -151,7 +154,7 @@ def relay(tmp_path_factory):
 def test_two_clients_stop_move_and_end_as_one_process(relay, engine):
   runs = relay[engine]
   stopped = runs['stopped']
-  assert stopped >= 4
+  assert stopped >= SAVE_EVERY
   for output in runs['outputs'].values():  # SIGTERM reached client 1 only; both stopped
     assert f'at step {stopped}: saved' in output
   assert 'SIGTERM at step' in runs['outputs'][1]
@@ -163,8 +166,8 @@ def test_two_clients_stop_move_and_end_as_one_process(relay, engine):
   assert_close([relayed[s] for s in reference], list(reference.values()), rel=1e-05,
                what=f'losses: {engine}')
   for client in (0, 1):
-    assert re.search(rf'\[client {client}\].*Resumed from .*ckpt-{stopped + 3}/ckpt at step '
-                     rf'{stopped + 3}', runs['third_output'])
+    assert re.search(rf'\[client {client}\].*Resumed from .*ckpt-{stopped + LEG}/ckpt at step '
+                     rf'{stopped + LEG}', runs['third_output'])
   final = ckpt(runs['third'], NUM_STEPS)
   assert_same_state(final, ckpt(runs['reference'], NUM_STEPS))  # keys, and values to 1e-6
   assert len([k for k in tf.train.load_checkpoint(final).get_variable_to_shape_map()

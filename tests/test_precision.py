@@ -25,7 +25,7 @@ from layout_core.train.config import TrainConfig
 from layout_core.run import make_trainer
 from layout_core.optim import OptimizerConfig
 from tests.numerics import assert_close
-from tests.conftest import REPO_ROOT, run_module, run_modules
+from tests.conftest import REPO_ROOT, TWO_DEVICES, run_module, run_modules
 from tests.test_layout_scope import MEGATRON
 
 sys.path.insert(0, os.path.join(REPO_ROOT, 'tests', 'fixtures'))
@@ -277,7 +277,7 @@ def test_bfloat16_quickstart_tracks_float32_and_its_checkpoint_resumes_in_float3
   resumes the bf16 run's checkpoint (float32 variables, the same keys) and
   goes on learning."""
   def command(model_dir, *bindings):
-    return ('launch.train', '--gin_file=configs/experiments/quickstart.gin',
+    return ('launch.train', '--gin_file=configs/experiments/quickstart.gin', TWO_DEVICES,
             f'--model_dir={model_dir}', '--gin_bindings=train.eval_every = 0',
             '--gin_bindings=checkpoint.every_steps = 0',
             '--gin_bindings=optimizer.warmup_steps = 5',  # learns within 30 steps (1.88)

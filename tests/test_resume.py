@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.conftest import Launched, read_events, run_module, run_modules
+from tests.conftest import TWO_DEVICES, Launched, read_events, run_module, run_modules
 
-BASE = ['--gin_file=configs/experiments/quickstart.gin',
+BASE = ['--gin_file=configs/experiments/quickstart.gin', TWO_DEVICES,
         '--gin_bindings=train.eval_batches = 1', '--gin_bindings=train.log_every = 1',
         "--gin_bindings=optimizer.decay = 'constant'"]
 
