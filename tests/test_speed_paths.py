@@ -1,5 +1,5 @@
 """The residual-stream speed path gives the losses of the path it replaced:
-20 steps of lm_2d (`data=2 x model=4`, Megatron) and lm_pipeline_spmd (cut
+8 steps of lm_2d (`data=2 x model=4`, Megatron) and lm_pipeline_spmd (cut
 to one repeat of 2 blocks in 2 micro-batches: a third of the compile, the
 same stage slots), each run both ways in this process, within 1e-5:
 transformer blocks' residual stream pinned to the batch split
@@ -22,7 +22,7 @@ from plugins.training import build_trainer
 from tests.numerics import assert_close
 from tests.conftest import REPO_ROOT
 
-STEPS = 20
+STEPS = 8
 
 
 def losses(config: str, *bindings: str) -> list[float]:

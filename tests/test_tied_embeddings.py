@@ -106,11 +106,11 @@ SPMD = ['--gin_file=configs/experiments/lm_pipeline_spmd.gin',
 @pytest.fixture(scope='module')
 def trained(tmp_path_factory):
   """{name: model_dir} and the runs: lm_pipeline_spmd.gin tied (Megatron
-  rules: the table split over 'model'), the same model on data=8 without a
+  rules: the table split over 'model'), the same model on data=2 without a
   pipeline, and lm_pipeline.gin tied (the sub-mesh engine)."""
   root = tmp_path_factory.mktemp('tied')
   dirs = {name: str(root / name) for name in ('plain', 'spmd', 'gpipe')}
-  plain = [*SPMD, "--gin_bindings=mesh.shape = {'stage': 1, 'data': 8}",
+  plain = [*SPMD, "--gin_bindings=mesh.shape = {'stage': 1, 'data': 2}",
            '--gin_bindings=pipeline.num_stages = 1',
            '--gin_bindings=pipeline.num_micro_batches = 1',
            '--gin_bindings=layout_rules.rules = []']
