@@ -4,7 +4,7 @@ is an expected fault: the survivors say so in one paragraph, with no traceback.
 The paragraph names the lost client (its id and address, when TensorFlow's
 error gives them) and the checkpoint a rerun resumes from; the exit status is
 `run_status.EXIT_PEER_LOST` and client 0's run_status.json says `peer_lost`.
-One real 2-client run (the 1-layer 2x4 model of tests/test_multi_client.py),
+One real 2-client run (the 1-layer 2x2 model of tests/test_multi_client.py),
 plus the message cleaner on TensorFlow's real error text.
 """
 

@@ -1,9 +1,10 @@
 """Several real client processes as one mesh: same result as one process,
 checkpoints that cross between them, and faults that end in bounded time.
 
-Every run is a real `launch.train` process (2 clients x 4 virtual CPU devices,
-or 1 process x 8), on the Megatron-sharded 2x4 mesh ('data' across clients,
-'model' within). Runs are shared between tests through module fixtures, in
+Every run is a real `launch.train` process (2 clients x 2 virtual CPU devices,
+or 1 process x 4), on a Megatron-sharded 2x2 mesh ('data' across clients,
+'model' within): what crosses processes is the same as on 2x4, and each
+client compiles for half the devices (tests/conftest.TWO_DEVICES). Runs are shared between tests through module fixtures, in
 this order: one process for 8 steps (the reference), 2 clients for 4 steps,
 then resumes across the two kinds and the faults.
 """
@@ -32,6 +33,7 @@ from tests.numerics import assert_close
 STATE = 1e-4
 
 ARGS = ['--gin_file=configs/experiments/lm_2d.gin',
+        "--gin_bindings=mesh.shape = {'data': 2, 'model': 2}",
         '--gin_bindings=transformer_lm.num_layers = 1',
         '--gin_bindings=transformer_lm.max_len = 16', '--gin_bindings=data.seq_len = 16',
         '--gin_bindings=train.batch_size = 8', '--gin_bindings=train.eval_batches = 1',
@@ -104,15 +106,15 @@ def cleanup(clients):
 
 
 def local_cluster(model_dir, *args, timeout=400):
-  return run_module('launch.local_cluster', '--num_clients=2', '--devices_per_client=4',
+  return run_module('launch.local_cluster', '--num_clients=2', '--devices_per_client=2',
                     '--', *ARGS, *args, f'--model_dir={model_dir}', timeout=timeout)
 
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
   """The module's shared runs, started together:
-  * the reference: one process with 8 devices, 8 steps (checkpoints at 2, 4, 6, 8);
-  * 2 clients x 4 devices through launch.local_cluster, preempted with SIGTERM
+  * the reference: one process with 4 devices, 8 steps (checkpoints at 2, 4, 6, 8);
+  * 2 clients x 2 devices through launch.local_cluster, preempted with SIGTERM
     (to the launcher, which forwards it) once step 4 is saved; with fully
     sharded parameters (`train.fsdp`: every weight split over 'data', i.e.
     across the clients, gathered at use), so it also checks FSDP across
@@ -123,7 +125,7 @@ def runs(tmp_path_factory):
   reference_run = Launched('launch.train', *ARGS, steps(8), f'--model_dir={reference_dir}',
                            label='reference run')
   model_dir = str(tmp_path_factory.mktemp('two_clients'))
-  launcher = Launched('launch.local_cluster', '--num_clients=2', '--devices_per_client=4',
+  launcher = Launched('launch.local_cluster', '--num_clients=2', '--devices_per_client=2',
                       '--', *ARGS, steps(1000), f'--model_dir={model_dir}', FSDP,
                       label='launch.local_cluster')
   with killed_if_left(launcher, reference_run):
@@ -155,7 +157,7 @@ def test_two_clients_equal_one_process_and_only_client_0_records(reference, two_
   events = read_events(model_dir)  # one writer: each step logged once
   logged = [s for s, _ in events['scalars']['train/loss']]
   assert logged == list(range(1, len(logged) + 1)) and len(logged) >= 4
-  assert re.search(r'\[client 1\].*Joined: client 1 of 2, with 4 of', output)
+  assert re.search(r'\[client 1\].*Joined: client 1 of 2, with 2 of', output)
   assert re.search(r"\[client 0\].*train.fsdp: \d+ of \d+ variables stored split over 'data'",
                    output)
 
@@ -412,12 +414,12 @@ def test_bfloat16_fsdp_on_two_clients_equals_one_process_without_it(tmp_path):
   """In bfloat16, FSDP moves a layer's matrices by all-to-all between the
   batch's replicas (`layout_core.layout.fsdp.per_replica`), here across the
   two processes; its gradients are those of a run without FSDP bit for bit,
-  so 2 steps on 2 clients x 4 devices save what one process without FSDP does."""
+  so 2 steps on 2 clients x 2 devices save what one process without FSDP does."""
   bf16 = "--gin_bindings=train.compute_dtype = 'bfloat16'"
   one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
   runs = [Launched('launch.train', *ARGS, steps(2), bf16, f'--model_dir={one}',
                    label='one process, no fsdp'),
-          Launched('launch.local_cluster', '--num_clients=2', '--devices_per_client=4', '--',
+          Launched('launch.local_cluster', '--num_clients=2', '--devices_per_client=2', '--',
                    *ARGS, steps(2), bf16, FSDP, f'--model_dir={two}', label='2 clients, fsdp')]
   with killed_if_left(*runs):
     outputs = [run.finish(timeout=300) for run in runs]
@@ -435,7 +437,7 @@ def test_a_task_count_that_does_not_fit_the_mesh_or_no_allocation_exits_2(tmp_pa
       cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert result.returncode == 2, result.stderr[-3000:]
   assert result.stderr.count('slurm gave 3 tasks') == 3, result.stderr[-3000:]
-  assert 'needs 8 devices' in result.stderr and 'srun -n 2' in result.stderr
+  assert 'needs 4 devices' in result.stderr and 'srun -n 2' in result.stderr
   assert not os.path.exists(tmp_path / 'three')
 
   result = run_module('launch.train', *ARGS, f'--model_dir={tmp_path / "outside"}',
