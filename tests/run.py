@@ -30,25 +30,29 @@ from tests import cpu_ledger
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 SHARDS = 2
-# Seconds per test file in one full run (2 cores, 2026-11-28, --durations=0: each file's
-# setup, call and teardown times summed), to balance the shards; a file not listed counts as
-# UNLISTED. Stale figures cost balance only.
+# Seconds per test file in one full run (2 cores, 2026-11-29, --durations=0: each file's
+# setup, call and teardown times summed; a trimmed file's scaled by its CPU change), to
+# balance the shards; a file not listed counts as UNLISTED. Stale figures cost balance only.
 SECONDS = {
-    'test_fsdp.py': 130, 'test_composition.py': 231, 'test_pipeline_spmd.py': 197,
-    'test_precision.py': 160, 'test_export.py': 160, 'test_pipeline_clients.py': 157,
-    'test_multi_client.py': 148, 'test_sweep.py': 122, 'test_data_runs.py': 109,
-    'test_mesh_tab.py': 68, 'test_sweep_slurm.py': 65, 'test_resume.py': 63,
-    'test_optimizer_state.py': 62, 'test_launch.py': 61, 'test_tasks.py': 45,
-    'test_checkpoint.py': 42, 'test_pipeline.py': 39, 'test_decode.py': 39,
-    'test_never_lose_work.py': 36, 'test_speed_paths.py': 20, 'test_bad_input.py': 35,
-    'test_lm_eval.py': 31, 'test_wheel.py': 25, 'test_eval.py': 27, 'test_suggest.py': 25,
-    'test_streams.py': 21, 'test_pipeline_training.py': 20, 'test_docs_site.py': 19,
-    'test_tf_internals.py': 18, 'test_memory.py': 17, 'test_layout_scope.py': 15,
-    'test_keras_models.py': 13, 'test_own_model.py': 8, 'test_lost_peer.py': 8,
-    'test_prepare_data.py': 6, 'test_runner.py': 6, 'test_optimizer.py': 5,
-    'test_docs_concepts.py': 4, 'test_layers.py': 4, 'test_inspect.py': 3, 'test_gather.py': 3,
-    'test_docs_commands.py': 2, 'test_startup.py': 2, 'test_imports.py': 2, 'test_configs.py': 2,
-    'test_checkpoint_safety.py': 2, 'test_hf_models.py': 55, 'test_hf_convert.py': 12,
+    'test_composition.py': 321, 'test_export.py': 284, 'test_pipeline_clients.py': 191,
+    'test_precision.py': 185, 'test_fsdp.py': 164, 'test_multi_client.py': 156,
+    'test_sweep.py': 151, 'test_data_runs.py': 143, 'test_mesh_tab.py': 99,
+    'test_pipeline_spmd.py': 89, 'test_sweep_slurm.py': 79, 'test_hf_models.py': 67,
+    'test_lora.py': 62, 'test_bad_input.py': 60, 'test_optimizer_state.py': 59,
+    'test_checkpoint.py': 59, 'test_resume.py': 58, 'test_launch.py': 52,
+    'test_decode.py': 51, 'test_tasks.py': 47, 'test_suggest.py': 46,
+    'test_never_lose_work.py': 45, 'test_tied_embeddings.py': 41, 'test_streams.py': 40,
+    'test_speed_paths.py': 38, 'test_pipeline.py': 38, 'test_lm_eval.py': 36,
+    'test_docs_site.py': 28, 'test_wheel.py': 28, 'test_eval.py': 24, 'test_flags.py': 22,
+    'test_tf_internals.py': 19, 'test_pipeline_training.py': 17, 'test_layout_scope.py': 16,
+    'test_memory.py': 13, 'test_keras_models.py': 12, 'test_gather.py': 11,
+    'test_own_model.py': 9, 'test_imports.py': 9, 'test_lost_peer.py': 8,
+    'test_docs_reference.py': 6, 'test_runner.py': 6, 'test_hf_convert.py': 6,
+    'test_unsplit_axes.py': 5, 'test_optimizer.py': 4, 'test_prepare_data.py': 4,
+    'test_llama_blocks.py': 4, 'test_instruct.py': 4, 'test_layers.py': 4,
+    'test_docs_commands.py': 4, 'test_inspect.py': 3, 'test_checkpoint_safety.py': 3,
+    'test_docs_concepts.py': 3, 'test_sampling.py': 3, 'test_startup.py': 2,
+    'test_keras_compat.py': 2, 'test_configs.py': 2, 'test_console.py': 2,
 }
 UNLISTED = 1
 
