@@ -4,9 +4,10 @@ checkpoints that cross between them, and faults that end in bounded time.
 Every run is a real `launch.train` process (2 clients x 2 virtual CPU devices,
 or 1 process x 4), on a Megatron-sharded 2x2 mesh ('data' across clients,
 'model' within): what crosses processes is the same as on 2x4, and each
-client compiles for half the devices (tests/conftest.TWO_DEVICES). Runs are shared between tests through module fixtures, in
-this order: one process for 8 steps (the reference), 2 clients for 4 steps,
-then resumes across the two kinds and the faults.
+client compiles for half the devices (tests/conftest.TWO_DEVICES). Runs are
+shared between tests through module fixtures, in this order: one process for
+8 steps (the reference), 2 clients for 4 steps, then resumes across the two
+kinds and the faults.
 """
 
 import json
