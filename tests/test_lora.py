@@ -26,7 +26,8 @@ from layout_core.run import make_trainer
 from layout_core.tasks.lm import MarkovTask
 from layout_core.train.config import TrainConfig
 from tests import composition
-from tests.conftest import TWO_DEVICES, Launched, killed_if_left, read_events, run_module, run_modules
+from tests.conftest import (TWO_DEVICES, Launched, killed_if_left, read_events, run_module,
+                            run_modules)
 from tests.numerics import assert_close
 from tests.test_layout_scope import MEGATRON
 

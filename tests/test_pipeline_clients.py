@@ -38,7 +38,8 @@ SAVE_EVERY = 2  # the first save, after which client 1 gets its SIGTERM
 LEG = 2         # steps of the one-process run between the 2-client runs
 COMMON = ['--gin_bindings=pipeline.num_micro_batches = 2', '--gin_bindings=train.log_every = 1',
           '--gin_bindings=train.eval_every = 0', '--gin_bindings=train.eval_batches = 1',
-          f'--gin_bindings=checkpoint.every_steps = {SAVE_EVERY}', '--gin_bindings=checkpoint.keep = 10',
+          f'--gin_bindings=checkpoint.every_steps = {SAVE_EVERY}',
+          '--gin_bindings=checkpoint.keep = 10',
           # The relay's one-process leg ends early (its own train.num_steps): a
           # schedule that does not depend on the step count.
           "--gin_bindings=optimizer.decay = 'constant'",
