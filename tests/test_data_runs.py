@@ -212,11 +212,11 @@ def write_rows(root, rows):
 
 # The classifier's runs below are about data, not devices: its Megatron split
 # on 2 devices instead of 8 (tests/conftest.TWO_DEVICES says what that saves).
-TWO_DEVICES = "--gin_bindings=mesh.shape = {'data': 1, 'model': 2}"
+CLASSIFIER_ON_2 = "--gin_bindings=mesh.shape = {'data': 1, 'model': 2}"
 
 
 def classifier_args(root, *more):
-  return ['--gin_file=configs/experiments/classifier_tfrecord.gin', TWO_DEVICES,
+  return ['--gin_file=configs/experiments/classifier_tfrecord.gin', CLASSIFIER_ON_2,
           f"--gin_bindings=tfrecord_task.train_files = '{root}/train-*'",
           f"--gin_bindings=tfrecord_task.eval_files = '{root}/eval-*'",
           f"--gin_bindings=tfrecord_task.features = {{'x': ('float32', [{WIDTH}]), "
@@ -256,7 +256,7 @@ def blobs(tmp_path_factory):
 
 
 def blob_args(root, *more):
-  return ['--gin_file=configs/experiments/classifier_tfrecord.gin', TWO_DEVICES,
+  return ['--gin_file=configs/experiments/classifier_tfrecord.gin', CLASSIFIER_ON_2,
           f"--gin_bindings=tfrecord_task.train_files = '{root}/train-*'",
           f"--gin_bindings=tfrecord_task.eval_files = '{root}/eval-*'",
           '--gin_bindings=train.eval_every = 0', '--gin_bindings=train.log_every = 5', *more]

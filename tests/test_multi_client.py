@@ -44,6 +44,9 @@ ARGS = ['--gin_file=configs/experiments/lm_2d.gin',
 
 
 FSDP = '--gin_bindings=train.fsdp = True'
+# launch.local_cluster's 2 clients, each with its half of ARGS' 2x2 mesh; the
+# train arguments follow.
+CLUSTER = ('launch.local_cluster', '--num_clients=2', '--devices_per_client=2', '--')
 
 
 def steps(n):
@@ -107,8 +110,7 @@ def cleanup(clients):
 
 
 def local_cluster(model_dir, *args, timeout=400):
-  return run_module('launch.local_cluster', '--num_clients=2', '--devices_per_client=2',
-                    '--', *ARGS, *args, f'--model_dir={model_dir}', timeout=timeout)
+  return run_module(*CLUSTER, *ARGS, *args, f'--model_dir={model_dir}', timeout=timeout)
 
 
 @pytest.fixture(scope='module')
@@ -126,8 +128,7 @@ def runs(tmp_path_factory):
   reference_run = Launched('launch.train', *ARGS, steps(8), f'--model_dir={reference_dir}',
                            label='reference run')
   model_dir = str(tmp_path_factory.mktemp('two_clients'))
-  launcher = Launched('launch.local_cluster', '--num_clients=2', '--devices_per_client=2',
-                      '--', *ARGS, steps(1000), f'--model_dir={model_dir}', FSDP,
+  launcher = Launched(*CLUSTER, *ARGS, steps(1000), f'--model_dir={model_dir}', FSDP,
                       label='launch.local_cluster')
   with killed_if_left(launcher, reference_run):
     output = launcher.stop_after(r'Saved checkpoint .*ckpt-4/ckpt', timeout=400)
@@ -420,8 +421,8 @@ def test_bfloat16_fsdp_on_two_clients_equals_one_process_without_it(tmp_path):
   one, two = str(tmp_path / 'one'), str(tmp_path / 'two')
   runs = [Launched('launch.train', *ARGS, steps(2), bf16, f'--model_dir={one}',
                    label='one process, no fsdp'),
-          Launched('launch.local_cluster', '--num_clients=2', '--devices_per_client=2', '--',
-                   *ARGS, steps(2), bf16, FSDP, f'--model_dir={two}', label='2 clients, fsdp')]
+          Launched(*CLUSTER, *ARGS, steps(2), bf16, FSDP, f'--model_dir={two}',
+                   label='2 clients, fsdp')]
   with killed_if_left(*runs):
     outputs = [run.finish(timeout=300) for run in runs]
   for run, output in zip(runs, outputs):

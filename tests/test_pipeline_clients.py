@@ -116,9 +116,11 @@ def relay(tmp_path_factory):
           del waiting[engine]
         else:
           assert pair[0].process.poll() is None, (
-              f'{engine} client 0 ended without saving step {SAVE_EVERY}:\n{pair[0].output[-3000:]}')
+              f'{engine} client 0 ended without saving step {SAVE_EVERY}:\n'
+              f'{pair[0].output[-3000:]}')
       return not waiting
-    wait_until(signalled_each, timeout=400, what="each engine's client 0 saving its first checkpoint")
+    wait_until(signalled_each, timeout=400,
+               what="each engine's client 0 saving its first checkpoint")
     for run in everything:
       run.finish(timeout=400)
   for run in everything:

@@ -30,7 +30,8 @@ import pytest
 from tests.conftest import TWO_DEVICES
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ("--gin_bindings=train.num_steps = 8", TWO_DEVICES)
+NUM_STEPS = 8
+STEPS = (f"--gin_bindings=train.num_steps = {NUM_STEPS}", TWO_DEVICES)
 # Not sources: at the top of the checkout, and anywhere.
 NOT_SOURCES_AT_TOP = {'.git', '.venv', 'runs', 'site', 'build', 'dist'}
 NOT_SOURCES = shutil.ignore_patterns('*.egg-info', '__pycache__', '.pytest_cache')
@@ -100,6 +101,6 @@ def test_the_quickstart_trains_from_outside_the_checkout_as_from_inside(installe
   outcomes = []
   for run_dir in (elsewhere / 'run', tmp_path / 'reference'):
     status = json.loads((run_dir / 'run_status.json').read_text())
-    assert status['status'] == 'completed' and status['step'] == 8, status
+    assert status['status'] == 'completed' and status['step'] == NUM_STEPS, status
     outcomes.append((status['metrics']['eval_loss'], (run_dir / 'config.gin').read_text()))
   assert outcomes[0] == outcomes[1]  # the same config, trained to the same loss
