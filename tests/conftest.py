@@ -193,7 +193,8 @@ def pytest_runtest_protocol(item):
   started) took, launched runs included (tests/cpu_ledger.py)."""
   before = cpu_ledger.seconds_so_far()
   yield
-  cpu_ledger.charge(item.nodeid.split('::')[0], cpu_ledger.seconds_so_far() - before)
+  cpu_ledger.charge(item.nodeid.split('::')[0],
+                    cpu_ledger.seconds_so_far(test=item.nodeid) - before)
 
 
 def pytest_sessionfinish():

@@ -26,6 +26,7 @@ _LOCK = threading.Lock()
 _LAUNCHES: list[dict] = []      # {'test', 'run', 'cpu'}
 _FILES: collections.Counter = collections.Counter()
 _REPORTED = [0.0]               # CPU seconds of runs reaped by someone else (the zygote)
+_SPOOLS: dict[str, int] = {}    # file the runs' runs are reported to -> bytes read of it
 
 
 def label(argv: Sequence[str]) -> str:
@@ -34,15 +35,42 @@ def label(argv: Sequence[str]) -> str:
   return words if len(words) <= 100 else words[:97] + '...'
 
 
-def add(cpu: float, argv: Sequence[str], *, reaped_here: bool = False) -> None:
+def add(cpu: float, argv: Sequence[str], *, reaped_here: bool = False,
+        test: str | None = None) -> None:
   """Records a launched run's CPU seconds, charged to the test running now.
   `reaped_here`: this process reaped it, so its seconds are in RUSAGE_CHILDREN
   already (they are listed, not counted twice)."""
-  test = os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]
+  test = test or os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]
   with _LOCK:
     _LAUNCHES.append({'test': test, 'run': label(argv), 'cpu': round(cpu, 2)})
     if not reaped_here:
       _REPORTED[0] += cpu
+
+
+def watch(spool: str) -> None:
+  """Also counts the runs reported to `spool`, one JSON line ({'cpu', 'argv'})
+  each: those a launched run started itself through the zygote
+  (tests/zygote_shim.py), which the zygote reaped."""
+  with _LOCK:
+    _SPOOLS.setdefault(spool, 0)
+
+
+def _read_spools(test: str | None) -> None:
+  with _LOCK:
+    spools = dict(_SPOOLS)
+  for spool, offset in spools.items():
+    try:
+      with open(spool, 'rb') as f:
+        f.seek(offset)
+        complete = f.read().rpartition(b'\n')[0]
+    except FileNotFoundError:
+      continue
+    if complete:
+      with _LOCK:
+        _SPOOLS[spool] = offset + len(complete) + 1
+      for line in complete.split(b'\n'):
+        run = json.loads(line)
+        add(run['cpu'], run['argv'], test=test)
 
 
 def exited_cpu(pid: int, timeout: float | None) -> float | None:
@@ -60,9 +88,10 @@ def exited_cpu(pid: int, timeout: float | None) -> float | None:
   return (utime + stime + cutime + cstime) / os.sysconf('SC_CLK_TCK')
 
 
-def seconds_so_far() -> float:
+def seconds_so_far(test: str | None = None) -> float:
   """This process's CPU seconds, with its reaped children's and the runs the
-  zygote reaped for it."""
+  zygote reaped for it (`test`: the test the runs reported since are charged to)."""
+  _read_spools(test)
   own = resource.getrusage(resource.RUSAGE_SELF)
   children = resource.getrusage(resource.RUSAGE_CHILDREN)
   with _LOCK:

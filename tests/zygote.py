@@ -73,6 +73,12 @@ PRELOAD = ('tensorflow', 'tensorflow.experimental.dtensor', 'numpy', 'gin', 'abs
 # optional); a forked run that imports them gets them afresh.
 KEPT_OUT = ('sklearn', 'pandas', 'pyarrow')
 _LENGTH = struct.Struct('!I')
+# The launchers whose own `python -m launch.train` runs are forked from the
+# zygote too (tests/zygote_shim.py): local_cluster's clients, the candidates
+# `launch.inspect --suggest` measures. Not launch.sweep's trials: a sweep
+# believes a trial's run_status.json and run lock only from the pid it
+# started, which a forked trial does not have.
+STARTS_ITS_RUNS_FORKED = ('launch.local_cluster', 'launch.inspect')
 
 
 def differs_at_import(env: Mapping[str, str], base: Mapping[str, str]) -> list[str]:
@@ -148,6 +154,8 @@ def _run_child(request: dict, fds: Sequence[int]) -> None:
     for name in KEPT_OUT:
       if name in sys.modules and sys.modules[name] is None:
         del sys.modules[name]  # importable again, started in this process
+    if request.get('python'):  # what the run starts its own runs with (tests/zygote_shim.py)
+      sys.executable = request['python']
     os.chdir(request['cwd'])
     os.environ.clear()
     os.environ.update(request['env'])
@@ -206,6 +214,9 @@ def serve(path: str, setup: Sequence[str] = ()) -> None:
             os.waitpid(pid, 0)
           return
         continue
+      if key.data != 'request':  # a run's client closed its connection: the run goes too
+        _client_gone(selector, key.fileobj, *key.data)
+        continue
       conn, _ = listener.accept()
       try:
         request, fds = _receive(conn)
@@ -236,18 +247,34 @@ def serve(path: str, setup: Sequence[str] = ()) -> None:
         os.close(fd)
       conn.sendall(f'pid {pid}\n'.encode())
       children[pid] = conn
+      selector.register(conn, selectors.EVENT_READ, (pid, bool(request.get('new_session'))))
     while children:
       pid, status, usage = os.wait4(-1, os.WNOHANG)
       if not pid:
         break
       conn = children.pop(pid, None)
-      if conn is not None:
+      if conn is not None and conn.fileno() >= 0:
+        selector.unregister(conn)
         try:
           cpu = usage.ru_utime + usage.ru_stime  # its own and its reaped children's
           conn.sendall(f'exit {os.waitstatus_to_exitcode(status)} {cpu:.3f}\n'.encode())
         except OSError:
           pass
         conn.close()
+
+
+def _client_gone(selector, conn: socket.socket, pid: int, own_session: bool) -> None:
+  """A client never writes after its request: readable means it closed the
+  connection (or died, as a SIGKILLed zygote_shim does), and its run is
+  killed with what it started in its session."""
+  if conn.recv(1):
+    return
+  selector.unregister(conn)
+  conn.close()
+  try:
+    (os.killpg if own_session else os.kill)(pid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
 
 
 # ---------------------------------------------------------------- the client
@@ -277,8 +304,51 @@ def close_session_zygote() -> None:
 
 
 
+def _write_shim(scratch: str, *, socket_path: str, env: Mapping[str, str]) -> str:
+  """Writes `scratch/python`, the `sys.executable` of the runs this zygote
+  forks (tests/zygote_shim.py), and returns its path."""
+  config = os.path.join(scratch, 'shim.json')
+  spool = os.path.join(scratch, 'cpu.spool')
+  with open(config, 'w', encoding='utf-8') as f:
+    json.dump({'socket': socket_path, 'python': sys.executable, 'env': dict(env),
+               'spool': spool}, f)
+  open(spool, 'w').close()  # pylint: disable=consider-using-with
+  cpu_ledger.watch(spool)
+  shim = os.path.join(scratch, 'python')
+  with open(shim, 'w', encoding='utf-8') as f:
+    f.write(f'#!{sys.executable} -IS\nimport sys\nsys.path.insert(0, {REPO_ROOT!r})\n'
+            f'from tests.zygote_shim import main\nmain({config!r}, sys.argv[1:])\n')
+  os.chmod(shim, 0o755)
+  return shim
+
+
 class ZygoteUnavailable(RuntimeError):
   """The zygote could not start a run (nothing was forked)."""
+
+
+def request(path: str, request: dict, fds: Sequence[int]) -> tuple[socket.socket, int, bytes]:
+  """Sends `request` with `fds` to the zygote at `path`: (connection, the
+  child's pid, bytes read past its line); ZygoteUnavailable if it forked nothing."""
+  conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  try:
+    conn.connect(path)
+    body = json.dumps(request).encode()
+    socket.send_fds(conn, [_LENGTH.pack(len(body)) + body], list(fds))
+    reply = b''
+    while b'\n' not in reply:
+      more = conn.recv(4096)
+      if not more:
+        raise ConnectionError('the zygote closed the connection without forking')
+      reply += more
+  except OSError as e:
+    conn.close()
+    raise ZygoteUnavailable(f'test zygote {path}: {e}') from e
+  line, pending = reply.split(b'\n', 1)
+  word, _, rest = line.decode(errors='replace').partition(' ')
+  if word == 'refused':
+    conn.close()
+    raise ZygoteUnavailable(f'test zygote {path} refused to fork: {rest}')
+  return conn, int(rest), pending
 
 
 class Zygote:
@@ -288,6 +358,7 @@ class Zygote:
     """`setup`: MODULE:FUNCTION names the zygote calls after its preload."""
     self.env = dict(env)
     self.path = os.path.join(scratch, 'zygote.sock')
+    self.python = _write_shim(scratch, socket_path=self.path, env=self.env)
     self.process = subprocess.Popen([sys.executable, '-m', 'tests.zygote', self.path, *setup],
                                     cwd=REPO_ROOT, env=self.env, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -313,9 +384,11 @@ class Zygote:
       raise ZygoteUnavailable(f'set differently from the zygote\'s at import: {differs}')
     pipes = [os.pipe() for _ in range(2 if stderr_apart else 1)]
     try:
-      conn, pid, pending = self._request(
-          {'argv': list(argv), 'cwd': REPO_ROOT, 'env': dict(env), 'unbuffered': unbuffered,
-           'new_session': new_session}, [w for _, w in pipes])
+      conn, pid, pending = request(
+          self.path, {'argv': list(argv), 'cwd': REPO_ROOT, 'env': dict(env),
+                      'unbuffered': unbuffered, 'new_session': new_session,
+                      'python': self.python if argv[0] in STARTS_ITS_RUNS_FORKED else None},
+          [w for _, w in pipes])
     except ZygoteUnavailable:
       for r, _ in pipes:
         os.close(r)
@@ -326,29 +399,6 @@ class Zygote:
     streams = [open(r, encoding='utf-8', errors='replace') for r, _ in pipes]
     return Forked(conn, pid, pending, stdout=streams[0],
                   stderr=streams[1] if stderr_apart else None, argv=argv)
-
-  def _request(self, request: dict, fds: Sequence[int]) -> tuple[socket.socket, int, bytes]:
-    """Sends `request` with `fds`: (connection, the child's pid, bytes read past its line)."""
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-      conn.connect(self.path)
-      body = json.dumps(request).encode()
-      socket.send_fds(conn, [_LENGTH.pack(len(body)) + body], list(fds))
-      reply = b''
-      while b'\n' not in reply:
-        more = conn.recv(4096)
-        if not more:
-          raise ConnectionError('the zygote closed the connection without forking')
-        reply += more
-    except OSError as e:
-      conn.close()
-      raise ZygoteUnavailable(f'test zygote {self.path}: {e}') from e
-    line, pending = reply.split(b'\n', 1)
-    word, _, rest = line.decode(errors='replace').partition(' ')
-    if word == 'refused':
-      conn.close()
-      raise ZygoteUnavailable(f'test zygote {self.path} refused to fork: {rest}')
-    return conn, int(rest), pending
 
   def run(self, argv: Sequence[str], *, env: Mapping[str, str],
           timeout: float) -> subprocess.CompletedProcess:
@@ -398,6 +448,7 @@ class Forked:
     self.stdout = stdout
     self.stderr = stderr
     self.returncode: int | None = None
+    self.cpu: float | None = None  # its CPU seconds (its reaped children's too), at exit
     self.pid = pid
 
   def _line(self, timeout: float | None) -> bytes:
@@ -421,7 +472,8 @@ class Forked:
       self.returncode = int(words[1]) if line else -signal.SIGKILL
       self._conn.close()
       if line:
-        cpu_ledger.add(float(words[2]), self.argv)
+        self.cpu = float(words[2])
+        cpu_ledger.add(self.cpu, self.argv)
     return self.returncode
 
   def poll(self) -> int | None:
