@@ -9,7 +9,7 @@ import time
 import pytest
 
 from plugins.run_status import COMPLETED, read_run_status
-from tests.conftest import read_events, run_module
+from tests.conftest import TWO_DEVICES, read_events, run_module
 
 def short_run(gin_file: str, *, num_steps: int, eval_every: int) -> list[str]:
   """launch flags for a few steps of `gin_file`, logging every 2 steps."""
@@ -19,7 +19,8 @@ def short_run(gin_file: str, *, num_steps: int, eval_every: int) -> list[str]:
           '--gin_bindings=train.eval_batches = 1']
 
 
-QUICK = short_run('configs/experiments/quickstart.gin', num_steps=6, eval_every=3)
+QUICK = [*short_run('configs/experiments/quickstart.gin', num_steps=6, eval_every=3),
+         TWO_DEVICES]
 # lm_pipeline.gin cut to a cell of each width in 2 micro-batches: a third of its compile.
 PIPELINE = [*short_run('configs/experiments/lm_pipeline.gin', num_steps=4, eval_every=0),
             '--gin_bindings=transformer_lm.num_layers = 2',

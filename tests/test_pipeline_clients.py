@@ -1,4 +1,4 @@
-"""Both pipeline engines on 2 clients x 4 devices against 1 process x 8.
+"""Both pipeline engines on 2 clients x 2 devices against 1 process x 4.
 
 For each engine (sub-mesh GPipe on lm_pipeline.gin with dropout and
 gradient accumulation, reading a token corpus in 8 streams; the SPMD stage
@@ -16,6 +16,12 @@ Every step's loss of the relay equals the reference's (1e-5), and its final
 parameters equal the reference's (1e-6): the pipelines across clients, the
 stop, and both checkpoint moves at once. The two engines' runs go side by
 side, a phase at a time.
+
+Each engine's mesh is the smallest that still shows what crosses the
+clients (a launched run compiles its steps once per device): the sub-mesh
+engine's stages are data=2 x model=1, 'data' across the clients in each
+stage (so each client reads only its rows); the SPMD engine's stage axis
+is the clients, each stage data=1 x model=2 (Megatron within a client).
 """
 
 import json
@@ -50,6 +56,7 @@ ENGINES = ('submesh', 'spmd')
 def engine_args(corpus) -> dict[str, list[str]]:
   return {
       'submesh': ['--gin_file=configs/experiments/lm_pipeline.gin',
+                  "--gin_bindings=mesh.shape = {'stage': 2, 'data': 2, 'model': 1}",
                   '--gin_bindings=transformer_block.dropout_rate = 0.1', *COMMON,
                   '--gin_bindings=transformer_lm.num_layers = 2',  # a cell of each width
                   '--gin_bindings=transformer_lm.cells = '
@@ -61,7 +68,8 @@ def engine_args(corpus) -> dict[str, list[str]]:
                   '--gin_bindings=lm_corpus.seq_len = 32',
                   # Accumulation: each client's rows of 2 x 2 micro-batches.
                   '--gin_bindings=train.grad_accum_steps = 2'],
-      'spmd': ['--gin_file=configs/experiments/lm_pipeline_spmd.gin', *COMMON,
+      'spmd': ['--gin_file=configs/experiments/lm_pipeline_spmd.gin',
+               "--gin_bindings=mesh.shape = {'stage': 2, 'data': 1, 'model': 2}", *COMMON,
                '--gin_bindings=transformer_lm.num_layers = 2',  # a cell per stage
                '--gin_bindings=pipeline.circular_repeats = 1',
                "--gin_bindings=train.compute_dtype = 'bfloat16'",
@@ -77,7 +85,7 @@ def write_corpus(root) -> str:
   write_documents(str(root / 'train-{shard}.tfrecord'), documents, num_shards=8)
   write_documents(str(root / 'eval-{shard}.tfrecord'), documents[:40])
   return str(root)
-TWO_CLIENTS = ('launch.local_cluster', '--num_clients=2', '--devices_per_client=4', '--')
+TWO_CLIENTS = ('launch.local_cluster', '--num_clients=2', '--devices_per_client=2', '--')
 
 
 def losses(model_dir) -> dict[int, float]:
@@ -178,14 +186,14 @@ def test_two_clients_stop_move_and_end_as_one_process(relay, engine):
 
 
 def test_each_client_holds_its_share_of_every_sub_mesh_stage_and_reads_only_its_rows(relay):
-  """Sub-mesh engine: stage k is the k-th half of each client's 4 devices (a
-  stage per client cannot take DTensor's cross-mesh copy), as the run's
+  """Sub-mesh engine: stage k is each client's k-th device (a stage per
+  client cannot take DTensor's cross-mesh copy), as the run's
   log and mesh.json (the Mesh tab's data, from the real layouts) say; each
   client opens only the streams of the rows its devices hold."""
   runs = relay['submesh']
   for client, output in runs['outputs'].items():
-    assert re.search(r'\| 0 \| data=2 x model=2 \| client 0: device:CPU:0, device:CPU:1; '
-                     r'client 1: device:CPU:0, device:CPU:1 \|', output), output[-4000:]
+    assert re.search(r'\| 1 \| data=2 x model=1 \| client 0: device:CPU:1; '
+                     r'client 1: device:CPU:1 \|', output), output[-4000:]
     # Its rows: half of each of the 2 x 2 micro-batches of 8 (2 accumulation
     # steps of 2 micro-batches; 'data' spans the clients in every stage);
     # batch rows 4k..4k+3 come from stream k of 8.
@@ -200,12 +208,12 @@ def test_each_client_holds_its_share_of_every_sub_mesh_stage_and_reads_only_its_
     mesh = json.load(f)
   assert mesh['mesh']['num_clients'] == 2
   assert [(d['id'], d['client'], d['stage']) for d in mesh['devices']] == [
-      (i, i // 4, (i % 4) // 2) for i in range(8)]
+      (i, i // 2, i % 2) for i in range(4)]
   softmax = next(v for v in mesh['variables'] if v['path'].endswith('softmax/w'))
-  assert sorted(i for s in softmax['slices'] for i in s['devices']) == [2, 3, 6, 7]
+  assert sorted(i for s in softmax['slices'] for i in s['devices']) == [1, 3]  # stage 1's
   spmd = json.load(open(os.path.join(relay['spmd']['first'], 'mesh.json')))
-  assert [(d['client'], d['stage']) for d in spmd['devices']] == [(i // 4, i // 4)
-                                                                   for i in range(8)]
+  assert [(d['client'], d['stage']) for d in spmd['devices']] == [(i // 2, i // 2)
+                                                                   for i in range(4)]
 
 
 def test_spmd_run_on_two_clients_records_its_stages_and_profiles(relay):
