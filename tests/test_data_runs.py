@@ -16,7 +16,7 @@ import pytest
 
 from layout_core.tasks import write_tfrecords
 from layout_core.tasks.corpus import write_documents
-from tests.conftest import Launched, killed_if_left, read_events, run_module
+from tests.conftest import TWO_DEVICES, Launched, killed_if_left, read_events, run_module
 from tests.numerics import assert_close
 
 NUM_STEPS = 30
@@ -52,7 +52,7 @@ def corpus_args(root, *more):
           '--gin_bindings=train.eval_every = 0', '--gin_bindings=train.log_every = 1',
           "--gin_bindings=optimizer.decay = 'constant'", '--gin_bindings=optimizer.warmup_steps = 0',
           '--gin_bindings=checkpoint.every_steps = 100', '--gin_bindings=checkpoint.keep = 5',
-          f'--gin_bindings=train.num_steps = {NUM_STEPS}', *more]
+          f'--gin_bindings=train.num_steps = {NUM_STEPS}', TWO_DEVICES, *more]
 
 
 def losses(model_dir):
@@ -123,10 +123,10 @@ def test_a_stopped_run_resumes_bit_identically_on_the_same_mesh(corpus, stopped,
 
 def test_resumed_on_another_mesh_shape_follows_the_same_curve(corpus, stopped, uninterrupted,
                                                              tmp_path):
-  target = str(tmp_path / 'mesh2x4')
+  target = str(tmp_path / 'data4')
   step = resumed_copy(stopped, target)
   result = run_module('launch.train', *corpus_args(corpus),
-                      "--gin_bindings=mesh.shape = {'data': 2, 'model': 4}",
+                      "--gin_bindings=mesh.shape = {'data': 4}",  # the rows split 4 ways, not 2
                       f'--model_dir={target}')
   assert result.returncode == 0, result.stderr[-3000:]
   curve = losses(target)
@@ -140,7 +140,7 @@ def test_two_clients_resume_reading_only_their_own_files(corpus, stopped, uninte
                                                          tmp_path):
   target = str(tmp_path / 'two_clients')
   step = resumed_copy(stopped, target)
-  result = run_module('launch.local_cluster', '--num_clients=2', '--devices_per_client=4', '--',
+  result = run_module('launch.local_cluster', '--num_clients=2', '--devices_per_client=1', '--',
                       *corpus_args(corpus), f'--model_dir={target}', timeout=400)
   assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
   output = result.stdout + result.stderr
@@ -179,8 +179,9 @@ def test_packed_documents_on_a_pipeline_engine_exit_2_saying_what_works(corpus, 
   model_dir = str(tmp_path / 'run')
   result = run_module('launch.train', '--gin_file=configs/experiments/lm_pipeline.gin',
                       '--gin_bindings=data.task = @lm_corpus()',
-                      *[a for a in corpus_args(corpus)[1:] if 'transformer_lm.' not in a
-                        or 'vocab_size' in a], f'--model_dir={model_dir}')
+                      *[a for a in corpus_args(corpus)[1:] if a != TWO_DEVICES and (
+                          'transformer_lm.' not in a or 'vocab_size' in a)],
+                      f'--model_dir={model_dir}')
   assert result.returncode == 2, result.stderr[-3000:]
   message = result.stderr.split('Configuration error:')[1]
   assert 'a pipeline engine' in message and 'lm_corpus.pack = False' in message, message

@@ -24,68 +24,106 @@ TRAIN = ['--gin_bindings=train.log_every = 1', '--gin_bindings=train.eval_every 
          '--gin_bindings=checkpoint.every_steps = 2']
 LM = ['--gin_file=configs/experiments/lm_2d.gin', '--gin_bindings=train.num_steps = 3']
 # The SPMD pipeline holds its blocks stacked [stage, repeat, ...] on a stage x data x model
-# mesh and saves them under the unpipelined model's per-block keys (cut to 2 blocks).
+# mesh and saves them under the unpipelined model's per-block keys (cut to 2 blocks, on 4
+# devices: 'model' splits the stack, as 'data' would).
 PIPELINED = ['--gin_file=configs/experiments/lm_pipeline_spmd.gin',
+             "--gin_bindings=mesh.shape = {'stage': 2, 'data': 1, 'model': 2}",
              '--gin_bindings=train.num_steps = 2', '--gin_bindings=transformer_lm.num_layers = 2',
              '--gin_bindings=pipeline.circular_repeats = 1',
              '--gin_bindings=pipeline.num_micro_batches = 2']
 KERAS = ['--gin_search_paths=tests/fixtures', '--gin_file=my_project/keras.gin',
          '--gin_bindings=train.num_steps = 2']
 
-# Run with `python -I` from a scratch directory: TensorFlow and numpy only.
-LOAD_WITH_TENSORFLOW_ALONE = r'''
-import json, os, sys, warnings
+# Run with `python -I` from a scratch directory: TensorFlow and numpy only. One
+# process for the module (`TensorFlowAlone`): each stdin line asks it to load an
+# export and run its calls; it answers a RESULT (or FAILED) line.
+LOAD_WITH_TENSORFLOW_ALONE = r"""
+import json, os, sys, traceback, warnings
 import numpy as np
 import tensorflow as tf
-export_dir, calls_path, out_path = sys.argv[1:]
-loaded = tf.saved_model.load(export_dir)
-outputs, ops, lite = {}, {}, None
-for call, (signature, inputs) in json.load(open(calls_path)).items():
-  arrays = {name: np.load(path) for name, path in inputs.items()}
-  if call.startswith('tflite'):  # the same signature in model.tflite, TFLite's interpreter
-    if lite is None:
-      with warnings.catch_warnings():
-        warnings.simplefilter('ignore')  # tf.lite.Interpreter is deprecated for LiteRT's
-        lite = tf.lite.Interpreter(model_path=os.path.join(export_dir, 'model.tflite'))
-    result = lite.get_signature_runner(signature)(**arrays)
-    outputs.update({f'{call}/{key}': value for key, value in result.items()})
-    continue
-  function = loaded.signatures[signature]
-  result = function(**{name: tf.constant(array) for name, array in arrays.items()})
-  outputs.update({f'{call}/{key}': value.numpy() for key, value in result.items()})
-  graph = function.graph.as_graph_def()
-  ops[signature] = sorted({n.op for n in graph.node} |
-                          {n.op for f in graph.library.function for n in f.node_def})
-np.savez(out_path, **outputs)
-meshgin = sorted(m for m in sys.modules if m.split('.')[0] in ('layout_core', 'plugins', 'launch'))
-print('RESULT ' + json.dumps({'meshgin_modules': meshgin, 'ops': ops,
-                              'signatures': sorted(loaded.signatures)}))
-'''
+
+def load(export_dir, calls_path, out_path):
+  loaded = tf.saved_model.load(export_dir)
+  outputs, ops, lite = {}, {}, None
+  for call, (signature, inputs) in json.load(open(calls_path)).items():
+    arrays = {name: np.load(path) for name, path in inputs.items()}
+    if call.startswith('tflite'):  # the same signature in model.tflite, TFLite's interpreter
+      if lite is None:
+        with warnings.catch_warnings():
+          warnings.simplefilter('ignore')  # tf.lite.Interpreter is deprecated for LiteRT's
+          lite = tf.lite.Interpreter(model_path=os.path.join(export_dir, 'model.tflite'))
+      result = lite.get_signature_runner(signature)(**arrays)
+      outputs.update({f'{call}/{key}': value for key, value in result.items()})
+      continue
+    function = loaded.signatures[signature]
+    result = function(**{name: tf.constant(array) for name, array in arrays.items()})
+    outputs.update({f'{call}/{key}': value.numpy() for key, value in result.items()})
+    graph = function.graph.as_graph_def()
+    ops[signature] = sorted({n.op for n in graph.node} |
+                            {n.op for f in graph.library.function for n in f.node_def})
+  np.savez(out_path, **outputs)
+  meshgin = sorted(m for m in sys.modules
+                   if m.split('.')[0] in ('layout_core', 'plugins', 'launch'))
+  return {'meshgin_modules': meshgin, 'ops': ops, 'signatures': sorted(loaded.signatures)}
+
+for request in sys.stdin:
+  try:
+    print('RESULT ' + json.dumps(load(*json.loads(request))), flush=True)
+  except Exception:
+    print('FAILED ' + json.dumps(traceback.format_exc()), flush=True)
+"""
 
 
-def load_with_tensorflow_alone(export_dir: str, calls: dict, scratch) -> tuple[dict, dict]:
-  """({call/output: array}, {'meshgin_modules', 'ops', 'signatures'}) from a
-  fresh `python -I` that imports TensorFlow and loads `export_dir`; `calls` is
-  {call name: (signature, {input name: array})}, a name starting 'tflite'
-  running the signature of `model.tflite` in TFLite's interpreter."""
-  os.makedirs(scratch, exist_ok=True)
-  files = {}
-  for call, (signature, inputs) in calls.items():
-    paths = {}
-    for name, array in inputs.items():
-      paths[name] = os.path.join(scratch, f'{call}-{name}.npy')
-      np.save(paths[name], array)
-    files[call] = (signature, paths)
-  with open(os.path.join(scratch, 'calls.json'), 'w') as f:
-    json.dump(files, f)
-  out = os.path.join(scratch, 'out.npz')
-  done = subprocess.run([sys.executable, '-I', '-c', LOAD_WITH_TENSORFLOW_ALONE, export_dir,
-                         os.path.join(scratch, 'calls.json'), out], cwd=scratch,
-                        capture_output=True, text=True, timeout=300,
-                        env={k: v for k, v in os.environ.items() if k != 'PYTHONPATH'})
-  assert done.returncode == 0, done.stderr[-3000:]
-  report = json.loads(done.stdout.split('RESULT ', 1)[1])
-  return dict(np.load(out)), report
+class TensorFlowAlone:
+  """A fresh `python -I` that imports TensorFlow (no meshgin module) and loads
+  the exports the module's tests ask for, one after another."""
+
+  def __init__(self, scratch):
+    self.stderr = open(os.path.join(scratch, 'stderr.txt'), 'w+')
+    self.process = subprocess.Popen(
+        [sys.executable, '-I', '-c', LOAD_WITH_TENSORFLOW_ALONE], cwd=scratch,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+        env={k: v for k, v in os.environ.items() if k != 'PYTHONPATH'})
+
+  def load(self, export_dir: str, calls: dict, scratch) -> tuple[dict, dict]:
+    """({call/output: array}, {'meshgin_modules', 'ops', 'signatures'}); `calls`
+    is {call name: (signature, {input name: array})}, a name starting
+    'tflite' running the signature of `model.tflite` in TFLite's interpreter."""
+    os.makedirs(scratch, exist_ok=True)
+    files = {}
+    for call, (signature, inputs) in calls.items():
+      paths = {}
+      for name, array in inputs.items():
+        paths[name] = os.path.join(scratch, f'{call}-{name}.npy')
+        np.save(paths[name], array)
+      files[call] = (signature, paths)
+    calls_path, out = os.path.join(scratch, 'calls.json'), os.path.join(scratch, 'out.npz')
+    with open(calls_path, 'w') as f:
+      json.dump(files, f)
+    self.process.stdin.write(json.dumps([export_dir, calls_path, out]) + '\n')
+    self.process.stdin.flush()
+    line = ''
+    while not line.startswith(('RESULT ', 'FAILED ')):
+      line = self.process.stdout.readline()
+      if not line:
+        self.stderr.seek(0)
+        raise AssertionError(f'the TensorFlow-alone loader exited {self.process.wait()}:\n'
+                             f'{self.stderr.read()[-3000:]}')
+    word, _, body = line.partition(' ')
+    assert word == 'RESULT', json.loads(body)
+    return dict(np.load(out)), json.loads(body)
+
+  def close(self) -> None:
+    self.process.stdin.close()
+    self.process.wait(60)
+    self.stderr.close()
+
+
+@pytest.fixture(scope='module')
+def tensorflow_alone(tmp_path_factory):
+  loader = TensorFlowAlone(tmp_path_factory.mktemp('tensorflow_alone'))
+  yield loader
+  loader.close()
 
 
 def restored_on_mesh(prefix: str, mesh, search_paths=()):
@@ -142,13 +180,14 @@ def lm(tmp_path_factory):
   return model_dir, export_dir, os.path.join(model_dir, 'checkpoints', 'ckpt-3', 'ckpt')
 
 
-def test_the_export_loads_with_tensorflow_alone_and_gives_meshgin_logits(lm, mesh_data8,
+def test_the_export_loads_with_tensorflow_alone_and_gives_meshgin_logits(tensorflow_alone, lm,
+                                                                           mesh_data8,
                                                                            tmp_path):
   _, export_dir, prefix = lm
   tokens = np.random.default_rng(0).integers(0, 64, (8, 64)).astype(np.int32)
   changed = tokens.copy()
   changed[:, 40] = (changed[:, 40] + 1) % 64
-  outputs, report = load_with_tensorflow_alone(
+  outputs, report = tensorflow_alone.load(
       export_dir, {'a': ('serving_default', {'tokens': tokens}),
                    'b': ('serving_default', {'tokens': changed[:3]}),
                    'tflite': ('serving_default', {'tokens': tokens})}, tmp_path / 'fresh')
@@ -193,11 +232,11 @@ def launch_decode(model_dir: str, scratch, *flags: str) -> np.ndarray:
     return np.array([json.loads(line)['continuation'] for line in f], np.int32)
 
 
-def test_generate_equals_launch_decode_on_the_runs_mesh(lm, tmp_path):
+def test_generate_equals_launch_decode_on_the_runs_mesh(tensorflow_alone, lm, tmp_path):
   """The export's greedy `generate`, with TensorFlow alone and with TFLite."""
   model_dir, export_dir, _ = lm
   inputs = {'prompts': PROMPTS, 'lengths': LENGTHS}
-  outputs, report = load_with_tensorflow_alone(
+  outputs, report = tensorflow_alone.load(
       export_dir, {'g': ('generate', inputs), 'tflite': ('generate', inputs)},
       tmp_path / 'fresh')
   assert report['signatures'] == ['generate', 'serving_default']
@@ -212,7 +251,8 @@ def test_generate_equals_launch_decode_on_the_runs_mesh(lm, tmp_path):
   assert len({tuple(row) for row in decoded}) > 1  # the rows decode differently
 
 
-def test_a_sampling_export_draws_what_launch_decode_draws_with_the_seed(lm, tmp_path):
+def test_a_sampling_export_draws_what_launch_decode_draws_with_the_seed(tensorflow_alone, lm,
+                                                                       tmp_path):
   model_dir, _, _ = lm
   export_dir = str(tmp_path / 'sampled' / '1')
   os.makedirs(os.path.dirname(export_dir))
@@ -222,7 +262,7 @@ def test_a_sampling_export_draws_what_launch_decode_draws_with_the_seed(lm, tmp_
   calls = {name: ('generate', {'prompts': PROMPTS, 'lengths': LENGTHS,
                                'seed': np.array(seed, np.int64)})
            for name, seed in (('a', 7), ('again', 7), ('other', 8))}
-  outputs, _ = load_with_tensorflow_alone(export_dir, calls, tmp_path / 'fresh')
+  outputs, _ = tensorflow_alone.load(export_dir, calls, tmp_path / 'fresh')
   assert np.array_equal(outputs['a/tokens'], outputs['again/tokens'])
   assert np.mean(outputs['a/tokens'] == outputs['other/tokens']) < 0.5  # the seed matters
   decoded = launch_decode(model_dir, tmp_path / 'decode', '--temperature=0.8', '--top_k=10',
@@ -338,7 +378,8 @@ def test_no_checkpoint_or_another_models_config_exits_2_leaving_nothing(lm, tmp_
   assert os.listdir(tmp_path) == ['empty']  # no export, no temporary directory, no parent
 
 
-def test_a_keras_models_export_gives_meshgin_predictions(tmp_path, mesh_data8):
+def test_a_keras_models_export_gives_meshgin_predictions(tensorflow_alone, tmp_path,
+                                                        mesh_data8):
   model_dir, export_dir = str(tmp_path / 'run'), str(tmp_path / 'exports' / '1')
   trained = run_module('launch.train', *KERAS, *TRAIN, f'--model_dir={model_dir}')
   assert trained.returncode == 0, trained.stderr[-3000:]
@@ -346,7 +387,7 @@ def test_a_keras_models_export_gives_meshgin_predictions(tmp_path, mesh_data8):
   exported = export(model_dir, export_dir, '--gin_search_paths=tests/fixtures')
   assert exported.returncode == 0, exported.stderr[-3000:]
   points = np.random.default_rng(1).normal(size=(8, 8)).astype(np.float32)
-  outputs, report = load_with_tensorflow_alone(
+  outputs, report = tensorflow_alone.load(
       export_dir, {'a': ('serving_default', {'inputs': points})}, tmp_path / 'fresh')
   assert report['meshgin_modules'] == [] and report['signatures'] == ['serving_default']
   prefix = os.path.join(model_dir, 'checkpoints', 'ckpt-2', 'ckpt')
@@ -357,7 +398,8 @@ def test_a_keras_models_export_gives_meshgin_predictions(tmp_path, mesh_data8):
   assert_close(outputs['a/predictions'], reference, rel=2e-6, what='predictions')
 
 
-def test_a_pipelined_runs_export_gives_the_unpipelined_models_logits(tmp_path, mesh_data8):
+def test_a_pipelined_runs_export_gives_the_unpipelined_models_logits(tensorflow_alone, tmp_path,
+                                                                    mesh_data8):
   model_dir, export_dir = str(tmp_path / 'run'), str(tmp_path / 'exports' / '1')
   trained = run_module('launch.train', *PIPELINED, *TRAIN, f'--model_dir={model_dir}')
   assert trained.returncode == 0, trained.stderr[-3000:]
@@ -365,7 +407,7 @@ def test_a_pipelined_runs_export_gives_the_unpipelined_models_logits(tmp_path, m
   exported = export(model_dir, export_dir)
   assert exported.returncode == 0, exported.stderr[-3000:]
   tokens = np.random.default_rng(3).integers(0, 64, (8, 64)).astype(np.int32)
-  outputs, report = load_with_tensorflow_alone(
+  outputs, report = tensorflow_alone.load(
       export_dir, {'a': ('serving_default', {'tokens': tokens})}, tmp_path / 'fresh')
   assert report['meshgin_modules'] == []
   prefix = os.path.join(model_dir, 'checkpoints', 'ckpt-2', 'ckpt')

@@ -27,8 +27,12 @@ fresh interpreter instead: `Zygote.start` refuses it (ZygoteUnavailable) and
 Protocol, on a Unix socket: the client sends a length-prefixed JSON request
 ({argv, cwd, env}) with its stdout and stderr descriptors (SCM_RIGHTS); the
 zygote answers `pid N` at the fork and `exit CODE CPU_SECONDS` when the child ends, or
-`refused WHY` instead of forking. The zygote ends when its stdin (a pipe from
-the test process) closes.
+`refused WHY` instead of forking. A client that closes its connection before
+then (or dies) takes its run with it: the zygote kills it. The zygote ends
+when its stdin (a pipe from the test process) closes.
+
+The runs of `STARTS_ITS_RUNS_FORKED` get tests/zygote_shim.py as their
+`sys.executable`, so the `launch.train` runs they start are forked too.
 
     python -m tests.zygote SOCKET_PATH [MODULE:FUNCTION ...]
 
