@@ -94,13 +94,6 @@ def stage_mesh(devices8):
   return build_mesh(MeshSpec(shape={'stage': 2, 'data': 2, 'model': 2}))
 
 
-@pytest.fixture(scope='module')
-def mesh_2x2(devices8):
-  """The one-program engines' mesh: 'data' and 'model' split as in 2x4, a
-  quarter less compile (each step function compiles once per device)."""
-  return build_mesh(MeshSpec(shape={'data': 2, 'model': 2}))
-
-
 def make(cell: dict, meshes: dict):
   """The trainer of one cell (tests/composition.py's settings)."""
   keras = cell['engine'] == 'keras'

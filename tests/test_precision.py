@@ -101,7 +101,7 @@ def stage_mesh(devices8):
 
 
 SETUPS = {  # name -> (mesh fixture, rules, pipeline)
-    '2d': ('mesh_2x4', MEGATRON, None),
+    '2d': ('mesh_2x2', MEGATRON, None),
     'spmd': ('stage_mesh', MEGATRON, PipelineConfig(num_stages=2, num_micro_batches=2,
                                                     engine='spmd')),
     'gpipe': ('stage_mesh', MEGATRON, PipelineConfig(num_stages=2, num_micro_batches=2)),
@@ -221,9 +221,9 @@ def test_remat_gradients_equal_kept_activation_gradients(setup, policies, reques
                             gradients_rel=1e-05)
 
 
-def test_remat_keras_model_gradients_equal(mesh_2x4):
+def test_remat_keras_model_gradients_equal(mesh_2x2):
   def keras_trainer(**train):
-    return trainer(mesh_2x4, model=keras_models.KerasModel(build_fn=models.token_classifier),
+    return trainer(mesh_2x2, model=keras_models.KerasModel(build_fn=models.token_classifier),
                    task=tasks.FirstTokenTask(), **train)
 
   def keras_gradients(t):
@@ -246,7 +246,7 @@ def test_bfloat16_computes_in_bfloat16_and_keeps_float32_variables(setup, reques
   and gradient norm stay close to the float32 run's (bf16 keeps 8 bits of
   mantissa)."""
   if setup == 'keras':
-    kwargs = dict(mesh=request.getfixturevalue('mesh_2x4'), task=tasks.FirstTokenTask(),
+    kwargs = dict(mesh=request.getfixturevalue('mesh_2x2'), task=tasks.FirstTokenTask(),
                   model=keras_models.KerasModel(build_fn=models.token_classifier))
     full = trainer(**kwargs)
   else:

@@ -8,6 +8,8 @@ import json
 import os
 import signal
 import subprocess
+import sys
+import time
 
 import pytest
 
@@ -84,6 +86,39 @@ def test_a_forked_run_in_its_own_session_takes_signals_and_timeouts():
     assert run.process.wait(timeout=30) == -signal.SIGTERM
   with pytest.raises(subprocess.TimeoutExpired):
     conftest.run_module(PROBE, '0', '60', timeout=1)
+
+
+@needs_zygote
+def test_a_forked_runs_own_runs_are_forked_too_and_anything_else_runs_as_python():
+  """tests/zygote_shim.py, the `sys.executable` of a run forked for
+  launch.local_cluster or launch.inspect: its `-m` runs are forked from the
+  zygote too (the zygote their parent, TensorFlow preloaded) with their
+  environment, streams and exit status; a signal to the shim reaches the
+  run and a SIGKILL to it ends the run; anything else runs in the real
+  interpreter."""
+  zygote = conftest._zygote()
+  shim = zygote.python
+  env = conftest.launcher_environment({'MESHGIN_PROBE': 'shim'})
+  done = subprocess.run([shim, '-m', PROBE, '3'], cwd=run.REPO, env=env,
+                        capture_output=True, text=True, timeout=60)
+  seen = json.loads(done.stdout)
+  assert done.returncode == 3 and done.stderr.strip() == 'to stderr', done
+  assert seen['tensorflow_preloaded'] and seen['parent'] == zygote.process.pid, seen
+  assert seen['probe_value'] == 'shim' and seen['argv'] == ['3']
+  other = subprocess.run([shim, '-c', 'import sys; print(sys.executable)'], env=env,
+                         capture_output=True, text=True, timeout=60)
+  assert other.returncode == 0 and other.stdout.strip() == sys.executable, other
+  for signum in (signal.SIGTERM, signal.SIGKILL):
+    waiting = subprocess.Popen([shim, '-u', '-m', PROBE, '0', '60'], cwd=run.REPO, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    forked = json.loads(waiting.stdout.readline())['pid']
+    waiting.send_signal(signum)
+    assert waiting.wait(timeout=30) == -signum
+    deadline = time.monotonic() + 10
+    while os.path.exists(f'/proc/{forked}'):  # the zygote reaps it once it is killed
+      assert time.monotonic() < deadline, f'forked run {forked} outlived its shim ({signum})'
+      time.sleep(0.05)
+    waiting.stdout.close()
 
 
 def test_a_zygote_unsafe_to_fork_refuses_and_the_run_gets_a_fresh_interpreter(

@@ -35,17 +35,20 @@ from typing import Mapping, Sequence
 
 from tests import zygote
 
+# The modules it forks: the launchers, and tests/test_runner.py's probe.
+FORKED = ('launch.', 'tests.fixtures.zygote_probe')
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
            signal.SIGUSR2)
 
 
 def forkable(argv: Sequence[str]) -> tuple[list[str], bool] | None:
-  """([module, args...], unbuffered) for `[-u] -m launch.X args...`, else None."""
+  """([module, args...], unbuffered) for `[-u] -m MODULE args...` of a
+  module in FORKED, else None."""
   flags = []
   for i, word in enumerate(argv):
     if word == '-m' and i + 1 < len(argv):
       module = argv[i + 1]
-      if module.startswith('launch.') and set(flags) <= {'-u'}:
+      if module.startswith(FORKED) and set(flags) <= {'-u'}:
         return [module, *argv[i + 2:]], '-u' in flags
       return None
     flags.append(word)
