@@ -145,7 +145,8 @@ def test_accumulated_micro_steps_equal_one_step_on_the_whole_batch(setup, reques
   assert task.loss_rows and set(task.loss_rows) == {BATCH // 2 // micro_batches}, task.loss_rows
   # measured: - / 0 / 0 (default / no oneDNN / 1 thread)
   assert_close(accumulated_gradients[2], reference[2], rel=1e-06, what='accuracy')
-  # measured: loss 0 / 0, gradients 3.4e-07 / 3.4e-07 (default / no oneDNN)
+  # measured: loss 0 / 0 / 0, gradients 2.4e-07 / 2.4e-07 / 2.4e-07 (default / no oneDNN /
+  # 1 thread; the one-program engine on 2x2)
   assert_same_gradients(reference, accumulated_gradients, what='accumulated', loss_rel=3e-06,
                         gradients_rel=5e-06)
   if setup != '2d':
@@ -161,10 +162,11 @@ def test_accumulated_micro_steps_equal_one_step_on_the_whole_batch(setup, reques
                what='grad norm')
   after_a, after_b = values(whole.engine.variables), values(accumulated.engine.variables)
   for path, value in after_a.items():
-    # measured: - / 9e-06 / 9e-06 (default / no oneDNN / 1 thread)
+    # measured on 2x2: 2.4e-05 / 2.4e-05 / 2.4e-05 (default / no oneDNN / 1 thread; 9e-06 on 2x4):
+    # Adam's first step divides each gradient by its own size
     assert_close(after_b[path], value, rel=0.0001, what=f'weights: {path}')
   (eval_a, _), (eval_b, _) = whole.evaluate(), accumulated.evaluate()
-  # measured: - / 7e-08 / 7e-08 (default / no oneDNN / 1 thread)
+  # measured on 2x2: 0 / 0 / 0 (default / no oneDNN / 1 thread; 7e-08 on 2x4)
   assert_close(eval_b, eval_a, rel=1e-06, what='eval loss')
 
 
@@ -262,12 +264,13 @@ def test_bfloat16_computes_in_bfloat16_and_keeps_float32_variables(setup, reques
   if isinstance(grads_b, tuple):
     grads_a, grads_b = [g for s in grads_a[0] for g in s], [g for s in grads_b[0] for g in s]
   assert {g.dtype.name for g in grads_b} == {'float32'}
-  # measured: 5.4e-05 / 5.4e-05 (default / no oneDNN); the bounds of bf16 against float32
+  # measured: 1.2e-05 / 1.2e-05 / 1.2e-05 (default / no oneDNN / 1 thread; the largest of
+  # the four setups); the bounds of bf16 against float32
   # stay at bfloat16's rounding, since bf16 kernels differ most across CPUs
   assert_close(float(to_numpy(loss_b)), float(to_numpy(loss_a)), rel=2e-2, what='loss')
   assert float(to_numpy(loss_b)) != float(to_numpy(loss_a))  # it did compute in bf16
   norm = lambda gs: np.sqrt(sum(float(np.sum(to_numpy(g) ** 2)) for g in gs))
-  # measured: 3.8e-03 / 3.8e-03 (default / no oneDNN)
+  # measured: 3.8e-03 / 3.8e-03 / 3.8e-03 (default / no oneDNN / 1 thread)
   assert_close(norm(grads_b), norm(grads_a), rel=5e-2, what='grad norm')
 
 
