@@ -41,7 +41,7 @@ SECONDS = {
     'test_lora.py': 62, 'test_bad_input.py': 60, 'test_checkpoint.py': 59,
     'test_resume.py': 58, 'test_optimizer_state.py': 53, 'test_decode.py': 51,
     'test_tasks.py': 47, 'test_launch.py': 45, 'test_streams.py': 40, 'test_suggest.py': 39,
-    'test_speed_paths.py': 38, 'test_pipeline.py': 38, 'test_lm_eval.py': 36,
+    'test_speed_paths.py': 25, 'test_pipeline.py': 38, 'test_lm_eval.py': 36,
     'test_tied_embeddings.py': 32, 'test_never_lose_work.py': 30, 'test_docs_site.py': 28,
     'test_wheel.py': 28, 'test_eval.py': 24, 'test_flags.py': 22, 'test_tf_internals.py': 19,
     'test_pipeline_training.py': 17, 'test_layout_scope.py': 16, 'test_memory.py': 13,
