@@ -271,8 +271,11 @@ def _client_gone(selector, conn: socket.socket, pid: int, own_session: bool) -> 
   """A client never writes after its request: readable means it closed the
   connection (or died, as a SIGKILLed zygote_shim does), and its run is
   killed with what it started in its session."""
-  if conn.recv(1):
-    return
+  try:
+    if conn.recv(1):
+      return
+  except OSError:  # reset by a client that died: gone all the same
+    pass
   selector.unregister(conn)
   conn.close()
   try:
@@ -330,13 +333,14 @@ class ZygoteUnavailable(RuntimeError):
   """The zygote could not start a run (nothing was forked)."""
 
 
-def request(path: str, request: dict, fds: Sequence[int]) -> tuple[socket.socket, int, bytes]:
-  """Sends `request` with `fds` to the zygote at `path`: (connection, the
-  child's pid, bytes read past its line); ZygoteUnavailable if it forked nothing."""
+def request(path: str, run: dict, fds: Sequence[int]) -> tuple[socket.socket, int, bytes]:
+  """Asks the zygote at `path` to fork `run` ({argv, cwd, env, ...}) with
+  `fds`: (connection, the child's pid, bytes read past its line);
+  ZygoteUnavailable if it forked nothing."""
   conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
   try:
     conn.connect(path)
-    body = json.dumps(request).encode()
+    body = json.dumps(run).encode()
     socket.send_fds(conn, [_LENGTH.pack(len(body)) + body], list(fds))
     reply = b''
     while b'\n' not in reply:
