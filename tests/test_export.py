@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import REPO_ROOT, run_module
+from tests.conftest import REPO_ROOT, SPMD_ON_FOUR, run_module
 from tests.numerics import assert_close
 
 TRAIN = ['--gin_bindings=train.log_every = 1', '--gin_bindings=train.eval_every = 0',
@@ -27,7 +27,7 @@ LM = ['--gin_file=configs/experiments/lm_2d.gin', '--gin_bindings=train.num_step
 # mesh and saves them under the unpipelined model's per-block keys (cut to 2 blocks, on 4
 # devices: 'model' splits the stack, as 'data' would).
 PIPELINED = ['--gin_file=configs/experiments/lm_pipeline_spmd.gin',
-             "--gin_bindings=mesh.shape = {'stage': 2, 'data': 1, 'model': 2}",
+             SPMD_ON_FOUR,
              '--gin_bindings=train.num_steps = 2', '--gin_bindings=transformer_lm.num_layers = 2',
              '--gin_bindings=pipeline.circular_repeats = 1',
              '--gin_bindings=pipeline.num_micro_batches = 2']

@@ -34,7 +34,7 @@ import pytest
 import tensorflow as tf
 
 from layout_core.tasks.corpus import write_documents
-from tests.conftest import Launched, killed_if_left, read_events, run_modules
+from tests.conftest import SPMD_ON_FOUR, Launched, killed_if_left, read_events, run_modules
 from tests.numerics import assert_close
 from tests.test_multi_client import (Client, assert_same_state, ckpt, copy_checkpoint,
                                      free_cluster, wait_until)
@@ -69,7 +69,7 @@ def engine_args(corpus) -> dict[str, list[str]]:
                   # Accumulation: each client's rows of 2 x 2 micro-batches.
                   '--gin_bindings=train.grad_accum_steps = 2'],
       'spmd': ['--gin_file=configs/experiments/lm_pipeline_spmd.gin',
-               "--gin_bindings=mesh.shape = {'stage': 2, 'data': 1, 'model': 2}", *COMMON,
+               SPMD_ON_FOUR, *COMMON,
                '--gin_bindings=transformer_lm.num_layers = 2',  # a cell per stage
                '--gin_bindings=pipeline.circular_repeats = 1',
                "--gin_bindings=train.compute_dtype = 'bfloat16'",

@@ -21,7 +21,7 @@ from layout_core.model import layers
 from plugins import gin_setup, plan as plan_lib
 from plugins.training import build_trainer
 from tests.numerics import assert_close
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, SPMD_ON_FOUR
 
 STEPS = 8
 
@@ -40,7 +40,7 @@ def losses(config: str, *bindings: str) -> list[float]:
 # Each on 4 devices, 'model' still splitting the blocks the pin holds to their layout (a step
 # function compiles once per device).
 SMALLER = {'lm_2d': ("mesh.shape = {'data': 2, 'model': 2}",),
-           'lm_pipeline_spmd': ("mesh.shape = {'stage': 2, 'data': 1, 'model': 2}",
+           'lm_pipeline_spmd': (SPMD_ON_FOUR.removeprefix('--gin_bindings='),
                                 'pipeline.num_micro_batches = 2', 'pipeline.circular_repeats = 1',
                                 'transformer_lm.num_layers = 2')}
 

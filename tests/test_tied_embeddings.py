@@ -26,7 +26,7 @@ from layout_core.layout.rules import UNSHARDED, LayoutRules
 from layout_core.layout.variables import to_numpy
 from layout_core.model.built import build_params_model
 from layout_core.model.lm import transformer_lm_params
-from tests.conftest import read_events, run_module, run_modules
+from tests.conftest import SPMD_ON_FOUR, read_events, run_module, run_modules
 from tests.numerics import assert_close
 from tests.test_decode import LOGITS, MEGATRON
 from tests.test_export import meshgin_outputs
@@ -99,9 +99,7 @@ TRAIN = ['--gin_bindings=transformer_lm.tie_embeddings = True',
          '--gin_bindings=train.batch_size = 16',
          "--gin_bindings=optimizer.decay = 'constant'"]
 SPMD = ['--gin_file=configs/experiments/lm_pipeline_spmd.gin',
-        # 4 devices, a stage's table still split over 'model' (a step function compiles
-        # once per device: 8 cost about half again as much CPU)
-        "--gin_bindings=mesh.shape = {'stage': 2, 'data': 1, 'model': 2}",
+        SPMD_ON_FOUR,  # a stage's table still split over 'model'
         '--gin_bindings=pipeline.num_micro_batches = 2',
         '--gin_bindings=pipeline.circular_repeats = 1',
         '--gin_bindings=transformer_lm.num_layers = 2']

@@ -86,10 +86,16 @@ STARTS_ITS_RUNS_FORKED = ('launch.local_cluster', 'launch.inspect')
 
 
 def differs_at_import(env: Mapping[str, str], base: Mapping[str, str]) -> list[str]:
-  """The import-time variables `env` sets differently from `base`."""
+  """The import-time variables `env` sets differently from `base` (a
+  PYTHONPATH naming the same directories, some twice, is the same:
+  launch.local_cluster puts the repository in front of one that has it)."""
+  def value(variables, name):
+    if name != 'PYTHONPATH' or name not in variables:
+      return variables.get(name)
+    return list(dict.fromkeys(p for p in variables[name].split(os.pathsep) if p))
   names = set(env) | set(base)
   return sorted(n for n in names if n.startswith(IMPORT_TIME_VARIABLES)
-                and env.get(n) != base.get(n))
+                and value(env, n) != value(base, n))
 
 
 # ---------------------------------------------------------------- the server

@@ -31,7 +31,7 @@ import json
 import os
 import signal
 import sys
-from typing import Mapping, Sequence
+from typing import Sequence
 
 from tests import zygote
 
@@ -55,28 +55,21 @@ def forkable(argv: Sequence[str]) -> tuple[list[str], bool] | None:
   return None
 
 
-def _same_paths(env: Mapping[str, str]) -> dict[str, str]:
-  """`env` with PYTHONPATH's directories named once each, in order
-  (launch.local_cluster puts the repository in front of the same one)."""
-  paths = [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p]
-  return {**env, 'PYTHONPATH': os.pathsep.join(dict.fromkeys(paths))} if paths else dict(env)
-
-
 def main(config_path: str, argv: Sequence[str]) -> None:
   with open(config_path, encoding='utf-8') as f:
     config = json.load(f)
+  become_python = lambda: os.execv(config['python'], [config['python'], *argv])  # noqa: E731
   run = forkable(argv)
   env = dict(os.environ)
-  if run is None or zygote.differs_at_import(_same_paths(env), _same_paths(config['env'])):
-    os.execv(config['python'], [config['python'], *argv])
-  (module_argv, unbuffered) = run
+  if run is None or zygote.differs_at_import(env, config['env']):
+    become_python()
+  module_argv, unbuffered = run
   try:
     conn, pid, pending = zygote.request(
         config['socket'], {'argv': module_argv, 'cwd': os.getcwd(), 'env': env,
-                           'unbuffered': unbuffered, 'new_session': True,
-                           'python': None}, [1, 2])
+                           'unbuffered': unbuffered, 'new_session': True}, [1, 2])
   except zygote.ZygoteUnavailable:
-    os.execv(config['python'], [config['python'], *argv])
+    become_python()
   forked = zygote.Forked(conn, pid, pending, stdout=None, argv=module_argv)
   for signum in RELAYED:
     signal.signal(signum, lambda signum, _: forked.send_signal(signum))
