@@ -157,13 +157,15 @@ def main(argv):
     from layout_core.layout import scheduler
     from plugins import plan, run_status
     gin_flags.require_model_dir(MODEL_DIR.value, 'a run')
-    record = run_status.RunStatusFile(MODEL_DIR.value)
+    attempt = os.environ.get(run_status.ATTEMPT_VARIABLE)  # e.g. a sweep trial's
+    record = run_status.RunStatusFile(MODEL_DIR.value, attempt=attempt)
     try:
       with gin_flags.parsed_config():
         cluster = cluster_from_flags()
         record = run_status.RunStatusFile(
             MODEL_DIR.value, enabled=cluster.client_id == 0,
-            restart_count=scheduler.restart_count(os.environ) if cluster.source else None)
+            restart_count=scheduler.restart_count(os.environ) if cluster.source else None,
+            attempt=attempt)
         run_plan = plan.make_plan()
         plan.check_model_dir(MODEL_DIR.value)
         if cluster.client_id == 0:  # one writer per model_dir, before anything else

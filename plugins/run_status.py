@@ -1,6 +1,6 @@
 """How a run ended, for programs: exit codes, and `<model_dir>/run_status.json`.
 
-    record = RunStatusFile(model_dir)          # the run's start time and pid
+    record = RunStatusFile(model_dir, attempt=os.environ.get(ATTEMPT_VARIABLE))
     record.write(RUNNING, step=0)              # once the run is validated
     record.write(COMPLETED, step=300, exit_code=EXIT_OK, metrics={'eval_loss': 1.02})
     read_run_status(model_dir).status          # 'completed'
@@ -22,7 +22,11 @@ rejected command never overwrites the record of a run that trained), crashed
 
 Each attempt (a resume, a scheduler's requeue) starts a new record and keeps
 the earlier ones' outcomes in `attempts`; `restart_count` is the scheduler's
-count of restarts (SLURM_RESTART_COUNT; None outside a scheduler).
+count of restarts (SLURM_RESTART_COUNT; None outside a scheduler). `attempt`
+is the name whoever started the run gave this attempt (`ATTEMPT_VARIABLE` in
+its environment): `launch.sweep` believes a file only from the attempt it
+started, which a pid cannot say (the process it started may be a wrapper,
+srun or a container runtime, and pids are reused).
 
 Nothing here imports TensorFlow or gin.
 """
@@ -53,6 +57,9 @@ EXIT_PEER_LOST = 1
 EXIT_REQUEUE = 143
 
 STATUS_FILE = 'run_status.json'
+# Set by what starts a run to name this attempt of it (launch.sweep: one per
+# trial attempt); launch.train records it as run_status.json's `attempt`.
+ATTEMPT_VARIABLE = 'MESHGIN_ATTEMPT'
 ATTEMPT_FIELDS = ('status', 'step', 'exit_code', 'started_at', 'updated_at', 'restart_count')
 MAX_ATTEMPTS = 100  # earlier attempts kept in the file
 RUNNING, COMPLETED, PREEMPTED = 'running', 'completed', 'preempted'
@@ -90,6 +97,7 @@ class RunStatus:
   pid: int
   error: str = ''                  # the first line of what went wrong
   restart_count: int | None = None  # the scheduler's restarts of this job (Slurm requeues)
+  attempt: str | None = None       # the starter's name for this attempt (ATTEMPT_VARIABLE)
   # The earlier attempts in this model_dir, oldest first: each one's status,
   # step, exit_code, started_at, updated_at and restart_count.
   attempts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -103,9 +111,9 @@ class RunStatusFile:
   """Writes one process's run_status.json (see the module doc)."""
 
   def __init__(self, model_dir: str, *, enabled: bool = True,
-               restart_count: int | None = None):
+               restart_count: int | None = None, attempt: str | None = None):
     self.model_dir, self.enabled = model_dir, enabled
-    self.restart_count = restart_count
+    self.restart_count, self.attempt = restart_count, attempt
     self.started_at, self._start = time.time(), time.monotonic()
     self._wrote = False  # this process wrote the file (a run that started)
     self._earlier: list[dict[str, Any]] | None = None  # read at the first write
@@ -131,7 +139,8 @@ class RunStatusFile:
                        wall_seconds=round(time.monotonic() - self._start, 3),
                        started_at=self.started_at, updated_at=time.time(), pid=os.getpid(),
                        error=one_line(error),
-                       restart_count=self.restart_count, attempts=self._earlier)
+                       restart_count=self.restart_count, attempt=self.attempt,
+                       attempts=self._earlier)
     path = status_path(self.model_dir)
     temporary = f'{path}.tmp-{os.getpid()}'
     with open(temporary, 'w') as f:

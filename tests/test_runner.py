@@ -91,10 +91,11 @@ def test_a_forked_run_in_its_own_session_takes_signals_and_timeouts():
 @needs_zygote
 def test_a_forked_runs_own_runs_are_forked_too_and_anything_else_runs_as_python():
   """tests/zygote_shim.py, the `sys.executable` of a run forked for
-  launch.local_cluster or launch.inspect: its `-m` runs are forked from the
-  zygote too (the zygote their parent, TensorFlow preloaded) with their
-  environment, streams and exit status; a signal to the shim reaches the
-  run and a SIGKILL to it ends the run; anything else runs in the real
+  launch.local_cluster, launch.inspect or launch.sweep: its `-m` runs are
+  forked from the zygote too (the zygote their parent, TensorFlow preloaded)
+  with their environment, streams and exit status; a signal to the shim
+  reaches the run and a SIGKILL to it ends the run; a run killed by a signal
+  (SIGKILL too) takes its shim with it; anything else runs in the real
   interpreter."""
   zygote = conftest._zygote()
   shim = zygote.python
@@ -118,6 +119,12 @@ def test_a_forked_runs_own_runs_are_forked_too_and_anything_else_runs_as_python(
     while os.path.exists(f'/proc/{forked}'):  # the zygote reaps it once it is killed
       assert time.monotonic() < deadline, f'forked run {forked} outlived its shim ({signum})'
       time.sleep(0.05)
+    waiting.stdout.close()
+  for signum in (signal.SIGTERM, signal.SIGKILL):  # to the run: the shim dies of it too
+    waiting = subprocess.Popen([shim, '-u', '-m', PROBE, '0', '60'], cwd=run.REPO, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    os.kill(json.loads(waiting.stdout.readline())['pid'], signum)
+    assert waiting.wait(timeout=30) == -signum
     waiting.stdout.close()
 
 

@@ -23,6 +23,7 @@ import pytest
 from layout_core.errors import ConfigError
 from plugins import run_status, sweep as sweep_lib
 from plugins.sweep.spec import expand, parse_axis, read_sweep_file
+from plugins.sweep.trial_process import STOPPED_AT_START_UP
 from tests.conftest import REPO_ROOT, Launched, read_events, run_module
 
 TINY = ['--gin_file=configs/experiments/quickstart.gin',
@@ -122,6 +123,21 @@ def test_first_error_line_names_the_cause():
   assert sweep_lib.first_error_line('noise\nConfiguration error: x. Fix: y.\n', 2) == (
       'Configuration error: x. Fix: y.')
   assert sweep_lib.first_error_line('', -9) == 'killed by SIGKILL'
+
+
+def test_a_run_status_is_believed_only_from_the_attempt_the_sweep_started():
+  def status(attempt):
+    return run_status.RunStatus(status='completed', step=4, exit_code=0, metrics={},
+                                wall_seconds=1.0, started_at=0.0, updated_at=0.0, pid=1,
+                                attempt=attempt)
+  assert sweep_lib.trial_outcome(status('t/2/ab'), 0, attempt='t/2/ab') == 'completed'
+  # another attempt's file: as if the run wrote nothing
+  assert sweep_lib.trial_outcome(status('t/1/cd'), 0, attempt='t/2/ab') == (
+      STOPPED_AT_START_UP)
+  assert sweep_lib.trial_outcome(status('t/1/cd'), 1, attempt='t/2/ab') == 'crashed'
+  assert sweep_lib.trial_outcome(status(None), 1, attempt='t/2/ab') == 'crashed'
+  # a trial recorded before attempts were named (an older sweep's directory)
+  assert sweep_lib.trial_outcome(status(None), 0, attempt=None) == 'completed'
 
 
 # -- a real sweep ----------------------------------------------------------------------
@@ -229,6 +245,9 @@ def test_sweep_isolates_the_invalid_trial_and_fills_the_hparams_dashboard(zip_sw
     status = group['sessions'][0]['status']
     shown = {m['name']['tag']: m['value'] for m in group['metricValues']}
     outcome = run_status.read_run_status(os.path.join(root, name))  # launch.train's own
+    # It names the attempt the sweep started (MESHGIN_ATTEMPT reached the trial).
+    assert outcome.attempt == sweep_lib.read_status(os.path.join(root, name))['attempt_id']
+    assert outcome.attempt.startswith(f'{name}/1/')
     if name == INVALID:
       assert status == 'STATUS_FAILURE' and rows[name]['status'] == 'FAILURE'
       assert rows[name]['exit'] == '2'
@@ -452,7 +471,8 @@ from plugins import run_status
 model_dir = [a.split('=', 1)[1] for a in sys.argv if a.startswith('--model_dir=')][0]
 seed = [a.split('=')[-1].strip() for a in sys.argv if a.startswith('--gin_bindings=train.seed')][0]
 if seed == '1':
-  run_status.RunStatusFile(model_dir).write(run_status.RUNNING)
+  run_status.RunStatusFile(
+      model_dir, attempt=os.environ[run_status.ATTEMPT_VARIABLE]).write(run_status.RUNNING)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 

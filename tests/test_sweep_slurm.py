@@ -180,7 +180,8 @@ task = os.environ['SLURM_PROCID']
 with open(os.path.join(model_dir, f'task-{{task}}-of-{{os.environ["SLURM_STEP_NUM_TASKS"]}}'),
           'w'):
   pass
-record = run_status.RunStatusFile(model_dir, enabled=task == '0')
+record = run_status.RunStatusFile(model_dir, enabled=task == '0',
+                                  attempt=os.environ.get(run_status.ATTEMPT_VARIABLE))
 record.write(run_status.RUNNING, step=0)
 while not os.path.exists(os.path.join(model_dir, 'release')):
   time.sleep(0.1)

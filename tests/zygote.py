@@ -64,9 +64,13 @@ from tests import cpu_ledger
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What TensorFlow, Keras, Python or the C libraries read when they are loaded:
-# a run that sets any of these differently needs its own interpreter.
+# a run that sets any of these differently needs its own interpreter. Not
+# TF_NUM_INTRAOP_THREADS / TF_NUM_INTEROP_THREADS (a sweep's trials set them):
+# TensorFlow reads them when its context starts, in the child (a child forked
+# after `import tensorflow` that sets 1, 4, 8 runs 4, 10, 18 threads, the
+# same pools as a fresh process's 5, 11, 19 less the zygote's one).
 IMPORT_TIME_VARIABLES = ('TF_CPP_', 'TF_ENABLE_', 'TF_USE_LEGACY', 'KERAS_', 'CUDA_', 'XLA_',
-                         'PYTHON', 'LD_', 'MALLOC_', 'OMP_', 'OPENBLAS_', 'MKL_', 'TF_NUM_')
+                         'PYTHON', 'LD_', 'MALLOC_', 'OMP_', 'OPENBLAS_', 'MKL_')
 PRELOAD = ('tensorflow', 'tensorflow.experimental.dtensor', 'numpy', 'gin', 'absl.app',
            'absl.logging', 'tensorboard.summary.writer.event_file_writer',
            'plugins.training', 'plugins.gin_setup', 'plugins.plan')
@@ -79,10 +83,9 @@ KEPT_OUT = ('sklearn', 'pandas', 'pyarrow')
 _LENGTH = struct.Struct('!I')
 # The launchers whose own `python -m launch.train` runs are forked from the
 # zygote too (tests/zygote_shim.py): local_cluster's clients, the candidates
-# `launch.inspect --suggest` measures. Not launch.sweep's trials: a sweep
-# believes a trial's run_status.json and run lock only from the pid it
-# started, which a forked trial does not have.
-STARTS_ITS_RUNS_FORKED = ('launch.local_cluster', 'launch.inspect')
+# `launch.inspect --suggest` measures, a sweep's trials (a sweep believes a
+# trial's run_status.json by the attempt name it gave it, not by a pid).
+STARTS_ITS_RUNS_FORKED = ('launch.local_cluster', 'launch.inspect', 'launch.sweep')
 
 
 def differs_at_import(env: Mapping[str, str], base: Mapping[str, str]) -> list[str]:

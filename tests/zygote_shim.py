@@ -2,7 +2,7 @@
 
 Some runs the tests launch start runs of their own: `launch.local_cluster`
 a `launch.train` per client, `launch.inspect --suggest` one per candidate
-it measures. Each did so as `sys.executable -m launch.train ...`, a fresh
+it measures, `launch.sweep` one per trial attempt. Each did so as `sys.executable -m launch.train ...`, a fresh
 interpreter paying TensorFlow's import again (6 CPU-s here), dozens of
 times a suite. Such a run forked from the zygote has this shim as its
 `sys.executable` (tests/zygote.py writes it next to the zygote's socket,
@@ -78,6 +78,7 @@ def main(config_path: str, argv: Sequence[str]) -> None:
     with open(config['spool'], 'a', encoding='utf-8') as f:
       f.write(json.dumps({'cpu': forked.cpu, 'argv': module_argv}) + '\n')
   if code < 0:  # died of a signal: so does the shim, as its parent expects
-    signal.signal(-code, signal.SIG_DFL)
+    if -code != signal.SIGKILL:  # the one signal whose handling cannot be set (nor caught)
+      signal.signal(-code, signal.SIG_DFL)
     os.kill(os.getpid(), -code)
   sys.exit(code)

@@ -49,6 +49,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from typing import Any, Mapping, Sequence, TextIO
 
 from layout_core.checkpoint.lock import DirectoryLock
@@ -209,6 +210,9 @@ class SweepRunner:
     attempt = previous.get('attempts', 0) + 1
     self.records[trial.name] = {
         'status': 'RUNNING', 'attempts': attempt, 'base': self.sweep.base(),
+        # what this attempt's run_status.json must name to be believed (kept
+        # here for a re-run that adopts the attempt's Slurm job)
+        'attempt_id': f'{trial.name}/{attempt}/{uuid.uuid4().hex[:12]}',
         'started_at': time.time(),
         # an interrupted trial continues, so its time adds up; a failed one restarts
         'wall_seconds': previous.get('wall_seconds', 0.0) if previous.get(
@@ -218,6 +222,7 @@ class SweepRunner:
     environment = trial_environment(
         base=self.environment, repo_root=REPO_ROOT,
         parallel=self.parallel if self.launcher.shares_machine else 1)
+    environment[run_status.ATTEMPT_VARIABLE] = self.records[trial.name]['attempt_id']
     started = self.launcher.start(trial, command=self.sweep.train_command(trial, self.python),
                                   directory=directory, environment=environment,
                                   attempt=attempt)
@@ -234,7 +239,7 @@ class SweepRunner:
     record = self.records[trial.name]
     wall = record['wall_seconds'] + time.monotonic() - running.started
     outcome = trial_outcome(run_status.read_run_status(directory), exit_code,
-                            pid=running.pid)
+                            attempt=record.get('attempt_id'))
     if running.timed_out:
       status, error = FAILURE, (f'timed out after {self.trial_timeout:g} s '
                                 f'(stopped; a re-run continues from its checkpoint)')

@@ -306,9 +306,7 @@ def batch_script(trial: Trial, *, command: Sequence[str], exit_path: str,
 
 class SlurmTrial:
   """One submitted (or adopted) attempt, with `TrialProcess`'s interface for the
-  runner. Its `pid` is None: the outcome is believed from run_status.json
-  without a pid check (the training runs on another node)."""
-  pid = None
+  runner."""
 
   def __init__(self, trial: Trial, *, launcher: SlurmLauncher, job_id: str | None,
                directory: str, log_start: int | None):

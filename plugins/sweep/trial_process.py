@@ -10,7 +10,7 @@ owns what happens to one of them:
     ...                                   # attempt.stop() on SIGTERM or a timeout
     if attempt.finished():
       outcome = trial_outcome(run_status.read_run_status(trial_dir),
-                              attempt.exit_code, pid=attempt.pid)
+                              attempt.exit_code, attempt='trial-3/1-5f0c...')
       why = first_error_line(attempt.output(), attempt.exit_code)
 
 A trial runs in its own session (a signal meant for one trial reaches no
@@ -121,10 +121,6 @@ class TrialProcess:
     return cls(trial=trial, process=process, log=log, log_start=log_start,
                started=time.monotonic())
 
-  @property
-  def pid(self) -> int:
-    return self.process.pid
-
   def record_fields(self, previous: Mapping[str, Any]) -> dict[str, Any]:
     """What the sweep records about this attempt besides its outcome (given the
     trial's `previous` record): nothing, for a local process."""
@@ -159,14 +155,15 @@ class TrialProcess:
 
 
 def trial_outcome(status: run_status.RunStatus | None, exit_code: int, *,
-                  pid: int | None = None) -> str:
+                  attempt: str | None = None) -> str:
   """How a finished trial process ended, from its run_status.json (removed
-  before it started, and believed only from the trial's own `pid`, so never an
-  earlier attempt's): one of run_status's statuses. A process gone while its
-  status still says running (SIGKILL, a hard crash) crashed; so did one that
-  wrote nothing and exited non-zero. Exit 0 (or 143, under a scheduler) with
-  nothing written: stopped by a signal during start-up."""
-  if status is not None and pid is not None and status.pid != pid:
+  before it started, and believed only when it names the `attempt` the sweep
+  started, so never an earlier attempt's; None, an attempt recorded before
+  attempts were named: believed): one of run_status's statuses. A process
+  gone while its status still says running (SIGKILL, a hard crash) crashed;
+  so did one that wrote nothing and exited non-zero. Exit 0 (or 143, under a
+  scheduler) with nothing written: stopped by a signal during start-up."""
+  if status is not None and attempt is not None and status.attempt != attempt:
     status = None
   if status is None:  # exit 143: stopped under a scheduler, which asks to run again
     return (STOPPED_AT_START_UP if exit_code in (0, run_status.EXIT_REQUEUE)
