@@ -51,6 +51,7 @@ from layout_core.layout.variables import VariableSpec, variable_creator
 from layout_core.lazy import tf
 from layout_core.model import lora, tuning
 from layout_core.model.base import compute_params
+from layout_core.model.built import traced_function
 from layout_core.params import Params
 from layout_core.tasks import Task
 
@@ -337,9 +338,9 @@ def export_saved_model(model: PlainModel, signatures: Sequence[Signature], *, ex
     root.by_path = dict(model.variables)  # every captured variable is tracked
     concrete = {}
     for signature in signatures:
-      function = tf.function(signature.function, input_signature=signature.inputs)
+      function, concrete[signature.name] = traced_function(signature.function,
+                                                           input_signature=signature.inputs)
       setattr(root, signature.name, function)
-      concrete[signature.name] = function.get_concrete_function()
     tf.saved_model.save(root, temporary, signatures=concrete)
     ops = graph_op_types(temporary)
     dtensor_ops = sorted(op for op in ops if any(m in op for m in DTENSOR_OP_MARKERS))
