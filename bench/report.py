@@ -257,6 +257,16 @@ def _dtensor_compile(r: Results) -> Rendered:
   return shows, _table(['contender', 'trace', 'first call', 'vs plain', 'later call'], rows)
 
 
+def _export_trace(r: Results) -> Rendered:
+  without, with_ = r['best']['without AutoGraph'], r['best']['with AutoGraph']
+  shows = (f"Without AutoGraph an export traces and writes in {in_s(without['export_cpu'])} "
+           f"of CPU ({in_s(without['process_cpu'])} the whole `launch.export`), with it in "
+           f"{in_s(with_['export_cpu'])} ({in_s(with_['process_cpu'])}): "
+           f"{times(r['ratio_export_cpu_with_autograph'])}; the logits differ by "
+           f"{r['max_logit_difference']:g}.")
+  return shows, []
+
+
 def _small_input(r: Results) -> Rendered:
   runs = {k: v for k, v in r.items() if isinstance(v, dict) and 'calls' in v}
   size = {k: int(k.split(' x ')[0]) for k in runs}
@@ -496,6 +506,8 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
                                               'in a fresh process.', _dtensor_compile),
         'small_input_recompile.json': Section('Recompiles on a changed small input', 'A step '
                                               'function given an extra input.', _small_input),
+        'export_trace.json': Section("Tracing an export's signatures", "The quickstart's "
+                                     '`launch.export`, with and without AutoGraph.', _export_trace),
     },
     'Choosing a layout': {
         'suggest.json': Section('The suggester against every candidate', '`bench/suggest.py`: '

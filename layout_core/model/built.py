@@ -84,7 +84,7 @@ def traced_function(fn, *, input_signature: Sequence[Any]):
   now without AutoGraph unless the traced code needs it (`StepFunction`'s
   rule): what a SavedModel's signature is made of. Converting the library's
   code was most of an export (the quickstart's serving and generate
-  signatures: 10.3 CPU-s with AutoGraph, 1.2 without, the same logits;
+  signatures: 7.7 CPU-s with AutoGraph, 1.2 without, the same logits;
   bench/export_trace.py)."""
   try:
     function = tf.function(fn, input_signature=input_signature, autograph=False)
