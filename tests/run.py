@@ -31,28 +31,28 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 SHARDS = 2
 # Seconds per test file in one full run (2 cores, 2026-11-29, --durations=0: each file's
-# setup, call and teardown times summed; a trimmed file's scaled by its CPU change), to
-# balance the shards; a file not listed counts as UNLISTED. Stale figures cost balance only.
+# setup, call and teardown times summed; a trimmed file's scaled by its CPU change; each
+# shard's files then scaled by that shard's measured wall over its sum here), to balance
+# the shards; a file not listed counts as UNLISTED. Stale figures cost balance only.
 SECONDS = {
-    'test_composition.py': 248, 'test_export.py': 233, 'test_precision.py': 165,
-    'test_sweep.py': 151, 'test_fsdp.py': 130, 'test_multi_client.py': 112,
-    'test_pipeline_clients.py': 110, 'test_data_runs.py': 103, 'test_mesh_tab.py': 89,
-    'test_pipeline_spmd.py': 89, 'test_sweep_slurm.py': 79, 'test_hf_models.py': 67,
-    'test_lora.py': 62, 'test_bad_input.py': 60, 'test_checkpoint.py': 59,
-    'test_resume.py': 58, 'test_optimizer_state.py': 53, 'test_decode.py': 51,
-    'test_tasks.py': 47, 'test_launch.py': 45, 'test_streams.py': 40, 'test_suggest.py': 39,
-    'test_speed_paths.py': 25, 'test_pipeline.py': 38, 'test_lm_eval.py': 36,
-    'test_tied_embeddings.py': 32, 'test_never_lose_work.py': 30, 'test_docs_site.py': 28,
-    'test_wheel.py': 28, 'test_eval.py': 24, 'test_flags.py': 22, 'test_tf_internals.py': 19,
-    'test_pipeline_training.py': 17, 'test_layout_scope.py': 16, 'test_memory.py': 13,
-    'test_keras_models.py': 12, 'test_gather.py': 11, 'test_own_model.py': 9,
+    'test_composition.py': 263, 'test_export.py': 227, 'test_precision.py': 161,
+    'test_sweep.py': 129, 'test_fsdp.py': 127, 'test_multi_client.py': 119,
+    'test_pipeline_clients.py': 116, 'test_data_runs.py': 100, 'test_pipeline_spmd.py': 94,
+    'test_sweep_slurm.py': 84, 'test_mesh_tab.py': 81, 'test_hf_models.py': 65,
+    'test_bad_input.py': 64, 'test_checkpoint.py': 62, 'test_lora.py': 60, 'test_resume.py': 56,
+    'test_decode.py': 54, 'test_optimizer_state.py': 52, 'test_tasks.py': 50,
+    'test_launch.py': 44, 'test_suggest.py': 41, 'test_pipeline.py': 40, 'test_streams.py': 39,
+    'test_lm_eval.py': 35, 'test_tied_embeddings.py': 31, 'test_wheel.py': 30,
+    'test_docs_site.py': 27, 'test_never_lose_work.py': 27, 'test_speed_paths.py': 26,
+    'test_eval.py': 23, 'test_flags.py': 21, 'test_tf_internals.py': 20,
+    'test_pipeline_training.py': 18, 'test_layout_scope.py': 16, 'test_memory.py': 14,
+    'test_keras_models.py': 12, 'test_gather.py': 12, 'test_own_model.py': 9,
     'test_imports.py': 9, 'test_lost_peer.py': 8, 'test_docs_reference.py': 6,
     'test_runner.py': 6, 'test_hf_convert.py': 6, 'test_unsplit_axes.py': 5,
-    'test_optimizer.py': 4, 'test_prepare_data.py': 4, 'test_llama_blocks.py': 4,
-    'test_instruct.py': 4, 'test_layers.py': 4, 'test_docs_commands.py': 4,
-    'test_inspect.py': 3, 'test_checkpoint_safety.py': 3, 'test_docs_concepts.py': 3,
-    'test_sampling.py': 3, 'test_startup.py': 2, 'test_keras_compat.py': 2,
-    'test_configs.py': 2, 'test_console.py': 2,
+    'test_optimizer.py': 4, 'test_prepare_data.py': 4, 'test_docs_commands.py': 4,
+    'test_llama_blocks.py': 4, 'test_instruct.py': 4, 'test_layers.py': 4, 'test_inspect.py': 3,
+    'test_docs_concepts.py': 3, 'test_checkpoint_safety.py': 3, 'test_sampling.py': 3,
+    'test_startup.py': 2, 'test_console.py': 2, 'test_keras_compat.py': 2, 'test_configs.py': 2,
 }
 UNLISTED = 1
 
