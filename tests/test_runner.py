@@ -95,8 +95,8 @@ def test_a_forked_runs_own_runs_are_forked_too_and_anything_else_runs_as_python(
   forked from the zygote too (the zygote their parent, TensorFlow preloaded)
   with their environment, streams and exit status; a signal to the shim
   reaches the run and a SIGKILL to it ends the run; a run killed by a signal
-  (SIGKILL too) takes its shim with it; anything else runs in the real
-  interpreter."""
+  (SIGKILL too) takes its shim with it; anything else, and a run under Slurm,
+  runs in the real interpreter."""
   zygote = conftest._zygote()
   shim = zygote.python
   env = conftest.launcher_environment({'MESHGIN_PROBE': 'shim'})
@@ -109,6 +109,13 @@ def test_a_forked_runs_own_runs_are_forked_too_and_anything_else_runs_as_python(
   other = subprocess.run([shim, '-c', 'import sys; print(sys.executable)'], env=env,
                          capture_output=True, text=True, timeout=60)
   assert other.returncode == 0 and other.stdout.strip() == sys.executable, other
+  # A run Slurm started stays in its job: the real interpreter, as its own process.
+  slurms = subprocess.run([shim, '-m', PROBE, '3'], cwd=run.REPO,
+                          env={**env, 'SLURM_JOB_ID': '7'}, capture_output=True, text=True,
+                          timeout=60)
+  seen = json.loads(slurms.stdout)
+  assert slurms.returncode == 3 and not seen['tensorflow_preloaded'], slurms
+  assert seen['parent'] == os.getpid(), seen
   for signum in (signal.SIGTERM, signal.SIGKILL):
     waiting = subprocess.Popen([shim, '-u', '-m', PROBE, '0', '60'], cwd=run.REPO, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

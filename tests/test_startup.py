@@ -1,8 +1,10 @@
 """What start-up was cut to (bench/startup.py): variables made without a
 function per variable, and step functions traced without AutoGraph unless
-the traced code needs it."""
+the traced code needs it; an export's signatures too (bench/export_trace.py)."""
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ from layout_core.lazy import dtensor, tf
 from layout_core.layout.scope import LayoutScope, initial_dtensor
 from layout_core.layout.variables import (Constant, Normal, Ones, VariableSpec, Zeros,
                                           create_variable, path_seed, to_numpy)
-from layout_core.model.built import StepFunction
+from layout_core.model.built import StepFunction, traced_function
 
 
 def made_under_layout(initializer, shape, layout, seed):
@@ -88,3 +90,30 @@ def test_step_function_falls_back_to_autograph():
   assert float(step(tf.constant(2.0))) == 2.0
   assert step.autograph is True
   assert float(step(tf.constant(-2.0))) == 2.0
+
+
+def test_an_export_signature_is_traced_without_autograph_where_not_needed():
+  """The traced code runs as written, not as AutoGraph's rewrite of it (which
+  runs from a generated file). Positive control: `tf.function`'s default."""
+  ran_from = []
+  def double(x):
+    ran_from.append(sys._getframe().f_code.co_filename)  # pylint: disable=protected-access
+    return x * 2.0
+  spec = [tf.TensorSpec([2], tf.float32)]
+  _, concrete = traced_function(double, input_signature=spec)
+  assert ran_from == [__file__]
+  np.testing.assert_array_equal(concrete(tf.constant([1.0, 2.0])).numpy(), [2.0, 4.0])
+  tf.function(double, input_signature=spec).get_concrete_function()
+  assert ran_from[-1] != __file__ and 'autograph' in ran_from[-1]
+
+
+def test_an_export_signature_falls_back_to_autograph():
+  """Python control flow on a tensor (a user's model) is traced with
+  AutoGraph: both branches are in the signature's graph."""
+  def relu_like(x):
+    if tf.reduce_sum(x) > 0:
+      return x
+    return -x
+  function, concrete = traced_function(relu_like, input_signature=[tf.TensorSpec([], tf.float32)])
+  assert float(concrete(tf.constant(2.0))) == 2.0 and float(concrete(tf.constant(-2.0))) == 2.0
+  assert float(function(tf.constant(-3.0))) == 3.0

@@ -19,7 +19,9 @@ and says which launchers get it), so those commands come here first:
   zygote's spool, which tests/cpu_ledger.py charges to the test.
 * anything else (`-c`, `-I`, another module, a refused fork) becomes the
   real interpreter with the same arguments (`os.execv`): what the command
-  would have run.
+  would have run. So does a run Slurm started (`SLURM_JOB_ID` set: a sweep
+  trial submitted with `--launcher=slurm`): it stays Slurm's process, in its
+  job, where Slurm's signals and limits reach it.
 
 The shim runs with `python -IS` and imports only the standard library and
 tests.zygote (no TensorFlow): about 40 ms.
@@ -61,7 +63,7 @@ def main(config_path: str, argv: Sequence[str]) -> None:
   become_python = lambda: os.execv(config['python'], [config['python'], *argv])  # noqa: E731
   run = forkable(argv)
   env = dict(os.environ)
-  if run is None or zygote.differs_at_import(env, config['env']):
+  if run is None or 'SLURM_JOB_ID' in env or zygote.differs_at_import(env, config['env']):
     become_python()
   module_argv, unbuffered = run
   try:
