@@ -2,11 +2,12 @@
 
 Some runs the tests launch start runs of their own: `launch.local_cluster`
 a `launch.train` per client, `launch.inspect --suggest` one per candidate
-it measures, `launch.sweep` one per trial attempt. Each did so as `sys.executable -m launch.train ...`, a fresh
-interpreter paying TensorFlow's import again (6 CPU-s here), dozens of
-times a suite. Such a run forked from the zygote has this shim as its
-`sys.executable` (tests/zygote.py writes it next to the zygote's socket,
-and says which launchers get it), so those commands come here first:
+it measures, `launch.sweep` one per trial attempt. Each did so as
+`sys.executable -m launch.train ...`, a fresh interpreter paying
+TensorFlow's import again (6 CPU-s here), dozens of times a suite. Such a
+run forked from the zygote has this shim as its `sys.executable`
+(tests/zygote.py writes it next to the zygote's socket, and says which
+launchers get it), so those commands come here first:
 
 * `[-u] -m launch.X args...` whose environment the zygote can take (the same
   import-time variables; a `PYTHONPATH` naming the same directories) is

@@ -10,7 +10,7 @@ owns what happens to one of them:
     ...                                   # attempt.stop() on SIGTERM or a timeout
     if attempt.finished():
       outcome = trial_outcome(run_status.read_run_status(trial_dir),
-                              attempt.exit_code, attempt='trial-3/1-5f0c...')
+                              attempt.exit_code, attempt=record['attempt_id'])
       why = first_error_line(attempt.output(), attempt.exit_code)
 
 A trial runs in its own session (a signal meant for one trial reaches no
