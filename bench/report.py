@@ -267,6 +267,17 @@ def _export_trace(r: Results) -> Rendered:
   return shows, []
 
 
+def _dropout_trace(r: Results) -> Rendered:
+  one, old = r['best']['one range'], r['best']['broadcast ranges']
+  shows = (f"{r['layers']} dropouts and their gradient: {old['ops']} graph ops with broadcast "
+           f"ranges, {one['ops']} with one range; trace and first call "
+           f"{in_s(one['trace_cpu'] + one['first_call_cpu'])} of CPU against "
+           f"{in_s(old['trace_cpu'] + old['first_call_cpu'])} "
+           f"({times(r['ratio_trace_and_compile_cpu'])}); masks "
+           f"{'equal bit for bit' if r['same_masks'] else 'DIFFERENT'}.")
+  return shows, []
+
+
 def _small_input(r: Results) -> Rendered:
   runs = {k: v for k, v in r.items() if isinstance(v, dict) and 'calls' in v}
   size = {k: int(k.split(' x ')[0]) for k in runs}
@@ -508,6 +519,8 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
                                               'function given an extra input.', _small_input),
         'export_trace.json': Section("Tracing an export's signatures", "The quickstart's "
                                      '`launch.export`, with and without AutoGraph.', _export_trace),
+        'dropout_trace.json': Section("A dropout mask's element index", 'One range against '
+                                      'broadcast ranges, 12 dropouts on 2x2.', _dropout_trace),
     },
     'Choosing a layout': {
         'suggest.json': Section('The suggester against every candidate', '`bench/suggest.py`: '
