@@ -184,7 +184,10 @@ def test_several_cpu_devices_share_the_cores_between_them(devices, env, expected
           'print("THREADS", tf.config.threading.get_intra_op_parallelism_threads(),'
           ' len(os.sched_getaffinity(0)))')
   done = subprocess.run([sys.executable, '-c', code], cwd=REPO_ROOT, capture_output=True,
-                        text=True, env={**os.environ, 'PYTHONPATH': REPO_ROOT, **env}, check=True)
+                        text=True, check=True, env={
+                            **{k: v for k, v in os.environ.items()
+                               if k != 'TF_NUM_INTRAOP_THREADS'},  # only the case's own
+                            'PYTHONPATH': REPO_ROOT, **env})
   threads, cores = map(int, done.stdout.split('THREADS')[1].split())
   want = {'share': max(1, cores // devices), 'default': 0}[expected]  # 0: TF's own choice
   assert threads == want, done.stdout

@@ -104,8 +104,11 @@ def wait_for_status(trial_dir, process, status='running', timeout=120):
 def test_a_stopped_slurm_sweep_saves_its_jobs_and_a_rerun_finishes_them(slurm,
                                                                       tmp_path):
   root = str(tmp_path / 'root')
-  env = slurm.environment(dict(os.environ, PYTHONPATH=REPO_ROOT,
-                                       TF_CPP_MIN_LOG_LEVEL='2'))
+  # The caller's own thread settings left out: a sweep passes those on as they
+  # are, and what is checked below is that it divides none of its own for a job.
+  env = slurm.environment({**{k: v for k, v in os.environ.items()
+                              if k not in ('TF_NUM_INTRAOP_THREADS', 'TF_NUM_INTEROP_THREADS')},
+                           'PYTHONPATH': REPO_ROOT, 'TF_CPP_MIN_LOG_LEVEL': '2'})
   with open(tmp_path / 'first.out', 'w+') as out:
     sweep = subprocess.Popen([sys.executable, '-u', *sweep_command(root)], cwd=REPO_ROOT,
                              env=env, stdout=out, stderr=subprocess.STDOUT)
