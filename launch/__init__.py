@@ -11,6 +11,7 @@ range, ends it with exit 2 (a configuration error) before anything loads.
 Importing this package does nothing.
 """
 
+import faulthandler
 import os
 import signal
 import sys
@@ -52,9 +53,12 @@ def _stop_during_start_up(signum, frame):
 
 def install_start_up_handlers() -> None:
   """SIGTERM, SIGINT and SIGUSR1 end the process at once with exit 0 (start-up;
-  143 under a scheduler, see `stopped_status`)."""
+  143 under a scheduler, see `stopped_status`). SIGUSR2, for the whole run,
+  prints every thread's Python stack to stderr and changes nothing else: a run
+  that seems stuck says where (`kill -USR2 <pid>`)."""
   for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
     signal.signal(signum, _stop_during_start_up)
+  faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 
 def parse_flags(argv: list[str]) -> list[str]:

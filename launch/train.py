@@ -50,6 +50,9 @@ environment says who is who (docs/cluster.md):
 
 There a run stopped by a signal saves and exits 143, which asks the scheduler
 to run the job again; the requeued job resumes.
+
+A run that seems stuck says where it is: `kill -USR2 <pid>` prints every
+thread's Python stack to stderr, and the run goes on.
 """
 
 from __future__ import annotations

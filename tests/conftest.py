@@ -270,7 +270,16 @@ class Launched:
     raise AssertionError(f'{self.label}: no {pattern!r}:\n{self.output[-3000:]}')
 
   def finish(self, timeout: float = 120) -> str:
-    self.process.wait(timeout)
+    """Its whole output once it has ended; AssertionError with that output, and
+    where every thread of it stood (SIGUSR2: `launch.install_start_up_handlers`),
+    if it is still running `timeout` seconds on."""
+    try:
+      self.process.wait(timeout)
+    except subprocess.TimeoutExpired:
+      self.process.send_signal(signal.SIGUSR2)
+      time.sleep(3)
+      raise AssertionError(f'{self.label} still running {timeout} s on:\n'
+                           f'{self.output[-6000:]}') from None
     self._reader.join(10)
     return self.output
 

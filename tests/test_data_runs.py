@@ -10,6 +10,7 @@ by SIGTERM whose checkpoint seeds the other resumes.
 import json
 import os
 import shutil
+import signal
 
 import numpy as np
 import pytest
@@ -74,6 +75,13 @@ def runs(corpus, tmp_path_factory):
   run = Launched('launch.train', *corpus_args(corpus, '--gin_bindings=train.num_steps = 100000'),
                  f'--model_dir={model_dir}', label='stopped run')
   with killed_if_left(straight, run):
+    run.wait_for(r'step 5/', timeout=300)
+    # A run that seems stuck says where: SIGUSR2 prints every thread's Python
+    # stack (the training loop's among them) and the run trains on.
+    run.process.send_signal(signal.SIGUSR2)
+    stacks = run.wait_for(r'Current thread 0x[0-9a-f]+ \(most recent call first\):\n'
+                          r'(?:  File .*\n)+', timeout=60).group(0)
+    assert os.path.join('plugins', 'training.py') in stacks, stacks
     output = run.stop_after(r'step 5/', timeout=300)
     straight_output = straight.finish(timeout=300)
   assert straight.process.returncode == 0, straight_output[-3000:]
