@@ -117,10 +117,10 @@ class Board:
 
 def finished(process: Launched, timeout: float) -> None:
   try:
-    output = process.finish(timeout)
-  except subprocess.TimeoutExpired:
-    process.process.kill()
-    raise AssertionError(f'{process.label} ran over {timeout} s:\n{process.output[-3000:]}')
+    output = process.finish(timeout)  # AssertionError, with its output, if it runs over
+  finally:
+    if process.process.poll() is None:
+      process.process.kill()
   assert process.process.returncode == 0, f'{process.label} failed:\n{output[-3000:]}'
 
 
