@@ -154,8 +154,7 @@ def run_module(module: str, *args: str, timeout: float = 300, env: dict | None =
   interpreter. A forked run ends with os._exit after its exit handlers, so
   only a fresh one goes through the interpreter's own shutdown, where a
   hang at exit would show."""
-  full_env = {name: value for name, value in launcher_environment(env).items()
-              if value is not None}
+  full_env = launcher_environment(env)
   done = None if fresh else _from_zygote('run', [module, *args], env=full_env, timeout=timeout)
   return done if done is not None else _run_fresh([module, *args], env=full_env, timeout=timeout)
 
@@ -179,8 +178,10 @@ def _run_fresh(argv: list[str], *, env: dict, timeout: float) -> subprocess.Comp
 
 def launcher_environment(changes: dict | None = None) -> dict:
   """What a test's launcher runs with: this process's environment, the repo
-  importable, TensorFlow's C++ logging quiet, then `changes`."""
-  return {**os.environ, 'PYTHONPATH': REPO_ROOT, 'TF_CPP_MIN_LOG_LEVEL': '2', **(changes or {})}
+  importable, TensorFlow's C++ logging quiet, then `changes` (a None value
+  removes that variable)."""
+  full = {**os.environ, 'PYTHONPATH': REPO_ROOT, 'TF_CPP_MIN_LOG_LEVEL': '2', **(changes or {})}
+  return {name: value for name, value in full.items() if value is not None}
 
 
 def _zygote() -> Zygote | None:

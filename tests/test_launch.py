@@ -9,7 +9,7 @@ import time
 import pytest
 
 from plugins.run_status import COMPLETED, read_run_status
-from tests.conftest import TWO_DEVICES, read_events, run_module
+from tests.conftest import TWO_DEVICES, launcher_environment, read_events, run_module
 
 def short_run(gin_file: str, *, num_steps: int, eval_every: int) -> list[str]:
   """launch flags for a few steps of `gin_file`, logging every 2 steps."""
@@ -184,10 +184,8 @@ def test_several_cpu_devices_share_the_cores_between_them(devices, env, expected
           'print("THREADS", tf.config.threading.get_intra_op_parallelism_threads(),'
           ' len(os.sched_getaffinity(0)))')
   done = subprocess.run([sys.executable, '-c', code], cwd=REPO_ROOT, capture_output=True,
-                        text=True, check=True, env={
-                            **{k: v for k, v in os.environ.items()
-                               if k != 'TF_NUM_INTRAOP_THREADS'},  # only the case's own
-                            'PYTHONPATH': REPO_ROOT, **env})
+                        text=True, check=True,  # the case's own thread setting only
+                        env=launcher_environment({'TF_NUM_INTRAOP_THREADS': None, **env}))
   threads, cores = map(int, done.stdout.split('THREADS')[1].split())
   want = {'share': max(1, cores // devices), 'default': 0}[expected]  # 0: TF's own choice
   assert threads == want, done.stdout

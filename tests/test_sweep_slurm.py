@@ -23,8 +23,8 @@ import pytest
 from plugins import run_status, sweep as sweep_lib
 from plugins.sweep import slurm as slurm_lib
 from plugins.sweep.spec import expand, parse_axis
-from plugins.sweep.trial_process import write_json
-from tests.conftest import REPO_ROOT, read_events, run_modules
+from plugins.sweep.trial_process import THREAD_VARIABLES, write_json
+from tests.conftest import REPO_ROOT, launcher_environment, read_events, run_modules
 from tests.test_sweep import TINY, TensorBoard, attempt_header, read_tsv
 
 # zip: two short trials, then one long enough to be training when the sweep is stopped.
@@ -106,9 +106,7 @@ def test_a_stopped_slurm_sweep_saves_its_jobs_and_a_rerun_finishes_them(slurm,
   root = str(tmp_path / 'root')
   # The caller's own thread settings left out: a sweep passes those on as they
   # are, and what is checked below is that it divides none of its own for a job.
-  env = slurm.environment({**{k: v for k, v in os.environ.items()
-                              if k not in ('TF_NUM_INTRAOP_THREADS', 'TF_NUM_INTEROP_THREADS')},
-                           'PYTHONPATH': REPO_ROOT, 'TF_CPP_MIN_LOG_LEVEL': '2'})
+  env = slurm.environment(launcher_environment({name: None for name in THREAD_VARIABLES}))
   with open(tmp_path / 'first.out', 'w+') as out:
     sweep = subprocess.Popen([sys.executable, '-u', *sweep_command(root)], cwd=REPO_ROOT,
                              env=env, stdout=out, stderr=subprocess.STDOUT)
