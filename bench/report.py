@@ -278,6 +278,23 @@ def _dropout_trace(r: Results) -> Rendered:
   return shows, []
 
 
+def _grappler_passes(r: Results) -> Rendered:
+  parts = []
+  for mesh, by_name in r['best'].items():
+    every, trimmed = by_name['TensorFlow default'], by_name['trimmed']
+    unfolded = by_name['trimmed, no constant folding']
+    first = {name: in_s(run['first_step_cpu'] + run['first_eval_cpu'])
+             for name, run in by_name.items()}
+    parts.append(
+        f"{mesh}: first step and evaluation {first['trimmed']} of CPU trimmed, "
+        f"{first['TensorFlow default']} with every pass "
+        f"({times(r['ratios'][mesh]['compile_cpu_default_over_trimmed'])}); a later step "
+        f"{in_ms(trimmed['later_step_ms'])} against {in_ms(every['later_step_ms'])} "
+        f"({in_ms(unfolded['later_step_ms'])} without constant folding)")
+  same = all(r['same_losses'].values())
+  return '; '.join(parts) + f"; losses {'equal bit for bit' if same else 'DIFFERENT'}.", []
+
+
 def _small_input(r: Results) -> Rendered:
   runs = {k: v for k, v in r.items() if isinstance(v, dict) and 'calls' in v}
   size = {k: int(k.split(' x ')[0]) for k in runs}
@@ -521,6 +538,8 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
                                      '`launch.export`, with and without AutoGraph.', _export_trace),
         'dropout_trace.json': Section("A dropout mask's element index", 'One range against '
                                       'broadcast ranges, 12 dropouts on 2x2.', _dropout_trace),
+        'grappler_passes.json': Section("Grappler's passes on CPU", "The quickstart's model, "
+                                        "every pass against `build_mesh`'s.", _grappler_passes),
     },
     'Choosing a layout': {
         'suggest.json': Section('The suggester against every candidate', '`bench/suggest.py`: '

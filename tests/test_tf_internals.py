@@ -33,7 +33,14 @@ def child(*args: str, env: dict | None = None) -> dict:
   return child_result(run_module('tests.tf_internals_child', *args, env=env))
 
 
-def test_keep_sums_whole_lets_a_sharded_sum_of_four_gradients_run():
+@pytest.fixture(scope='module')
+def grappler_children() -> tuple[dict, dict]:
+  """(`sums`, `kept`) of tests/tf_internals_child.py, run side by side."""
+  return tuple(child_result(done) for done in run_modules(
+      [('tests.tf_internals_child', 'sums'), ('tests.tf_internals_child', 'kept')]))
+
+
+def test_keep_sums_whole_lets_a_sharded_sum_of_four_gradients_run(grappler_children):
   """The gradient of a weight used four times is an AddN of four sharded
   tensors. With TensorFlow's defaults Grappler's memory optimizer turns it
   into adds to a variable of the global shape, which fails on every shard
@@ -41,8 +48,7 @@ def test_keep_sums_whole_lets_a_sharded_sum_of_four_gradients_run():
   measured to trigger it). With `keep_sums_whole`, which `build_mesh` calls,
   the same gradient is right. Both in processes of their own, with
   Grappler's defaults (this one has its meta optimizer off: tests/conftest.py)."""
-  control, kept = (child_result(done) for done in run_modules(
-      [('tests.tf_internals_child', 'sums'), ('tests.tf_internals_child', 'kept')]))
+  control, kept = grappler_children
   if not control['error']:
     pytest.skip('without keep_sums_whole the sharded sum of four came out right here (max '
                 f"error {control['max_error']}): Grappler's memory optimizer did not rewrite "
@@ -52,6 +58,24 @@ def test_keep_sums_whole_lets_a_sharded_sum_of_four_gradients_run():
   assert not kept['error'], kept
   assert kept['specs'] == ['data', 'unsharded']
   assert kept['max_error'] <= 1e-5
+
+
+def test_build_mesh_trims_grapplers_passes_on_cpu(grappler_children):
+  """`trim_graph_passes`, through `build_mesh` on a CPU mesh: the layout
+  optimizer, the implementation selector and the TFG pass off, one round,
+  the memory optimizer off (`keep_sums_whole`), the other passes as
+  TensorFlow sets them; asked for a GPU mesh, it changes nothing. (Same
+  losses bit for bit and the compile it saves: bench/grappler_passes.py.)"""
+  from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-import-not-at-top
+  config = rewriter_config_pb2.RewriterConfig
+  rewrites = grappler_children[1]['rewrites']
+  default, trimmed = rewrites['default'], rewrites['build_mesh']
+  assert rewrites['gpu'] == default, rewrites
+  assert trimmed == {**default, 'memory_optimization': config.NO_MEM_OPT,
+                     'layout_optimizer': config.OFF, 'implementation_selector': config.OFF,
+                     'disable_tfg_optimizer': True, 'meta_optimizer_iterations': config.ONE}, \
+      rewrites
+  assert default['layout_optimizer'] != config.OFF and not default['disable_tfg_optimizer']
 
 
 def test_a_process_whose_first_mesh_has_one_axis_gathers_with_collective_gather_v2(mesh_data8):

@@ -76,17 +76,34 @@ def sums() -> dict:
   return {'error': error, 'max_error': worst[0] if worst else None}
 
 
+def rewrites() -> dict:
+  """The Grappler options functions compile with now (the eager context's)."""
+  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  options = context.context().config.graph_options.rewrite_options
+  return {name: getattr(options, name) for name in (
+      'memory_optimization', 'layout_optimizer', 'implementation_selector',
+      'disable_tfg_optimizer', 'meta_optimizer_iterations', 'constant_folding',
+      'arithmetic_optimization', 'remapping')}
+
+
 def kept() -> dict:
   """The same sum on a mesh from `build_mesh`, which calls `keep_sums_whole`
-  first: Grappler's other rewrites as TensorFlow sets them."""
+  and `trim_graph_passes` first (with the Grappler options in force before
+  and after: TensorFlow's, then build_mesh's; and after asking a GPU mesh's
+  trim, which changes nothing)."""
   from bench.grappler_addn_limit import sum_of_four_error  # pylint: disable=g-import-not-at-top
   from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus  # pylint: disable=g-import-not-at-top
+  from layout_core import tf_internals  # pylint: disable=g-import-not-at-top
   configure_virtual_cpus(8)
+  before = rewrites()
+  tf_internals.trim_graph_passes('GPU')
+  after_gpu = rewrites()
   mesh = build_mesh(MeshSpec(shape={'data': 8}))
   found = []
   error = first_error(lambda: found.append(sum_of_four_error(mesh, ['data', 'unsharded'], 4096)))
   return {'error': error, 'max_error': found[0][0] if found else None,
-          'specs': found[0][1] if found else None}
+          'specs': found[0][1] if found else None,
+          'rewrites': {'default': before, 'gpu': after_gpu, 'build_mesh': rewrites()}}
 
 
 def gathers() -> dict:

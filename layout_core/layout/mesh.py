@@ -135,12 +135,14 @@ def build_mesh(spec: MeshSpec) -> dtensor.Mesh:
   client's devices, client 0's first.
 
   First it settles what every function on it compiles with
-  (`layout_core.tf_internals`): Grappler's memory optimizer off, and the
+  (`layout_core.tf_internals`): Grappler's memory optimizer off, on CPU
+  only the Grappler passes that rewrite something, run once, and the
   process's all-gather lowering, decided by its first mesh (one axis:
   CollectiveGatherV2). A mesh of two or more axes in a process that chose
   CollectiveGatherV2 is a ConfigError: most of its relayouts would not
   compile."""
   tf_internals.keep_sums_whole()
+  tf_internals.trim_graph_passes(spec.device_type)
   mesh = _distributed_mesh(spec) if dtensor.num_clients() > 1 else _local_mesh(spec)
   _settle_gather_lowering(spec)  # once the mesh is built: a mesh that failed decides nothing
   return mesh

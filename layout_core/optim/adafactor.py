@@ -68,21 +68,25 @@ class Adafactor(Optimizer):
       slots += (SlotSpec('m', shape),)
     return slots
 
-  def _delta(self, path, grad, param, *, lr, step):
-    config, lead = self.config, self.lead_dims.get(path, 0)
+  def _shared(self, step, lr):
     t = tf.cast(step, tf.float32) + 1.0
-    decay = 1.0 - tf.pow(t, -config.adafactor_decay_rate)
+    decay = 1.0 - tf.pow(t, -self.config.adafactor_decay_rate)
+    return {'decay': decay, 'one_minus_decay': 1.0 - decay}
+
+  def _delta(self, path, grad, param, *, lr, shared):
+    config, lead = self.config, self.lead_dims.get(path, 0)
+    decay, one_minus_decay = shared['decay'], shared['one_minus_decay']
     squared = tf.square(grad) + config.adafactor_epsilon1
     assigns = []
     if path in self.v_row:
-      v_row = decay * self.v_row[path] + (1.0 - decay) * tf.reduce_mean(squared, axis=-1)
-      v_col = decay * self.v_col[path] + (1.0 - decay) * tf.reduce_mean(squared, axis=-2)
+      v_row = decay * self.v_row[path] + one_minus_decay * tf.reduce_mean(squared, axis=-1)
+      v_col = decay * self.v_col[path] + one_minus_decay * tf.reduce_mean(squared, axis=-2)
       assigns += [(self.v_row[path], v_row), (self.v_col[path], v_col)]
       row_factor = tf.math.rsqrt(v_row / tf.reduce_mean(v_row, axis=-1, keepdims=True))
       update = (grad * tf.expand_dims(row_factor, -1)
                 * tf.expand_dims(tf.math.rsqrt(v_col), -2))
     else:
-      v = decay * self.v[path] + (1.0 - decay) * squared
+      v = decay * self.v[path] + one_minus_decay * squared
       assigns.append((self.v[path], v))
       update = grad * tf.math.rsqrt(v)
     if config.adafactor_clipping_threshold:

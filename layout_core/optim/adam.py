@@ -31,10 +31,14 @@ class Adam(Optimizer):
   def slot_specs(cls, shape: Sequence[int], config: OptimizerConfig) -> tuple[SlotSpec, ...]:
     return tuple(SlotSpec(name, tuple(shape)) for name in cls.SLOT_NAMES)
 
-  def _delta(self, path, grad, param, *, lr, step):
+  def _shared(self, step, lr):
     config = self.config
     t = tf.cast(step, tf.float32) + 1.0
     correction = tf.sqrt(1.0 - config.beta2 ** t) / (1.0 - config.beta1 ** t)
+    return {'step_size': lr * correction}
+
+  def _delta(self, path, grad, param, *, lr, shared):
+    config = self.config
     # Use the new moments as computed, not re-read from the slots: in the
     # training step's DTensor function, re-reading after the assign gave the
     # old values (TF 2.21: the first step moved no parameter; a small
@@ -44,4 +48,4 @@ class Adam(Optimizer):
     update = m / (tf.sqrt(v) + config.epsilon)
     if config.weight_decay:
       update += config.weight_decay * param
-    return lr * correction * update, [(self.m[path], m), (self.v[path], v)]
+    return shared['step_size'] * update, [(self.m[path], m), (self.v[path], v)]

@@ -5,13 +5,16 @@ their parameter (plus the state axis), and the update loop.
       SLOT_NAMES = ()
       @classmethod
       def slot_specs(cls, shape, config): return ()
-      def _delta(self, path, grad, param, *, lr, step): return lr * grad, []
+      def _delta(self, path, grad, param, *, lr, shared): return lr * grad, []
 
 A subclass names its slots once, in `slot_specs` (TensorFlow-free: the memory
 estimate reads the same description), and gives each parameter's change in
-`_delta`. Slots are created with their parameter's layout (a sharded weight
-gets sharded moments) and kept in one dict per slot name, keyed by the
-parameter's path, so checkpoints are keyed `<slot name>/<path>`.
+`_delta`; what every parameter's change needs at a step (Adam's bias
+correction, Adafactor's decay) it computes once per update in `_shared`,
+which `_delta` receives: a step function traces and compiles those ops once,
+not once per parameter. Slots are created with their parameter's layout (a
+sharded weight gets sharded moments) and kept in one dict per slot name,
+keyed by the parameter's path, so checkpoints are keyed `<slot name>/<path>`.
 
 With sharded state (`shard_axis`, ZeRO-1: `layout_core.optim.config.state_axis`)
 every slot is also split over that axis on the first dimension its parameter
@@ -143,7 +146,12 @@ class Optimizer(Module):
     return [getattr(self, name)[path] for name in self.SLOT_NAMES
             if path in getattr(self, name)]
 
-  def _delta(self, path: str, grad, param, *, lr, step):
+  def _shared(self, step: tf.Tensor, lr: tf.Tensor) -> dict:
+    """What every parameter's `_delta` needs at 0-based `step` with learning
+    rate `lr`, computed once per update (per mesh)."""
+    return {}
+
+  def _delta(self, path: str, grad, param, *, lr, shared: dict):
     """The parameter's change (subtracted) and [(slot, new value)] to assign."""
     raise NotImplementedError
 
@@ -152,7 +160,7 @@ class Optimizer(Module):
     returns (learning_rate, pre-clip global grad norm)."""
     grads = self._update_layouts(self.paths, grads)
     norm = global_norm(grads)
-    return self.update(self.paths, grads, step=step, norm=norm), norm
+    return self._update(self.paths, grads, step=step, norm=norm), norm
 
   def _update_layouts(self, paths: Sequence[str], grads: Sequence[tf.Tensor], *,
                       pinned: bool = False) -> list:
@@ -191,18 +199,24 @@ class Optimizer(Module):
 
     With sharded state the new parameters' slices are gathered back
     together, a bucket per collective (`gather_together`), not one by one."""
+    return self._update(paths, self._update_layouts(paths, grads), step=step, norm=norm)
+
+  def _update(self, paths: Sequence[str], grads: Sequence[tf.Tensor], *, step: tf.Tensor,
+              norm: tf.Tensor) -> tf.Tensor:
+    """`update` of gradients already in their update layouts."""
     config = self.config
     lr = learning_rate(config, step, self.total_steps)
+    shared = self._shared(step, lr)
     scale = tf.minimum(1.0, config.clip_norm / (norm + 1e-12)) if config.clip_norm else None
     gathered, sources, targets = [], [], []
-    for path, grad in zip(paths, self._update_layouts(paths, grads)):
+    for path, grad in zip(paths, grads):
       variable = self._parameters.variables[path]
       if scale is not None:
         grad = grad * scale
       state_layout = self._parameters.state_layouts[path]
       param = (variable if state_layout is None
                else dtensor.relayout(variable.read_value(), state_layout))
-      delta, assigns = self._delta(path, grad, param, lr=lr, step=step)
+      delta, assigns = self._delta(path, grad, param, lr=lr, shared=shared)
       for slot, value in assigns:
         slot.assign(value if state_layout is None else dtensor.relayout(value, slot.layout))
       if state_layout is None:
