@@ -74,8 +74,8 @@ def trim_graph_passes(device_type: str) -> None:
   step as fast (0.94x and 1.10x, within the +-10% those step times vary run
   to run on that machine), the first step and evaluation in 1/1.5 and 1/1.4
   of the CPU. Constant folding, arithmetic, remapping (op fusion) and the
-  rest stay on. A GPU or TPU mesh
-  keeps TensorFlow's passes: not measured there.
+  rest stay on. A GPU or TPU mesh keeps TensorFlow's passes: not measured
+  there.
 
   Why private: `tf.config.optimizer.set_experimental_options` has no switch
   for the TFG pass or the number of rounds; they live on the eager
@@ -101,9 +101,10 @@ def _rewrite(change) -> None:
   config = tf.compat.v1.ConfigProto()
   if ctx._config is not None:  # pylint: disable=protected-access
     config.CopyFrom(ctx._config)  # pylint: disable=protected-access
-  before = config.SerializeToString()
+  before = tf.compat.v1.ConfigProto()
+  before.CopyFrom(config)
   change(config.graph_options.rewrite_options)
-  if config.SerializeToString() == before:
+  if config == before:
     return
   ctx._config = config  # pylint: disable=protected-access
   ctx._thread_local_data.function_call_options = None  # pylint: disable=protected-access

@@ -88,9 +88,9 @@ def rewrites() -> dict:
 
 def kept() -> dict:
   """The same sum on a mesh from `build_mesh`, which calls `keep_sums_whole`
-  and `trim_graph_passes` first (with the Grappler options in force before
-  and after: TensorFlow's, then build_mesh's; and after asking a GPU mesh's
-  trim, which changes nothing)."""
+  and `trim_graph_passes` first; and the Grappler options in force at three
+  points: TensorFlow's, after `trim_graph_passes('GPU')` (unchanged), and
+  after `build_mesh`."""
   from bench.grappler_addn_limit import sum_of_four_error  # pylint: disable=g-import-not-at-top
   from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus  # pylint: disable=g-import-not-at-top
   from layout_core import tf_internals  # pylint: disable=g-import-not-at-top
