@@ -80,10 +80,12 @@ def check_clients_agree(plan: RunPlan, cluster: cluster_lib.ClusterSpec, *,
   """ConfigError on every client unless all resolved the same run."""
   if not cluster.is_multi_client:
     return
+  timeout = timeout or cluster.init_timeout
   posted = cluster_lib.exchange(cluster, key='fingerprint', value=json.dumps(fingerprint(plan)),
-                                timeout=timeout or cluster.init_timeout)
+                                timeout=timeout)
   problem = disagreement([json.loads(text) for text in posted])
   if problem:
+    cluster_lib.settle_before_leaving(cluster, key='fingerprint', timeout=timeout)
     raise ConfigError(
         f'the clients of this run were started with different settings, so they would '
         f'not train one model: {problem}. Nothing was trained or saved',

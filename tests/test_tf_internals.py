@@ -140,7 +140,9 @@ def test_the_key_value_store_has_no_public_api_and_carries_every_clients_value()
   coordination service's key-value store (were one added, this fails: use
   it instead). Then two one-device CPU clients exchange two values each
   through `cluster.exchange`, which reaches it by `put_key_value` and
-  `get_key_value`."""
+  `get_key_value`. Last, client 0 leaves after an exchange while client 1
+  still reads: with `settle_before_leaving` the read gets its value; without
+  it (the control) client 0's exit ends the store and the read fails."""
   names = public_names(tf, set())
   assert 'function' in names and 'create_mesh' in names  # the walk reached tf and dtensor
   assert not [n for n in names if 'config_key' in n.lower() or 'key_value_store' in n.lower()]
@@ -151,4 +153,8 @@ def test_the_key_value_store_has_no_public_api_and_carries_every_clients_value()
       [('tests.tf_internals_child', 'store', str(client), cluster) for client in range(2)],
       timeout=180)]
   for got in results:
-    assert got == {'first': ['client 0', 'client 1'], 'second': ['0', '10']}, results
+    assert got['first'] == ['client 0', 'client 1'] and got['second'] == ['0', '10'], results
+  assert 'late' not in results[0]
+  settled, control = results[1]['late']
+  assert settled == 'stop', results
+  assert control in ('UnavailableError', 'TimeoutError'), results  # the store is gone

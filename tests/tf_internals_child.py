@@ -13,6 +13,7 @@ process no longer has. It prints `RESULT <json>` last.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Callable
 
@@ -179,13 +180,35 @@ def gathers_2d() -> dict:
 def store(client_id: int, addresses: list[str]) -> dict:
   """One client of a CPU cluster of len(addresses), one device each:
   every client's value through `cluster.exchange` (the coordination
-  service's key-value store), twice (a second key, as `gather_text` makes)."""
+  service's key-value store), twice (a second key, as `gather_text` makes).
+  Then two exchanges after which client 0 leaves, as on settings that
+  differ, while the others read once more a second later: after the first,
+  client 0 waits in `settle_before_leaving`; after the second (the control)
+  it leaves at once, ending the service. `late` is what each late read got."""
+  import time  # pylint: disable=g-import-not-at-top
+  from layout_core import tf_internals  # pylint: disable=g-import-not-at-top
   from layout_core.layout import cluster  # pylint: disable=g-import-not-at-top
   spec = cluster.ClusterSpec(client_id=client_id, addresses=tuple(addresses), init_timeout=60)
   cluster.connect(spec, device_type='CPU', num_local_devices=1)
   first = cluster.exchange(spec, key='probe/1', value=f'client {client_id}', timeout=30)
   second = cluster.exchange(spec, key='probe/2', value=str(10 * client_id), timeout=30)
-  return {'first': first, 'second': second}
+  result = {'first': first, 'second': second}
+  for key, settle in (('probe/3', True), ('probe/4', False)):
+    if client_id == 0:
+      cluster.exchange(spec, key=key, value='stop', timeout=30)
+      if settle:
+        cluster.settle_before_leaving(spec, key=key, timeout=30)
+      continue  # main() leaves after the last
+    try:  # in the control, the exchange itself may be what fails
+      cluster.exchange(spec, key=key, value='stop', timeout=30)
+      time.sleep(1.0)
+      late = tf_internals.get_key_value(f'meshgin/{key}/0', timeout_s=5)
+    except Exception as e:  # pylint: disable=broad-except
+      late = type(e).__name__
+    result.setdefault('late', []).append(late)
+    if settle:
+      cluster.settle_before_leaving(spec, key=key, timeout=30)
+  return result
 
 
 def main(argv: list[str]) -> None:
@@ -196,6 +219,8 @@ def main(argv: list[str]) -> None:
     result = {'sums': sums, 'kept': kept, 'gathers': gathers, 'gathers_2d': gathers_2d}[case]()
   result = {k: sorted(v) if isinstance(v, set) else v for k, v in result.items()}
   print('RESULT ' + json.dumps(result), flush=True)
+  if case == 'store':
+    os._exit(0)  # pylint: disable=protected-access  # at once, as launch.train's clients do
 
 
 if __name__ == '__main__':

@@ -219,6 +219,28 @@ def exchange(spec: ClusterSpec, *, key: str, value: str, timeout: float) -> list
   return values
 
 
+def settle_before_leaving(spec: ClusterSpec, *, key: str, timeout: float) -> None:
+  """Call on every client once all have read, through `exchange`, something
+  that ends the run on each of them (e.g. settings that differ). Client 0
+  hosts the coordination service and its exit ends it, so a peer still
+  reading would fail with a lost-peer error instead of the reason: each other
+  client posts that it has read (and goes on if the post fails: it needs the
+  service no more), and client 0 waits up to `timeout` s for all of them."""
+  if not spec.is_multi_client:
+    return
+  if spec.client_id:
+    try:
+      tf_internals.put_key_value(f'meshgin/{key}/read/{spec.client_id}', '')
+    except tf.errors.OpError:
+      pass
+    return
+  for client in range(1, spec.num_clients):
+    try:
+      tf_internals.get_key_value(f'meshgin/{key}/read/{client}', timeout_s=timeout)
+    except tf.errors.OpError:
+      return  # that peer is gone or stuck: waiting longer helps no one
+
+
 class SingleClient:
   """The coordinator of a one-process run: nothing to agree with."""
   client_id = 0
