@@ -194,6 +194,7 @@ class Checkpointer:
       sees = False
     blind = [c for c, flag in enumerate(self.coordinator.gather(0 if sees else 1)) if flag]
     if blind:
+      self.coordinator.settle_before_leaving('shared-directory')  # every client says why
       raise ConfigError(
           f'client(s) {blind} cannot see the checkpoint directory {self.directory} that '
           'client 0 writes: every client writes its own shards into it',

@@ -256,6 +256,9 @@ class SingleClient:
   def barrier(self) -> None:
     pass
 
+  def settle_before_leaving(self, key: str) -> None:
+    del key
+
 
 class MeshCoordinator:
   """Small agreements between the clients of one mesh, as DTensor collectives.
@@ -292,6 +295,11 @@ class MeshCoordinator:
 
   def barrier(self) -> None:
     self.gather(0.0)
+
+  def settle_before_leaving(self, key: str, timeout: float = 60.0) -> None:
+    """`settle_before_leaving` (the module function): after a collective
+    that ends the run on every client, client 0 leaves last."""
+    settle_before_leaving(self.spec, key=key, timeout=timeout)
 
 
 def coordinator_for(mesh, spec: ClusterSpec | None):
