@@ -295,6 +295,16 @@ def _grappler_passes(r: Results) -> Rendered:
   return '; '.join(parts) + f"; losses {'equal bit for bit' if same else 'DIFFERENT'}.", []
 
 
+def _import_gc(r: Results) -> Rendered:
+  on, paused = r['best']['collector on'], r['best']['paused + frozen']
+  return (f"With the collector on, the import takes {in_s(on['import_cpu'])} of CPU and "
+          f"{on['full_collections']} full collections; paused and frozen, "
+          f"{in_s(paused['import_cpu'])} ({times(r['ratios']['import_cpu_on_over_paused'])}). "
+          f"A full collection after it walks {on['objects']:,} objects in "
+          f"{in_ms(1000 * on['later_collection_cpu'])} unfrozen and skips them frozen "
+          f"({in_ms(1000 * paused['later_collection_cpu'])}).", [])
+
+
 def _small_input(r: Results) -> Rendered:
   runs = {k: v for k, v in r.items() if isinstance(v, dict) and 'calls' in v}
   size = {k: int(k.split(' x ')[0]) for k in runs}
@@ -540,6 +550,9 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
                                       'broadcast ranges, 12 dropouts on 2x2.', _dropout_trace),
         'grappler_passes.json': Section("Grappler's passes on CPU", "The quickstart's model, "
                                         "every pass against `build_mesh`'s.", _grappler_passes),
+        'import_gc.json': Section('The garbage collector and the import', 'Importing '
+                                  'TensorFlow and DTensor, fresh processes in turns.',
+                                  _import_gc),
     },
     'Choosing a layout': {
         'suggest.json': Section('The suggester against every candidate', '`bench/suggest.py`: '

@@ -96,8 +96,7 @@ def _rewrite(change) -> None:
   """Applies `change` to the Grappler options (RewriterConfig) of the eager
   context's ConfigProto, for the functions compiled after it (see
   `keep_sums_whole` for which threads see it)."""
-  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
-  ctx = context.context()
+  ctx = _eager_context()
   config = tf.compat.v1.ConfigProto()
   if ctx._config is not None:  # pylint: disable=protected-access
     config.CopyFrom(ctx._config)  # pylint: disable=protected-access
@@ -171,12 +170,18 @@ def put_key_value(key: str, value: str) -> None:
   (TF 2.21 exports none); the eager context's methods are the only way. Used
   by `layout_core.layout.cluster.exchange`; the two-client runs of
   tests/test_multi_client.py and tests/test_tf_internals.py use it."""
-  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
-  context.context().set_config_key_value(key, value)
+  _eager_context().set_config_key_value(key, value)
 
 
 def get_key_value(key: str, *, timeout_s: float) -> str:
   """The value posted under `key` (see `put_key_value`), waiting for it up
   to `timeout_s` seconds; tf.errors.OpError (DeadlineExceeded) after that."""
+  return _eager_context().get_config_key_value(key, timeout_in_ms=int(timeout_s * 1000))
+
+
+def _eager_context():
+  """TF's eager context, from a private module; TensorFlow itself is first
+  imported through `layout_core.lazy` (the collector paused), as everywhere."""
+  tf.version  # pylint: disable=pointless-statement
   from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
-  return context.context().get_config_key_value(key, timeout_in_ms=int(timeout_s * 1000))
+  return context.context()

@@ -1,15 +1,17 @@
 """What start-up was cut to (bench/startup.py): variables made without a
 function per variable, and step functions traced without AutoGraph unless
-the traced code needs it; an export's signatures too (bench/export_trace.py)."""
+the traced code needs it; an export's signatures too (bench/export_trace.py);
+TensorFlow imported with the garbage collector paused (bench/import_gc.py)."""
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import numpy as np
 import pytest
 
-from layout_core.lazy import dtensor, tf
+from layout_core.lazy import dtensor, import_collector_paused, tf
 from layout_core.layout.scope import LayoutScope, initial_dtensor
 from layout_core.layout.variables import (Constant, Normal, Ones, VariableSpec, Zeros,
                                           create_variable, path_seed, to_numpy)
@@ -117,3 +119,30 @@ def test_an_export_signature_falls_back_to_autograph():
   function, concrete = traced_function(relu_like, input_signature=[tf.TensorSpec([], tf.float32)])
   assert float(concrete(tf.constant(2.0))) == 2.0 and float(concrete(tf.constant(-2.0))) == 2.0
   assert float(function(tf.constant(-3.0))) == 3.0
+
+
+def test_an_import_runs_with_the_collector_paused_and_leaves_it_frozen(tmp_path, monkeypatch):
+  """A module of 50,000 cycles, imported the way `layout_core.lazy` imports
+  TensorFlow: the collector is off while it runs (the control: on for a
+  plain import of its twin), on again after it, the module's own garbage is
+  collected, and what it keeps is frozen."""
+  code = ('import gc, weakref\n'
+          'class Node:\n  pass\n'
+          'def cycle():\n  node = Node()\n  node.me = node\n  return node\n'
+          'kept = [cycle() for _ in range(50000)]\n'
+          'garbage = cycle()\nGARBAGE = weakref.ref(garbage)\ndel garbage\n'
+          'COLLECTOR_ON = gc.isenabled()\n')
+  for name in ('cycles_paused', 'cycles_plain'):
+    (tmp_path / f'{name}.py').write_text(code)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  try:
+    frozen_before = gc.get_freeze_count()
+    paused = import_collector_paused('cycles_paused')
+    assert not paused.COLLECTOR_ON and gc.isenabled()
+    assert paused.GARBAGE() is None
+    assert gc.get_freeze_count() >= frozen_before + 50000
+    assert import_collector_paused('cycles_paused') is paused  # imported: returned as is
+  finally:
+    gc.unfreeze()  # the rest of this process collects as before
+  plain = __import__('cycles_plain')
+  assert plain.COLLECTOR_ON

@@ -43,6 +43,7 @@ makes a zygote of its own unsafe to fork with one.
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import io
 import json
@@ -210,6 +211,8 @@ def serve(path: str, setup: Sequence[str] = ()) -> None:
   for hook in setup:
     module, _, function = hook.partition(':')
     getattr(importlib.import_module(module), function)()
+  gc.collect()
+  gc.freeze()  # a child's collections (one at its exit) skip what it inherits
   listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
   listener.bind(path)
   listener.listen(16)

@@ -231,7 +231,6 @@ def creator_initial_value(kwargs: dict) -> tf.Tensor:
 # -- reading values back ------------------------------------------------------
 def to_numpy(value) -> np.ndarray:
   """Global value of a tensor, variable or DTensor as a numpy array."""
-  from tensorflow.experimental import dtensor  # pylint: disable=g-import-not-at-top
   tensor = tf.convert_to_tensor(value)
   try:
     layout = dtensor.fetch_layout(tensor)
