@@ -256,8 +256,8 @@ class SingleClient:
   def barrier(self) -> None:
     pass
 
-  def settle_before_leaving(self, key: str) -> None:
-    del key
+  def settle_before_leaving(self, key: str, timeout: float = 60.0) -> None:
+    del key, timeout
 
 
 class MeshCoordinator:
