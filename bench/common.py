@@ -11,7 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from layout_core.suggest.calibration import processor_name
 
@@ -30,6 +30,24 @@ def run_child(code: str, *args: str, env: Mapping[str, str | None] = ()) -> Any:
   done = subprocess.run([sys.executable, '-c', code, *args], env=environ,
                         capture_output=True, text=True, check=True)
   return json.loads(done.stdout.split('RESULT ', 1)[1])
+
+
+def children_in_turns(code: str, contenders: Mapping[str, Sequence[str]], *, rounds: int,
+                      keys: Sequence[str], describe: Callable[[dict], str]
+                      ) -> tuple[dict[str, list[dict]], dict[str, dict[str, float]]]:
+  """`run_child(code, *args)` for each contender (name -> args), the
+  contenders in turns round after round so that load drift hits all alike;
+  prints `describe(result)` per run. Returns every result per contender and
+  each contender's best (least) value of each of `keys`."""
+  results = {name: [] for name in contenders}
+  for number in range(rounds):
+    for name, args in contenders.items():
+      result = run_child(code, *args)
+      results[name].append(result)
+      print(f'round {number + 1} {name:17s} {describe(result)}', flush=True)
+  best = {name: {key: min(r[key] for r in runs) for key in keys}
+          for name, runs in results.items()}
+  return results, best
 
 
 def provenance() -> dict:

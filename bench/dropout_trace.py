@@ -28,7 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import RESULTS, run_child, write_json  # noqa: E402
+from bench.common import RESULTS, children_in_turns, write_json  # noqa: E402
 
 CONTENDERS = ('one range', 'broadcast ranges')
 LAYERS = 12
@@ -93,17 +93,13 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--rounds', type=int, default=3)
   args = parser.parse_args()
-  rounds = {name: [] for name in CONTENDERS}
-  for number in range(args.rounds):
-    for name in CONTENDERS:
-      result = run_child(CHILD, '1' if name == 'broadcast ranges' else '0', str(LAYERS))
-      rounds[name].append(result)
-      print(f'round {number + 1} {name:17s} {result["ops"]:5d} ops, trace '
-            f'{result["trace_cpu"]:5.2f} CPU-s, first call {result["first_call_cpu"]:5.2f} '
-            f'CPU-s, later call {result["later_call_ms"]:6.2f} ms', flush=True)
-  best = {name: {key: min(r[key] for r in runs)
-                 for key in ('ops', 'trace_cpu', 'first_call_cpu', 'later_call_ms')}
-          for name, runs in rounds.items()}
+  rounds, best = children_in_turns(
+      CHILD, {name: ['1' if name == 'broadcast ranges' else '0', str(LAYERS)]
+              for name in CONTENDERS}, rounds=args.rounds,
+      keys=('ops', 'trace_cpu', 'first_call_cpu', 'later_call_ms'),
+      describe=lambda r: (f'{r["ops"]:5d} ops, trace {r["trace_cpu"]:5.2f} CPU-s, first call '
+                          f'{r["first_call_cpu"]:5.2f} CPU-s, later call '
+                          f'{r["later_call_ms"]:6.2f} ms'))
   same_masks = len({r['mask'] for runs in rounds.values() for r in runs}) == 1
   one, old = best['one range'], best['broadcast ranges']
   ratio = (old['trace_cpu'] + old['first_call_cpu']) / (one['trace_cpu'] + one['first_call_cpu'])

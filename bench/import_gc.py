@@ -29,7 +29,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import RESULTS, run_child, write_json  # noqa: E402
+from bench.common import RESULTS, children_in_turns, write_json  # noqa: E402
 
 CONTENDERS = ('collector on', 'paused + frozen')
 KEYS = ('import_cpu', 'full_collections', 'later_collection_cpu', 'objects', 'max_rss_mb')
@@ -66,18 +66,11 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--rounds', type=int, default=5)
   args = parser.parse_args()
-  rounds = {name: [] for name in CONTENDERS}
-  for number in range(args.rounds):
-    for name in CONTENDERS:
-      result = run_child(CHILD, name)
-      rounds[name].append(result)
-      print(f'round {number + 1} {name:16s} import {result["import_cpu"]:5.2f} CPU-s, '
-            f'{result["full_collections"]} full collections during it, one after '
-            f'{result["later_collection_cpu"]:.3f} CPU-s, {result["objects"]:,} objects, '
-            f'{result["max_rss_mb"]:.0f} MB',
-            flush=True)
-  best = {name: {key: min(r[key] for r in runs) for key in KEYS}
-          for name, runs in rounds.items()}
+  rounds, best = children_in_turns(
+      CHILD, {name: [name] for name in CONTENDERS}, rounds=args.rounds, keys=KEYS,
+      describe=lambda r: (f'import {r["import_cpu"]:5.2f} CPU-s, {r["full_collections"]} full '
+                          f'collections during it, one after {r["later_collection_cpu"]:.3f} '
+                          f'CPU-s, {r["objects"]:,} objects, {r["max_rss_mb"]:.0f} MB'))
   on, paused = best['collector on'], best['paused + frozen']
   ratios = {'import_cpu_on_over_paused': on['import_cpu'] / paused['import_cpu'],
             'import_cpu_saved': on['import_cpu'] - paused['import_cpu'],
