@@ -256,7 +256,7 @@ class SingleClient:
   def barrier(self) -> None:
     pass
 
-  def settle_before_leaving(self, key: str, timeout: float = 60.0) -> None:
+  def settle_before_leaving(self, key: str, timeout: float | None = None) -> None:
     del key, timeout
 
 
@@ -296,10 +296,11 @@ class MeshCoordinator:
   def barrier(self) -> None:
     self.gather(0.0)
 
-  def settle_before_leaving(self, key: str, timeout: float = 60.0) -> None:
+  def settle_before_leaving(self, key: str, timeout: float | None = None) -> None:
     """`settle_before_leaving` (the module function): after a collective
-    that ends the run on every client, client 0 leaves last."""
-    settle_before_leaving(self.spec, key=key, timeout=timeout)
+    that ends the run on every client, client 0 leaves last, waiting up to
+    `timeout` s (default: the cluster's join timeout)."""
+    settle_before_leaving(self.spec, key=key, timeout=timeout or self.spec.init_timeout)
 
 
 def coordinator_for(mesh, spec: ClusterSpec | None):
