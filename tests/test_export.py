@@ -312,11 +312,16 @@ def test_the_export_is_complete_and_leaves_nothing_beside_it(lm):
   assert record['signatures']['generate']['outputs'] == {'tokens': [[None, 32], 'int32']}
 
 
+def saved_model_cli(*args: str) -> subprocess.CompletedProcess:
+  """TensorFlow's `saved_model_cli ARGS` (its console script calls this
+  module's main), forked from the session's zygote: each of the three
+  commands below would otherwise pay TensorFlow's import again."""
+  return run_module('tensorflow.python.tools.saved_model_cli', *args)
+
+
 def test_saved_model_cli_shows_and_runs_serving_default(lm, mesh_data8, tmp_path):
   _, export_dir, prefix = lm
-  cli = os.path.join(os.path.dirname(sys.executable), 'saved_model_cli')
-  shown = subprocess.run([cli, 'show', '--dir', export_dir, '--all'], capture_output=True,
-                         text=True, timeout=300)
+  shown = saved_model_cli('show', '--dir', export_dir, '--all')
   assert shown.returncode == 0, shown.stderr[-3000:]
   serving = shown.stdout.split("signature_def['serving_default']", 1)[1]
   assert "inputs['tokens'] tensor_info:" in serving and 'dtype: DT_INT32' in serving
@@ -329,10 +334,9 @@ def test_saved_model_cli_shows_and_runs_serving_default(lm, mesh_data8, tmp_path
   # --input_exprs takes Python literals only (TF 2.21's safe mode): the ids written out.
   for name, given in (('exprs', ['--input_exprs', f'tokens={tokens.tolist()}'.replace(' ', '')]),
                       ('npy', ['--inputs', f'tokens={tmp_path / "tokens.npy"}'])):
-    ran = subprocess.run([cli, 'run', '--dir', export_dir, '--tag_set', 'serve',
+    ran = saved_model_cli('run', '--dir', export_dir, '--tag_set', 'serve',
                           '--signature_def', 'serving_default', *given,
-                          '--outdir', str(tmp_path / name)], capture_output=True, text=True,
-                         timeout=300)
+                          '--outdir', str(tmp_path / name))
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert 'Output logits is saved to' in ran.stdout + ran.stderr
     logits = np.load(tmp_path / name / 'logits.npy')

@@ -46,10 +46,8 @@ WEIGHTS = 2e-5
 
 # The equality tests' meshes have 4 devices (and 'data' 4 or 2 wide): a step
 # function compiles once per device, and a split over 4 shows what one over 8
-# does. The tests of what each device holds keep data=2 x model=4 and data=8.
-@pytest.fixture(scope='module')
-def mesh_data4(devices8):
-  return build_mesh(MeshSpec(shape={'data': 4}))
+# does (`mesh_data4`, tests/conftest.py). The tests of what each device holds
+# keep data=2 x model=4 and data=8.
 
 
 @pytest.fixture(scope='module')

@@ -211,14 +211,14 @@ def optimizer_trainer(mesh, rules, pipeline, **optimizer):
                          eval_batches=1), pipeline=pipeline)
 
 
-def test_sharded_state_on_a_one_axis_mesh_equals_unsharded_state(mesh_data8):
+def test_sharded_state_on_a_one_axis_mesh_equals_unsharded_state(mesh_data4):
   """On a one-axis mesh, sharded state gives the values of unsharded state.
   (This process keeps DTensor's default all-gather lowering, tests/conftest.py;
   a trainer's, whose first mesh is this one, compiles CollectiveGatherV2, with
   the same values: tests/test_tf_internals.py.)"""
-  sharded, plain = sharded_and_plain(mesh_data8, rules=[])
+  sharded, plain = sharded_and_plain(mesh_data4, rules=[])
   assert sharded.engine.optimizer.m['lm/stack/block_000/ffn/w_in'].layout.sharding_specs == [
-      'data', 'unsharded']  # [32, 64]: its first dim 8 divides
+      'data', 'unsharded']  # [32, 64]: its first dim 4 divides
   for step in range(3):
     batch = {'tokens': sharded.task.batch(step=step, batch_size=8)}
     loss_a = float(to_numpy(sharded.train_step(batch)[0]))

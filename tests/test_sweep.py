@@ -13,7 +13,6 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -166,15 +165,17 @@ def attempt_header(log, attempt):
 
 
 class TensorBoard:
-  """A real `tensorboard --logdir root` on a free localhost port."""
+  """A real `tensorboard --logdir root` on a free localhost port, forked from
+  the session's zygote (`python -m tensorboard.main`, without paying
+  TensorFlow's import again: about 12 CPU-s a server here)."""
 
   def __init__(self, root):
     with socket.socket() as s:
       s.bind(('127.0.0.1', 0))
       self.port = s.getsockname()[1]
-    self.process = subprocess.Popen(
-        [sys.executable, '-m', 'tensorboard.main', '--logdir', root, '--host', '127.0.0.1',
-         '--port', str(self.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    self.server = Launched('tensorboard.main', '--logdir', root, '--host', '127.0.0.1',
+                           '--port', str(self.port), label='tensorboard')
+    self.process = self.server.process
 
   def post(self, route, body):
     request = urllib.request.Request(
@@ -355,19 +356,16 @@ def test_sigterm_stops_the_trial_cleanly_and_a_rerun_continues_it(tmp_path):
     return [*TINY, f'--gin_bindings=train.num_steps = {num_steps}',
             '--sweep=optimizer.learning_rate=[1e-3]', f'--model_dir={root}']
 
-  env = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
-  sweep = subprocess.Popen([sys.executable, '-m', 'launch.sweep', *command(400)],
-                           cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+  sweep = Launched('launch.sweep', *command(400), label='launch.sweep')
   trial_dir = os.path.join(root, 'learning_rate=0.001')
   log = os.path.join(trial_dir, sweep_lib.LOG_FILE)
   give_up = time.monotonic() + 300
   while not (os.path.exists(log) and re.search(r'step \d+/400', open(log).read())):
-    assert sweep.poll() is None and time.monotonic() < give_up, sweep.communicate()
+    assert sweep.process.poll() is None and time.monotonic() < give_up, sweep.output[-3000:]
     time.sleep(0.5)
-  sweep.send_signal(signal.SIGTERM)
-  stdout, stderr = sweep.communicate(timeout=300)
-  assert sweep.returncode == 4, stdout[-2000:] + stderr[-2000:]
+  sweep.process.send_signal(signal.SIGTERM)
+  output = sweep.finish(timeout=300)
+  assert sweep.process.returncode == 4, output[-3000:]
   assert sweep_lib.read_status(trial_dir)['status'] == 'INTERRUPTED'
   saved = re.search(r'Preempted by SIGTERM at step (\d+)', open(log).read())
   assert saved, open(log).read()[-3000:]
