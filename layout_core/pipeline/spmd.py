@@ -53,13 +53,13 @@ from layout_core.layout import fsdp
 from layout_core.layout import mesh as mesh_lib
 from layout_core.layout.stacked_keys import set_unstacked
 from layout_core.errors import ConfigError
-from layout_core.layout.scope import LayoutRecord
+from layout_core.layout.scope import LayoutRecord, initial_dtensor
 from layout_core.params import Params
 from layout_core.pipeline import schedule as schedule_lib
 from layout_core.pipeline.plan import (cell_slot, check_cell_count, check_identical_cells,
                                        check_stackable)
 from layout_core.layout.rules import UNSHARDED, LayoutRules
-from layout_core.layout.variables import dvariable, initial_value, path_seed
+from layout_core.layout.variables import Initializer, dvariable, initial_value, path_seed
 from layout_core.model.remat import rematerialized
 from layout_core.model.random import DropoutInputs
 from layout_core.model.weights import GatheredAtUse, Split, Weights, cast, waits_for
@@ -75,6 +75,19 @@ def stacked_path(stack_path: str, relative: str) -> str:
 
 
 # -- the stacked variables -----------------------------------------------------
+class _StackOf(Initializer):
+  """The initial values of `specs` (one variable of each cell, each from its own
+  path's seed), stacked and reshaped to the stacked variable's shape."""
+
+  def __init__(self, specs: Sequence, *, seed: int):
+    self.specs, self.seed = list(specs), seed
+
+  def __call__(self, shape, dtype, seed):
+    del seed  # each cell's variable draws from its own path's seed
+    stacked = tf.stack([initial_value(spec, self.seed) for spec in self.specs])
+    return tf.cast(tf.reshape(stacked, shape), dtype)
+
+
 class StackedCells(Module):
   """The stack's cells as stacked DVariables `[S, Q, *cell_shape]`.
 
@@ -132,15 +145,14 @@ class StackedCells(Module):
       order = [per_cell[by_slot[(s, q)]] for s in range(num_stages) for q in range(self.rows)]
       shape = (num_stages, self.rows) + tuple(template.shape)
 
-      def init(order=order, shape=shape):  # bound now, not traced as arguments
-        return lambda: tf.reshape(tf.stack([initial_value(spec, seed) for spec in order]),
-                                  shape)
-      # Built replicated, then sliced to the layout (a local slice per device):
-      # producing the stacked value straight into a stage-sharded layout fails
-      # in DTensor's SPMD expansion of tf.stack (TF 2.21, measured on {'stage': 2}).
-      value = dtensor.relayout(dtensor.call_with_layout(
-          tf.function(init(), autograph=False),
-          dtensor.Layout.replicated(mesh, len(shape))), layout)
+      # The cells' values computed once on the host, stacked, and each device
+      # given only its slice (`initial_dtensor`), as for an unstacked variable.
+      # A DTensor function per stacked variable, built replicated on every
+      # device and then relaid out, gave the same bits and cost tracing and
+      # compiling each one: a 4-layer stack of 12 variables on
+      # stage=2 x data=2 x model=2 built in 3.4 CPU-s, now 1.2.
+      value = initial_dtensor(_StackOf(order, seed=seed), shape=shape,
+                              dtype=template.dtype, layout=layout, seed=seed)
       path = stacked_path(self.path, relative)
       variable = dvariable(value, path=path, trainable=template.trainable)
       split = spec != use_spec
