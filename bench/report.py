@@ -305,6 +305,15 @@ def _import_gc(r: Results) -> Rendered:
           f"({in_ms(1000 * paused['later_collection_cpu'])}).", [])
 
 
+def _stream_open(r: Results) -> Rendered:
+  per_stream, shared = r['best']['traced per stream'], r['best']['shared']
+  return (f"A reader of 8 streams opens in {in_s(shared['open_cpu'])} of CPU with one "
+          f"pipeline traced for all of them, against {in_s(per_stream['open_cpu'])} traced "
+          f"per stream ({times(r['ratios']['open_per_stream_over_shared'])}); the first "
+          f"reader, which traces, {in_s(shared['first_open_cpu'])} against "
+          f"{in_s(per_stream['first_open_cpu'])}. Both read the same batches.", [])
+
+
 def _small_input(r: Results) -> Rendered:
   runs = {k: v for k, v in r.items() if isinstance(v, dict) and 'calls' in v}
   size = {k: int(k.split(' x ')[0]) for k in runs}
@@ -553,6 +562,8 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
         'import_gc.json': Section('The garbage collector and the import', 'Importing '
                                   'TensorFlow and DTensor, fresh processes in turns.',
                                   _import_gc),
+        'stream_open.json': Section("Opening a reader's streams", 'A corpus of 8 files '
+                                    'in 8 streams, fresh processes in turns.', _stream_open),
     },
     'Choosing a layout': {
         'suggest.json': Section('The suggester against every candidate', '`bench/suggest.py`: '

@@ -83,17 +83,18 @@ def classifier_trainer(mesh, directory, num_steps):
                                     eval_batches=1, log_every=1))
 
 
-def test_resume_from_a_checkpoint_reads_exactly_the_same_batches(tmp_path, mesh_2x4):
+def test_resume_from_a_checkpoint_reads_exactly_the_same_batches(tmp_path, mesh_2x2):
   # 48 training rows, batch 16: 3 steps per epoch, so the resumed half is a new epoch.
+  # About the batches, not the mesh's size: 'data' and 'model' split, on 4 devices.
   write_blobs(str(tmp_path / 'data'), num_train=48, num_eval=16, num_shards=2)
-  straight = classifier_trainer(mesh_2x4, str(tmp_path / 'data'), num_steps=6)
+  straight = classifier_trainer(mesh_2x2, str(tmp_path / 'data'), num_steps=6)
   straight.train()
 
-  first = classifier_trainer(mesh_2x4, str(tmp_path / 'data'), num_steps=3)
+  first = classifier_trainer(mesh_2x2, str(tmp_path / 'data'), num_steps=3)
   first.train()
   Checkpointer(directory=str(tmp_path / 'ckpt'), state=first.state(),
                config=CheckpointConfig()).save(3, reason='final')
-  resumed = classifier_trainer(mesh_2x4, str(tmp_path / 'data'), num_steps=6)  # files re-read
+  resumed = classifier_trainer(mesh_2x2, str(tmp_path / 'data'), num_steps=6)  # files re-read
   assert Checkpointer(directory=str(tmp_path / 'ckpt'), state=resumed.state(),
                       config=CheckpointConfig()).restore_latest() == 3
   resumed.train()

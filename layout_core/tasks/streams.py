@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import gc
+import itertools
 import math
 import os
 import weakref
@@ -175,6 +177,62 @@ def wrap_short_file(spec: StreamSpec, *,
   return spec
 
 
+# The streams whose pipelines are open, by token: a pipeline's Python steps (the
+# epoch's file order, how far ahead it may run) look their stream up here, so
+# one traced pipeline serves every stream of a task (`_pipeline_factory`).
+_OPEN_STREAMS: 'weakref.WeakValueDictionary[int, RecordStream]' = weakref.WeakValueDictionary()
+_TOKENS = itertools.count(1)
+
+
+def _epoch_files(token: tf.Tensor, epoch: tf.Tensor) -> tf.Tensor:
+  return tf.constant(_OPEN_STREAMS[int(token)].epoch_files(int(epoch)))
+
+
+def _close_enough(token: tf.Tensor, epoch: tf.Tensor) -> bool:
+  """Epochs run ahead of the reader only by what tf.data prefetches (false:
+  the stream holds no records, or its reader is gone)."""
+  stream = _OPEN_STREAMS.get(int(token))
+  return stream is not None and int(epoch) <= stream.last_epoch + _EPOCHS_AHEAD
+
+
+@functools.lru_cache(maxsize=16)
+def _pipeline_factory(records: Callable, parse: Callable, window: int) -> Callable:
+  """A tf.function (token, first epoch, first window, every, offset) -> the
+  dataset of a stream's (epoch, window number, parsed window), from `first
+  epoch` on, starting at window `first window`; each epoch's files in the
+  stream's order for it, read through `records`, every `every`-th record from
+  `offset`, `window` at a time.
+
+  Traced once per (records, parse, window), not once per stream each time it
+  opens: a stream's tf.data functions took most of its opening (8 streams of
+  a corpus opened in 1.9 CPU-s, now 0.8: bench/stream_open.py)."""
+  parse = tf.function(parse, input_signature=[tf.TensorSpec([None], tf.string)])
+  scalar = tf.TensorSpec([], tf.int64)
+
+  @tf.function(input_signature=[scalar] * 5, autograph=False)
+  def make(token, first_epoch, first_window, every, offset):
+    def files_of(epoch):  # the epoch's file order, drawn in Python (epoch_files)
+      files = tf.py_function(_epoch_files, [token, epoch], tf.string)
+      files.set_shape([None])
+      return epoch, files
+
+    def windows_of(epoch, files):
+      skipped = tf.where(tf.equal(epoch, first_epoch), first_window, np.int64(0))
+      windows = records(files).shard(every, offset).skip(skipped * window)
+      return windows.batch(window).enumerate().map(
+          lambda number, rows: (epoch, number + skipped, rows))
+
+    def close_enough(epoch):
+      return tf.py_function(_close_enough, [token, epoch], tf.bool)
+
+    pipeline = tf.data.Dataset.range(first_epoch, 2**62).take_while(close_enough)
+    pipeline = pipeline.map(files_of).flat_map(windows_of).map(
+        lambda epoch, number, rows: (epoch, number, parse(rows)),
+        num_parallel_calls=PARSE_THREADS, deterministic=True)
+    return without_autotune(pipeline.prefetch(2))
+  return make
+
+
 class RecordStream:
   """The records of one stream, parsed, epoch after epoch (see module docstring).
 
@@ -188,10 +246,10 @@ class RecordStream:
                records: Callable[[tf.Tensor], 'tf.data.Dataset'] = tfrecord_files):
     self.spec, self.parse, self.seed, self.stream_id = spec, parse, seed, stream_id
     self.records = records
-    # Traced once, not once per epoch's pipeline.
-    self._parse = tf.function(parse, input_signature=[tf.TensorSpec([None], tf.string)])
     self.window = max(1, window)
+    self._token = next(_TOKENS)  # how its pipeline's Python steps find it (`_OPEN_STREAMS`)
     self.epoch, self.index = position
+    self.last_epoch = self.epoch         # the epoch of the last window loaded
     self._buffer: Window | None = None   # the current window, permuted
     self._buffer_start = 0               # its first record's index in the epoch
     self._iterator = None
@@ -207,34 +265,18 @@ class RecordStream:
 
   def _open(self) -> None:
     """One tf.data pipeline from the current epoch on, starting at the window
-    that holds `index`; windows never straddle epochs."""
-    first_epoch, first_window, size = self.epoch, self.index // self.window, self.window
-    self._last_epoch = first_epoch
-
-    def files_of(epoch):  # the epoch's file order, drawn in Python (epoch_files)
-      files = tf.py_function(lambda e: tf.constant(self.epoch_files(int(e))), [epoch], tf.string)
-      files.set_shape([None])
-      return epoch, files
-
-    def close_enough(epoch):  # epochs run ahead of the reader only by what tf.data prefetches
-      return tf.py_function(lambda e: bool(e <= self._last_epoch + _EPOCHS_AHEAD),
-                            [epoch], tf.bool)  # false: the stream holds no records
-
-    def windows_of(epoch, files):
-      records = self.records(files)
-      if self.spec.every > 1:
-        records = records.shard(self.spec.every, self.spec.offset)
-      skipped = tf.where(tf.equal(epoch, first_epoch), np.int64(first_window), np.int64(0))
-      windows = records.skip(skipped * size).batch(size).enumerate()
-      return windows.map(lambda number, window: (epoch, number + skipped, window))
-
+    that holds `index`; windows never straddle epochs (`_pipeline_factory`)."""
+    first_epoch, first_window = self.epoch, self.index // self.window
+    self.last_epoch = first_epoch
+    _OPEN_STREAMS[self._token] = self
     logging.vlog(1, 'stream %d opens at epoch %d window %d: %s', self.stream_id, first_epoch,
                  first_window, list(self.spec.files))
-    pipeline = tf.data.Dataset.range(first_epoch, 2**62).take_while(close_enough).map(files_of)
-    pipeline = pipeline.flat_map(windows_of).map(
-        lambda epoch, number, window: (epoch, number, self._parse(window)),
-        num_parallel_calls=PARSE_THREADS, deterministic=True)
-    self._iterator = DataIterator(without_autotune(pipeline.prefetch(2)))
+    try:
+      make = _pipeline_factory(self.records, self.parse, self.window)
+    except TypeError:  # an unhashable parse (a callable object with __eq__): its own
+      make = _pipeline_factory.__wrapped__(self.records, self.parse, self.window)
+    self._iterator = DataIterator(make(*(np.int64(v) for v in (
+        self._token, first_epoch, first_window, self.spec.every, self.spec.offset))))
     self._buffer = None
 
   def _next_window(self) -> None:
@@ -253,7 +295,7 @@ class RecordStream:
     epoch, number = int(epoch), int(number)
     if epoch != self.epoch:  # the previous epoch is used up
       self.epoch, self.index = epoch, 0
-    self._last_epoch = epoch
+    self.last_epoch = epoch
     window = {name: _to_numpy(value) for name, value in window.items()}
     count = len(next(iter(window.values())))
     order = np.random.default_rng([self.seed, self.stream_id, epoch, number + 1]).permutation(count)
