@@ -205,7 +205,7 @@ def _pipeline_factory(records: Callable, parse: Callable, window: int) -> Callab
 
   Traced once per (records, parse, window), not once per stream each time it
   opens: a stream's tf.data functions took most of its opening (8 streams of
-  a corpus opened in 1.9 CPU-s, now 0.8: bench/stream_open.py)."""
+  a corpus opened in 1.8 CPU-s, now 0.9: bench/stream_open.py)."""
   parse = tf.function(parse, input_signature=[tf.TensorSpec([None], tf.string)])
   scalar = tf.TensorSpec([], tf.int64)
 
