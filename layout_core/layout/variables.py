@@ -25,7 +25,7 @@ import dataclasses
 import logging as logging_std
 import math
 import zlib
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 from layout_core.lazy import tf, dtensor
@@ -186,6 +186,19 @@ def path_seed(path: str, seed: int) -> int:
 def initial_value(spec: VariableSpec, seed: int) -> tf.Tensor:
   return spec.initializer(spec.shape, tf.as_dtype(spec.dtype),
                           path_seed(spec.path, seed))
+
+
+class StackedValues(Initializer):
+  """The initial values of `specs` (variables alike, each drawn from its own
+  path's seed), stacked and reshaped to the stacked variable's shape: the SPMD
+  pipeline's stacked cells, through `initial_dtensor` like any variable."""
+
+  def __init__(self, specs: Sequence[VariableSpec], *, seed: int):
+    self.specs, self.seed = list(specs), seed
+
+  def __call__(self, shape, dtype, seed):
+    del dtype, seed  # the specs' own dtype, and each one's own path's seed
+    return tf.reshape(tf.stack([initial_value(spec, self.seed) for spec in self.specs]), shape)
 
 
 Creator = Callable[[VariableSpec], 'tf.Variable']

@@ -59,7 +59,7 @@ from layout_core.pipeline import schedule as schedule_lib
 from layout_core.pipeline.plan import (cell_slot, check_cell_count, check_identical_cells,
                                        check_stackable)
 from layout_core.layout.rules import UNSHARDED, LayoutRules
-from layout_core.layout.variables import Initializer, dvariable, initial_value, path_seed
+from layout_core.layout.variables import StackedValues, dvariable, path_seed
 from layout_core.model.remat import rematerialized
 from layout_core.model.random import DropoutInputs
 from layout_core.model.weights import GatheredAtUse, Split, Weights, cast, waits_for
@@ -75,19 +75,6 @@ def stacked_path(stack_path: str, relative: str) -> str:
 
 
 # -- the stacked variables -----------------------------------------------------
-class _StackOf(Initializer):
-  """The initial values of `specs` (one variable of each cell, each from its own
-  path's seed), stacked and reshaped to the stacked variable's shape."""
-
-  def __init__(self, specs: Sequence, *, seed: int):
-    self.specs, self.seed = list(specs), seed
-
-  def __call__(self, shape, dtype, seed):
-    del seed  # each cell's variable draws from its own path's seed
-    stacked = tf.stack([initial_value(spec, self.seed) for spec in self.specs])
-    return tf.cast(tf.reshape(stacked, shape), dtype)
-
-
 class StackedCells(Module):
   """The stack's cells as stacked DVariables `[S, Q, *cell_shape]`.
 
@@ -151,7 +138,7 @@ class StackedCells(Module):
       # device and then relaid out, gave the same bits and cost tracing and
       # compiling each one: a 4-layer stack of 12 variables on
       # stage=2 x data=2 x model=2 built in 3.4 CPU-s, now 1.2.
-      value = initial_dtensor(_StackOf(order, seed=seed), shape=shape,
+      value = initial_dtensor(StackedValues(order, seed=seed), shape=shape,
                               dtype=template.dtype, layout=layout, seed=seed)
       path = stacked_path(self.path, relative)
       variable = dvariable(value, path=path, trainable=template.trainable)
