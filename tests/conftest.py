@@ -288,8 +288,10 @@ class Launched:
     except subprocess.TimeoutExpired:
       self.process.send_signal(signal.SIGUSR2)
       time.sleep(3)
-      raise AssertionError(f'{self.label} still running {timeout} s on:\n'
-                           f'{self.output[-6000:]}') from None
+      signals = [line for line in self.lines if re.search(
+          r'SIG[A-Z0-9]+ received|Preempted|Current thread|Fatal Python', line)]
+      raise AssertionError(f'{self.label} still running {timeout} s on; its lines about '
+                           f'signals: {signals[:20]}\n{self.output[-6000:]}') from None
     self._reader.join(10)
     return self.output
 

@@ -56,10 +56,13 @@ class PreemptionWatcher:
       if self._holding:
         return  # `uninterrupted`: raised when its block ends
       raise Interrupted(self.signal_name)
-    if not self.requested:
-      logging.warning('%s received: finishing the current step, then saving and '
-                      'exiting', self.signal_name)
-    self.requested = True
+    first, self.requested = not self.requested, True  # the flag before any I/O
+    if first:
+      try:
+        logging.warning('%s received: finishing the current step, then saving and '
+                        'exiting', self.signal_name)
+      except Exception:  # pylint: disable=broad-except
+        pass  # a note only: whatever the interrupted code was doing, the stop stands
 
   def reinstall(self) -> None:
     """Takes the signals back: TensorFlow installs its own SIGTERM handler when
