@@ -150,6 +150,11 @@ def _bf16_range(r: Results) -> str:
   return f'{min(ups):.2f}-{max(ups):.2f}x'
 
 
+def _einsum_slowdown(r: Results) -> str:
+  slower = [row['bf16_einsum_over_matmul'] for row in r['rows']]
+  return f'{min(slower):.1f}-{max(slower):.1f}x'
+
+
 def _first_step(name: str) -> Callable[[Results], str]:
   return lambda r: in_s(r['best'][name]['first_step'][0])
 
@@ -272,6 +277,7 @@ FIGURES: dict[str, Figure] = {
     'bf16.speedup': Figure('bf16_matmul.json', _bf16_range, quoted=False,
                            what='bf16 MatMul speed, oneDNN on, no XLA, 2 threads',
                            against=lambda r: 'float32 (sizes 512 to 2048)'),
+    'bf16_einsum.slowdown': Figure('bf16_einsum.json', _einsum_slowdown),
     'layouts.speedup': Figure('layout_resolution.json', lambda r: f"{r['speedup']:.1f}x",
                               quoted=False, what="meshgin's layout rule resolver (speed)",
                               against=lambda r: 'a per-rule `re.fullmatch` loop'),

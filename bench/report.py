@@ -182,6 +182,16 @@ def _bf16_matmul(r: Results) -> Rendered:
       lambda row: times(row['bf16_speedup']), 'bf16 speed / float32; size')
 
 
+def _bf16_einsum(r: Results) -> Rendered:
+  def spread(key: str) -> str:
+    values = [row[key] for row in r['rows']]
+    return f'{min(values):.1f}-{max(values):.1f}x'
+  return (f"A bf16 einsum took {figure('bf16_einsum.slowdown', r)} as long as the same "
+          f"projection as a bf16 matmul, and {spread('bf16_einsum_over_float32')} as long as "
+          'a float32 einsum, in every setting (oneDNN on or off, 1 or 2 threads, both '
+          'shapes).', [])
+
+
 def _memory(r: Results) -> Rendered:
   shows = (f"In {figure('memory.budget', r)}, bf16 + remat + FSDP trains "
            f"{figure('memory.largest_width', r)}, {figure('memory.largest_params', r)} "
@@ -529,6 +539,8 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
                                   '`train.fsdp = True` against the default.', _step_fsdp),
         'bf16_matmul.json': Section('bfloat16 matmuls', 'Square MatMuls, bf16 against float32.',
                                     _bf16_matmul),
+        'bf16_einsum.json': Section('bfloat16 einsums', 'x[b, t, d] @ w[d, f] forward and '
+                                    'backward, einsum against matmul.', _bf16_einsum),
     },
     'Memory': {
         'memory.json': Section('The largest model in a memory budget', 'Peak host memory of '

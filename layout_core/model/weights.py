@@ -38,17 +38,18 @@ from layout_core.step_context import StepContext, current
 
 
 def dense(x: tf.Tensor, w: tf.Tensor, *, lead: str = '') -> tf.Tensor:
-  """x[..., d] @ w[d, f]: a matmul, broadcast over x's leading dimensions,
-  not an einsum: on CPU TensorFlow's einsum kernel took 2x as long as a
-  matmul at [16, 1024] x [1024, 1024] (forward + backward), and in bfloat16
-  about 9x (`bench/bf16_einsum_limit.py`). With lead 's': per slot,
-  x[s, ..., d] @ w[s, d, f], an einsum with explicit letters.
+  """x[..., d] @ w[d, f]: a matmul for 2-D x (on CPU the einsum kernel's
+  forward + backward took 2x as long at [16, 1024] x [1024, 1024]), else an
+  einsum with explicit letters (DTensor's einsum has no '...' broadcasting).
+  With lead 's': per slot, x[s, ..., d] @ w[s, d, f].
 
   A layer's `fprop` uses it for its weights: `dense(x, self.weight('w'))`.
   """
   if lead:
     return tf.einsum(fsdp.lead_equation(dense_equation(x.shape.rank - len(lead)), lead), x, w)
-  return tf.matmul(x, w)
+  if x.shape.rank == 2:
+    return tf.matmul(x, w)
+  return tf.einsum(dense_equation(x.shape.rank), x, w)
 
 
 def dense_equation(rank: int) -> str:
