@@ -37,7 +37,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(REPO_ROOT, 'docs', 'performance.md')
 RESULT_FILES = sorted(glob.glob(os.path.join(report.RESULTS, '*.json')))
 
-BENCH_SCRIPT = re.compile(r'bench[/.]([a-z_]+)')  # bench/step.py, python -m bench.step
+BENCH_SCRIPT = re.compile(r'bench[/.]([a-z0-9_]+)')  # bench/step.py, python -m bench.step
 RESULTS_LINK = re.compile(r'(?:performance|limits-measured|benchmarks)\.md')
 # A figure: a number with a unit, a ratio written 1.23x, or a fraction 0.61.
 FIGURE_TEXT = re.compile(
