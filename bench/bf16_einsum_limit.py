@@ -70,7 +70,8 @@ def main() -> None:
   args = parser.parse_args()
   results = []
   print(f'{"oneDNN":>6s} {"threads":>7s} {"b, t, d, f":>18s} {"f32 einsum":>10s} '
-        f'{"f32 matmul":>10s} {"bf16 einsum":>11s} {"bf16 matmul":>11s} {"einsum/matmul bf16":>18s}')
+        f'{"f32 matmul":>10s} {"bf16 einsum":>11s} {"bf16 matmul":>11s} '
+        f'{"einsum/matmul bf16":>18s}')
   for onednn in ('1', '0'):
     for threads in (0, 1):
       rows = run_child(_CHILD, str(threads), ';'.join(SHAPES),
