@@ -150,9 +150,10 @@ def _bf16_range(r: Results) -> str:
   return f'{min(ups):.2f}-{max(ups):.2f}x'
 
 
-def _einsum_slowdown(r: Results) -> str:
-  slower = [row['bf16_einsum_over_matmul'] for row in r['rows']]
-  return f'{min(slower):.1f}-{max(slower):.1f}x'
+def row_spread(r: Results, key: str) -> str:
+  """The range of `key` over a results file's rows, as ratios: '5.7-7.7x'."""
+  values = [row[key] for row in r['rows']]
+  return f'{min(values):.1f}-{max(values):.1f}x'
 
 
 def _first_step(name: str) -> Callable[[Results], str]:
@@ -277,7 +278,8 @@ FIGURES: dict[str, Figure] = {
     'bf16.speedup': Figure('bf16_matmul.json', _bf16_range, quoted=False,
                            what='bf16 MatMul speed, oneDNN on, no XLA, 2 threads',
                            against=lambda r: 'float32 (sizes 512 to 2048)'),
-    'bf16_einsum.slowdown': Figure('bf16_einsum.json', _einsum_slowdown),
+    'bf16_einsum.slowdown': Figure('bf16_einsum.json',
+                                   lambda r: row_spread(r, 'bf16_einsum_over_matmul')),
     'layouts.speedup': Figure('layout_resolution.json', lambda r: f"{r['speedup']:.1f}x",
                               quoted=False, what="meshgin's layout rule resolver (speed)",
                               against=lambda r: 'a per-rule `re.fullmatch` loop'),

@@ -26,7 +26,7 @@ import re
 from typing import Any, Callable
 
 from bench.figures import (CLOCKS, FIGURES, Results, figure, in_bytes, in_millions, in_ms, in_s,
-                           outcome, times)
+                           outcome, row_spread, times)
 from bench.report_layouts import (accumulation_section, calibration_section,
                                   spmd_repeats_section, suggest_section)
 
@@ -183,13 +183,10 @@ def _bf16_matmul(r: Results) -> Rendered:
 
 
 def _bf16_einsum(r: Results) -> Rendered:
-  def spread(key: str) -> str:
-    values = [row[key] for row in r['rows']]
-    return f'{min(values):.1f}-{max(values):.1f}x'
   return (f"A bf16 einsum took {figure('bf16_einsum.slowdown', r)} as long as the same "
-          f"projection as a bf16 matmul, and {spread('bf16_einsum_over_float32')} as long as "
-          'a float32 einsum, in every setting (oneDNN on or off, 1 or 2 threads, both '
-          'shapes).', [])
+          f"projection as a bf16 matmul, and {row_spread(r, 'bf16_einsum_over_float32')} as "
+          'long as a float32 einsum, in every setting (oneDNN on or off, 1 or 2 threads, '
+          'both shapes).', [])
 
 
 def _memory(r: Results) -> Rendered:

@@ -56,13 +56,11 @@ class PreemptionWatcher:
       if self._holding:
         return  # `uninterrupted`: raised when its block ends
       raise Interrupted(self.signal_name)
-    first, self.requested = not self.requested, True  # the flag before any I/O
+    first = not self.requested
+    self.requested = True  # before any I/O: the stop stands whatever the note does
     if first:
-      try:
-        logging.warning('%s received: finishing the current step, then saving and '
-                        'exiting', self.signal_name)
-      except Exception:  # pylint: disable=broad-except
-        pass  # a note only: whatever the interrupted code was doing, the stop stands
+      logging.warning('%s received: finishing the current step, then saving and '
+                      'exiting', self.signal_name)
 
   def reinstall(self) -> None:
     """Takes the signals back: TensorFlow installs its own SIGTERM handler when
