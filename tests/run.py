@@ -8,7 +8,8 @@ cut into two shards of about equal measured time and run at once, each with
 its own temporary directory. Each shard's report is printed whole
 when it ends, then where the CPU time went (tests/cpu_ledger.py: the
 costliest test files and launched runs) and the total CPU seconds of every
-process the suite ran; the exit status is the worse of the two. With
+process the suite ran; the exit status is the worse of the two (a shard
+killed by a signal fails it: `exit_status`). With
 MESHGIN_TEST_CPU_SAVE=FILE the whole ledger (every test file and run) is
 also written to FILE, to compare two runs. Given test paths, it is plain
 pytest on those paths.
@@ -68,6 +69,16 @@ def shards(files: list[str], count: int) -> list[list[str]]:
   return [sorted(shard) for shard in cut if shard]
 
 
+def exit_status(returncode: int) -> int:
+  """A shard's part in the suite's exit status: pytest's own, except 5 (no
+  tests collected, e.g. a -m that leaves a shard empty), which is no failure;
+  a shard killed by a signal (Popen's -N: the OOM killer's SIGKILL, a
+  SIGTERM) fails the suite as a shell reports it, 128 + N."""
+  if returncode < 0:
+    return 128 - returncode
+  return 0 if returncode == 5 else returncode
+
+
 def main(args: list[str]) -> int:
   pytest = [sys.executable, '-m', 'pytest']
   if any(not a.startswith('-') and os.path.exists(a.split('::')[0]) for a in args):
@@ -97,8 +108,7 @@ def main(args: list[str]) -> int:
         sys.stdout.write(log.read())
         sys.stdout.flush()
         log.close()
-        # pytest's 5 (no tests collected, e.g. a -m that leaves a shard empty) is no failure
-        worst = max(worst, 0 if process.returncode == 5 else process.returncode)
+        worst = max(worst, exit_status(process.returncode))
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process waited for, below
     found = []
     for path in ledgers:

@@ -45,6 +45,20 @@ def test_every_file_runs_once_in_shards_of_about_equal_time():
   assert best_longer_shard([3, 3, 2, 2, 2]) == 6 and best_longer_shard([5, 1, 1]) == 5
 
 
+def test_a_shard_killed_by_a_signal_fails_the_suite():
+  """A shard's exit status as the suite counts it, from real processes: a
+  pytest killed mid-run (Popen's returncode -9, below the other shard's 0)
+  fails the suite, which would otherwise pass without the shard's tests."""
+  def ended(code: str) -> int:
+    return subprocess.run([sys.executable, '-c', code], check=False).returncode
+  killed = ended('import os, signal; os.kill(os.getpid(), signal.SIGKILL)')
+  assert killed == -signal.SIGKILL
+  assert run.exit_status(killed) == 128 + signal.SIGKILL
+  assert run.exit_status(ended('raise SystemExit(1)')) == 1
+  assert run.exit_status(ended('raise SystemExit(5)')) == 0  # pytest: nothing collected
+  assert run.exit_status(ended('pass')) == 0
+
+
 def test_the_figures_name_only_files_that_exist():
   assert all(os.path.isfile(os.path.join(run.TESTS, name)) for name in run.SECONDS)
 
