@@ -29,6 +29,8 @@ import time
 
 from absl import app, flags
 
+from plugins.run_status import shell_status
+
 
 NUM_CLIENTS = flags.DEFINE_integer('num_clients', 2, 'Clients to start.')
 DEVICES_PER_CLIENT = flags.DEFINE_integer(
@@ -59,10 +61,6 @@ def free_ports(count: int) -> list[int]:
   if len({len(str(p)) for p in ports}) > 1:  # mixed digit counts: try again
     return free_ports(count)
   return sorted(ports)
-
-
-def exit_status(code: int) -> int:
-  return 128 - code if code < 0 else code
 
 
 class LocalCluster:
@@ -121,7 +119,7 @@ class LocalCluster:
       time.sleep(0.2)
     for pump in self.pumps:
       pump.join(timeout=5)
-    codes = [exit_status(p.returncode) for p in self.processes]
+    codes = [shell_status(p.returncode) for p in self.processes]
     print(f'[cluster] exit status per client: {codes}', flush=True)
     return max(codes)
 

@@ -74,6 +74,12 @@ _TF_NOISE = re.compile(r'\{\{function_node [^}]*\}\}|\[\[\{\{node [^}]*\}\}\]\]'
                        r'|\[Op:[^\]]*\](?: name:)?')
 
 
+def shell_status(returncode: int) -> int:
+  """A child's Popen returncode as a shell reports it: killed by signal N
+  (-N) is 128 + N, anything else itself."""
+  return 128 - returncode if returncode < 0 else returncode
+
+
 def one_line(text: str) -> str:
   """The first non-empty line of an error's text, without the function and
   node names TensorFlow adds to it (they name generated graphs, and bury the

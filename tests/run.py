@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 
+from plugins.run_status import shell_status
 from tests import cpu_ledger
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -74,9 +75,7 @@ def exit_status(returncode: int) -> int:
   tests collected, e.g. a -m that leaves a shard empty), which is no failure;
   a shard killed by a signal (Popen's -N: the OOM killer's SIGKILL, a
   SIGTERM) fails the suite as a shell reports it, 128 + N."""
-  if returncode < 0:
-    return 128 - returncode
-  return 0 if returncode == 5 else returncode
+  return 0 if returncode == 5 else shell_status(returncode)
 
 
 def main(args: list[str]) -> int:
