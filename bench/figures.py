@@ -283,6 +283,10 @@ FIGURES: dict[str, Figure] = {
     'layouts.speedup': Figure('layout_resolution.json', lambda r: f"{r['speedup']:.1f}x",
                               quoted=False, what="meshgin's layout rule resolver (speed)",
                               against=lambda r: 'a per-rule `re.fullmatch` loop'),
+    'allocator.cpu': Figure(
+        'allocator.json', lambda r: times(r['ratios']['cpu_glibc_over_jemalloc']),
+        what="a fresh quickstart run's CPU seconds (100 steps) with glibc's malloc",
+        against=lambda r: 'the same run with jemalloc preloaded'),
     'input.ratio': Figure('input.json', lambda r: times(r['ratio']), quoted=False,
                           what="meshgin's record reader (examples/s)",
                           against=lambda r: 'a bare `tf.data` read of the same files'),

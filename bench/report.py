@@ -321,6 +321,17 @@ def _stream_open(r: Results) -> Rendered:
           f"{in_s(per_stream['first_open_cpu'])}. Both read the same batches.", [])
 
 
+def _allocator(r: Results) -> Rendered:
+  glibc, jemalloc = r['best']['glibc malloc'], r['best']['jemalloc']
+  same = 'equal bit for bit' if r['same_losses'] else 'DIFFERENT'
+  return (f"With glibc's malloc a run takes {in_s(glibc['cpu_s'])} of CPU, with jemalloc "
+          f"preloaded {in_s(jemalloc['cpu_s'])} ({times(r['ratios']['cpu_glibc_over_jemalloc'])})"
+          f"; {in_s(glibc['wall_s'])} of wall time against {in_s(jemalloc['wall_s'])}, "
+          f"{glibc['steps_per_s']:.1f} steps/s against {jemalloc['steps_per_s']:.1f}, a peak of "
+          f"{glibc['peak_rss_mb']:.0f} MB against {jemalloc['peak_rss_mb']:.0f}; the "
+          f"{r['losses_compared']} recorded losses {same}.", [])
+
+
 def _small_input(r: Results) -> Rendered:
   runs = {k: v for k, v in r.items() if isinstance(v, dict) and 'calls' in v}
   size = {k: int(k.split(' x ')[0]) for k in runs}
@@ -573,6 +584,8 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
                                   _import_gc),
         'stream_open.json': Section("Opening a reader's streams", 'A corpus of 8 files '
                                     'in 8 streams, fresh processes in turns.', _stream_open),
+        'allocator.json': Section('The C allocator', "The quickstart's `launch.train`, 100 "
+                                  'steps, fresh processes in turns.', _allocator),
     },
     'Choosing a layout': {
         'suggest.json': Section('The suggester against every candidate', '`bench/suggest.py`: '

@@ -517,7 +517,7 @@ def test_an_fsdp_run_shows_where_each_slice_is_stored_and_the_layout_at_use(boar
       (f'{8 * k}:{8 * k + 8}, 0:4, 0:16', '1') for k in range(8)]
 
 
-def test_ci_runs_the_readme_test_command_which_brings_chromium_and_slurm():
+def test_ci_runs_the_readme_test_command_which_brings_chromium_slurm_and_jemalloc():
   with open(os.path.join(REPO_ROOT, 'README.md')) as f:
     readme = f.read()
   command = re.search(r'\*\*2\. Test\*\*.*?```sh\n(.*?)\n```', readme, re.S).group(1)
@@ -525,4 +525,5 @@ def test_ci_runs_the_readme_test_command_which_brings_chromium_and_slurm():
     assert f.read().rstrip('\n').splitlines()[-1] == command
   install = command.split(' && python3 -m venv')[0]
   assert install.startswith('(command -v chromium >/dev/null && command -v slurmctld')
-  assert 'apt-get install -y -qq chromium slurm-wlm munge' in install
+  assert 'apt-get install -y -qq chromium slurm-wlm munge libjemalloc2' in install
+  assert 'ldconfig -p | grep libjemalloc >/dev/null ||' in install  # installed when it is missing

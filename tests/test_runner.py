@@ -59,6 +59,30 @@ def test_a_shard_killed_by_a_signal_fails_the_suite():
   assert run.exit_status(ended('pass')) == 0
 
 
+def test_the_shards_and_their_runs_allocate_with_jemalloc():
+  """What tests.run gives the shards loads jemalloc into a real process and
+  into the processes it starts (the launched runs), keeps a preload already
+  set, and is not added twice. README command 2 installs libjemalloc2: this
+  fails where it is missing, naming it."""
+  env = run.with_jemalloc({'PATH': os.environ['PATH']})
+  assert 'jemalloc' in env.get('LD_PRELOAD', ''), (
+      'no libjemalloc: apt-get install libjemalloc2 (README command 2 does)')
+  show_maps = "print(open('/proc/self/maps').read())"
+  parent_and_child = (f'import subprocess, sys; {show_maps}; print("CHILD", flush=True); '
+                      f'subprocess.run([sys.executable, "-c", {show_maps!r}])')
+  shown = subprocess.run([sys.executable, '-c', parent_and_child], env=env, capture_output=True,
+                         text=True, check=True).stdout
+  own, child = shown.split('CHILD')
+  assert 'libjemalloc' in own and 'libjemalloc' in child
+  plain = subprocess.run([sys.executable, '-c', show_maps],
+                         env={'PATH': os.environ['PATH']}, capture_output=True, text=True,
+                         check=True).stdout
+  assert 'libjemalloc' not in plain  # the control: a process without the preload
+  assert run.with_jemalloc(env) == env
+  kept = run.with_jemalloc({'LD_PRELOAD': 'libfoo.so'})['LD_PRELOAD'].split()
+  assert kept[1:] == ['libfoo.so'] and 'jemalloc' in kept[0]
+
+
 def test_the_figures_name_only_files_that_exist():
   assert all(os.path.isfile(os.path.join(run.TESTS, name)) for name in run.SECONDS)
 
