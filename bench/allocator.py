@@ -36,7 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import RESULTS, write_json  # noqa: E402
+from bench.common import RESULTS, read_tensors, write_json  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONTENDERS = ('glibc malloc', 'jemalloc')
@@ -45,18 +45,12 @@ KEYS = ('cpu_s', 'wall_s', 'peak_rss_mb')
 
 def losses(model_dir: str) -> dict[str, list[str]]:
   """Every loss scalar the run recorded, as exact reprs, by tag."""
-  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=import-outside-toplevel
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   found = {}
   for root, _, names in os.walk(model_dir):
-    if not any(n.startswith('events.out.tfevents') for n in names):
-      continue
-    acc = event_accumulator.EventAccumulator(root, size_guidance={event_accumulator.TENSORS: 0})
-    acc.Reload()
-    for tag in acc.Tags()['tensors']:
-      if 'loss' in tag:
-        found[f'{os.path.relpath(root, model_dir)}/{tag}'] = [
-            repr(tf.make_ndarray(e.tensor_proto).item()) for e in acc.Tensors(tag)]
+    if any(n.startswith('events.out.tfevents') for n in names):
+      for tag, events in read_tensors(root).items():
+        if 'loss' in tag:
+          found[f'{os.path.relpath(root, model_dir)}/{tag}'] = [repr(v.item()) for _, v in events]
   return found
 
 

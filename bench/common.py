@@ -86,6 +86,17 @@ def read_trace(logdir: str):
   return space
 
 
+def read_tensors(logdir: str) -> dict:
+  """{tag: [(step, value as a numpy array)]} of the TensorBoard event files
+  directly in `logdir` (summaries written by tf.summary are tensors)."""
+  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  acc = event_accumulator.EventAccumulator(logdir, size_guidance={event_accumulator.TENSORS: 0})
+  acc.Reload()
+  return {tag: [(e.step, tf.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)]
+          for tag in acc.Tags()['tensors']}
+
+
 def write_json(results: Any, path: str) -> None:
   """Writes `results` as JSON (a list: as {'rows': results}), with what it
   lacks of 'date', 'commit', 'machine' (`provenance`) and 'command' (the

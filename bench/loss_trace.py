@@ -26,6 +26,9 @@ import subprocess
 import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from bench.common import read_tensors  # noqa: E402
 
 # name -> (gin files, extra flags)
 CONFIGS = {
@@ -54,12 +57,7 @@ def _train(name: str, model_dir: str, steps: int) -> subprocess.CompletedProcess
 
 
 def _losses(model_dir: str) -> dict[int, float]:
-  from tensorboard.backend.event_processing import event_accumulator
-  import tensorflow as tf
-  acc = event_accumulator.EventAccumulator(model_dir,
-                                           size_guidance={event_accumulator.TENSORS: 0})
-  acc.Reload()
-  return {e.step: float(tf.make_ndarray(e.tensor_proto)) for e in acc.Tensors('train/loss')}
+  return {step: float(value) for step, value in read_tensors(model_dir)['train/loss']}
 
 
 def record(args) -> None:

@@ -105,8 +105,9 @@ def main(args: list[str]) -> int:
     return subprocess.call(pytest + args, cwd=REPO, env=environ)
   files = [os.path.relpath(f, REPO) for f in glob.glob(os.path.join(TESTS, 'test_*.py'))]
   began = time.monotonic()
-  print('allocator: ' + (f"jemalloc ({environ['LD_PRELOAD']})" if 'jemalloc' in environ.get(
-      'LD_PRELOAD', '') else "glibc's malloc (apt-get install libjemalloc2: an eighth less CPU)"),
+  preloaded = environ.get('LD_PRELOAD', '')
+  print('allocator: ' + (f'jemalloc ({preloaded})' if 'jemalloc' in preloaded else
+                         "glibc's malloc (apt-get install libjemalloc2: an eighth less CPU)"),
         flush=True)
   with tempfile.TemporaryDirectory(prefix='meshgin-tests-') as scratch:
     running = []
