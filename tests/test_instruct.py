@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from layout_core.errors import ConfigError
 from layout_core.tasks.instruct import InstructionTask, example_counts
+from layout_core.tasks.objective import finish
 
 
 def write_lines(path, lines):
@@ -78,8 +79,8 @@ def test_loss_counts_exactly_the_response_targets(tmp_path):
   logits_tensor = tf.constant(logits)
   with tf.GradientTape() as tape:
     tape.watch(logits_tensor)
-    loss, metrics = task.loss_and_metrics(
-        logits_tensor, {k: tf.constant(v) for k, v in batch.items()})
+    loss, metrics = finish(task.loss_and_metrics(
+        logits_tensor, {k: tf.constant(v) for k, v in batch.items()}))
   np.testing.assert_allclose(float(loss), np.mean(losses), rtol=1e-5)
   np.testing.assert_allclose(float(metrics['accuracy']), np.mean(correct), atol=1e-6)
   assert float(metrics['tokens_trained']) == len(losses)

@@ -22,9 +22,11 @@ loop, and take the plan made at config time (nothing is planned twice):
   and backward are one compiled function over the whole mesh, the update
   another, as for any `SingleProgramEngine`.
 
-Both report the task's loss and metrics as the mean over micro-batches (all of
-equal size, so the batch's: `micro_steps.share` / `sum_shares`), accumulate
-gradients with `micro_steps.MicroSteps` like every engine, and keep the plain
+Both add their micro-batches' loss and metric sums (the trained tokens'
+losses and their count: `layout_core.tasks.objective`) and divide once, so
+the batch's loss is the unpipelined run's however many micro-batches hold
+how many trained tokens; they accumulate gradients with
+`micro_steps.MicroSteps` like every engine, and keep the plain
 run's checkpoint keys, so a checkpoint moves between the engines and
 unpipelined runs. `batch_axis` is the resolved batch axis
 (`layout_core.train.config.batch_axis_for`).
@@ -55,7 +57,8 @@ from layout_core.pipeline.submesh import GPipe
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig
 from layout_core.train.engine import Counters, SingleProgramEngine
-from layout_core.train.micro_steps import MicroSteps, client_rows, share, split_rows, sum_shares
+from layout_core.tasks.objective import add_parts
+from layout_core.train.micro_steps import MicroSteps, client_rows, split_rows
 from layout_core.optim import OptimizerConfig, make_optimizer, squared_norm
 
 
@@ -150,16 +153,19 @@ class GPipeEngine:
   def loss_and_gradients(self, packed):
     """(loss, metrics, (per-stage gradients, per-stage squared norms)). Each
     micro-step is a whole pipelined pass; with several, their per-stage
-    gradients are summed on each stage's mesh as the batch's means."""
+    gradients of the loss's totals are summed on each stage's mesh and
+    divided once by the batch's count."""
     seeds = self._step_seeds()
     squared_norms = []  # each pass's own, computed inside its backward function
+    divide = self.micro_steps.count == 1  # one pass divides by its own count
 
     def micro_step(part, first_row):
-      loss, metrics, grads, norms = self.gpipe.loss_metrics_and_gradients(
-          *part, seeds=seeds, first_row=self._first_rows(first_row))
+      sums, grads, norms = self.gpipe.loss_metrics_and_gradients(
+          *part, seeds=seeds, first_row=self._first_rows(first_row), divide=divide)
       squared_norms.append(norms)
-      return loss, metrics, grads
-    loss, metrics, grads = self.micro_steps.gradients(packed, micro_step)
+      return sums, grads
+    loss, metrics, grads = self.micro_steps.gradients(
+        packed, micro_step, divide=self.gpipe.divide)
     if len(squared_norms) > 1:  # accumulated: the norms of the summed gradients
       squared_norms = [[squared_norm(stage) if stage else None for stage in grads]]
     return loss, metrics, (grads, squared_norms[0])
@@ -296,7 +302,7 @@ class SpmdProgram:
     return current()
 
   def loss_and_metrics(self, batch, training: bool = False):
-    """The mean over micro-batches of the task's loss and metrics."""
+    """The task's loss and metrics as the sums of all micro-batches."""
     del training  # dropout is on inside a random_context, as for every engine
     plan = self.plan
     num_micro = plan.num_micro_batches
@@ -322,9 +328,8 @@ class SpmdProgram:
       [inputs] = self.task.model_inputs(micro[m])
       hidden.append(run(self.before, inputs, m))
     outputs = self.pipeline(hidden)
-    return sum_shares([share(self.task.loss_and_metrics(as_float32(run(self.after, y, m)),
-                                                        micro[m]), num_micro)
-                       for m, y in enumerate(outputs)])
+    return add_parts([self.task.loss_and_metrics(as_float32(run(self.after, y, m)), micro[m])
+                      for m, y in enumerate(outputs)])
 
   def describe_stages(self) -> str:
     plan = self.plan

@@ -109,6 +109,8 @@ class SubMeshPlacement:
     replicated = dtensor.relayout(value, dtensor.Layout.replicated(self.meshes[source], rank))
     moved = dtensor.copy_to_mesh(replicated,
                                  dtensor.Layout.replicated(self.meshes[target], rank))
+    if rank == 0:  # a scalar (a loss's count) has no batch dim to split
+      return moved
     return dtensor.relayout(moved, self.batch_layout(target, rank, self.batch_dim))
 
 

@@ -30,7 +30,7 @@ from layout_core.errors import ConfigError
 from layout_core.model.built import StepFunction
 from layout_core.model.random import random_context
 from layout_core.optim import squared_norm
-from layout_core.train.micro_steps import share, sum_shares
+from layout_core.tasks.objective import add_parts, denominator, finish, gradient_divisor, total_of
 from layout_core.pipeline import schedule as schedule_lib
 from layout_core.pipeline.partitioning import PartitionPlan
 from layout_core.pipeline.placement import SubMeshPlacement
@@ -164,8 +164,9 @@ class GPipe:
     other stage re-computes its forward from its kept input and
     back-propagates the gradient that crossed back from the next stage
     (re-materialisation: only stage inputs are held). Gradients accumulate
-    over micro-batches (one AddN per variable); the loss is the mean over
-    micro-batches.
+    over micro-batches (one AddN per variable), the loss's sums too (its total
+    and its count of trained tokens), and the gradients are divided once by
+    the count.
 
   `schedule='serial'` chains every unit of work on the previous one with
   control dependencies: the same numbers without any overlap (a benchmark
@@ -241,12 +242,12 @@ class GPipe:
   def _cross(self, values, source: int, target: int) -> tuple:
     return tuple(self.placement.cross(v, source, target) for v in values)
 
-  def _loss_share(self, outputs: tuple, labels) -> tuple[tf.Tensor, dict]:
-    """One micro-batch's (loss / M, {metric: value / M}): the shares add up
-    to the means. `loss_fn` returns a loss, or (loss, {metric: value})."""
+  def _loss_sums(self, outputs: tuple, labels) -> tuple:
+    """One micro-batch's (loss, {metric: value}) as sums
+    (`layout_core.tasks.objective`): the micro-batches add theirs. `loss_fn`
+    returns a loss, or (loss, {metric: value})."""
     result = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, labels)
-    return share(result if isinstance(result, tuple) else (result, {}),
-                 self.num_micro_batches)
+    return result if isinstance(result, tuple) else (result, {})
 
   def _chain(self, inputs, previous: list | None) -> tuple:
     """In the 'serial' schedule, makes this unit of work wait for the
@@ -259,7 +260,7 @@ class GPipe:
   def _unit_gradients(self, k: int, inputs, *, previous: list | None, labels=None,
                       output_grads=None, random=None):
     """Re-runs stage k on one micro-batch's kept input under a tape (after
-    `previous` in the 'serial' schedule); returns ((loss share, metric shares)
+    `previous` in the 'serial' schedule); returns ((loss, metric) sums
     or None, gradients of the floating inputs, of the variables, and what the
     next unit waits for)."""
     inputs = self._chain(inputs, previous)
@@ -267,13 +268,13 @@ class GPipe:
     with tf.GradientTape() as tape:
       tape.watch(floats)
       outputs = self._run(k, inputs, random)
-      shares = self._loss_share(outputs, labels) if labels is not None else None
-    grads = tape.gradient(shares[0] if labels is not None else list(outputs),
+      sums = self._loss_sums(outputs, labels) if labels is not None else None
+    grads = tape.gradient(total_of(sums[0]) if labels is not None else list(outputs),
                           floats + self.variables[k],
                           output_gradients=None if labels is not None else list(output_grads),
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
     done = [g for g in grads if g is not None]
-    return shares, tuple(grads[:len(floats)]), grads[len(floats):], done
+    return sums, tuple(grads[:len(floats)]), grads[len(floats):], done
 
   # -- step functions --------------------------------------------------------------
   def _forward_fn(self, micro_inputs, seeds=None, first_row=0):
@@ -291,46 +292,66 @@ class GPipe:
         kept[k + 1][m] = self._cross(outputs, k, k + 1)
     return kept[1:]
 
-  def _backward_fn(self, micro_inputs, kept, micro_labels, seeds=None, first_row=0):
+  def _backward_fn(self, micro_inputs, kept, micro_labels, seeds=None, first_row=0,
+                   divide=True):
     """The forward's clock order reversed: stage k back-propagates micro-batch
-    m while stage k-1 works on m-1, each re-computing its forward first."""
+    m while stage k-1 works on m-1, each re-computing its forward first.
+    Each micro-batch differentiates its loss's total; the summed gradients
+    are divided once by the micro-batches' summed count (`divide`; not when
+    the caller adds several passes first: gradient accumulation)."""
     num_stages, num_micro, last = self.num_stages, self.num_micro_batches, self.num_stages - 1
     inputs = [[as_tuple(x) for x in micro_inputs]] + [list(row) for row in kept]
     output_grads = [[None] * num_micro for _ in range(num_stages)]
     per_micro: list[list] = [[] for _ in range(num_stages)]
-    loss_shares, previous = [], None
+    loss_sums, previous = [], None
     for work in schedule_lib.clock_order(num_stages, num_micro, reverse=True):
       for k, item in work:
         m = item.micro
-        shares, input_grads, grads, previous = self._unit_gradients(
+        sums, input_grads, grads, previous = self._unit_gradients(
             k, inputs[k][m], previous=previous,
             labels=micro_labels[m] if k == last else None, output_grads=output_grads[k][m],
             random=self._random(seeds, first_row, k, m, inputs[k][m]))
-        if shares is not None:
-          loss_shares.append(shares)
+        if sums is not None:
+          loss_sums.append(sums)
         per_micro[k].append(grads)
         if k > 0:
           output_grads[k - 1][m] = self._cross(input_grads, k, k - 1)
     # Accumulate over micro-batches: one AddN per variable.
     grads = [[tf.add_n([tf.convert_to_tensor(g) for g in column]) for column in zip(*rows)]
              for rows in per_micro]
+    sums = add_parts(loss_sums)
+    divisor = gradient_divisor(sums[0], self.num_micro_batches, mean=divide)
+    if divisor is not None:
+      grads = self.divide(grads, divisor)
     squared_norms = [squared_norm(stage) if stage else None for stage in grads]
-    loss, metrics = sum_shares(loss_shares)
-    return loss, metrics, grads, squared_norms
+    return sums, grads, squared_norms
+
+  def divide(self, grads, count):
+    """Each stage's gradients / the loss's `count` (at least 1), which is
+    carried from the last stage's mesh to each stage's."""
+    count, last = denominator(count), self.num_stages - 1
+    if not isinstance(count, (int, float)):  # a tensor on the last stage's mesh
+      count = [count if k == last else self.placement.cross(count, last, k)
+               for k in range(self.num_stages)]
+    else:
+      count = [count] * self.num_stages
+    return [[g / count[k] for g in stage] for k, stage in enumerate(grads)]
 
   def _eval_fn(self, micro_inputs, micro_labels):
     kept = self._forward_fn(micro_inputs) if self.num_stages > 1 else [micro_inputs]
     last = [as_tuple(x) for x in kept[-1]]
-    return sum_shares([self._loss_share(self._run(self.num_stages - 1, last[m]), micro_labels[m])
-                       for m in range(self.num_micro_batches)])
+    return add_parts([self._loss_sums(self._run(self.num_stages - 1, last[m]), micro_labels[m])
+                      for m in range(self.num_micro_batches)])
 
   # -- public --------------------------------------------------------------------------
   def loss(self, micro_inputs, micro_labels) -> tf.Tensor:
-    """Forward only (evaluation): the mean loss over micro-batches."""
-    return self.loss_and_metrics(micro_inputs, micro_labels)[0]
+    """Forward only (evaluation): the loss of all micro-batches together."""
+    return finish(self.loss_and_metrics(micro_inputs, micro_labels))[0]
 
-  def loss_and_metrics(self, micro_inputs, micro_labels) -> tuple[tf.Tensor, dict]:
-    """Forward only: the mean loss and the mean of each metric `loss_fn` returns."""
+  def loss_and_metrics(self, micro_inputs, micro_labels) -> tuple:
+    """Forward only: the loss and each metric `loss_fn` returns, as the sums
+    of all micro-batches (`layout_core.tasks.objective.finish` gives the
+    numbers)."""
     self._check(micro_inputs)
     return self._eval(list(micro_inputs), list(micro_labels))
 
@@ -339,13 +360,16 @@ class GPipe:
     each on its stage's mesh (the loss on the last stage's). `seeds`: this
     step's random seed on each stage's mesh, for dropout, as a vector whose
     element 0 is read (`SubMeshPlacement.put_changing`)."""
-    loss, _, grads, squared_norms = self.loss_metrics_and_gradients(
+    sums, grads, squared_norms = self.loss_metrics_and_gradients(
         micro_inputs, micro_labels, seeds=seeds)
-    return loss, grads, squared_norms
+    return finish(sums)[0], grads, squared_norms
 
   def loss_metrics_and_gradients(self, micro_inputs, micro_labels, seeds=None,
-                                 first_row=0):
-    """As `loss_and_gradients`, with the mean metrics after the loss.
+                                 first_row=0, divide=True):
+    """((loss, metrics) sums, gradients, squared norms): as
+    `loss_and_gradients`, with the metrics, and the loss as its sums.
+    `divide` False: the gradients of the loss's total, not yet divided by
+    its count (gradient accumulation adds passes first).
     `first_row`: the global row of the first micro-batch's first row (gradient
     accumulation: dropout masks of the rows, not of the call); an int, or per
     stage a `put_changing` vector (then one trace serves every micro-step)."""
@@ -353,7 +377,8 @@ class GPipe:
     seeds = list(seeds) if seeds is not None else None
     kept = (self._forward(list(micro_inputs), seeds, first_row)
             if self.num_stages > 1 else [])
-    return self._backward(list(micro_inputs), kept, list(micro_labels), seeds, first_row)
+    return self._backward(list(micro_inputs), kept, list(micro_labels), seeds, first_row,
+                          divide)
 
   def _check(self, micro_inputs) -> None:
     if len(micro_inputs) != self.num_micro_batches:

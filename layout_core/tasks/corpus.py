@@ -44,13 +44,9 @@ from layout_core.lazy import tf
 from layout_core.tasks import reading, streams
 from layout_core.tasks.base import SPLIT_INDEX, find_split_files
 from layout_core.tasks.lm import LMTask
+from layout_core.tasks.objective import Mean, masked_mean
 
 FEATURE = 'tokens'
-
-
-def masked_mean(values, mask) -> 'tf.Tensor':
-  mask = tf.cast(mask, values.dtype)
-  return tf.reduce_sum(values * mask) / tf.maximum(tf.reduce_sum(mask), 1.0)
 
 
 def target_mask(segments) -> 'tf.Tensor':
@@ -59,9 +55,10 @@ def target_mask(segments) -> 'tf.Tensor':
   return tf.logical_and(tf.equal(inputs, targets), targets > 0)
 
 
-def next_token_loss(outputs, tokens, mask) -> tuple['tf.Tensor', 'tf.Tensor']:
-  """(mean cross entropy, accuracy) of the logits `outputs` [B, T, V] against
-  the next tokens of `tokens` [B, T + 1], over the targets where `mask` [B, T]."""
+def next_token_loss(outputs, tokens, mask) -> tuple[Mean, Mean]:
+  """(cross entropy, accuracy) of the logits `outputs` [B, T, V] against the
+  next tokens of `tokens` [B, T + 1], over the targets where `mask` [B, T]:
+  each as its sum and count, so the parts of a batch add exactly."""
   labels = tf.cast(tokens[:, 1:], tf.int32)
   losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=outputs)
   correct = tf.equal(tf.argmax(outputs, axis=-1, output_type=tf.int32), labels)

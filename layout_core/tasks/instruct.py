@@ -79,6 +79,7 @@ from layout_core.lazy import tf
 from layout_core.tasks import streams
 from layout_core.tasks.base import find_split_files
 from layout_core.tasks.corpus import LMCorpusTask, Packer, next_token_loss, target_mask
+from layout_core.tasks.objective import Total
 
 ROLES = ('system', 'user', 'assistant')
 TOO_LONG = ('cut', 'drop')
@@ -437,7 +438,7 @@ class InstructionTask(LMCorpusTask):
   def loss_and_metrics(self, outputs, batch):
     mask = tf.logical_and(target_mask(batch['segments']), batch['loss_mask'][:, 1:] > 0)
     loss, accuracy = next_token_loss(outputs, batch['tokens'], mask)
-    return loss, {'accuracy': accuracy, 'tokens_trained': tf.reduce_sum(tf.cast(mask, tf.float32))}
+    return loss, {'accuracy': accuracy, 'tokens_trained': Total(loss.count)}
 
   def describe(self) -> str:
     counts = ', '.join(f'{split} {len(files)} file(s) {self.patterns[split]} '

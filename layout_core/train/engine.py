@@ -48,6 +48,7 @@ from layout_core.model.built import BuiltModel, StepFunction
 from layout_core.model.random import random_context, step_seed
 from layout_core.step_context import SequenceInputs, StepContext, current, entered
 from layout_core.tasks import Task
+from layout_core.tasks.objective import finish
 from layout_core.train.config import TrainConfig
 from layout_core.train.micro_steps import MicroSteps, client_rows
 from layout_core.optim import Optimizer, OptimizerConfig, make_optimizer
@@ -78,7 +79,8 @@ class StepEngine(Protocol):
     advances the counters. Returns (lr, grad norm)."""
 
   def evaluate(self, packed) -> tuple[Any, dict[str, Any]]:
-    """(loss, task metrics) of one packed batch, no dropout."""
+    """(loss, task metrics) of one packed batch, no dropout, as sums
+    (`layout_core.tasks.objective`): the caller adds batches, then `finish`es."""
 
   def summaries(self) -> tuple[dict[str, str], dict[str, float]]:
     """Extra TensorBoard records at step 0: ({tag: markdown}, {tag: scalar})."""
@@ -126,7 +128,9 @@ class Program(Protocol):
     engine enters around the forward and backward pass."""
 
   def loss_and_metrics(self, packed, training: bool = False) -> tuple[Any, dict[str, Any]]:
-    """Traced inside the engine's functions, in `context(packed)`."""
+    """Traced inside the engine's functions, in `context(packed)`: the
+    task's loss and metrics, as it returns them (sums or plain means,
+    `layout_core.tasks.objective`)."""
 
   def summaries(self) -> tuple[dict[str, str], dict[str, float]]:
     """Extra TensorBoard records at step 0."""
@@ -197,6 +201,9 @@ class SingleProgramEngine:
     """The program's loss and metrics in its step context, not compiled (to
     trace inside a caller's function); dropout is on inside a caller's
     `layout_core.model.random.random_context`."""
+    return finish(self._sums(packed, training))
+
+  def _sums(self, packed, training: bool = False):
     with entered(self.program.context(packed)):
       return self.program.loss_and_metrics(packed, training)
 
@@ -211,11 +218,12 @@ class SingleProgramEngine:
     # and the backward pass alike.
     with random_context(seed=seed, batch_offset=first_row), entered(self.program.context(batch)):
       with tf.GradientTape() as tape:
-        loss, metrics = self.program.loss_and_metrics(batch, training=True)
+        sums = self.program.loss_and_metrics(batch, training=True)
+        target = self.micro_steps.target(sums[0])
       # Dense gradients: an embedding's IndexedSlices gradient passed on to the
       # update function arrives with a wrong shape under DTensor (TF 2.21).
-      grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, self.trainable)]
-    return loss, metrics, self.optimizer.sliced_gradients(grads)
+      grads = [tf.convert_to_tensor(g) for g in tape.gradient(target, self.trainable)]
+    return sums, self.optimizer.sliced_gradients(grads)
 
   def _apply_fn(self, grads):
     lr, grad_norm = self.optimizer.apply(grads, self.counters.step.read_value())
@@ -223,7 +231,7 @@ class SingleProgramEngine:
     return lr, grad_norm
 
   def _evaluate_fn(self, packed):
-    return self.micro_steps.evaluate(packed, self.loss_and_metrics)
+    return self.micro_steps.evaluate(packed, self._sums)
 
   def loss_and_gradients(self, packed):
     return self._gradients(packed)

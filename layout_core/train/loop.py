@@ -27,6 +27,7 @@ from absl import logging
 from layout_core.layout.scope import bytes_per_device, table_markdown
 from layout_core.layout.variables import to_numpy
 from layout_core.tasks import Task
+from layout_core.tasks.objective import add_parts, host_value, numpy_sums
 from layout_core.train.config import TrainConfig, TrainResult
 from layout_core.train.engine import Counters, StepEngine
 from layout_core.train.profiling import StepProfiler
@@ -101,19 +102,18 @@ class Trainer:
     return loss, lr, grad_norm, metrics
 
   def evaluate(self) -> tuple[float, dict[str, float]]:
-    """Mean loss and mean task metrics over `config.eval_batches` held-out batches."""
+    """The loss and task metrics of `config.eval_batches` held-out batches
+    together (each a mean over all their trained tokens, or rows)."""
     if self._eval_data is None:
       reader = self.task.reader(split='eval', batch_size=self.config.batch_size,
                                 rows=self.engine.client_rows(self.config.batch_size))
       self._eval_data = [self.engine.pack(next(reader))
                          for _ in range(self.config.eval_batches)]
-    losses, metrics = [], {}
-    for packed in self._eval_data:
-      loss, values = self.engine.evaluate(packed)
-      losses.append(float(to_numpy(loss)))
-      for name, value in values.items():
-        metrics.setdefault(name, []).append(float(to_numpy(value)))
-    return float(np.mean(losses)), {n: float(np.mean(v)) for n, v in metrics.items()}
+    # The batches add their sums (trained tokens' losses and counts), and the
+    # mean is taken once: a batch with few trained tokens weighs little.
+    loss, metrics = add_parts([numpy_sums(self.engine.evaluate(packed), to_numpy)
+                               for packed in self._eval_data], add=sum)
+    return host_value(loss), {name: host_value(value) for name, value in metrics.items()}
 
   def write_layouts(self) -> str:
     """The layout table and the engine's records to TensorBoard; returns the table."""

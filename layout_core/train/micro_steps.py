@@ -1,54 +1,45 @@
-"""Equal parts of a batch: gradient accumulation, the mean of equal parts,
-and the rows of them a client holds; written once for every engine.
+"""Equal parts of a batch: gradient accumulation, and the rows of them a
+client holds; written once for every engine.
 
     steps = MicroSteps(count=4, batch_size=32)          # train.grad_accum_steps = 4
     packed = steps.pack(batch, pack_one=program.pack)    # 4 packs of 8 rows each
     loss, metrics, grads = steps.gradients(packed, micro_step)   # micro_step(part, first_row)
-    loss, metrics = steps.evaluate(packed, evaluate_one)
+    sums = steps.evaluate(packed, evaluate_one)
 
-A batch cut into k equal parts has as its mean (loss, metrics, gradients)
-the sum of each part's mean / k: `share` is that division; `add_share` adds
-the shares as the parts come (accumulation keeps only the running total
-alive), `sum_shares` adds a list of them at once, one AddN per leaf, as the
-pipeline engines do for their micro-batches (`layout_core.pipeline.submesh.GPipe`,
-`SpmdProgram`). Both add in the parts' order; they are not interchanged,
-because the graph around a sum changes how Grappler rewrites a step
-function: GPipe's backward function with a chain of adds instead of its
-AddN gave bias gradients that differ in the last bit.
+The parts of a batch add their sums (`layout_core.tasks.objective`): each
+part's loss total and its count of trained tokens, its metrics' totals and
+counts; the mean is taken once, over the whole batch. A micro-step
+differentiates its part's total (`target`), the gradients of the parts are
+added as they come (only the running total stays alive), and the sum is
+divided once by the batch's count. So the loss and its gradients do not
+depend on how the batch is cut, even where the parts hold different numbers
+of trained tokens (response-only masks, packed padding), as with a mean of
+per-part means they would. The pipeline engines add their micro-batches the
+same way (`layout_core.pipeline.submesh.GPipe`, `SpmdProgram`).
 
-With one micro-step (k = 1) nothing is cut, divided or added: the engine's
-own function runs on the whole batch, exactly as without accumulation.
+With one micro-step (k = 1) nothing is cut or added: the engine's own
+function differentiates the whole batch's loss, exactly as without
+accumulation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from layout_core.lazy import tf
 from layout_core.layout import mesh as mesh_lib
+from layout_core.tasks.objective import (add_parts, denominator, finish, gradient_divisor,
+                                         total_of, value_of)
 
 
-def share(result, parts: int):
-  """`result` / `parts`, leaf by leaf: one of `parts` equal parts' share of
-  their mean (a loss, a {metric: value} dict, a list of gradients, ...)."""
-  return tf.nest.map_structure(lambda value: value / parts, result)
-
-
-def add_share(total, part_share):
-  """`total` (None before the first part) + `part_share`, leaf by leaf: the
-  shares of all parts, added in order, are their mean."""
-  if total is None:
-    return part_share
-  return tf.nest.map_structure(lambda a, b: a + b, total, part_share)
-
-
-def sum_shares(shares: Sequence):
-  """The sum of `shares` (each a `share`, all of one structure), leaf by
-  leaf, in one AddN per leaf: the mean of the parts they came from."""
-  return tf.nest.map_structure(lambda *values: tf.add_n(list(values)), *shares)
+def divide_gradients(gradients, count):
+  """Each gradient / `count` (a scalar on the gradients' mesh; at least 1:
+  a batch with nothing to train has gradients 0, not NaN)."""
+  divisor = denominator(count)
+  return tf.nest.map_structure(lambda g: g / divisor, gradients)
 
 
 def split_rows(batch: Mapping[str, np.ndarray], parts: int) -> list[dict]:
@@ -75,33 +66,53 @@ class MicroSteps:
       return pack_one(batch)
     return [pack_one(part) for part in split_rows(batch, self.count)]
 
-  def gradients(self, packed, micro_step: Callable[[Any, int], tuple], *,
-                one_at_a_time: bool = False):
-    """(loss, metrics, gradients) of the whole batch from `micro_step(part,
-    first_row)`, which returns those three for one packed part whose first
-    row is the batch's row `first_row` (dropout masks follow the rows).
+  def target(self, loss):
+    """What a micro-step differentiates: the whole batch's loss with one
+    micro-step; with several, its part's total (the sum of the parts'
+    gradients is divided once, by the batch's count: `gradients`)."""
+    return value_of(loss) if self.count == 1 else total_of(loss)
+
+  def summed_gradients(self, packed, micro_step: Callable[[Any, int], tuple], *,
+                       one_at_a_time: bool = False):
+    """((loss, metrics) sums, gradients) added over the micro-steps, from
+    `micro_step(part, first_row)`, which returns those two for one packed
+    part whose first row is the batch's row `first_row` (dropout masks
+    follow the rows), its gradients those of `target(loss)`.
 
     `one_at_a_time` (inside a tf.function): each micro-step starts after the
     gradients summed so far exist, so only one micro-step's activations are
     alive at a time (on the host, calls run in order anyway)."""
     if self.count == 1:
       return micro_step(packed, 0)
-    total = None
+    parts, total = [], None
     for i, part in enumerate(packed):
       if one_at_a_time and total is not None:
-        with tf.control_dependencies(tf.nest.flatten(total[2])):
+        with tf.control_dependencies(tf.nest.flatten(total)):
           part = tf.nest.map_structure(tf.identity, part)
-      total = add_share(total, share(micro_step(part, i * self.rows), self.count))
-    return total
+      sums, grads = micro_step(part, i * self.rows)
+      parts.append(sums)
+      total = grads if total is None else tf.nest.map_structure(lambda a, b: a + b,
+                                                                total, grads)
+    return add_parts(parts), total
+
+  def gradients(self, packed, micro_step: Callable[[Any, int], tuple], *,
+                one_at_a_time: bool = False,
+                divide: Callable[[Any, Any], Any] = divide_gradients):
+    """(loss, metrics, gradients) of the whole batch (`summed_gradients`,
+    then the one division by the batch's count: `divide(gradients, count)`,
+    the count living with the loss)."""
+    sums, grads = self.summed_gradients(packed, micro_step, one_at_a_time=one_at_a_time)
+    if self.count > 1:
+      grads = divide(grads, gradient_divisor(sums[0], self.count))
+    loss, metrics = finish(sums)
+    return loss, metrics, grads
 
   def evaluate(self, packed, evaluate_one: Callable[[Any], tuple]):
-    """(loss, metrics) of the whole batch from `evaluate_one(part)`."""
+    """The (loss, metrics) sums of the whole batch from `evaluate_one(part)`
+    (`layout_core.tasks.objective`; `finish` gives the numbers)."""
     if self.count == 1:
       return evaluate_one(packed)
-    total = None
-    for part in packed:
-      total = add_share(total, share(evaluate_one(part), self.count))
-    return total
+    return add_parts([evaluate_one(part) for part in packed])
 
 
 def client_rows(mesh, *, batch_axis: str, batch_size: int,

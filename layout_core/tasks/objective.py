@@ -1,0 +1,135 @@
+"""A loss or metric kept as the sums it is made of, so that the parts of a
+batch add exactly and the mean is taken once.
+
+    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+    loss = masked_mean(losses, mask)          # Mean(total=sum of losses, count=trained tokens)
+    return loss, {'accuracy': masked_mean(correct, mask), 'tokens_trained': Total(count)}
+
+A task's `loss_and_metrics` may return, for the loss and for each metric:
+
+  * a `Mean(total, count)`: a mean over some of the batch's positions (the
+    trained tokens of a response-only mask, say), whose parts hold different
+    counts. The parts of a batch (micro-steps, pipeline micro-batches, eval
+    batches) add their totals and their counts, and the engine divides once:
+    the batch's loss is (sum of every trained token's loss) / (number of
+    trained tokens), whatever the split, as torchtitan, MaxText and
+    `transformers` >= 4.46 compute it. A mean of the parts' means would weight
+    a part with one trained token as much as one with a thousand;
+  * a `Total(value)`: a number of the whole batch that parts add, reported as
+    is (`tokens_trained`);
+  * a plain scalar tensor: a mean over equal parts of the batch (every row,
+    every position), such as a classifier's loss; the parts of a batch are of
+    equal size, so it counts 1 a part.
+
+The engines (`layout_core.train.micro_steps`) add parts with `add_parts`
+and finish with `finish`; they differentiate the parts' totals and divide the
+summed gradients once (`MicroSteps.gradients`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, NamedTuple
+
+from layout_core.lazy import tf
+
+
+class Mean(NamedTuple):
+  """`total / count`, kept as its two sums (count: how many things `total` adds)."""
+  total: Any
+  count: Any
+
+
+class Total(NamedTuple):
+  """A number parts of a batch add and that is reported as it is (a count)."""
+  value: Any
+
+
+def masked_mean(values, mask) -> Mean:
+  """The mean of `values` where `mask`, as its sum and its count."""
+  mask = tf.cast(mask, values.dtype)
+  return Mean(tf.reduce_sum(values * mask), tf.reduce_sum(mask))
+
+
+def _add_n(values):
+  return values[0] if len(values) == 1 else tf.add_n(list(values))
+
+
+def add_parts(parts, add=_add_n):
+  """The sums of a list of parts, each (loss, {metric: value}) of one
+  structure, added in the parts' order: a Mean's totals and counts, a
+  Total's values, and a plain value as the mean of the (equal) parts. Each
+  in one AddN (the graph around a sum changes how Grappler rewrites a step
+  function). `add`: how a list of numbers is added (`sum` for host floats)."""
+  def field(values):
+    first = values[0]
+    if isinstance(first, Total):
+      return Total(add([v.value for v in values]))
+    if isinstance(first, Mean):
+      return Mean(add([v.total for v in values]), add([v.count for v in values]))
+    return add([v / len(values) for v in values])
+
+  losses = [loss for loss, _ in parts]
+  names = list(parts[0][1])
+  return field(losses), {name: field([metrics[name] for _, metrics in parts])
+                         for name in names}
+
+
+def denominator(count):
+  """`count`, at least 1: a batch with nothing to train has a loss and
+  gradients of 0, not NaN."""
+  if isinstance(count, (int, float)):
+    return max(count, 1)
+  return tf.maximum(count, 1.0)
+
+
+def gradient_divisor(loss, parts: int, *, mean: bool = True):
+  """What the summed gradients of `parts` parts' `total_of` are divided by
+  to be the gradients of their sums `loss`'s value (`mean`), or of its
+  `total_of` (not `mean`: an outer sum still adds more parts; None, nothing
+  to divide): a Mean's count, or for a plain mean the number of (equal)
+  parts, either way."""
+  if isinstance(loss, Mean):
+    return loss.count if mean else None
+  return parts
+
+
+def total_of(loss):
+  """What a part differentiates when the parts' gradients are added before
+  the one division (`count_of`): a Mean's total, a plain mean itself."""
+  return loss.total if isinstance(loss, Mean) else loss
+
+
+def value_of(value):
+  """The number a (sums of a) loss or metric stands for: a Mean's total over
+  its count (a count of 0 gives 0, not NaN), a Total's value."""
+  if isinstance(value, Total):
+    return value.value
+  if isinstance(value, Mean):
+    return value.total / denominator(value.count)
+  return value
+
+
+def finish(result) -> tuple[Any, dict[str, Any]]:
+  """(loss, {metric: value}) of sums, as the numbers they stand for."""
+  loss, metrics = result
+  return value_of(loss), {name: value_of(value) for name, value in metrics.items()}
+
+
+def numpy_sums(result: tuple[Any, Mapping[str, Any]], to_numpy) -> tuple[Any, dict]:
+  """(loss, metrics) of tensors as the same structure of host floats, a plain
+  mean as a Mean of count 1 (the batches it is added with are of its size)."""
+  def host(value):
+    if isinstance(value, Total):
+      return Total(float(to_numpy(value.value)))
+    if isinstance(value, Mean):
+      return Mean(float(to_numpy(value.total)), float(to_numpy(value.count)))
+    return Mean(float(to_numpy(value)), 1.0)
+  loss, metrics = result
+  return host(loss), {name: host(value) for name, value in metrics.items()}
+
+
+def host_value(value) -> float:
+  """`value_of` for host sums (`numpy_sums`)."""
+  if isinstance(value, Total):
+    return value.value
+  return value.total / max(value.count, 1.0)
