@@ -7,9 +7,10 @@
 An `lm_corpus` run's text goes through the tokenizer its corpus was
 tokenized with, beside the corpus's train files and named in `corpus.json`
 (`launch.prepare_data` writes both): `spm.model`, or the `tokenizer.json` of
-a corpus made with `--tokenizer`; or the SentencePiece file given. A bytes run (`data.text_file`) reads text as its UTF-8 bytes. The
-Markov task has no text: its tokens are ids, shown as numbers, and encoding
-text is a ConfigError that says to give ids.
+a corpus made with `--tokenizer`; or the SentencePiece file given. A bytes
+run (`data.text_file`) reads text as its UTF-8 bytes. The Markov task has no
+text: its tokens are ids, shown as numbers, and encoding text is a
+ConfigError that says to give ids.
 
 A run that carries its model's own tokenizer (`<model_dir>/tokenizer/`, where
 `launch.import_hf` copies a Hugging Face model's `tokenizer.json` or
