@@ -45,7 +45,7 @@ first step; the plain program 2.95 s):
 
 So an 8-device mesh costs the same hand-written program 1.85x the
 one-device program's time to its first step: the first call of a DTensor
-function compiles one copy per device (bench/dtensor_compile_limit.py: an
+function compiles one copy per device (bench/limits/dtensor_compile_limit.py: an
 Adam update of 30 variables, 957 ops, 0.15 s plain, 0.37 s on DTensor
 data=1, 0.67 s on 4, 1.37 s on 8). The quickstart was at 7.18 s (2.37x)
 before its variables were named by their last path part

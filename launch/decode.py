@@ -180,6 +180,9 @@ def main(argv):
     from layout_core.layout.variables import to_numpy
     from plugins import inference
     # All that needs no model first: a bad flag or prompt exits 2 in a second.
+    if OUTPUT.value:
+      from layout_core.durable import check_writable
+      check_writable(OUTPUT.value, where='--output')
     inference.find_checkpoint(model_dir=MODEL_DIR.value, checkpoint=CHECKPOINT.value)
     sampling = sampling_flags.sampling()
     prompts, stops = [], []

@@ -25,7 +25,8 @@ are dropped; the rest are ranked by a cost model. Its rates come from
 development machine's until `python bench/calibrate.py` measures this one); an
 installed wheel has no bench/ and uses nominal rates
 (docs/choosing-a-layout.md#where-the-rates-come-from). It prints the top
---top_k as gin bindings and writes them to --suggest_json. --measure then
+--top_k as gin bindings (and writes them as JSON to --suggest_json, when
+given: by default no file is written). --measure then
 trains each for a few steps (one process each) and ranks them by measured
 speed and peak memory. A model that fits nowhere exits 2 with the smallest
 budget that would fit it.
@@ -61,8 +62,8 @@ MEMORY_GB = flags.DEFINE_float(
     'times the devices per process), else on CPU this machine\'s memory.')
 TOP_K = flags.DEFINE_integer('top_k', 5, '--suggest: how many layouts to print and write.')
 SUGGEST_JSON = flags.DEFINE_string(
-    'suggest_json', 'suggestions.json', '--suggest: write the top --top_k here as JSON '
-    '(\'\': do not write).')
+    'suggest_json', '', '--suggest: also write the top --top_k, with every cost term and '
+    'memory category, as JSON to this file (default \'\': no file).')
 SUGGEST_GIN = flags.DEFINE_string(
     'suggest_gin', '', '--suggest: write the best layout (measured best with --measure) as a '
     '.gin file that launch.train takes.')

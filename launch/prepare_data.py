@@ -1,7 +1,9 @@
-r"""Make an LM corpus: text files -> SentencePiece tokenizer -> TFRecords of token ids.
+r"""Make an LM corpus: text files -> a tokenizer -> TFRecords of token ids.
 
   python -m launch.prepare_data --output_dir=/tmp/corpus \
       [--text_root=/usr/lib/python3.11] [--max_bytes=4000000] [--vocab_size=1024]
+  python -m launch.prepare_data --output_dir=/tmp/qwen_corpus --tokenizer=runs/qwen \
+      --text_file=my_notes.md
 
 Collects text already on this machine (by default the sources and docs of the
 Python standard library, walked in sorted order up to --max_bytes; nothing is
@@ -12,7 +14,15 @@ trains a SentencePiece model on the rest (or copies --spm_model) and writes to
   spm.model                              the tokenizer (pad 0, eos 1, unk 2)
   train-00000-of-00008.tfrecord, ...     one tf.train.Example per file: int64
   eval-00000-of-00008.tfrecord, ...        feature 'tokens', ending in eos (1)
-  corpus.json                            counts, vocab size, file names
+  corpus.json                            counts, vocab size, the tokenizer's
+                                         sha256, file names
+
+With --tokenizer (a Hugging Face model directory, or a run directory made by
+launch.import_hf) no SentencePiece model is trained: that directory's
+tokenizer.json tokenizes each document (copied to --output_dir/tokenizer.json)
+and its end-of-sequence token (--eos_token, default the one its
+tokenizer_config.json names) ends it. Training from such a run checks that the
+corpus was made with the model's own tokenizer.
 
 A split with fewer documents than --num_shards gets one file per document
 (never an empty file). --output_dir becomes a link to a complete version of
@@ -62,6 +72,13 @@ EVAL_FRACTION = flags.DEFINE_float(
 SPM_MODEL = flags.DEFINE_string(
     'spm_model', None, 'An existing SentencePiece .model to tokenize with (copied to '
     '--output_dir/spm.model) instead of training one.')
+TOKENIZER = flags.DEFINE_string(
+    'tokenizer', None, 'A Hugging Face model directory, or a meshgin run directory (its '
+    'tokenizer/), whose tokenizer.json tokenizes the text instead of a SentencePiece model: '
+    'continued pre-training with the model\'s own tokenizer.')
+EOS_TOKEN = flags.DEFINE_string(
+    'eos_token', None, '--tokenizer: the token that ends each document (default: the '
+    'eos_token its tokenizer_config.json names, else eos_token_id of its config).')
 
 DEFAULT_VOCAB_SIZE = 1024
 
@@ -76,14 +93,14 @@ def main(argv):
     from layout_core.tasks import prepare  # pylint: disable=g-import-not-at-top
     use_roots = flags.FLAGS['text_root'].present or not TEXT_FILE.value
     vocab_size = VOCAB_SIZE.value
-    if vocab_size is None and SPM_MODEL.value is None:
+    if vocab_size is None and SPM_MODEL.value is None and TOKENIZER.value is None:
       vocab_size = DEFAULT_VOCAB_SIZE
     start = time.monotonic()
     summary = prepare.prepare_corpus(
         output_dir=OUTPUT_DIR.value, text_roots=TEXT_ROOT.value if use_roots else [],
         text_files=TEXT_FILE.value, max_bytes=MAX_BYTES.value, vocab_size=vocab_size,
         num_shards=NUM_SHARDS.value, eval_fraction=EVAL_FRACTION.value,
-        spm_model=SPM_MODEL.value)
+        spm_model=SPM_MODEL.value, tokenizer=TOKENIZER.value, eos_token=EOS_TOKEN.value)
     print(describe(summary, output_dir=OUTPUT_DIR.value, seconds=time.monotonic() - start))
 
   gin_flags.run_guarded(body)
@@ -91,10 +108,10 @@ def main(argv):
 
 def describe(summary: dict, *, output_dir: str, seconds: float) -> str:
   """A few lines: sources, vocabulary, and each split's counts."""
-  sources = summary['sources']
+  sources, tokenizer = summary['sources'], summary['tokenizer']
   lines = [f'Prepared {output_dir} in {seconds:.1f} s: {sources["files"]} files '
            f'({sources["bytes"] / 1e6:.2f} MB), {sources["documents"]} documents, '
-           f'vocab {summary["vocab_size"]} ({summary["spm_model"]})']
+           f'vocab {summary["vocab_size"]} ({tokenizer["file"]}, eos {tokenizer["eos_id"]})']
   for split in ('train', 'eval'):
     counts = summary[split]
     lines.append(f'  {split + ":":6} {counts["documents"]:6,} documents {counts["tokens"]:10,} '

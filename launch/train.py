@@ -171,6 +171,7 @@ def main(argv):
             attempt=attempt)
         run_plan = plan.make_plan()
         plan.check_model_dir(MODEL_DIR.value)
+        plan.check_data_tokenizer(run_plan, model_dir=MODEL_DIR.value)
         if cluster.client_id == 0:  # one writer per model_dir, before anything else
           with watcher.uninterrupted():  # a lock taken is a lock released on the way out
             held.append(DirectoryLock.acquire(MODEL_DIR.value, purpose='launch.train'))

@@ -38,7 +38,7 @@ def keep_sums_whole() -> None:
   static shapes. In DTensor's per-device functions those are the *global*
   shapes, so with a sharded sum every add fails: "Parameters and update must
   be the same size". Measured on 8 virtual CPU devices, 2-core x86
-  (`bench/grappler_addn_limit.py`, bench/results/grappler_addn.json): one
+  (`bench/limits/grappler_addn_limit.py`, bench/results/grappler_addn.json): one
   weight used four times fails from [4096, 4096] up when sharded 8 ways and
   works replicated; the SPMD pipeline engine failed on a 4x wider lm_small.
   Off, both are right. On CPU that rewrite is all this pass does (its
@@ -126,7 +126,7 @@ def lower_gathers_once(collective_gather: bool, *, reason: str) -> tuple[bool, s
   mesh of two or more axes it fails to compile 96 of 144 relayouts of an
   [8, 8, 16] tensor on `data=2 x model=4` ('tf.Reshape' element-count
   errors; no wrong values seen), and all 9 on `data=8` work
-  (`bench/gather_lowering_limit.py`, bench/results/gather_lowering.json;
+  (`bench/limits/gather_lowering_limit.py`, bench/results/gather_lowering.json;
   8 virtual CPU devices, 2-core x86). It moves bytes, not values: the same
   numbers either way (quickstart's 20 losses bit-identical). TF applies it
   to int32, int64, float16, float32 and float64 only: a bfloat16 gather

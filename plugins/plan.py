@@ -203,6 +203,20 @@ def _format_binding(key: str, value, *, sort_dicts: bool) -> str:
   return f'{key} = \\\n{indented}'
 
 
+def check_data_tokenizer(run_plan: RunPlan, *, model_dir: str) -> None:
+  """ConfigError when the run's data was tokenized with another tokenizer
+  than the model's own: the run's (an imported run fine-tuned in place) or
+  that of the run `checkpoint.init_from` names
+  (`layout_core.tasks.corpus_tokenizer.check_run_tokenizer`)."""
+  from layout_core.tasks import corpus_tokenizer  # pylint: disable=g-import-not-at-top
+  from plugins import inference  # pylint: disable=g-import-not-at-top  # it imports this module
+  run_dirs = [model_dir]
+  if run_plan.checkpoint.init_from:
+    run_dirs.append(inference.run_directory(model_dir=None,
+                                            checkpoint=run_plan.checkpoint.init_from))
+  corpus_tokenizer.check_run_tokenizer(run_plan.task, run_dirs=run_dirs)
+
+
 def _probe_writable(directory: str) -> None:
   """OSError unless a file can be created in `directory`: a file without a
   name (O_TMPFILE), gone when closed, so a stop signal during start-up (which

@@ -319,7 +319,7 @@ def test_a_bad_record_mid_run_exits_5_naming_the_file_and_keeps_the_checkpoints(
   if fault == 'corrupt':
     data[middle:middle + 8] = b'\xff' * 8  # inside a record half-way through the file
   else:  # a copy that stopped inside a record half-way through the file (not in the
-    # record's 12-byte header: TF reads that as a shorter file, bench/truncated_tfrecord_limit.py)
+    # record's 12-byte header: TF reads that as a shorter file, bench/limits/truncated_tfrecord_limit.py)
     start = 0
     while start < middle:
       start += 12 + int.from_bytes(data[start:start + 8], 'little') + 4

@@ -268,6 +268,23 @@ def test_tokenizers_of_each_task(tmp_path):
   tokens.check_vocabulary(byte, model_vocab=256, task_vocab=256)
 
 
+def test_an_output_path_that_cannot_be_written_is_a_config_error(tmp_path):
+  from layout_core.durable import check_writable, write_atomically
+  a_file = tmp_path / 'a_file'
+  a_file.write_text('x')
+  for path, said in ((a_file / 'x.jsonl', 'is a file, not a directory'),
+                     (a_file / 'deeper' / 'x.jsonl', 'is a file, not a directory'),
+                     (tmp_path, 'is a directory')):
+    with pytest.raises(ConfigError, match=said):
+      check_writable(str(path), where='--output')
+    with pytest.raises(OSError):  # control: writing there really fails
+      write_atomically(str(path), b'{}')
+  fresh = tmp_path / 'new' / 'dirs' / 'out.jsonl'
+  check_writable(str(fresh), where='--output')
+  write_atomically(str(fresh), b'{}')
+  assert fresh.read_text() == '{}'
+
+
 def test_sample_every_is_refused_where_it_cannot_run(classifier_data):
   from plugins import gin_setup, plan  # pylint: disable=g-import-not-at-top
   for files, data, refused in (
@@ -321,7 +338,9 @@ def test_decode_writes_jsonl_and_refuses_bad_input(quick_run, tmp_path):
                        '--gin_bindings=transformer_lm.model_dim = 32'], 'does not match'),
                      ([f'--model_dir={quick_run}', '--prompt_ids=' + ','.join(['1'] * 60)],
                       'max_len = 64'),
-                     ([f'--model_dir={quick_run}', '--prompt=hello'], 'has no text')):
+                     ([f'--model_dir={quick_run}', '--prompt=hello'], 'has no text'),
+                     ([f'--model_dir={quick_run}', '--prompt_ids=1',
+                       f'--output={output}/x.jsonl'], '--output')):
     bad = run_module('launch.decode', *args)
     assert bad.returncode == 2, (args, bad.stderr[-2000:])
     assert said in bad.stderr and 'Traceback' not in bad.stderr

@@ -37,7 +37,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(REPO_ROOT, 'docs', 'performance.md')
 RESULT_FILES = sorted(glob.glob(os.path.join(report.RESULTS, '*.json')))
 
-BENCH_SCRIPT = re.compile(r'bench[/.]([a-z0-9_]+)')  # bench/step.py, python -m bench.step
+# bench/step.py, python -m bench.step, bench/limits/bf16_matmul_limit.py
+BENCH_SCRIPT = re.compile(r'bench[/.]((?:limits[/.])?[a-z0-9_]+)')
 RESULTS_LINK = re.compile(r'(?:performance|limits-measured|benchmarks)\.md')
 # A figure: a number with a unit, a ratio written 1.23x, or a fraction 0.61.
 FIGURE_TEXT = re.compile(
@@ -45,7 +46,7 @@ FIGURE_TEXT = re.compile(
 # Written near a bench script but settings, not measurements.
 NOT_MEASURED = {
     '4x wider': 'the 4x wider lm_small: a model, named by its width',
-    '1 MiB buffers': "the read buffer bench/truncated_tfrecord_limit.py sets",
+    '1 MiB buffers': "the read buffer bench/limits/truncated_tfrecord_limit.py sets",
     '1.2M parameters': "optimizer.shard_state = 'auto''s threshold, a setting",
 }
 
@@ -100,7 +101,8 @@ def figure_problems(results: dict[str, dict], pages: dict[str, str]) -> list[str
   for page, text in pages.items():
     for paragraph in paragraphs(text):
       paragraph = ' '.join(paragraph.split())  # a figure may wrap across lines
-      scripts = {f'bench/{name}.py' for name in BENCH_SCRIPT.findall(paragraph)}
+      scripts = {f'bench/{name.replace(".", "/")}.py'
+                 for name in BENCH_SCRIPT.findall(paragraph)}
       if scripts or RESULTS_LINK.search(paragraph):
         citing.append((page, paragraph, scripts or None))
   problems = []

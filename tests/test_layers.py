@@ -145,6 +145,25 @@ def test_dropout_masks_follow_rows_and_seeds_and_are_off_outside_training():
     assert (layer(x).numpy() != full).mean() > 0.2
 
 
+def test_embedding_positions_follow_the_step_context():
+  """Packed documents: each token gets the position row of its place in its
+  own document (the step context's sequence), checked against numpy; without
+  a context, rows 0..T-1."""
+  from layout_core.step_context import SequenceInputs, StepContext, entered
+  layer = model.Embedding.Params().Set(vocab_size=11, dim=4, max_len=6).Instantiate(
+      parent_path='lm')
+  ids = np.array([[3, 1, 4, 1, 5, 9]], np.int32)
+  positions = np.array([[0, 1, 2, 0, 1, 0]], np.int32)  # three documents in one row
+  table, pos_table = layer.table.numpy(), layer.pos_table.numpy()
+  with entered(StepContext(sequence=SequenceInputs(tf.constant([[1, 1, 1, 2, 2, 3]]),
+                                                   tf.constant(positions)))):
+    packed = layer(tf.constant(ids)).numpy()
+  np.testing.assert_allclose(packed, table[ids] + pos_table[positions], rtol=1e-6)
+  plain = layer(tf.constant(ids)).numpy()
+  np.testing.assert_allclose(plain, table[ids] + pos_table[np.arange(6)][None], rtol=1e-6)
+  assert not np.allclose(plain, packed)
+
+
 def test_one_body_serves_a_layer_and_stacked_cells():
   """TransformerBlock.apply on weights stacked over 2 slots (the SPMD engine's
   SlotWeights) equals each slot's own block run plainly on its own rows, with

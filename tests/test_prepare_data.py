@@ -219,3 +219,119 @@ def test_an_output_dir_holding_other_files_is_refused(tmp_path):
     prepare.prepare_corpus(output_dir=str(output_dir), text_roots=[STDLIB], max_bytes=1000,
                            vocab_size=256, num_shards=1)
   assert os.listdir(tmp_path) == ['corpus']  # nothing written
+
+
+# -- a model's own tokenizer (continued pre-training) --------------------------------------
+DOCUMENTS = ('the quick brown fox jumps over the lazy dog',
+             'one two three four five\nsix seven eight nine ten',
+             'a small model learns to count and then stops',
+             'the dog and the fox: ten, nine, eight!')
+
+
+@pytest.fixture(scope='module')
+def hf_corpus(tmp_path_factory):
+  """A corpus made with a tiny Hugging Face tokenizer (tests/hf_fixtures.py)
+  found in a run directory's tokenizer/, as launch.import_hf leaves it."""
+  from tests.hf_fixtures import write_tokenizer  # pylint: disable=g-import-not-at-top
+  root = tmp_path_factory.mktemp('hf_corpus')
+  run_dir = root / 'run'
+  (run_dir / 'tokenizer').mkdir(parents=True)
+  write_tokenizer(str(run_dir / 'tokenizer'))
+  files = []
+  for i, text in enumerate(DOCUMENTS):
+    files.append(root / f'doc{i}.txt')
+    files[-1].write_text(text)
+  output_dir = str(root / 'corpus')
+  summary = prepare.prepare_corpus(output_dir=output_dir, text_files=[str(f) for f in files],
+                                   tokenizer=str(run_dir), num_shards=2, eval_fraction=0.25)
+  return run_dir, output_dir, summary
+
+
+def test_a_models_own_tokenizer_makes_the_corpus(hf_corpus):
+  """Each document's ids are what the tokenizers library gives for it, then
+  the eos id its tokenizer_config.json names; corpus.json fingerprints the file."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
+  run_dir, output_dir, summary = hf_corpus
+  path = str(run_dir / 'tokenizer' / 'tokenizer.json')
+  reference = Tokenizer.from_file(path)
+  eos = reference.token_to_id('</s>')
+  assert eos is not None and summary['eos_id'] == eos
+  expected = {'train': [d for i, d in enumerate(DOCUMENTS) if i % 4], 'eval': [DOCUMENTS[0]]}
+  for split, texts in expected.items():
+    documents = read_split(output_dir, split, min(2, len(texts)))
+    assert documents == [reference.encode(text).ids + [eos] for text in texts], split
+    assert all(eos not in ids[:-1] and len(ids) > 2 for ids in documents)
+  record = summary['tokenizer']
+  with open(path, 'rb') as f:
+    assert record['sha256'] == hashlib.sha256(f.read()).hexdigest()
+  assert record['vocab_size'] == summary['vocab_size'] == reference.get_vocab_size()
+  assert summary['spm_model'] is None and 'spm.model' not in os.listdir(output_dir)
+  with open(os.path.join(output_dir, 'tokenizer.json'), 'rb') as a, open(path, 'rb') as b:
+    assert a.read() == b.read()
+  # Decoding a run trained on it uses that tokenizer (it is beside the corpus).
+  from layout_core.infer import tokens  # pylint: disable=g-import-not-at-top
+  task = LMCorpusTask(train_files=os.path.join(output_dir, 'train-*.tfrecord'),
+                      eval_files=os.path.join(output_dir, 'eval-*.tfrecord'),
+                      vocab_size=summary['vocab_size'], seq_len=8)
+  tokenizer = tokens.tokenizer_for(task)
+  assert isinstance(tokenizer, tokens.HuggingFaceTokenizer)
+  assert tokenizer.encode(DOCUMENTS[1]) == reference.encode(DOCUMENTS[1]).ids
+
+
+def test_a_run_whose_tokenizer_is_not_the_corpuss_is_refused(hf_corpus, tmp_path):
+  from layout_core.tasks.corpus_tokenizer import check_run_tokenizer  # pylint: disable=g-import-not-at-top
+  from layout_core.tasks.lm import TextFileTask  # pylint: disable=g-import-not-at-top
+  from tests.hf_fixtures import write_tokenizer  # pylint: disable=g-import-not-at-top
+  run_dir, output_dir, summary = hf_corpus
+  task = LMCorpusTask(train_files=os.path.join(output_dir, 'train-*.tfrecord'),
+                      eval_files=os.path.join(output_dir, 'eval-*.tfrecord'),
+                      vocab_size=summary['vocab_size'], seq_len=8)
+  check_run_tokenizer(task, run_dirs=[str(tmp_path / 'new'), str(run_dir)])  # its own: fine
+  other = tmp_path / 'other'
+  (other / 'tokenizer').mkdir(parents=True)
+  write_tokenizer(str(other / 'tokenizer'), vocab_size=summary['vocab_size'] - 10)
+  with pytest.raises(ConfigError) as refused:
+    check_run_tokenizer(task, run_dirs=[str(tmp_path / 'new'), str(other)])
+  said = str(refused.value)
+  assert str(other / 'tokenizer' / 'tokenizer.json') in said
+  assert os.path.join(output_dir, 'tokenizer.json') in said and 'prepare_data' in said
+  text = tmp_path / 'text.txt'
+  text.write_text(' '.join(DOCUMENTS) * 4)
+  with pytest.raises(ConfigError, match=r'UTF-8 bytes \(data.text_file'):
+    check_run_tokenizer(TextFileTask(path=str(text), seq_len=8), run_dirs=[str(run_dir)])
+  # Without a tokenizer of its own, a run's vocabulary must hold the corpus's ids.
+  small = LMCorpusTask(train_files=task.patterns['train'], eval_files=task.patterns['eval'],
+                       vocab_size=summary['vocab_size'] - 1, seq_len=8)
+  with pytest.raises(ConfigError, match=rf'lm_corpus.vocab_size = {summary["vocab_size"] - 1}'):
+    check_run_tokenizer(small, run_dirs=[str(tmp_path / 'new')])
+
+
+def test_training_from_another_tokenizers_run_exits_2_naming_both(hf_corpus, tmp_path):
+  """launch.prepare_data --tokenizer, then launch.train on that corpus with
+  checkpoint.init_from naming a run whose tokenizer differs: exit 2 before
+  anything is trained, naming both tokenizer files."""
+  from tests.hf_fixtures import write_tokenizer  # pylint: disable=g-import-not-at-top
+  run_dir, _, summary = hf_corpus
+  text = tmp_path / 'notes.txt'
+  text.write_text('\n'.join(DOCUMENTS))
+  corpus = str(tmp_path / 'corpus')
+  made = run_module('launch.prepare_data', f'--output_dir={corpus}', f'--text_file={text}',
+                    f'--tokenizer={run_dir}', '--eos_token=<s>', '--num_shards=1',
+                    '--eval_fraction=0')
+  assert made.returncode == 0, made.stderr[-3000:]
+  assert 'tokenizer.json, eos 1' in made.stdout
+  other = tmp_path / 'other'
+  (other / 'tokenizer').mkdir(parents=True)
+  write_tokenizer(str(other / 'tokenizer'), vocab_size=summary['vocab_size'] - 10)
+  (other / 'checkpoints').mkdir()
+  done = run_module(
+      'launch.train', '--gin_file=configs/experiments/lm_corpus.gin',
+      f'--model_dir={tmp_path / "cpt"}', f"--gin_bindings=checkpoint.init_from = '{other}'",
+      f"--gin_bindings=lm_corpus.train_files = '{corpus}/train-*.tfrecord'",
+      f"--gin_bindings=lm_corpus.eval_files = '{corpus}/train-*.tfrecord'",
+      '--gin_bindings=lm_corpus.vocab_size = 96', '--gin_bindings=transformer_lm.vocab_size = 96')
+  assert done.returncode == 2, done.stderr[-3000:]
+  assert 'Traceback' not in done.stderr
+  assert str(other / 'tokenizer' / 'tokenizer.json') in done.stderr
+  assert os.path.join(corpus, 'tokenizer.json') in done.stderr

@@ -44,7 +44,7 @@ def test_keep_sums_whole_lets_a_sharded_sum_of_four_gradients_run(grappler_child
   """The gradient of a weight used four times is an AddN of four sharded
   tensors. With TensorFlow's defaults Grappler's memory optimizer turns it
   into adds to a variable of the global shape, which fails on every shard
-  ([4096, 4096] sharded 8 ways: the smallest size bench/grappler_addn_limit.py
+  ([4096, 4096] sharded 8 ways: the smallest size bench/limits/grappler_addn_limit.py
   measured to trigger it). With `keep_sums_whole`, which `build_mesh` calls,
   the same gradient is right. Both in processes of their own, with
   Grappler's defaults (this one has its meta optimizer off: tests/conftest.py)."""

@@ -63,11 +63,11 @@ def first_error(run: Callable[[], object]) -> str:
 
 
 def sums() -> dict:
-  """The sharded sum of four gradients (bench/grappler_addn_limit.py) with
+  """The sharded sum of four gradients (bench/limits/grappler_addn_limit.py) with
   TensorFlow's defaults: no `keep_sums_whole`. (Not retried with it here:
   DTensor keeps the function it compiled, failure included, by the
   function's fingerprint; `kept` runs it with it.)"""
-  from bench.grappler_addn_limit import sum_of_four_error  # pylint: disable=g-import-not-at-top
+  from bench.limits.grappler_addn_limit import sum_of_four_error  # pylint: disable=g-import-not-at-top
   from layout_core.lazy import dtensor  # pylint: disable=g-import-not-at-top
   from layout_core.layout.mesh import configure_virtual_cpus  # pylint: disable=g-import-not-at-top
   configure_virtual_cpus(8)
@@ -92,7 +92,7 @@ def kept() -> dict:
   and `trim_graph_passes` first; and the Grappler options in force at three
   points: TensorFlow's, after `trim_graph_passes('GPU')` (unchanged), and
   after `build_mesh`."""
-  from bench.grappler_addn_limit import sum_of_four_error  # pylint: disable=g-import-not-at-top
+  from bench.limits.grappler_addn_limit import sum_of_four_error  # pylint: disable=g-import-not-at-top
   from layout_core.layout.mesh import MeshSpec, build_mesh, configure_virtual_cpus  # pylint: disable=g-import-not-at-top
   from layout_core import tf_internals  # pylint: disable=g-import-not-at-top
   configure_virtual_cpus(8)

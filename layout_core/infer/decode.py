@@ -370,7 +370,7 @@ class CachedLM:
     # A name per trace, for reading graphs. It does not avoid TF 2.21's
     # "Cannot add function 'decode_0_body'" on a second traced decoder on a
     # mesh, which is why a mesh decodes step by step (_generate_on_mesh;
-    # bench/dtensor_while_loop_limit.py isolates it).
+    # bench/limits/dtensor_while_loop_limit.py isolates it).
     return tf.while_loop(more, body, loop, name=f'decode_{next(_LOOP_NUMBERS)}')[3]
 
   def _first(self, prompts, lengths, seed, first_row, *, max_new_tokens: int,
@@ -414,7 +414,7 @@ class CachedLM:
     token = tf.where(done, tf.ones_like(token) * DONE, token)
     # Computed from the token, never `done` passed on as it is: relaying out
     # a loop variable that the body returns unchanged crashes TF 2.21 on a
-    # mesh (segmentation fault; bench/dtensor_while_loop_limit.py).
+    # mesh (segmentation fault; bench/limits/dtensor_while_loop_limit.py).
     stopped = tf.equal(token, DONE)
     for stop in stop_ids:
       stopped = tf.logical_or(stopped, tf.equal(token, stop))

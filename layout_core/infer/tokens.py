@@ -4,12 +4,13 @@
     ids = tokenizer.encode('def main():')    # [..] ids
     tokenizer.decode(ids)                    # 'def main():'
 
-An `lm_corpus` run's text goes through the SentencePiece model its corpus was
-tokenized with: `spm.model` beside the corpus's train files
-(`launch.prepare_data` writes it there, named in `corpus.json`), or the file
-given. A bytes run (`data.text_file`) reads text as its UTF-8 bytes. The
-Markov task has no text: its tokens are ids, shown as numbers, and encoding
-text is a ConfigError that says to give ids.
+An `lm_corpus` run's text goes through the tokenizer its corpus was
+tokenized with, beside the corpus's train files and named in `corpus.json`
+(`launch.prepare_data` writes both): `spm.model`, or the `tokenizer.json` of
+a corpus made with `--tokenizer`; or the SentencePiece file given. A bytes
+run (`data.text_file`) reads text as its UTF-8 bytes. The Markov task has no
+text: its tokens are ids, shown as numbers, and encoding text is a
+ConfigError that says to give ids.
 
 A run that carries its model's own tokenizer (`<model_dir>/tokenizer/`, where
 `launch.import_hf` copies a Hugging Face model's `tokenizer.json` or
@@ -51,6 +52,9 @@ def tokenizer_for(task, *, spm_model: str | None = None,
   if isinstance(getattr(task, 'tokenizer', None), Tokenizer):  # it tokenizes text itself
     return task.tokenizer
   if isinstance(task, LMCorpusTask):
+    hf = corpus_tokenizer_json(task.patterns['train'])
+    if hf is not None:
+      return HuggingFaceTokenizer(hf)
     found = corpus_spm_model(task.patterns['train'])
     if found is None:
       return IdTokenizer(
@@ -90,6 +94,20 @@ def corpus_spm_model(train_files: str) -> str | None:
   except (OSError, ValueError, AttributeError):
     pass
   path = os.path.join(directory, name)
+  return path if os.path.isfile(path) else None
+
+
+def corpus_tokenizer_json(train_files: str) -> str | None:
+  """The `tokenizer.json` a corpus was made with (`launch.prepare_data
+  --tokenizer`, its corpus.json says so), beside the files matching
+  `train_files`; None for any other corpus."""
+  from layout_core.tasks import corpus_tokenizer  # pylint: disable=g-import-not-at-top
+  if glob.has_magic(os.path.dirname(train_files)):
+    return None
+  found = corpus_tokenizer.corpus_record(train_files)
+  if found is None or found[1].get('kind') != corpus_tokenizer.HUGGING_FACE:
+    return None
+  path = os.path.join(found[0], found[1]['file'])
   return path if os.path.isfile(path) else None
 
 

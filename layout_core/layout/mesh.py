@@ -190,7 +190,7 @@ def _settle_gather_lowering(spec: MeshSpec) -> None:
     raise ConfigError(
         f'{spec.describe()} has {len(spec.shape)} axes, but this process compiles DTensor '
         f'all-gathers to CollectiveGatherV2 ({reason}), which fails to compile most '
-        'relayouts on a mesh of two or more axes (bench/gather_lowering_limit.py)',
+        'relayouts on a mesh of two or more axes (bench/limits/gather_lowering_limit.py)',
         where='mesh.shape',
         fix='build this mesh in a fresh process; a process that needs meshes of several '
         'shapes calls layout_core.tf_internals.lower_gathers_once(False, reason=...) '
@@ -256,7 +256,7 @@ def sub_meshes(mesh: dtensor.Mesh, axis: str) -> list[dtensor.Mesh]:
 
   On a mesh of several clients, sub-mesh k is not the devices at index k of
   `axis` (that would put each stage on its own client, and DTensor cannot
-  copy between meshes on different hosts: bench/cross_client_submesh_limit.py)
+  copy between meshes on different hosts: bench/limits/cross_client_submesh_limit.py)
   but the k-th equal share of every client's devices, client 0's first: on 2
   clients x 4, stage 0 = CPU 0-1 of both clients, stage 1 = CPU 2-3 of both.
   The other axes keep their order over those devices, so the outermost one
@@ -308,7 +308,7 @@ def _shares_of_every_client(mesh: dtensor.Mesh, axis: str,
 # DTensor folds the value of a small function input (17 elements or fewer
 # measured; 24 or more are not) into its compile cache key: the first call
 # with another value compiles the whole function again, after which DTensor
-# stops folding that input (bench/small_input_recompile.py). A scalar that
+# stops folding that input (bench/limits/small_input_recompile.py). A scalar that
 # changes from call to call (a step, a seed, a norm) travels as this many
 # copies; the function reads [0].
 UNFOLDED_LENGTH = 64

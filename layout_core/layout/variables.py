@@ -227,7 +227,7 @@ def dvariable(value, *, path: str, trainable: bool = True):
 
   It is named by the path's last part ('w_in', 'm'), not the whole path:
   DTensor compiles the op that makes a variable's handle once per distinct
-  name (~7.5 ms each on 8 CPU devices: bench/dtensor_compile_limit.py), which
+  name (~7.5 ms each on 8 CPU devices: bench/limits/dtensor_compile_limit.py), which
   cost the quickstart's 92 variables ~0.7 s of start-up. Nothing looks a
   variable up by its TF name: paths key the layouts, checkpoints and
   optimizer slots."""

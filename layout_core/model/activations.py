@@ -18,7 +18,7 @@ with its weights:
 one-program engine and the SPMD pipeline's stage slots pin it; the sub-mesh
 pipeline's stages do not: there the relayout inside a
 stage broke the backward pass's crossing between meshes ("CopyToMeshOp must
-be used to send data across mesh", TF 2.21; `bench/submesh_residual_limit.py`).
+be used to send data across mesh", TF 2.21; `bench/limits/submesh_residual_limit.py`).
 Measured on lm_small, `data=2 x model=4` with `configs/layouts/megatron.gin`,
 2 cores: 2.38 -> 2.68 steps/s (`bench/step.py`, in turns); the losses are the
 same (tests/test_speed_paths.py).

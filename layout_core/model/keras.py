@@ -132,7 +132,7 @@ def _stateless_build(model: KerasModel, keras, input_specs, *, compute_dtype: st
   bfloat16 math), and any `remat` but 'none' recomputes every layer's
   activation function (`keras.RematScope(mode='activations')`): Keras' whole-
   layer modes fail inside tf.function on the TensorFlow backend
-  (bench/keras_remat_limit.py)."""
+  (bench/limits/keras_remat_limit.py)."""
   policy = keras.config.dtype_policy()
   if compute_dtype != 'float32':
     keras.config.set_dtype_policy(f'mixed_{compute_dtype}')

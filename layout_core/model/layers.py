@@ -20,8 +20,7 @@ from layout_core.model.base import (BaseLayer, Declared, LayerMeta, as_float32,
 from layout_core.model.activations import residual
 from layout_core.model.attention import MultiHeadAttention
 from layout_core.model.random import dropout
-from layout_core.model.weights import cast, dense
-from layout_core.step_context import current
+from layout_core.model.weights import LayerWeights, cast, dense
 
 
 def check_width(p, x_shape, dim: str) -> None:
@@ -73,7 +72,10 @@ class Embedding(BaseLayer):
                      matmul_flops=0)
 
   def fprop(self, ids):
-    sequence = current().sequence  # packed documents: each token's position within its own
+    # The step's context as every layer's math receives it: with its weights
+    # (`LayerWeights`, made as `BaseLayer.fprop` makes them), not looked up here.
+    context = LayerWeights(self, inputs=(ids,)).context
+    sequence = context.sequence  # packed documents: each token's position within its own
     return self.lookup(self.params, ids, table=fsdp.at_use(self.table),
                        pos_table=(fsdp.at_use(self.pos_table) if learned_positions(self.params)
                                   else None),

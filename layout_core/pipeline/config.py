@@ -38,7 +38,7 @@ class PipelineConfig:
     `devices_per_client` devices each (None: it can). The SPMD engine is one
     program on the whole mesh; the sub-mesh engine gives every stage an equal
     share of each client's devices (a stage per client cannot take DTensor's
-    cross-mesh copy: bench/cross_client_submesh_limit.py)."""
+    cross-mesh copy: bench/limits/cross_client_submesh_limit.py)."""
     if num_clients == 1 or self.engine == 'spmd' or devices_per_client % self.num_stages == 0:
       return None
     return (f'the sub-mesh engine gives each of its {self.num_stages} stages an equal share '

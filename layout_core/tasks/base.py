@@ -50,7 +50,7 @@ import numpy as np
 
 from layout_core.errors import ConfigError
 from layout_core.lazy import tf
-from layout_core.tasks import reading, streams
+from layout_core.tasks import reading, record_files, streams
 
 SPLITS = ('train', 'eval')
 SPLIT_INDEX = {'train': 0, 'eval': 1}  # a split's part in its random streams' seeds
@@ -377,7 +377,7 @@ class TFRecordTask(Task):
     self.patterns = {'train': train_files, 'eval': eval_files}
     used = {name: self.features_spec[name] for name in self.inputs + (label,)}
     for split, files in self.files.items():
-      streams.check_first_records(files, used, where=f'tfrecord_task.{split}_files '
+      record_files.check_first_records(files, used, where=f'tfrecord_task.{split}_files '
                                   f'/ tfrecord_task.features')
     self.objective, self.num_classes, self.seed = objective, num_classes, seed
     self.num_streams, self.shuffle_window = num_streams, shuffle_window

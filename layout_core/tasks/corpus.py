@@ -41,7 +41,7 @@ from layout_core.durable import INCOMPLETE_SUFFIX, replace_durably
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least
 from layout_core.lazy import tf
-from layout_core.tasks import reading, streams
+from layout_core.tasks import reading, record_files, streams
 from layout_core.tasks.base import SPLIT_INDEX, find_split_files
 from layout_core.tasks.lm import LMTask
 from layout_core.tasks.objective import Mean, masked_mean
@@ -178,7 +178,7 @@ class LMCorpusTask(LMTask):
                                   where='lm_corpus')
     self.patterns = {'train': train_files, 'eval': eval_files}
     for split, files in self.files.items():
-      streams.check_first_records(files, {FEATURE: ('int64', ())},
+      record_files.check_first_records(files, {FEATURE: ('int64', ())},
                                   where=f'lm_corpus.{split}_files', varlen=(FEATURE,))
     self.vocab_size, self.seq_len, self.pack, self.seed = vocab_size, seq_len, pack, seed
     self.num_streams, self.shuffle_window = num_streams, shuffle_window

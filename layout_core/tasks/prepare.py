@@ -1,4 +1,4 @@
-"""Preparing an LM corpus: text files -> a SentencePiece model -> TFRecords of ids.
+"""Preparing an LM corpus: text files -> a tokenizer -> TFRecords of ids.
 
 Tokenization happens once, here, offline and on the host, so training reads
 ready-made token ids. The corpus can be made from text already on the machine
@@ -13,26 +13,26 @@ Each source file is one document. Every k-th document (k = 1 / eval_fraction,
 by index) goes to eval, the rest to train; the SentencePiece model is trained
 on the train documents only. `output_dir` then holds:
 
-  * `spm.model`: the tokenizer; ids 0 = pad, 1 = eos, 2 = unk, no bos;
+  * `spm.model`: the tokenizer; ids 0 = pad, 1 = eos, 2 = unk, no bos; or,
+    with `tokenizer=` a Hugging Face or run directory, a copy of its
+    `tokenizer.json` (`layout_core.tasks.corpus_tokenizer`: each document
+    as the tokenizer encodes it, then its eos id);
   * `train-KKKKK-of-NNNNN.tfrecord`, `eval-...`: one `tf.train.Example` per
     document, a single int64 VarLen feature `tokens` ending in eos (1),
     documents dealt round-robin over `num_shards` files, or over one file per
     document when a split has fewer documents (a small eval split): no file
     is empty, so every stream a trainer deals a file to has a record;
-  * `corpus.json`: counts, vocab size, the source files and the record files
-    (these relative to output_dir).
+  * `corpus.json`: counts, vocab size, the tokenizer (its file, sha256, vocab
+    size and eos id, which a training run checks against its model's), the
+    source files and the record files (these relative to output_dir).
 
-Publishing is atomic as a whole: `output_dir` is a link to a complete version,
-`<output_dir>.versions/NNNNN`. A run writes everything into the next version
-(`NNNNN.incomplete` until complete and on disk), then switches the link with
-one rename, so a reader globbing `output_dir/train-*` sees the old corpus or
-the new one, never a mix, and a run killed at any point leaves the old corpus
-as it was (the next run removes its partial version). The version replaced
-stays for a training that may still read it; older ones are deleted. An
-`output_dir` that is a directory holding files (written by hand, or by
-prepare_data before versions) is refused rather than moved.
+Publishing is atomic as a whole (`layout_core.tasks.corpus_versions`):
+`output_dir` is a link to a complete version, switched in one rename, so a
+reader sees the old corpus or the new one, never a mix. An `output_dir` that
+is a directory holding files (written by hand, or by prepare_data before
+versions) is refused rather than moved.
 
-The tokenizer keeps text as it is (no Unicode normalization, whitespace and
+The SentencePiece model keeps text as it is (no Unicode normalization, whitespace and
 newlines kept, indentation as whitespace pieces), and every printable ASCII
 character is in its vocabulary, so source code decodes back exactly; other
 characters rarer than the coverage become unk. Everything is deterministic:
@@ -53,8 +53,11 @@ from absl import logging
 import sentencepiece
 
 from layout_core.errors import ConfigError
-from layout_core.durable import INCOMPLETE_SUFFIX, sync_directory, write_atomically
+from layout_core.durable import write_atomically
+from layout_core.tasks import corpus_versions as versions
 from layout_core.tasks.corpus import FEATURE as TOKENS_FEATURE, write_documents
+from layout_core.tasks.corpus_tokenizer import (HF_TOKENIZER_FILE, SENTENCEPIECE,
+                                                HuggingFaceCorpusTokenizer, file_sha256)
 
 DEFAULT_SUFFIXES = ('.py', '.md', '.rst', '.txt')
 MIN_FILE_BYTES = 200      # smaller files are mostly boilerplate (empty __init__.py)
@@ -64,7 +67,6 @@ PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 SPLITS = ('train', 'eval')
 SPM_MODEL_NAME = 'spm.model'
 SUMMARY_NAME = 'corpus.json'
-VERSIONS_SUFFIX = '.versions'   # <output_dir>.versions/NNNNN: the complete corpora
 RECORD_PATTERN = '{split}-{{shard:05d}}-of-{{num_shards:05d}}.tfrecord'
 
 # Always in the vocabulary, however rare: code needs '$', '~', 'Q' to round-trip.
@@ -197,16 +199,21 @@ def write_token_records(*, documents: Iterable[str], model_path: str, output_pat
   'unknown_tokens': ids that are unk, 'files': the paths}.
   """
   processor = sentencepiece.SentencePieceProcessor(model_file=model_path)
+  encoded = (ids + [EOS_ID] * add_eos for ids in map(processor.encode, documents) if ids)
+  return write_id_records(encoded, output_pattern=output_pattern, num_shards=num_shards,
+                          unk_id=UNK_ID)
+
+
+def write_id_records(documents: Iterable[list[int]], *, output_pattern: str, num_shards: int,
+                     unk_id: int | None) -> dict:
+  """`write_token_records` for documents already tokenized (their ids, eos
+  included); `unk_id` (None: none) is counted."""
   counts = {'documents': 0, 'tokens': 0, 'unknown_tokens': 0}
 
   def token_ids():
-    for document in documents:
-      ids = processor.encode(document)
-      if not ids:
-        continue
-      counts['unknown_tokens'] += ids.count(UNK_ID)
-      if add_eos:
-        ids.append(EOS_ID)
+    for ids in documents:
+      if unk_id is not None:
+        counts['unknown_tokens'] += ids.count(unk_id)
       counts['documents'] += 1
       counts['tokens'] += len(ids)
       yield ids
@@ -219,14 +226,17 @@ def prepare_corpus(*, output_dir: str, text_roots: Sequence[str] = (),
                    text_files: Sequence[str] = (), max_bytes: int = 4_000_000,
                    vocab_size: int | None = None, num_shards: int = 8,
                    eval_fraction: float = 0.05, spm_model: str | None = None,
-                   model_type: str = 'bpe') -> dict:
+                   model_type: str = 'bpe', tokenizer: str | None = None,
+                   eos_token: str | None = None) -> dict:
   """Collects the text, splits it, trains (or copies) the tokenizer and writes
   the TFRecords and corpus.json into `output_dir` (see the module docstring).
 
   `text_files` are used whole; `text_roots` are walked by `collect_text_files`
   up to `max_bytes`. With `spm_model`, that model is copied to
   output_dir/spm.model instead of training one (`vocab_size`, if given, must
-  match it). Returns the summary written to corpus.json.
+  match it). With `tokenizer` (a Hugging Face or run directory) its
+  tokenizer.json tokenizes, `eos_token` (default: the one its files name)
+  ending each document. Returns the summary written to corpus.json.
   """
   if num_shards < 1:
     raise ConfigError(f'num_shards = {num_shards} must be at least 1', where='num_shards',
@@ -234,7 +244,17 @@ def prepare_corpus(*, output_dir: str, text_roots: Sequence[str] = (),
   if not 0 <= eval_fraction <= 0.5:
     raise ConfigError(f'eval_fraction = {eval_fraction} is not between 0 and 0.5',
                       where='eval_fraction', fix='hold out a small part, e.g. 0.05')
-  if spm_model is None and vocab_size is None:
+  hf = None
+  if tokenizer is not None:
+    if spm_model is not None:
+      raise ConfigError('both tokenizer and spm_model are given', where='tokenizer / spm_model',
+                        fix='give one: the tokenizer to make the corpus with')
+    hf = HuggingFaceCorpusTokenizer.find(tokenizer, eos_token=eos_token)
+    if vocab_size is not None and vocab_size != hf.vocab_size:
+      raise ConfigError(f'{hf.path} has {hf.vocab_size} ids, but vocab_size = {vocab_size}',
+                        where='vocab_size', fix=f'set vocab_size to {hf.vocab_size} or leave '
+                        'it out')
+  elif spm_model is None and vocab_size is None:
     raise ConfigError('vocab_size is needed to train a SentencePiece model', where='vocab_size',
                       fix='give vocab_size (e.g. 1024) or an existing spm_model')
   for path in text_files:
@@ -244,7 +264,7 @@ def prepare_corpus(*, output_dir: str, text_roots: Sequence[str] = (),
   if spm_model is not None:
     _check_spm_model(spm_model, vocab_size=vocab_size)
 
-  _check_output_dir(output_dir)
+  versions.check_output_dir(output_dir)
   paths = list(text_files)
   if text_roots:
     paths += collect_text_files(roots=text_roots, max_bytes=max_bytes)
@@ -259,42 +279,55 @@ def prepare_corpus(*, output_dir: str, text_roots: Sequence[str] = (),
   logging.info('%d files, %d documents: %d train, %d eval', len(paths), len(documents),
                len(splits['train']), len(splits['eval']))
 
-  version = _start_version(output_dir)
+  version = versions.start_version(output_dir)
   try:
     summary = _write_corpus(version, splits=splits, paths=paths, text_roots=text_roots,
                             text_files=text_files, vocab_size=vocab_size, num_shards=num_shards,
                             spm_model=spm_model, model_type=model_type,
-                            document_count=len(documents))
+                            document_count=len(documents), hf=hf)
   except BaseException:  # also a stop signal: the old corpus stays as it was
     shutil.rmtree(version, ignore_errors=True)
     raise
-  _publish(output_dir, version)
+  versions.publish(output_dir, version)
   return summary
 
 
 def _write_corpus(directory: str, *, splits: dict[str, list[str]], paths: list[str],
                   text_roots: Sequence[str], text_files: Sequence[str],
                   vocab_size: int | None, num_shards: int, spm_model: str | None,
-                  model_type: str, document_count: int) -> dict:
+                  model_type: str, document_count: int,
+                  hf: HuggingFaceCorpusTokenizer | None = None) -> dict:
   """The tokenizer, the records and corpus.json, written into `directory`."""
   model_path = os.path.join(directory, SPM_MODEL_NAME)
-  if spm_model is None:
+  if hf is not None:
+    with open(hf.path, 'rb') as f:
+      write_atomically(os.path.join(directory, HF_TOKENIZER_FILE), f.read())
+  elif spm_model is None:
     logging.info('Training a %d-piece SentencePiece model on the train documents', vocab_size)
     train_sentencepiece(documents=splits['train'], model_prefix=model_path[:-len('.model')],
                         vocab_size=vocab_size, model_type=model_type)
   else:
     with open(spm_model, 'rb') as f:
       write_atomically(model_path, f.read())
-  model_vocab_size = sentencepiece.SentencePieceProcessor(model_file=model_path).vocab_size()
+  if hf is not None:
+    record = hf.record(HF_TOKENIZER_FILE)
+    ids = {'pad_id': None, 'eos_id': hf.eos_id, 'unk_id': hf.unk_id}  # rows pad with 0, masked
+  else:
+    record = {'kind': SENTENCEPIECE, 'file': SPM_MODEL_NAME, 'source': spm_model,
+              'sha256': file_sha256(model_path), 'eos_id': EOS_ID, 'vocab_size':
+              sentencepiece.SentencePieceProcessor(model_file=model_path).vocab_size()}
+    ids = {'pad_id': PAD_ID, 'eos_id': EOS_ID, 'unk_id': UNK_ID}
 
   summary = {
-      'spm_model': SPM_MODEL_NAME,
-      'vocab_size': model_vocab_size,
-      'pad_id': PAD_ID, 'eos_id': EOS_ID, 'unk_id': UNK_ID,
+      'spm_model': None if hf else SPM_MODEL_NAME,
+      'tokenizer': record,
+      'vocab_size': record['vocab_size'],
+      **ids,
       'feature': TOKENS_FEATURE,
       'sources': {'files': len(paths), 'bytes': sum(os.path.getsize(p) for p in paths),
                   'documents': document_count, 'text_roots': list(text_roots),
                   'text_files': list(text_files), 'spm_model': spm_model,
+                  'tokenizer': hf and os.path.dirname(hf.path),
                   'paths': paths},  # what the corpus was made of, in document order
   }
   escaped_dir = directory.replace('{', '{{').replace('}', '}}')
@@ -307,8 +340,12 @@ def _write_corpus(directory: str, *, splits: dict[str, list[str]], paths: list[s
     counts = {'documents': 0, 'tokens': 0, 'unknown_tokens': 0, 'files': []}
     if shards:
       pattern = os.path.join(escaped_dir, RECORD_PATTERN.format(split=split))
-      counts = write_token_records(documents=splits[split], model_path=model_path,
-                                   output_pattern=pattern, num_shards=shards)
+      if hf is not None:
+        counts = write_id_records(hf.encode_documents(splits[split]), output_pattern=pattern,
+                                  num_shards=shards, unk_id=hf.unk_id)
+      else:
+        counts = write_token_records(documents=splits[split], model_path=model_path,
+                                     output_pattern=pattern, num_shards=shards)
     logging.info('%s: %d documents, %d tokens in %d files', split, counts['documents'],
                  counts['tokens'], shards)
     counts['files'] = [os.path.basename(path) for path in counts['files']]
@@ -332,75 +369,6 @@ def split_documents(documents: Sequence[str], *, eval_fraction: float) -> dict[s
         f'{every}th for eval (eval_fraction = {eval_fraction})', where='eval_fraction',
         fix='give more text, or set eval_fraction to 0')
   return splits
-
-
-def _versions_dir(output_dir: str) -> str:
-  return os.path.abspath(output_dir) + VERSIONS_SUFFIX
-
-
-def _link_target(link: str) -> str:
-  return os.path.normpath(os.path.join(os.path.dirname(link), os.readlink(link)))
-
-
-def _check_output_dir(output_dir: str) -> None:
-  """`output_dir` must be absent, an empty directory, or a link to a version
-  of ours: anything else cannot be replaced by one rename."""
-  path = os.path.abspath(output_dir)  # also without a trailing '/', which follows a link
-  if os.path.islink(path):
-    if os.path.dirname(_link_target(path)) != _versions_dir(path):
-      raise ConfigError(f'output_dir {output_dir!r} is a link to {_link_target(path)!r}, '
-                        f'not to a corpus version in {_versions_dir(path)!r}',
-                        where='output_dir',
-                        fix='give a new output_dir (prepare_data makes the link itself)')
-  elif os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-    what = 'a directory holding files' if os.path.isdir(path) else 'a file'
-    raise ConfigError(
-        f'output_dir {output_dir!r} is {what}: prepare_data publishes a corpus by '
-        'switching a link to a complete version in one rename (so a stopped run never '
-        'mixes two corpora), and cannot do that over it', where='output_dir',
-        fix='give a new output_dir, or move or delete this one (a corpus written by an '
-            'older prepare_data is made again in seconds)')
-
-
-def _start_version(output_dir: str) -> str:
-  """A new, empty `<output_dir>.versions/NNNNN.incomplete`, after removing
-  the partial versions of runs that were killed."""
-  versions = _versions_dir(output_dir)
-  os.makedirs(versions, exist_ok=True)
-  numbers = [0]
-  for name in os.listdir(versions):
-    if name.endswith(INCOMPLETE_SUFFIX):
-      shutil.rmtree(os.path.join(versions, name), ignore_errors=True)
-    number = name.split('.')[0]
-    if number.isdigit():
-      numbers.append(int(number))
-  version = os.path.join(versions, f'{max(numbers) + 1:05d}{INCOMPLETE_SUFFIX}')
-  os.makedirs(version)
-  return version
-
-
-def _publish(output_dir: str, version: str) -> None:
-  """Makes the complete `version` the corpus at `output_dir` with one rename of
-  a link; keeps the version it replaces, deletes older ones."""
-  final = version[:-len(INCOMPLETE_SUFFIX)]
-  os.rename(version, final)
-  versions = os.path.dirname(final)
-  sync_directory(versions)
-  path = os.path.abspath(output_dir)
-  parent = os.path.dirname(path)
-  previous = _link_target(path) if os.path.islink(path) else None
-  link = path + '.link' + INCOMPLETE_SUFFIX
-  if os.path.lexists(link):
-    os.remove(link)
-  os.symlink(os.path.relpath(final, parent), link)  # relative: the parent may move
-  if os.path.isdir(path) and not os.path.islink(path):
-    os.rmdir(path)  # empty (_check_output_dir): a link cannot replace a directory
-  os.replace(link, path)
-  sync_directory(parent)
-  for name in os.listdir(versions):
-    path = os.path.join(versions, name)
-    if path not in (final, previous):
-      shutil.rmtree(path, ignore_errors=True)
 
 
 def _check_spm_model(spm_model: str, *, vocab_size: int | None) -> None:

@@ -41,7 +41,7 @@ from absl import logging
 
 from layout_core.errors import ConfigError
 from layout_core.lazy import tf
-from layout_core.tasks import streams
+from layout_core.tasks import record_files, streams
 
 FilesRecord = list[list]  # [[name relative to the common directory, bytes], ...]
 _NAMED = 5  # files named in a message before "and N more"
@@ -115,7 +115,7 @@ def open_stream_reader(
     parse: Callable, seed: int, window: int, position_length: int,
     unsaved: Callable[[int, streams.StreamSpec, int], tuple[int, ...]],
     source: Callable[[streams.RecordStream, tuple[int, ...]], object],
-    records: Callable = streams.tfrecord_files, count: Callable[..., int] = streams.records_in
+    records: Callable = streams.tfrecord_files, count: Callable[..., int] = record_files.records_in
 ) -> streams.StreamReader:
   """The reader of one split (see the module docstring).
 

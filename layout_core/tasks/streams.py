@@ -29,7 +29,9 @@ every stream of a non-empty file has a record. That rule depends on the files
 alone, never on the mesh or the clients, and leaves every stream that had
 records before it unchanged (they start below n), so batches of data that
 trained before are the same bit for bit. A stream whose files are all empty
-still has nothing to read and says so.
+still has nothing to read and says so. (Counting a file's records and
+checking its first one against the declared features, in Python:
+`layout_core.tasks.record_files`.)
 """
 
 from __future__ import annotations
@@ -39,8 +41,6 @@ import dataclasses
 import functools
 import gc
 import itertools
-import math
-import os
 import weakref
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -49,6 +49,7 @@ from absl import logging
 
 from layout_core.errors import ConfigError
 from layout_core.lazy import tf
+from layout_core.tasks.record_files import records_in
 
 Position = tuple[int, int]           # (epoch, records taken in that epoch)
 _EPOCHS_AHEAD = 16  # how far a stream's epochs may run ahead of its reader
@@ -141,20 +142,6 @@ def deal_streams(*, files: Sequence[str], num_streams: int, where: str = 'data')
     every = num_streams // count
     return [StreamSpec((files[k % count],), every, k // count) for k in range(num_streams)]
   return [StreamSpec(files[k::num_streams]) for k in range(num_streams)]
-
-
-def records_in(path: str, *, at_most: int) -> int:
-  """The number of records of a TFRecord file, counted up to `at_most` by
-  walking the record headers in Python (no record is read or parsed)."""
-  count = 0
-  with open(path, 'rb') as f:
-    while count < at_most:
-      header = f.read(12)   # uint64 length, uint32 masked CRC of the length
-      if len(header) < 12:
-        break
-      f.seek(int.from_bytes(header[:8], 'little') + 4, os.SEEK_CUR)  # data + its CRC
-      count += 1
-  return count
 
 
 def tfrecord_files(files) -> 'tf.data.Dataset':
@@ -355,62 +342,6 @@ def rows_to_streams(rows: np.ndarray | None, *, batch_size: int, num_streams: in
     return list(range(num_streams))
   block = batch_size // num_streams
   return sorted({int(r) // block for r in rows})
-
-
-def first_record(path: str) -> bytes | None:
-  """The first record of a TFRecord file, read in Python (this runs while
-  the plan is made, before TensorFlow's runtime may start); None if empty."""
-  with open(path, 'rb') as f:
-    header = f.read(12)   # uint64 length, uint32 masked CRC of the length
-    if not header:
-      return None
-    if len(header) < 12:
-      raise ValueError(f'it ends after {len(header)} bytes, inside the first record\'s header')
-    length = int.from_bytes(header[:8], 'little')
-    data = f.read(min(length, 1 << 30))
-    if len(data) < length:
-      raise ValueError(f'its first record declares {length} bytes but the file holds '
-                       f'{len(data)} after the header (truncated, or not a TFRecord file)')
-    return data
-
-
-def check_first_records(files: Sequence[str], features: Mapping[str, tuple[str, tuple[int, ...]]],
-                        *, where: str, varlen: Sequence[str] = ()) -> None:
-  """Parses the first record of every file against the declared features:
-  a ConfigError names the file, the feature, the declared and the found
-  shape (a wrong spec, a corrupt file) before anything is written."""
-  kinds = {'float32': 'float_list', 'int64': 'int64_list'}
-  for path in files:
-    try:
-      first = first_record(path)
-    except (OSError, ValueError) as e:
-      raise ConfigError(f'data file {path} cannot be read: {e}', where=where,
-                        fix='replace the file, or leave it out of the pattern') from None
-    if first is None:
-      continue  # an empty shard is allowed; an empty split is caught by its task
-    try:
-      example = tf.train.Example.FromString(first)
-    except Exception:  # pylint: disable=broad-except  # protobuf's DecodeError
-      raise ConfigError(f'the first record of {path} is not a tf.train.Example',
-                        where=where, fix='write the files with tf.train.Example records '
-                                         '(layout_core.tasks.write_tfrecords)') from None
-    stored = example.features.feature
-    for name, (dtype, shape) in features.items():
-      if name not in stored:
-        raise ConfigError(f'feature {name!r} is not in {path} (its first record has '
-                          f'{", ".join(sorted(stored)) or "no features"})', where=where,
-                          fix='name a stored feature, or rewrite the files')
-      kind = stored[name].WhichOneof('kind')
-      found = len(getattr(stored[name], kind).value) if kind else 0
-      if kind != kinds[dtype]:
-        raise ConfigError(f'feature {name!r} of {path} holds {kind or "nothing"} but is '
-                          f'declared {dtype}', where=where,
-                          fix=f"declare it as {'float32' if kind == 'float_list' else 'int64'}")
-      if name not in varlen and found != math.prod(shape):
-        raise ConfigError(f'feature {name!r} of {path} holds {found} values per record, '
-                          f'but is declared with shape {list(shape)} '
-                          f'({math.prod(shape)} values)', where=where,
-                          fix=f'declare a shape of {found} values, e.g. [{found}]')
 
 
 class StreamReader:

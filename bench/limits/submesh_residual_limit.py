@@ -20,7 +20,7 @@ be used to send data across mesh"; pinning in the forward function alone
 trains with the reference's losses but saves nothing, since the backward
 recomputes every stage's forward unpinned.
 
-    python bench/submesh_residual_limit.py [--out bench/results/submesh_residual.json]
+    python bench/limits/submesh_residual_limit.py [--out bench/results/submesh_residual.json]
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository root (this file is bench/limits/<name>.py): bench.common, layout_core.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
 
 from bench.common import RESULTS, run_child, write_json  # noqa: E402
 
@@ -97,7 +99,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--out', default=os.path.join(RESULTS, 'submesh_residual.json'))
   args = parser.parse_args()
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  repo = REPO
   config = os.path.join(repo, 'configs', 'experiments', 'lm_pipeline.gin')
   rows = []
   for variation in VARIATIONS:

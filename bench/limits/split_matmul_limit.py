@@ -21,7 +21,7 @@ inter-op 2), each in its own process. Steps are timed
 in rounds, best of 3. If `8 tf.devices` is as slow as `DTensor data=8`, the
 cost is the split itself (smaller matmuls), not DTensor's.
 
-    python bench/split_matmul_limit.py [--out bench/results/split_matmul_limit.json]
+    python bench/limits/split_matmul_limit.py [--out bench/results/split_matmul_limit.json]
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository root (this file is bench/limits/<name>.py): bench.common, layout_core.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
 
 from bench.common import RESULTS, run_child, write_json  # noqa: E402
 
@@ -128,7 +130,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--out', default=os.path.join(RESULTS, 'split_matmul_limit.json'))
   args = parser.parse_args()
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  repo = REPO
   results = []
   for form, threads in FORMS:
     ms = run_child(CHILD, repo, form, json.dumps(threads))['ms']

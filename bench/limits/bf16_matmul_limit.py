@@ -7,7 +7,7 @@ turns in one process, for each variation that could change the answer:
 oneDNN on or off (`TF_ENABLE_ONEDNN_OPTS`, read at import, so one
 subprocess each) and intra-op threads 1 vs all cores.
 
-    python bench/bf16_matmul_limit.py [--sizes 512 1024 2048] [--out bench/results/bf16_matmul.json]
+    python bench/limits/bf16_matmul_limit.py [--sizes 512 1024 2048] [--out bench/results/bf16_matmul.json]
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS, run_child, write_json  # pylint: disable=wrong-import-position
+# The repository root (this file is bench/limits/<name>.py): bench.common, layout_core.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+from bench.common import RESULTS, run_child, write_json  # pylint: disable=wrong-import-position
 
 _CHILD = r'''
 import json, sys, time

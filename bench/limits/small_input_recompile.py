@@ -18,7 +18,7 @@ as the first compile), 24 and more never do. The fix the engine uses,
 `layout_core.layout.mesh.pack_changing_scalar` (64 copies, the function
 reads [0]), is the 64-element row.
 
-    python bench/small_input_recompile.py [--out bench/results/small_input_recompile.json]
+    python bench/limits/small_input_recompile.py [--out bench/results/small_input_recompile.json]
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository root (this file is bench/limits/<name>.py): bench.common, layout_core.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
 
 from bench.common import RESULTS, write_json  # noqa: E402
 from layout_core.layout import mesh as mesh_lib  # noqa: E402

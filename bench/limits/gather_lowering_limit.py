@@ -9,7 +9,7 @@ mesh (`data=8`) and a two-axis mesh (`data=2 x model=4`), eagerly and inside a
 `tf.function`, with the default lowering and with CollectiveGatherV2, in a
 fresh process each; every result is compared with the input.
 
-    python bench/gather_lowering_limit.py [--out bench/results/gather_lowering.json]
+    python bench/limits/gather_lowering_limit.py [--out bench/results/gather_lowering.json]
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS, run_child, write_json  # pylint: disable=wrong-import-position
+# The repository root (this file is bench/limits/<name>.py): bench.common, layout_core.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+from bench.common import RESULTS, run_child, write_json  # pylint: disable=wrong-import-position
 
 _CHILD = r'''
 import itertools, json, sys

@@ -14,7 +14,7 @@ apart, and a later call:
   `DTENSOR_ENABLE_MULTI_DEVICE_EXPANSION=1` (DTensor's one-function
   expansion instead of a copy per device).
 
-    python bench/dtensor_compile_limit.py [--rounds 3]
+    python bench/limits/dtensor_compile_limit.py [--rounds 3]
 
 The same holds for the eager op that makes a variable's handle: DTensor
 compiles it once per distinct variable name. `variables` makes 60
@@ -38,7 +38,9 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository root (this file is bench/limits/<name>.py): bench.common, layout_core.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
 
 from bench.common import RESULTS, run_child, write_json  # noqa: E402
 

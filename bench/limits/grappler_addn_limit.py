@@ -21,7 +21,7 @@ Measured: sharded weights of [4096, 4096] and up fail by default and are
 right with the optimizer off; replicated ones are right either way (the
 rewrite happens, the shapes agree); [2048, 2048] never triggers it.
 
-    python bench/grappler_addn_limit.py [--out bench/results/grappler_addn.json]
+    python bench/limits/grappler_addn_limit.py [--out bench/results/grappler_addn.json]
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository root (this file is bench/limits/<name>.py): bench.common, layout_core.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
 
 from bench.common import RESULTS, run_child, write_json  # noqa: E402
 
@@ -63,7 +65,7 @@ def sum_of_four_error(mesh, spec, size: int) -> tuple[float, list[str]]:
 CHILD = r'''
 import json, sys
 sys.path.insert(0, sys.argv[4])
-from bench.grappler_addn_limit import sum_of_four_error
+from bench.limits.grappler_addn_limit import sum_of_four_error
 from layout_core import tf_internals
 from layout_core.layout import mesh as mesh_lib
 from layout_core.lazy import dtensor
@@ -89,7 +91,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--out', default=os.path.join(RESULTS, 'grappler_addn.json'))
   args = parser.parse_args()
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  repo = REPO
   rows = []
   for size in SIZES:
     for layout in LAYOUTS:

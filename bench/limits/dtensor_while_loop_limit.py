@@ -24,7 +24,7 @@ against NumPy or plain TF ('ok' means right):
 3. Python slicing (`x[:, None]`, `x[:, -1]`) of a sharded DTensor inside a
    function, against `tf.expand_dims` / `tf.squeeze` / a one-hot sum.
 
-    python bench/dtensor_while_loop_limit.py [--out bench/results/dtensor_while_loop.json]
+    python bench/limits/dtensor_while_loop_limit.py [--out bench/results/dtensor_while_loop.json]
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ import signal
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository root (this file is bench/limits/<name>.py): bench.common, layout_core.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
 
 from bench.common import RESULTS, write_json  # noqa: E402
 

@@ -32,7 +32,7 @@ Measured (TF 2.21, bench/results/cross_client_submesh.json):
 * one client: client 1 crashes (SIGSEGV); client 0 moves a replicated value
   right and fails on a sharded one as above.
 
-    python bench/cross_client_submesh_limit.py [--out bench/results/cross_client_submesh.json]
+    python bench/limits/cross_client_submesh_limit.py [--out bench/results/cross_client_submesh.json]
 """
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ import socket
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS, write_json  # pylint: disable=wrong-import-position
+# The repository root (this file is bench/limits/<name>.py): bench.common, layout_core.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+from bench.common import RESULTS, write_json  # pylint: disable=wrong-import-position
 
 _CLIENT = r'''
 import json, os, sys, time

@@ -1,7 +1,7 @@
 r"""Limit check: does TensorFlow 2.21's einsum run bfloat16 as fast as its matmul here?
 
 A bf16 quickstart step on `data=2` ran at a fifth of float32's rate while
-`bench/bf16_matmul_limit.py` found bf16 MatMul faster than float32. This
+`bench/limits/bf16_matmul_limit.py` found bf16 MatMul faster than float32. This
 isolates the difference: a layer's projection x[b, t, d] @ w[d, f] with its
 gradients (forward and backward, as a training step runs it) written as
 `tf.einsum('btd,df->btf')` (as `layout_core.model.weights.dense` does) and
@@ -11,7 +11,7 @@ or off (`TF_ENABLE_ONEDNN_OPTS`, read at import, so one subprocess each) and
 intra-op threads 1 vs all cores. The shapes are the quickstart's feed-forward
 layer on one device's rows and one 4x wider.
 
-    python bench/bf16_einsum_limit.py [--out bench/results/bf16_einsum.json]
+    python bench/limits/bf16_einsum_limit.py [--out bench/results/bf16_einsum.json]
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS, run_child, write_json  # pylint: disable=wrong-import-position
+# The repository root (this file is bench/limits/<name>.py): bench.common, layout_core.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+from bench.common import RESULTS, run_child, write_json  # pylint: disable=wrong-import-position
 
 SHAPES = ['16,64,64,256', '16,64,256,1024']  # b, t, d, f
 

@@ -6,7 +6,7 @@ flips bytes inside record 500 of an intact copy), and reads each back with
 the default and a 1 MiB read buffer, eagerly and through `batch`: how many
 records come back, and which error, if any, is raised.
 
-    python bench/truncated_tfrecord_limit.py [--out bench/results/truncated_tfrecord.json]
+    python bench/limits/truncated_tfrecord_limit.py [--out bench/results/truncated_tfrecord.json]
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository root (this file is bench/limits/<name>.py): bench.common, layout_core.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
 
 from bench.common import RESULTS, write_json  # noqa: E402
 import tensorflow as tf  # noqa: E402

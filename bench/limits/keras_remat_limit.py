@@ -1,6 +1,6 @@
 r"""The limit behind "train.remat is not available for Keras 3 models": shown.
 
-    python -m bench.keras_remat_limit
+    python -m bench.limits.keras_remat_limit
 
 Keras 3 (TensorFlow backend) rematerializes a layer by wrapping its call in
 `tf.recompute_grad`, passing the call's keyword arguments (`training=...`)
@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository root (this file is bench/limits/<name>.py): bench.common, layout_core.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
 
 os.environ.setdefault('KERAS_BACKEND', 'tensorflow')
 
@@ -26,9 +28,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from bench.common import write_json  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results')
+from bench.common import RESULTS, write_json  # noqa: E402
 
 
 def attempt(mode: str, compiled: bool) -> str:
