@@ -275,8 +275,8 @@ class InstructionTask(LMCorpusTask):
       if not self.examples[split]:
         raise ConfigError(f'the {split} files {files} hold no examples',
                           where=f'instruct.{split}_files', fix='write examples into them')
-    self.tokenizer, directory = find_tokenizer(tokenizer)
-    self.template = find_template(directory)
+    self.tokenizer, self.tokenizer_dir = find_tokenizer(tokenizer)
+    self.template = find_template(self.tokenizer_dir)
     self.vocab_size, self.seq_len, self.pack, self.seed = vocab_size, seq_len, pack, seed
     self.too_long, self.num_streams, self.shuffle_window = too_long, num_streams, shuffle_window
 
