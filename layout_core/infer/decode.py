@@ -4,8 +4,7 @@
                                        # path -> variable ('lm/stack/block_000/attn/wq', ...)
     lm.logits(tokens)                  # [B, T, V] float32: the model's own forward pass
     lm.generate(prompts, lengths, max_new_tokens=32, sampling=Sampling(), seed=0)
-    # [B, 32] int32: each row's new tokens (DONE after its first stop id)
-    lm.generate(..., stop_ids=[2], stop_sequences=[[27, 91, 29]])  # ends: an id, ids in a row
+    # [B, 32] int32: each row's new tokens (DONE after its first stop id or stop sequence)
 
 `generate` first runs the prompts through the model once (the prefill),
 keeping every layer's keys and values, then feeds one position per new token:
@@ -156,9 +155,8 @@ class CachedLM:
         end with one (`layout_core.infer.stops.ends_with`).
     """
     return self._generate_entry(prompts, lengths, max_new_tokens=max_new_tokens,
-                                sampling=sampling, seed=seed, stop_ids=stop_ids,
-                                stop_sequences=stop_sequences, first_row=first_row,
-                                cached=True)
+                                sampling=sampling, seed=seed, stop_ids=stop_ids, cached=True,
+                                stop_sequences=stop_sequences, first_row=first_row)
 
   def generate_by_recomputing(self, prompts, lengths, *, max_new_tokens: int,
                               sampling: Sampling = Sampling(), seed=0,
@@ -167,9 +165,8 @@ class CachedLM:
     """`generate` without the cache: every step runs the whole window again
     (the reference the cached path is tested against; slower)."""
     return self._generate_entry(prompts, lengths, max_new_tokens=max_new_tokens,
-                                sampling=sampling, seed=seed, stop_ids=stop_ids,
-                                stop_sequences=stop_sequences, first_row=first_row,
-                                cached=False)
+                                sampling=sampling, seed=seed, stop_ids=stop_ids, cached=False,
+                                stop_sequences=stop_sequences, first_row=first_row)
 
   def prefill(self, prompts, lengths, *, max_new_tokens: int):
     """Traceable: what `generate` starts from. The prompts run through the
