@@ -19,9 +19,13 @@ an lm_corpus run's SentencePiece model (or --spm_model), a bytes run's UTF-8;
 a Markov run has ids only. Each prompt gets --max_new_tokens new tokens
 (`layout_core.infer.decode.CachedLM.generate`): greedy, or sampled with
 --temperature, --top_k, --top_p and --seed (the same seed gives the same
-text on any mesh). A row ends at a --stop id (or one-token text). The
-continuations are printed, and written as JSON lines to --output:
-{"prompt", "ids", "continuation", "text"}.
+text on any mesh). A row ends at a --stop (`layout_core.infer.stops`): an
+id, ids in a row, a special token's text (its id, no BOS), or text, whose
+ids end the row when its new tokens end with all of them. With --chat a row
+also ends where the chat's reply ends: the template's end-of-turn token, the
+tokenizer's EOS, and the `eos_token_id`s of the run's
+tokenizer/generation_config.json. The continuations are printed, and
+written as JSON lines to --output: {"prompt", "ids", "continuation", "text"}.
 
 Exit status: 0 done; 2 a configuration error in one paragraph (no
 checkpoint, a checkpoint of another model, a model that is not a Transformer
@@ -35,7 +39,6 @@ if __name__ == '__main__':  # first, before the imports below take their time
   import launch
   launch.install_start_up_handlers()
 
-import codecs
 import json
 import os
 import re
@@ -56,7 +59,9 @@ CHAT = flags.DEFINE_bool(
     'chat', False, 'Give each text prompt as a user turn of a conversation, formatted by '
     'the chat template the run was tuned with (its instruct task\'s; else the '
     'chat_template of its tokenizer/, as an imported chat model has; else the default '
-    'template), up to where the assistant\'s answer starts.')
+    'template), up to where the assistant\'s answer starts; the reply ends at the '
+    'template\'s end of turn, the tokenizer\'s EOS and generation_config.json\'s '
+    'eos_token_id.')
 PROMPT_IDS = flags.DEFINE_multi_string(
     'prompt_ids', [], 'A prompt as token ids, e.g. "1,2,3" (repeat for more).')
 PROMPTS_FILE = flags.DEFINE_string(
@@ -68,8 +73,10 @@ MAX_NEW_TOKENS = flags.DEFINE_integer(
 SEED = flags.DEFINE_integer(
     'seed', 0, 'Sampling seed: the samples are a function of (seed, prompt index, position).')
 STOP = flags.DEFINE_multi_string(
-    'stop', [], 'A token that ends a prompt\'s continuation: an id ("1"), or text that is '
-    'one token (escapes such as "\\n" allowed). Repeat for more.')
+    'stop', [], 'What ends a prompt\'s continuation: an id ("1"), ids in a row ("7,8"), a '
+    'special token\'s text ("<|eot_id|>": its id), or text (escapes such as "\\n" '
+    'allowed), which ends a row when its new tokens end with the text\'s tokens. Repeat '
+    'for more.')
 OUTPUT = flags.DEFINE_string(
     'output', None, 'Also write the continuations here as JSON lines: prompt, ids (the '
     'prompt\'s), continuation (ids), text.')
@@ -131,40 +138,40 @@ def read_prompts(tokenizer, encode=None) -> list[tuple[str, list[int]]]:
   return prompts
 
 
-def chat_encoder(plan, tokenizer):
-  """--chat's encoding of a prompt (`layout_core.tasks.instruct.chat_prompt`)
-  with the run's chat template (the flag's help says which)."""
+def chat_template(plan):
+  """(the chat template --chat formats with, its tokenizer directory or None):
+  the flag's help says which."""
   # pylint: disable=g-import-not-at-top
-  from layout_core.errors import ConfigError
-  from layout_core.tasks import instruct
+  from layout_core.tasks import chat
   from layout_core.tasks.tokenizer import RUN_TOKENIZER_DIR
   from plugins import inference
+  run = inference.run_directory(model_dir=MODEL_DIR.value, checkpoint=CHECKPOINT.value)
+  own = os.path.join(run, RUN_TOKENIZER_DIR) if run else None
+  directory = own if own and os.path.isdir(own) else getattr(plan.task, 'tokenizer_dir', None)
+  template = getattr(plan.task, 'template', None)
+  return (template if template is not None else chat.find_template(directory)), directory
+
+
+def chat_encoder(template, tokenizer):
+  """--chat's encoding of a prompt (`layout_core.tasks.chat.chat_prompt`)."""
+  # pylint: disable=g-import-not-at-top
+  from layout_core.errors import ConfigError
+  from layout_core.tasks import chat
   if not tokenizer.has_text:
     raise ConfigError(f'--chat formats text, but {tokenizer.why}', where='--chat',
                       fix='leave out --chat and give the prompt as ids')
-  template = getattr(plan.task, 'template', None)
-  if template is None:
-    run = inference.run_directory(model_dir=MODEL_DIR.value, checkpoint=CHECKPOINT.value)
-    template = instruct.find_template(os.path.join(run, RUN_TOKENIZER_DIR) if run else None)
-  return lambda text: instruct.chat_prompt(text, template=template, tokenizer=tokenizer)
+  return lambda text: chat.chat_prompt(text, template=template, tokenizer=tokenizer)
 
 
-def stop_ids(tokenizer) -> list[int]:
-  from layout_core.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  found = []
-  for value in STOP.value:
-    if re.fullmatch(r'\d+', value):
-      found.append(int(value))
-      continue
-    if not tokenizer.has_text:
-      raise ConfigError(f'--stop={value!r} is text, but {tokenizer.why}', where='--stop',
-                        fix='give the stop token as an id, e.g. --stop=1')
-    text = codecs.decode(value, 'unicode_escape') if '\\' in value else value
-    ids = tokenizer.encode(text)
-    if len(ids) != 1:
-      raise ConfigError(f'--stop={value!r} is {len(ids)} tokens ({ids}), not one',
-                        where='--stop', fix='give one token: its id, or text that is one token')
-    found.append(ids[0])
+def stops_of_flags(plan, tokenizer):
+  """(stop ids, stop sequences): --stop's, and with --chat the chat's own."""
+  from layout_core.infer import stops  # pylint: disable=g-import-not-at-top
+  found = stops.parse_stops(STOP.value, tokenizer)
+  if CHAT.value and tokenizer.has_text:
+    template, directory = chat_template(plan)
+    chat_ids, chat_sequences = stops.chat_stops(tokenizer, template=template,
+                                                directory=directory)
+    found = stops.split([[i] for i in found[0] + chat_ids] + found[1] + chat_sequences)
   return found
 
 
@@ -188,8 +195,8 @@ def main(argv):
     prompts, stops = [], []
 
     def check(plan, layers, tokenizer):  # before the checkpoint is read
-      encode = chat_encoder(plan, tokenizer) if CHAT.value else None
-      prompts[:], stops[:] = read_prompts(tokenizer, encode), stop_ids(tokenizer)
+      encode = chat_encoder(chat_template(plan)[0], tokenizer) if CHAT.value else None
+      prompts[:], stops[:] = read_prompts(tokenizer, encode), stops_of_flags(plan, tokenizer)
       for index, (text, ids) in enumerate(prompts):
         decode.check_fits(prompt_length=len(ids), max_new_tokens=MAX_NEW_TOKENS.value,
                           max_len=layers.max_len,
@@ -209,7 +216,8 @@ def main(argv):
         array[row, :len(ids)] = ids
       new = to_numpy(lm.generate(array, np.array([len(ids) for _, ids in batch], np.int32),
                                  max_new_tokens=MAX_NEW_TOKENS.value, sampling=sampling,
-                                 seed=SEED.value, first_row=first, stop_ids=stops))
+                                 seed=SEED.value, first_row=first, stop_ids=stops[0],
+                                 stop_sequences=stops[1]))
       results += [[int(t) for t in row if t != decode.DONE] for row in new]
     seconds = time.perf_counter() - start
     records = [{'prompt': text, 'ids': ids, 'continuation': new, 'text': tokenizer.decode(new)}

@@ -344,3 +344,89 @@ def test_decode_writes_jsonl_and_refuses_bad_input(quick_run, tmp_path):
     bad = run_module('launch.decode', *args)
     assert bad.returncode == 2, (args, bad.stderr[-2000:])
     assert said in bad.stderr and 'Traceback' not in bad.stderr
+
+
+# -- stops: sequences, special tokens' text, a chat's defaults --------------------------
+def test_a_row_stops_where_its_new_tokens_end_with_a_stop_sequence(plain, megatron):
+  greedy = generate(plain, max_new_tokens=12)
+  sequence = [int(t) for t in greedy[1, 3:5]]  # a pair row 1 draws
+  out = generate(plain, max_new_tokens=12, stop_sequences=[sequence])
+  recomputed = generate(plain, max_new_tokens=12, stop_sequences=[sequence], cached=False)
+  np.testing.assert_array_equal(out, recomputed)
+  np.testing.assert_array_equal(generate(megatron[0], max_new_tokens=12,
+                                         stop_sequences=[sequence]), out)  # step by step
+  for row in range(len(PROMPTS)):  # by hand: the first end of the pair in the row's new tokens
+    new = greedy[row].tolist()
+    ends = [i + 2 for i in range(len(new) - 1) if new[i:i + 2] == sequence]
+    end = ends[0] if ends else len(new)
+    np.testing.assert_array_equal(out[row, :end], greedy[row, :end])
+    assert (out[row, end:] == DONE).all()
+  assert (out[1] == DONE).sum() > 0  # a positive control: row 1 did stop
+  # The prompt's tokens do not count: a sequence that starts in the prompt never matches.
+  tail = [int(PROMPTS[0, LENGTHS[0] - 1]), int(greedy[0, 0])]
+  unmatched = generate(plain, max_new_tokens=12, stop_sequences=[tail])
+  first_in_new = [i + 2 for i in range(11) if greedy[0, i:i + 2].tolist() == tail]
+  assert (unmatched[0] != DONE).sum() == (first_in_new[0] if first_in_new else 12)
+  with pytest.raises(ConfigError, match='stop sequence is empty'):
+    plain.generate(PROMPTS, LENGTHS, max_new_tokens=2, stop_sequences=[[]])
+  with pytest.raises(ConfigError, match=r'stop ids \[32\]'):
+    plain.generate(PROMPTS, LENGTHS, max_new_tokens=2, stop_sequences=[[1, 32]])
+
+
+def test_stop_flags_and_a_chats_default_stops(tmp_path):
+  """--stop's values and --chat's defaults (`layout_core.infer.stops`), on a
+  Llama 3-like tokenizer whose `encode` adds a BOS (its ids written out by
+  tests/test_instruct.py's fixture)."""
+  from layout_core.infer import stops  # pylint: disable=g-import-not-at-top
+  from layout_core.tasks import chat  # pylint: disable=g-import-not-at-top
+  from layout_core.tasks.instruct import find_tokenizer  # pylint: disable=g-import-not-at-top
+  from tests.test_instruct import LLAMA_LIKE, hf_tokenizer_dir  # pylint: disable=g-import-not-at-top
+  directory, ids = hf_tokenizer_dir(tmp_path, LLAMA_LIKE)
+  tokenizer, _ = find_tokenizer(directory)
+  assert len(tokenizer.encode('<|eot_id|>')) == 2  # BOS + the token: what --stop refused
+  eot = ids['<|eot_id|>']
+  assert stops.parse_stops(['<|eot_id|>', '5', '7,8', 'red blue', 'red'], tokenizer) == (
+      [eot, 5, ids['red']], [[7, 8], [ids['red'], ids['blue']]])
+  assert stops.parse_stops(['<|eot_id|>'], tokenizer)[0] == [eot]
+  template = chat.find_template(directory)
+  assert stops.chat_stops(tokenizer, template=template, directory=directory) == ([eot], [])
+  with open(os.path.join(directory, 'generation_config.json'), 'w') as f:
+    json.dump({'eos_token_id': [eot, ids['please']]}, f)
+  assert stops.chat_stops(tokenizer, template=template, directory=directory) == (
+      [eot, ids['please']], [])
+  # the default template's <|end|> is several bytes: a stop sequence
+  byte = chat.end_of_turn_ids(chat.DefaultTemplate(), find_tokenizer('bytes')[0])
+  assert byte == list(b'<|end|>')
+  assert stops.chat_stops(find_tokenizer('bytes')[0], template=chat.DefaultTemplate(),
+                          directory=None) == ([], [list(b'<|end|>')])
+
+
+def test_decode_chat_stops_at_the_runs_eos_by_default(quick_run, tmp_path):
+  """--chat on a run given a tokenizer/ (a copy of the quickstart run): its
+  generation_config.json names every id an EOS, so each reply is one token;
+  without --chat the same prompt runs to --max_new_tokens, and --stop with a
+  special token's text is its id."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  from tests.test_instruct import LLAMA_LIKE, hf_tokenizer_dir  # pylint: disable=g-import-not-at-top
+  run = str(tmp_path / 'run')
+  shutil.copytree(quick_run, run)
+  directory, ids = hf_tokenizer_dir(tmp_path, LLAMA_LIKE)
+  shutil.copytree(directory, os.path.join(run, 'tokenizer'))
+  with open(os.path.join(run, 'tokenizer', 'generation_config.json'), 'w') as f:
+    json.dump({'eos_token_id': list(range(64))}, f)
+  output = str(tmp_path / 'out.jsonl')
+  done = run_module('launch.decode', f'--model_dir={run}', '--chat', '--prompt=name a colour',
+                    '--max_new_tokens=6', f'--output={output}')
+  assert done.returncode == 0, done.stderr[-3000:]
+  record = json.loads(open(output).read())
+  assert record['ids'][:2] == [ids['<|begin_of_text|>'], ids['<|start_header_id|>']]
+  assert len(record['continuation']) == 1
+  plain_run = run_module('launch.decode', f'--model_dir={run}', '--prompt_ids=' + ','.join(
+      map(str, record['ids'])), '--max_new_tokens=6', '--stop=<|eot_id|>', '--stop=1,2',
+                         f'--output={output}')
+  assert plain_run.returncode == 0, plain_run.stderr[-3000:]
+  again = json.loads(open(output).read())
+  stop_at = [i for i, t in enumerate(again['continuation']) if t == ids['<|eot_id|>']]
+  assert again['continuation'][0] == record['continuation'][0]
+  assert len(again['continuation']) == (stop_at[0] + 1 if stop_at else 6) or (
+      again['continuation'][-2:] == [1, 2])

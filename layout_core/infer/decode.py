@@ -4,7 +4,7 @@
                                        # path -> variable ('lm/stack/block_000/attn/wq', ...)
     lm.logits(tokens)                  # [B, T, V] float32: the model's own forward pass
     lm.generate(prompts, lengths, max_new_tokens=32, sampling=Sampling(), seed=0)
-    # [B, 32] int32: each row's new tokens (DONE after its first stop id)
+    # [B, 32] int32: each row's new tokens (DONE after its first stop id or stop sequence)
 
 `generate` first runs the prompts through the model once (the prefill),
 keeping every layer's keys and values, then feeds one position per new token:
@@ -46,6 +46,7 @@ import numpy as np
 from layout_core.errors import ConfigError
 from layout_core.infer.lm_layers import (LMLayers, TensorWeights, check_fits, check_weights,
                                          compute_dtype, lm_layers, mesh_of, positions_needed)
+from layout_core.infer import stops
 from layout_core.infer.sampling import Sampling, sample
 from layout_core.layout import fsdp
 from layout_core.layout.mesh import UNFOLDED_LENGTH, mesh_axes, pack_global_array
@@ -132,7 +133,7 @@ class CachedLM:
 
   def generate(self, prompts, lengths, *, max_new_tokens: int,
                sampling: Sampling = Sampling(), seed=0, stop_ids: Sequence[int] = (),
-               first_row=0):
+               first_row=0, stop_sequences: Sequence[Sequence[int]] = ()):
     """Each row's `max_new_tokens` new tokens, int32 [B, max_new_tokens], with
     the cache (module doc).
 
@@ -150,19 +151,22 @@ class CachedLM:
       first_row: The index of row 0 in the whole batch (an integer, Python or
         scalar tensor), when a larger batch is decoded in parts: row r draws
         the samples of row first_row + r.
+      stop_sequences: Token id sequences that end a row when its new tokens
+        end with one (`layout_core.infer.stops.ends_with`).
     """
     return self._generate_entry(prompts, lengths, max_new_tokens=max_new_tokens,
-                                sampling=sampling, seed=seed, stop_ids=stop_ids,
-                                first_row=first_row, cached=True)
+                                sampling=sampling, seed=seed, stop_ids=stop_ids, cached=True,
+                                stop_sequences=stop_sequences, first_row=first_row)
 
   def generate_by_recomputing(self, prompts, lengths, *, max_new_tokens: int,
                               sampling: Sampling = Sampling(), seed=0,
-                              stop_ids: Sequence[int] = (), first_row=0):
+                              stop_ids: Sequence[int] = (), first_row=0,
+                              stop_sequences: Sequence[Sequence[int]] = ()):
     """`generate` without the cache: every step runs the whole window again
     (the reference the cached path is tested against; slower)."""
     return self._generate_entry(prompts, lengths, max_new_tokens=max_new_tokens,
-                                sampling=sampling, seed=seed, stop_ids=stop_ids,
-                                first_row=first_row, cached=False)
+                                sampling=sampling, seed=seed, stop_ids=stop_ids, cached=False,
+                                stop_sequences=stop_sequences, first_row=first_row)
 
   def prefill(self, prompts, lengths, *, max_new_tokens: int):
     """Traceable: what `generate` starts from. The prompts run through the
@@ -175,17 +179,13 @@ class CachedLM:
 
   # -- calling: traced, or eagerly through a compiled function --------------------------
   def _generate_entry(self, prompts, lengths, *, max_new_tokens, sampling, seed, stop_ids,
-                      first_row, cached: bool):
+                      stop_sequences, first_row, cached: bool):
     if not isinstance(sampling, Sampling):
       raise ConfigError(f'sampling is a {type(sampling).__name__}', where='sampling',
                         fix='give a layout_core.infer.sampling.Sampling')
-    stop_ids = tuple(int(i) for i in stop_ids)
-    bad = [i for i in stop_ids if not 0 <= i < self.vocab_size]
-    if bad:
-      raise ConfigError(f'stop ids {bad} are not token ids of a {self.vocab_size}-token '
-                        'vocabulary', where='stop_ids', fix=f'give ids in 0..{self.vocab_size - 1}')
+    stop_ids, sequences = stops.checked(stop_ids, stop_sequences, vocab_size=self.vocab_size)
     settings = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
-                    cached=cached)
+                    stop_sequences=sequences, cached=cached)
     if tf.inside_function():  # traced by the caller: shapes checked where they are known
       if prompts.shape[1] is not None:
         check_fits(prompt_length=prompts.shape[1], max_new_tokens=max_new_tokens,
@@ -374,7 +374,7 @@ class CachedLM:
     return tf.while_loop(more, body, loop, name=f'decode_{next(_LOOP_NUMBERS)}')[3]
 
   def _first(self, prompts, lengths, seed, first_row, *, max_new_tokens: int,
-             sampling: Sampling, stop_ids: tuple[int, ...], cached: bool):
+             sampling: Sampling, stop_ids: tuple[int, ...], stop_sequences: tuple, cached: bool):
     """The prefill (or the first window) and the first new token: the
     loop's variables (step 1, last tokens, done, out [B, N], state)."""
     prompts = self._lay(tf.cast(prompts, tf.int32), self.batch_axis)
@@ -386,13 +386,15 @@ class CachedLM:
       logits = self._logits_at(state, lengths - 1)
     first, done = self._pick(logits, lengths, tf.zeros_like(lengths) > 0, seed=seed,
                              first_row=first_row, sampling=sampling, stop_ids=stop_ids)
+    del stop_sequences  # two tokens or more: none can end at the first
     columns = tf.expand_dims(tf.range(max_new_tokens), 0)
     out = tf.where(tf.equal(columns, 0), tf.expand_dims(first, 1), tf.ones_like(columns) * DONE)
     return (tf.constant(1), self._lay(first, self.batch_axis), self._lay(done, self.batch_axis),
             self._lay(out, self.batch_axis), state)
 
   def _next(self, step, last, done, out, state, lengths, seed, first_row, *,
-            max_new_tokens: int, sampling: Sampling, stop_ids: tuple[int, ...], cached: bool):
+            max_new_tokens: int, sampling: Sampling, stop_ids: tuple[int, ...],
+            stop_sequences: tuple, cached: bool):
     """The loop's variables one token on: `last` fed at each row's next position."""
     advance = self._cached_step if cached else self._recomputed_step
     fed = tf.maximum(last, 0)  # a finished row feeds anything: its tokens are DONE
@@ -401,6 +403,8 @@ class CachedLM:
                                 sampling=sampling, stop_ids=stop_ids)
     columns = tf.expand_dims(tf.range(max_new_tokens), 0)
     out = tf.where(tf.equal(columns, step), tf.expand_dims(token, 1), out)
+    if stop_sequences:
+      stopped = tf.logical_or(stopped, stops.ends_with(out, step, stop_sequences))
     return (step + 1, self._lay(token, self.batch_axis), self._lay(stopped, self.batch_axis),
             self._lay(out, self.batch_axis), state)
 
@@ -438,7 +442,8 @@ class CachedLM:
     step_function = self._function(('next',) + key, after)
     last, done, out, state = first(prompts, lengths, numbers)
     for step in range(1, settings['max_new_tokens']):
-      if settings['stop_ids'] and step % 8 == 0 and to_numpy(done).all():
+      stopping = settings['stop_ids'] or settings['stop_sequences']
+      if stopping and step % 8 == 0 and to_numpy(done).all():
         break  # every row has stopped (looked at every 8 tokens: a wait for the devices)
       numbers, last, done, out, state = step_function(numbers, last, done, out, state, lengths)
     return out

@@ -19,30 +19,20 @@ is not such an object (bad JSON, a missing key, a role other than system,
 user or assistant, an empty line, no assistant turn) is a ConfigError naming
 the file and line.
 
-The text of a conversation comes from a chat template:
+The text of a conversation comes from a chat template
+(`layout_core.tasks.chat`): the `chat_template` of the tokenizer directory's
+`tokenizer_config.json`, rendered as `transformers` renders it, else the
+default template, each turn as
 
-  * the tokenizer directory's `tokenizer_config.json` has a `chat_template`
-    (Jinja, as Hugging Face models ship it): it is rendered with `messages`,
-    `add_generation_prompt`, `bos_token` and `eos_token`;
-  * else the default template, each turn as
+    <|system|>\\n{content}<|end|>\\n      (and <|user|> alike)
+    <|assistant|>\\n{content}<|end|>\\n
 
-        <|system|>\\n{content}<|end|>\\n      (and <|user|> alike)
-        <|assistant|>\\n{content}<|end|>\\n
-
-    whose markers are plain text to the tokenizer.
-
-Only the assistant's tokens are trained: `loss_mask` is 1 on the tokens of
-each assistant turn's content and the end of its turn (`{content}<|end|>`
-above, or what the Jinja template renders after the generation prompt), 0 on
-everything else. The boundary is exact because the text is tokenized in
-pieces, each piece on its own (no special tokens added between them), and
-the ids concatenated: with a Jinja template, for each assistant turn i the
-conversation is rendered up to it with the generation prompt (the prefix the
-model answers from at inference) and up to and including it; the turn's
-trained text is the difference. A template whose renders are not prefixes of
-one another (it rewrites earlier turns) is a ConfigError. Tokenizing in
-pieces gives, at the boundary, the ids a model sees when it is prompted with
-the generation prompt and answers.
+The whole text is tokenized as `apply_chat_template(messages, tokenize=True)`
+tokenizes it (special tokens' text as their ids, no BOS added). Only the
+assistant's tokens are trained: `loss_mask` is 1 on the tokens of each
+assistant turn's content and the end of its turn (`{content}<|end|>` above,
+`{content}<|eot_id|>` in Llama 3's template, or what a template's
+`{% generation %}` blocks render), 0 on everything else.
 
 Examples are packed as `lm_corpus` packs documents
 (`layout_core.tasks.corpus.Packer`): whole examples per row of seq_len + 1
@@ -67,7 +57,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 from absl import logging
@@ -75,6 +65,8 @@ from absl import logging
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least
 from layout_core.tasks import tokenizer as tokens_lib
+from layout_core.tasks.chat import (DefaultTemplate, JinjaTemplate, chat_prompt,  # noqa: F401
+                                    find_template, tokenize)
 from layout_core.lazy import tf
 from layout_core.tasks import streams
 from layout_core.tasks.base import find_split_files
@@ -83,7 +75,6 @@ from layout_core.tasks.objective import Total
 
 ROLES = ('system', 'user', 'assistant')
 TOO_LONG = ('cut', 'drop')
-END = '<|end|>'  # the default template's end of a turn
 RECORD = 'record'  # a stream's record: 'path\nline number\nline text'
 
 Messages = list[dict[str, str]]
@@ -164,103 +155,7 @@ def numbered_lines(files) -> 'tf.data.Dataset':
   return tf.data.Dataset.from_tensor_slices(files).flat_map(of_file)
 
 
-# -- chat templates --------------------------------------------------------------
-Piece = tuple[str, bool]  # (text, trained)
-
-
-class DefaultTemplate:
-  """The default chat template (module doc), as pieces of text."""
-
-  def describe(self) -> str:
-    return 'default template'
-
-  def pieces(self, messages: Messages, *, where: str) -> list[Piece]:
-    del where  # this template renders every conversation
-    out: list[Piece] = []
-    for message in messages:
-      if message['role'] == 'assistant':
-        out += [('<|assistant|>\n', False), (message['content'] + END, True), ('\n', False)]
-      else:
-        out.append((f'<|{message["role"]}|>\n{message["content"]}{END}\n', False))
-    return out
-
-
-def _special(value: Any) -> str:
-  """A special token of tokenizer_config.json: a string or {'content': ...}."""
-  if isinstance(value, dict):
-    return str(value.get('content') or '')
-  return str(value or '')
-
-
-class JinjaTemplate:
-  """A tokenizer_config.json's `chat_template`, rendered as Hugging Face
-  renders it; `pieces` splits its text at each assistant turn (module doc)."""
-
-  def __init__(self, config_path: str, config: Mapping[str, Any]):
-    import jinja2  # pylint: disable=g-import-not-at-top
-    from jinja2 import sandbox  # pylint: disable=g-import-not-at-top
-    self.config_path = config_path
-    source = config['chat_template']
-    if isinstance(source, list):  # [{'name': 'default', 'template': ...}, ...]
-      named = {entry.get('name'): entry.get('template') for entry in source
-               if isinstance(entry, dict)}
-      source = named.get('default')
-    if not isinstance(source, str):
-      raise ConfigError(f'the chat_template of {config_path} is not a template string',
-                        where=config_path, fix='give a Jinja template string, or remove it '
-                                               'to use the default template')
-
-    def raise_exception(message):
-      raise jinja2.TemplateError(message)
-
-    environment = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    environment.globals['raise_exception'] = raise_exception
-    self._errors = (jinja2.TemplateError,)
-    try:
-      self.template = environment.from_string(source)
-    except jinja2.TemplateError as e:
-      raise ConfigError(f'the chat_template of {config_path} is not valid Jinja ({e})',
-                        where=config_path, fix='correct the template') from None
-    self.context = {'bos_token': _special(config.get('bos_token')),
-                    'eos_token': _special(config.get('eos_token'))}
-
-  def describe(self) -> str:
-    return f'chat_template of {self.config_path}'
-
-  def render(self, messages: Messages, *, generation_prompt: bool, where: str) -> str:
-    try:
-      return self.template.render(messages=messages, add_generation_prompt=generation_prompt,
-                                  **self.context)
-    except self._errors as e:
-      raise ConfigError(f'the chat_template of {self.config_path} fails on the example at '
-                        f'{where} ({e})', where=where,
-                        fix='correct the example or the template') from None
-
-  def pieces(self, messages: Messages, *, where: str) -> list[Piece]:
-    out: list[Piece] = []
-    done = ''  # the text the pieces so far spell
-
-    def extend(text: str, trained: bool, rendered: str) -> str:
-      if not text.startswith(done):
-        raise ConfigError(
-            f'the chat_template of {self.config_path} renders the example at {where} '
-            f'differently up to {rendered} than before it (it rewrites earlier turns), so '
-            'the assistant tokens cannot be told apart', where=self.config_path,
-            fix='use a template whose renders of a conversation\'s first turns are '
-                'prefixes of the whole, or remove chat_template to use the default')
-      out.append((text[len(done):], trained))
-      return text
-
-    for i, message in enumerate(messages):
-      if message['role'] == 'assistant':
-        done = extend(self.render(messages[:i], generation_prompt=True, where=where), False,
-                      f'the generation prompt of message {i}')
-        done = extend(self.render(messages[:i + 1], generation_prompt=False, where=where),
-                      True, f'message {i}')
-    extend(self.render(messages, generation_prompt=False, where=where), False, 'the end')
-    return out
-
-
+# -- chat templates (layout_core.tasks.chat) ---------------------------------------
 def find_tokenizer(tokenizer: str) -> tuple[tokens_lib.Tokenizer, str | None]:
   """(the tokenizer, its directory) for the task's `tokenizer` setting
   (module doc); the directory is None for 'bytes'."""
@@ -284,45 +179,6 @@ def find_tokenizer(tokenizer: str) -> tuple[tokens_lib.Tokenizer, str | None]:
                         "tokenizer.model, such a file, or 'bytes'")
 
 
-def find_template(directory: str | None) -> DefaultTemplate | JinjaTemplate:
-  """The chat_template of `directory/tokenizer_config.json`, else the default."""
-  path = os.path.join(directory, 'tokenizer_config.json') if directory else None
-  if not path or not os.path.isfile(path):
-    return DefaultTemplate()
-  try:
-    with open(path, encoding='utf-8') as f:
-      config = json.load(f)
-  except ValueError as e:
-    raise ConfigError(f'{path} is not JSON ({e})', where=path,
-                      fix='restore the tokenizer\'s tokenizer_config.json') from None
-  if not isinstance(config, dict) or not config.get('chat_template'):
-    return DefaultTemplate()
-  return JinjaTemplate(path, config)
-
-
-def chat_prompt(text: str, *, template: DefaultTemplate | JinjaTemplate,
-                tokenizer: tokens_lib.Tokenizer) -> list[int]:
-  """The ids a model tuned with `template` answers `text` from: `text` as a
-  user turn, up to where the assistant's answer starts (its generation
-  prompt), tokenized as training tokenized it."""
-  pieces = template.pieces([{'role': 'user', 'content': text},
-                            {'role': 'assistant', 'content': ''}], where='the prompt')
-  last = max(i for i, (_, trained) in enumerate(pieces) if trained)
-  return [int(i) for i in tokenize(pieces[:last], tokenizer)[0]]
-
-
-def tokenize(pieces: Sequence[Piece], tokenizer: tokens_lib.Tokenizer
-             ) -> tuple[np.ndarray, np.ndarray]:
-  """(token ids, loss mask) of the pieces, each tokenized on its own."""
-  ids: list[int] = []
-  mask: list[int] = []
-  for text, trained in pieces:
-    piece = tokenizer.encode_piece(text) if text else []
-    ids += piece
-    mask += [int(trained)] * len(piece)
-  return np.asarray(ids, np.int64), np.asarray(mask, np.int32)
-
-
 # -- packing -----------------------------------------------------------------------
 class ExamplePacker(Packer):
   """Packs tokenized examples with their `loss_mask` (module doc)."""
@@ -344,7 +200,7 @@ class ExamplePacker(Packer):
       self.log_counts()
       self._epoch = self.stream.position[0]
     messages = parse_example(text, path=path, line=int(line))
-    ids, mask = tokenize(self.template.pieces(messages, where=where), self.tokenizer)
+    ids, mask = tokenize(self.template.render_trained(messages, where=where), self.tokenizer)
     if not mask.any():
       raise ConfigError(f'the example at {where} has no assistant tokens once formatted '
                         f'({self.template.describe()})', where=where,
@@ -420,8 +276,8 @@ class InstructionTask(LMCorpusTask):
       if not self.examples[split]:
         raise ConfigError(f'the {split} files {files} hold no examples',
                           where=f'instruct.{split}_files', fix='write examples into them')
-    self.tokenizer, directory = find_tokenizer(tokenizer)
-    self.template = find_template(directory)
+    self.tokenizer, self.tokenizer_dir = find_tokenizer(tokenizer)
+    self.template = find_template(self.tokenizer_dir)
     self.vocab_size, self.seq_len, self.pack, self.seed = vocab_size, seq_len, pack, seed
     self.too_long, self.num_streams, self.shuffle_window = too_long, num_streams, shuffle_window
 

@@ -10,15 +10,78 @@ the Markov task's plain ids. Which one a run uses is decided in
 `layout_core.infer.tokens` (`tokenizer_for`); tasks that tokenize text
 themselves (`layout_core.tasks.instruct`) build them here. Importing this
 module does not import TensorFlow.
+
+A rendered chat (`layout_core.tasks.chat`) is tokenized with
+`encode_rendered`, as `transformers`' `apply_chat_template` tokenizes it:
+the text of a special token (`<|eot_id|>`, `</s>`) becomes that token's id,
+the text between special tokens is tokenized on its own, and nothing is
+added around the whole (no BOS: the template writes its own):
+
+    ids, spans = tokenizer.encode_rendered('<s>[INST] hi [/INST]')
+    # ids [1, ...]; spans: each token's (start, end) characters in the text
+    tokenizer.token_id('</s>')    # 2: the id of a special token's text, else None
+
+A model's SentencePiece `tokenizer.model` without a `tokenizer.json` is read
+as `transformers` converts it (Llama's `LlamaTokenizer`): no normalization
+beyond spaces written as `▁`, a `▁` put before the text only at the very
+start of a text, and `encode` adds BOS when `tokenizer_config.json`'s
+`add_bos_token` says so (its default: yes).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import json
+import os
+import re
+from typing import Any, Sequence
 
 from layout_core.errors import ConfigError
 
 RUN_TOKENIZER_DIR = 'tokenizer'  # <model_dir>/tokenizer/: the model's own tokenizer files
+CONFIG_FILE = 'tokenizer_config.json'
+# The special tokens tokenizer_config.json may name, each passed to a chat template.
+SPECIAL_NAMES = ('bos_token', 'eos_token', 'unk_token', 'sep_token', 'pad_token', 'cls_token',
+                 'mask_token')
+Spans = list[tuple[int, int]]  # each token's (start, end) characters in the text
+
+
+def special_text(value: Any) -> str:
+  """A special token of tokenizer_config.json: a string or {'content': ...}."""
+  if isinstance(value, dict):
+    return str(value.get('content') or '')
+  return str(value or '')
+
+
+def read_config(directory: str | None) -> dict[str, Any]:
+  """`directory/tokenizer_config.json` as a dict ({} without one)."""
+  path = os.path.join(directory, CONFIG_FILE) if directory else None
+  if not path or not os.path.isfile(path):
+    return {}
+  try:
+    with open(path, encoding='utf-8') as f:
+      config = json.load(f)
+  except ValueError as e:
+    raise ConfigError(f'{path} is not JSON ({e})', where=path,
+                      fix='restore the tokenizer\'s tokenizer_config.json') from None
+  if not isinstance(config, dict):
+    raise ConfigError(f'{path} holds a {type(config).__name__}, not an object', where=path,
+                      fix='restore the tokenizer\'s tokenizer_config.json')
+  return config
+
+
+def config_specials(config: dict[str, Any]) -> dict[str, int | None]:
+  """text -> id (None where it does not say) of every special or added token
+  tokenizer_config.json names."""
+  found: dict[str, int | None] = {}
+  names = [config.get(name) for name in SPECIAL_NAMES]
+  for value in names + list(config.get('additional_special_tokens') or []):
+    if special_text(value):
+      found.setdefault(special_text(value), None)
+  decoder = config.get('added_tokens_decoder') or {}
+  for key, value in (decoder.items() if isinstance(decoder, dict) else ()):
+    if special_text(value) and str(key).isdigit():
+      found[special_text(value)] = int(key)
+  return found
 
 
 class Tokenizer:
@@ -33,11 +96,15 @@ class Tokenizer:
   def encode(self, text: str) -> list[int]:
     raise NotImplementedError
 
-  def encode_piece(self, text: str) -> list[int]:
-    """The ids of `text` as one piece of a longer text: what `encode` gives,
-    without the special tokens a tokenizer adds around a whole text (a
-    chat's pieces, tokenized one by one: `layout_core.tasks.instruct`)."""
-    return self.encode(text)
+  def encode_rendered(self, text: str) -> tuple[list[int], Spans]:
+    """(ids, each id's character span) of `text` as a rendered chat is
+    tokenized (module doc): special tokens' text as their ids, nothing added."""
+    raise NotImplementedError
+
+  def token_id(self, text: str) -> int | None:
+    """The id of the special (or added) token whose text is `text`, else None."""
+    del text
+    return None
 
   def decode(self, ids: Sequence[int]) -> str:
     raise NotImplementedError
@@ -47,7 +114,10 @@ class Tokenizer:
 
 
 class SentencePieceTokenizer(Tokenizer):
-  """A SentencePiece model file (an `lm_corpus` run's `spm.model`)."""
+  """A SentencePiece model file: a corpus's `spm.model` (its `encode` is the
+  model's own, as `launch.prepare_data` tokenized the corpus), or a model's
+  `tokenizer.model` (`of_model`: read as `transformers` reads it, module
+  doc, with the `tokenizer_config.json` beside it)."""
 
   def __init__(self, model_file: str, *, of_model: bool = False):
     import sentencepiece  # pylint: disable=g-import-not-at-top
@@ -59,9 +129,51 @@ class SentencePieceTokenizer(Tokenizer):
                         where='the tokenizer (--spm_model)',
                         fix='give the spm.model that launch.prepare_data wrote') from None
     self.vocab_size = self._processor.vocab_size()
+    config = read_config(os.path.dirname(model_file)) if of_model else {}
+    # transformers' LlamaTokenizer adds BOS unless the config says not to.
+    self.add_bos = bool(config.get('add_bos_token', True)) if config else False
+    self.prefix_space = bool(config.get('add_prefix_space', True))
+    processor = self._processor
+    self._specials = {processor.id_to_piece(i): i for i in range(self.vocab_size)
+                      if processor.is_control(i) or processor.is_unknown(i)}
+    for text, index in config_specials(config).items():
+      index = processor.piece_to_id(text) if index is None else index
+      if index != processor.unk_id() or text in self._specials:
+        self._specials[text] = index
+    self._split = _splitter(self._specials)
+    self._plain = _verbatim(sentencepiece, model_file)
 
   def encode(self, text: str) -> list[int]:
-    return list(self._processor.encode(text))
+    if not self.of_model:
+      return list(self._processor.encode(text))
+    bos = [self._processor.bos_id()] if self.add_bos and self._processor.bos_id() >= 0 else []
+    return bos + self.encode_rendered(text)[0]
+
+  def encode_rendered(self, text: str) -> tuple[list[int], Spans]:
+    ids: list[int] = []
+    spans: Spans = []
+    for start, end, special in self._split(text):
+      if special is not None:
+        ids.append(special)
+        spans.append((start, end))
+        continue
+      piece = text[start:end]
+      # Metaspace's 'first' scheme: a ▁ before the text's very start, nowhere else.
+      added = int(start == 0 and self.prefix_space and not piece.startswith(' '))
+      written = ' ' * added + piece
+      data, tokens = written.encode('utf-8'), list(self._plain.encode(written, out_type='proto').pieces)
+      chars = _char_of_byte(data)
+      for index, token in enumerate(tokens):
+        # A byte-fallback token is given its whole character (only the last
+        # byte of one has a width in SentencePiece's offsets).
+        end = next((t.end for t in tokens[index:] if t.end > token.begin), token.begin + 1)
+        first, last = chars[token.begin], chars[min(end, len(data)) - 1] + 1
+        ids.append(token.id)
+        spans.append((start + max(first - added, 0), start + max(last - added, 0)))
+    return ids, spans
+
+  def token_id(self, text: str) -> int | None:
+    return self._specials.get(text)
 
   def decode(self, ids: Sequence[int]) -> str:
     # Ids past the tokenizer's vocabulary (a model with a larger one) have no text.
@@ -69,6 +181,49 @@ class SentencePieceTokenizer(Tokenizer):
 
   def describe(self) -> str:
     return f'SentencePiece {self.model_file} ({self.vocab_size} pieces)'
+
+
+def _verbatim(sentencepiece, model_file: str):
+  """The model with its text taken as it is: no normalization rule, no ▁
+  added in front, runs of spaces kept (what `transformers`' conversion of a
+  SentencePiece model does; the ▁ at a text's start is added by the caller)."""
+  from sentencepiece import sentencepiece_model_pb2  # pylint: disable=g-import-not-at-top
+  proto = sentencepiece_model_pb2.ModelProto()
+  with open(model_file, 'rb') as f:
+    proto.ParseFromString(f.read())
+  spec = proto.normalizer_spec
+  spec.name, spec.precompiled_charsmap = 'identity', b''
+  spec.add_dummy_prefix = spec.remove_extra_whitespaces = False
+  return sentencepiece.SentencePieceProcessor(model_proto=proto.SerializeToString())
+
+
+def _char_of_byte(data: bytes) -> list[int]:
+  """For each byte of UTF-8 `data`, the index of the character it belongs to."""
+  out, char = [], -1
+  for byte in data:
+    if byte & 0xC0 != 0x80:  # not a continuation byte: a new character
+      char += 1
+    out.append(char)
+  return out
+
+
+def _splitter(specials: dict[str, int]):
+  """text -> [(start, end, id of the special token there, or None for text
+  between them)], the longest special token matched first."""
+  pattern = re.compile('|'.join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
+                       ) if specials else None
+
+  def split(text: str) -> list[tuple[int, int, int | None]]:
+    parts, position = [], 0
+    for match in (pattern.finditer(text) if pattern else ()):
+      if match.start() > position:
+        parts.append((position, match.start(), None))
+      parts.append((match.start(), match.end(), specials[match.group()]))
+      position = match.end()
+    if position < len(text):
+      parts.append((position, len(text), None))
+    return parts
+  return split
 
 
 class HuggingFaceTokenizer(Tokenizer):
@@ -92,8 +247,15 @@ class HuggingFaceTokenizer(Tokenizer):
   def encode(self, text: str) -> list[int]:
     return list(self._tokenizer.encode(text).ids)
 
-  def encode_piece(self, text: str) -> list[int]:
-    return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+  def encode_rendered(self, text: str) -> tuple[list[int], Spans]:
+    encoding = self._tokenizer.encode(text, add_special_tokens=False)
+    return list(encoding.ids), [tuple(span) for span in encoding.offsets]
+
+  def token_id(self, text: str) -> int | None:
+    for index, token in self._tokenizer.get_added_tokens_decoder().items():
+      if token.content == text:
+        return int(index)
+    return None
 
   def decode(self, ids: Sequence[int]) -> str:
     return self._tokenizer.decode([int(i) for i in ids if 0 <= i < self.vocab_size],
@@ -110,6 +272,10 @@ class ByteTokenizer(Tokenizer):
 
   def encode(self, text: str) -> list[int]:
     return list(text.encode('utf-8'))
+
+  def encode_rendered(self, text: str) -> tuple[list[int], Spans]:
+    data = text.encode('utf-8')
+    return list(data), [(c, c + 1) for c in _char_of_byte(data)]
 
   def decode(self, ids: Sequence[int]) -> str:
     return bytes(int(i) for i in ids if 0 <= i < 256).decode('utf-8', errors='replace')
