@@ -39,11 +39,9 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import inspect
 import itertools
 import json
 import os
-import shutil
 import tempfile
 import time
 from typing import Any, Callable, Sequence
@@ -56,7 +54,7 @@ from layout_core.checkpoint.matching import key_for_name, names_in
 from layout_core.checkpoint.shard_io import assign_global
 from layout_core.convert import hf as hf_lib
 from layout_core.convert import peft
-from layout_core.durable import sync_directory
+from layout_core.durable import directory_aside
 from layout_core.errors import ConfigError
 from layout_core.infer.tokens import RUN_TOKENIZER_DIR
 from layout_core.model import lora as lora_lib
@@ -200,12 +198,7 @@ def _check_variables(variables, expected: dict[str, tuple[int, ...]], *, hf_dir:
 def _write_run(model_dir: str, *, trainer, plan, hf_dir: str, record: dict,
                overwrite: bool) -> None:
   """The run's files, written beside `model_dir` and renamed into place."""
-  target = os.path.abspath(model_dir)
-  parent = os.path.dirname(target)
-  os.makedirs(parent, exist_ok=True)
-  partial = os.path.join(parent, f'.{os.path.basename(target)}.importing-{os.getpid()}')
-  shutil.rmtree(partial, ignore_errors=True)
-  try:
+  with directory_aside(model_dir, replace=overwrite) as partial:
     os.makedirs(os.path.join(partial, RUN_TOKENIZER_DIR))
     checkpointer = Checkpointer(
         directory=os.path.join(partial, 'checkpoints'), state=trainer.state(),
@@ -217,21 +210,7 @@ def _write_run(model_dir: str, *, trainer, plan, hf_dir: str, record: dict,
                        (IMPORT_RECORD, json.dumps(record, indent=1, default=str))):
       with open(os.path.join(partial, name), 'w') as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    sync_directory(partial)
-    aside = None
-    if os.path.exists(target):  # --overwrite (checked): moved aside, removed once replaced
-      aside = partial + '.old'
-      os.rename(target, aside)
-    os.rename(partial, target)
-    sync_directory(parent)
-    if aside:
-      shutil.rmtree(aside, ignore_errors=True)
-  except BaseException:
-    shutil.rmtree(partial, ignore_errors=True)
-    raise
-  logging.info('Wrote %s', target)
+  logging.info('Wrote %s', model_dir)
 
 
 # -- export -----------------------------------------------------------------------------
@@ -239,9 +218,7 @@ def lm_kwargs_of_config() -> dict[str, Any]:
   """transformer_lm's arguments in the parsed gin config (its defaults, then
   the bound values); ConfigError unless `model.params` is exactly
   transformer_lm(**those)."""
-  signature = inspect.signature(transformer_lm_params)
-  kwargs = {name: p.default for name, p in signature.parameters.items()
-            if p.default is not inspect.Parameter.empty}
+  kwargs = dict(hf_lib.hf_config.LM_DEFAULTS)
   kwargs.update(gin.get_bindings(configurables.transformer_lm))
   built = configurables.model()
   if kwargs.get('cells') or transformer_lm_params(**kwargs) != built:

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 
 from layout_core.convert import hf_config, hf_files, hf_names
-from layout_core.durable import sync_directory
+from layout_core import durable
 from layout_core.errors import ConfigError
 
 # Files of a Hugging Face tokenizer that an import copies into the run (those present).
@@ -166,39 +166,13 @@ def write_hf_dir(target: str, *, kwargs: Mapping[str, Any],
     rule = by_name[name]
     return rule.to_hf([checked(path) for path in rule.paths]).astype(np_dtype)
 
-  parent = os.path.dirname(os.path.abspath(target))
-  os.makedirs(parent, exist_ok=True)
-  partial = os.path.join(parent, f'.{os.path.basename(target)}.partial-{os.getpid()}')
-  shutil.rmtree(partial, ignore_errors=True)
-  os.makedirs(partial)
-  try:
+  with durable.directory_aside(target, replace=overwrite) as partial:
     files = hf_files.write_safetensors(partial, tensor, sizes, max_shard_bytes=max_shard_bytes)
     with open(os.path.join(partial, 'config.json'), 'w') as f:
       json.dump(config, f, indent=2)
     files.append('config.json')
     files += copy_tokenizer(tokenizer_dir, partial) if tokenizer_dir else []
-    for name in os.listdir(partial):
-      with open(os.path.join(partial, name), 'rb') as f:
-        os.fsync(f.fileno())
-    sync_directory(partial)
-    _replace(partial, target)
-  except BaseException:
-    shutil.rmtree(partial, ignore_errors=True)
-    raise
   return {'family': family, 'tied': tied, 'files': files, 'config': config}
-
-
-def _replace(partial: str, target: str) -> None:
-  """Renames `partial` to `target`; an existing `target` is moved aside
-  first and removed only once the new one is in place."""
-  aside = None
-  if os.path.exists(target):
-    aside = f'{partial}.old'
-    os.rename(target, aside)
-  os.rename(partial, target)
-  sync_directory(os.path.dirname(target) or '.')
-  if aside:
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 def copy_tokenizer(source_dir: str, target_dir: str) -> list[str]:

@@ -21,13 +21,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from layout_core.convert import hf_config, hf_names
-from layout_core.durable import sync_directory
+from layout_core import durable
 from layout_core.errors import ConfigError
 from layout_core.model.lora import A_SUFFIX, B_SUFFIX, LoraConfig
 
@@ -81,17 +80,10 @@ def write_peft_dir(target: str, *, kwargs: Mapping[str, Any], lora: LoraConfig,
             'lora_alpha': lora.alpha, 'lora_dropout': lora.dropout,
             'target_modules': sorted(modules), 'bias': 'none', 'fan_in_fan_out': False,
             'inference_mode': True, 'base_model_name_or_path': base_model}
-  partial = f'{target.rstrip(os.sep)}.partial-{os.getpid()}'  # renamed once complete
-  os.makedirs(partial)
-  try:
+  with durable.directory_aside(target) as partial:
     save_file(tensors, os.path.join(partial, WEIGHTS_FILE), metadata={'format': 'pt'})
     with open(os.path.join(partial, CONFIG_FILE), 'w') as f:
       json.dump(config, f, indent=2)
-    sync_directory(partial)
-    os.rename(partial, target)
-  except BaseException:
-    shutil.rmtree(partial, ignore_errors=True)
-    raise
   return {'files': [CONFIG_FILE, WEIGHTS_FILE], 'modules': sorted(modules),
           'tensors': len(tensors)}
 
