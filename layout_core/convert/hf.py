@@ -12,8 +12,10 @@
 weights (`layout_core.convert.hf_files`) and checks every tensor's name and
 shape against the family's table (`layout_core.convert.hf_names`) before a
 value is read: a tensor missing, one the table does not know (buffers
-such as `rotary_emb.inv_freq` aside), or one of another shape is a
-ConfigError naming it. `values()` then yields each meshgin variable's value,
+such as `rotary_emb.inv_freq` aside), one of another shape, or one stored
+in a dtype other than F32, F16 or BF16 (integers, bools, 8-bit floats) is a
+ConfigError naming it (and its file); so is a config.json with a
+`quantization_config`. `values()` then yields each meshgin variable's value,
 converted from one Hugging Face tensor at a time, in float32 (bfloat16 and
 float16 widen exactly).
 
@@ -47,6 +49,8 @@ from layout_core.errors import ConfigError
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json',
                    'tokenizer.model', 'vocab.json', 'merges.txt', 'added_tokens.json',
                    'generation_config.json')
+# Safetensors dtypes an import reads (and widens exactly to float32).
+FLOAT_DTYPES = ('F32', 'F16', 'BF16')
 _DTYPES = {'float32': np.float32, 'bfloat16': 'bfloat16', 'float16': np.float16}
 
 
@@ -78,11 +82,20 @@ def open_hf(directory: str) -> HFSource:
   """The checkpoint in `directory`, every tensor name and shape checked (module doc)."""
   config = hf_files.read_config(directory)
   source_name = os.path.join(directory, 'config.json')
+  if config.get('quantization_config') is not None:
+    method = (config['quantization_config'].get('quant_method', '?')
+              if isinstance(config['quantization_config'], dict) else '?')
+    raise ConfigError(f'{source_name}: quantization_config is set (quant_method {method!r}): '
+                      'the weights are quantized, and meshgin reads float32, float16 and '
+                      'bfloat16 weights only', where=f'{source_name}, field '
+                      "'quantization_config'", fix='import the unquantized checkpoint the '
+                      'quantized one was made from')
   kwargs, facts = hf_config.lm_kwargs_from_hf(config, source=source_name)
   reader = hf_files.SafetensorsReader(directory)  # holds no file open
   prefix = hf_names.gpt2_prefix(list(reader.shapes)) if facts.family == 'gpt2' else ''
   rules = hf_names.tensor_rules(kwargs, family=facts.family, tied=facts.tied, prefix=prefix)
   check_tensors(reader, rules, family=facts.family, directory=directory, tied=facts.tied)
+  check_dtypes(reader, [rule.hf_name for rule in rules])
   return HFSource(directory=directory, config=config, kwargs=kwargs, facts=facts, rules=rules,
                   reader=reader)
 
@@ -114,6 +127,20 @@ def check_tensors(reader: hf_files.SafetensorsReader, rules, *, family: str, dir
                       f'describes: {"; ".join(problems)}', where=directory,
                       fix='give the config.json and safetensors of one checkpoint, '
                           'downloaded whole')
+
+
+def check_dtypes(reader: hf_files.SafetensorsReader, names) -> None:
+  """ConfigError naming the tensors (and files) among `names` stored in a
+  dtype other than FLOAT_DTYPES: an integer, bool or 8-bit float tensor
+  under a weight's name is not a weight meshgin can widen exactly."""
+  wrong = [f'{name} is {reader.dtypes[name]} (in {reader.file_of[name]})'
+           for name in dict.fromkeys(names) if reader.dtypes.get(name, 'F32') not in FLOAT_DTYPES]
+  if wrong:
+    raise ConfigError(
+        f'{len(wrong)} tensor(s) in {reader.directory} are not float32, float16 or '
+        f'bfloat16: {"; ".join(wrong[:4])}' + (' ...' if len(wrong) > 4 else ''),
+        where=reader.directory, fix='import a checkpoint saved in float32, float16 or '
+                                    'bfloat16 (not quantized)')
 
 
 # -- export ---------------------------------------------------------------------------------

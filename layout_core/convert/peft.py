@@ -19,7 +19,6 @@ to adapt separately (ConfigError).
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any, Callable, Mapping
 
@@ -91,6 +90,7 @@ def write_peft_dir(target: str, *, kwargs: Mapping[str, Any], lora: LoraConfig,
 def read_peft_dir(directory: str) -> tuple[LoraConfig, dict[str, np.ndarray]]:
   """(the adapters' LoraConfig, their tensors by PEFT name) of a PEFT LoRA
   directory; ConfigError naming a file or a field meshgin cannot take."""
+  from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
   path = os.path.join(directory, CONFIG_FILE)
   try:
@@ -100,6 +100,9 @@ def read_peft_dir(directory: str) -> tuple[LoraConfig, dict[str, np.ndarray]]:
     raise ConfigError(f'cannot read {path}: {e}', where='--peft_dir',
                       fix='give the directory PEFT saved the adapters to '
                           f'({CONFIG_FILE}, {WEIGHTS_FILE})') from None
+  if not isinstance(config, dict):
+    raise ConfigError(f'{path} is not a JSON object (it is a {type(config).__name__})',
+                      where=path, fix='give the adapter_config.json PEFT saved')
   if config.get('peft_type', 'LORA') != 'LORA':
     raise ConfigError(f"{path}: peft_type is {config.get('peft_type')!r}", where=path,
                       fix='give LoRA adapters (peft_type LORA)')
@@ -108,18 +111,43 @@ def read_peft_dir(directory: str) -> tuple[LoraConfig, dict[str, np.ndarray]]:
       raise ConfigError(f'{path}: {field} = {config[field]!r} is not implemented',
                         where=path, fix=f'adapters saved with {field} = {default!r}')
   modules = config.get('target_modules') or []
-  if isinstance(modules, str) or any(m not in MODULES for m in modules):
+  if (isinstance(modules, str) or not isinstance(modules, list)
+      or any(m not in MODULES for m in modules)):
     raise ConfigError(f'{path}: target_modules {modules!r}', where=path,
                       fix=f'adapters on the projections {", ".join(MODULES)}')
-  lora = LoraConfig(rank=int(config['r']), alpha=float(config.get('lora_alpha', 8)),
-                    dropout=float(config.get('lora_dropout', 0.0)),
+  lora = LoraConfig(rank=_number(config, 'r', path, integer=True),
+                    alpha=_number(config, 'lora_alpha', path, default=8.0),
+                    dropout=_number(config, 'lora_dropout', path, default=0.0),
                     targets=tuple(f'.*/{MODULES[m]}' for m in sorted(modules)))
+  weights = os.path.join(directory, WEIGHTS_FILE)
   try:
-    tensors = load_file(os.path.join(directory, WEIGHTS_FILE))
-  except (OSError, ValueError) as e:
-    raise ConfigError(f'cannot read {os.path.join(directory, WEIGHTS_FILE)}: {e}',
-                      where='--peft_dir', fix='save the adapters again') from None
+    tensors = load_file(weights)
+  except (OSError, ValueError, SafetensorError) as e:
+    raise ConfigError(f'cannot read {weights}: {e}', where='--peft_dir',
+                      fix='save the adapters again (the file is missing, truncated or '
+                          'damaged)') from None
+  wrong = [f'{name} is {value.dtype}' for name, value in tensors.items()
+           if value.dtype.kind != 'f' and 'float' not in value.dtype.name]
+  if wrong:
+    raise ConfigError(f'{weights}: {len(wrong)} tensor(s) are not floating point: '
+                      f'{"; ".join(wrong[:4])}', where=weights,
+                      fix='save the adapters in float32, float16 or bfloat16')
   return lora, tensors
+
+
+def _number(config: Mapping[str, Any], field: str, path: str, *, integer: bool = False,
+            default: float | None = None) -> float:
+  """config[field] as a number (a positive int if `integer`; `default` when
+  absent); ConfigError naming the field otherwise."""
+  value = config.get(field, default)
+  kinds = (int,) if integer else (int, float)
+  if (value is None or isinstance(value, bool) or not isinstance(value, kinds)
+      or (integer and value < 1) or value < 0):
+    raise ConfigError(f'{path}: {field} is {value!r}' + (' (missing)' if field not in config
+                                                          else ''), where=f'{path}, {field}',
+                      fix=f'give adapters PEFT saved, whose {field} is a '
+                          + ('positive integer (the rank)' if integer else 'number'))
+  return int(value) if integer else float(value)
 
 
 def meshgin_adapters(kwargs: Mapping[str, Any], tensors: Mapping[str, np.ndarray],
@@ -139,11 +167,15 @@ def meshgin_adapters(kwargs: Mapping[str, Any], tensors: Mapping[str, np.ndarray
       raise ConfigError(f'the adapters have no {missing[0]}', where='--peft_dir',
                         fix='give adapters saved for this model')
     a, b = (np.asarray(tensors[n], np.float32) for n in names)
-    for name, value, path_ in ((names[0], a, path + A_SUFFIX), (names[1], b, path + B_SUFFIX)):
-      if value.size != math.prod(shapes[path_]):
-        raise ConfigError(f'{name} is {list(value.shape)}, but {path_} is '
-                          f'{list(shapes[path_])}', where='--peft_dir',
-                          fix='give adapters saved for this model, at its rank')
+    # PEFT's Linear adapters: lora_A.weight [r, in], lora_B.weight [out, r].
+    rank, (out, in_) = shapes[path + A_SUFFIX][-1], rule.hf_shape
+    for name, value, want, path_ in ((names[0], a, (rank, in_), path + A_SUFFIX),
+                                     (names[1], b, (out, rank), path + B_SUFFIX)):
+      if tuple(value.shape) != want:
+        raise ConfigError(f'{name} is {list(value.shape)}, but PEFT\'s adapter of {path} '
+                          f'({list(shapes[path_])} in meshgin) is {list(want)} at rank {rank}',
+                          where='--peft_dir', fix='give adapters saved for this model, at '
+                                                  'its rank (lora_A [r, in], lora_B [out, r])')
     values[path + A_SUFFIX] = np.ascontiguousarray(a.T).reshape(shapes[path + A_SUFFIX])
     values[path + B_SUFFIX] = np.ascontiguousarray(b.T).reshape(shapes[path + B_SUFFIX])
     used.update(names)
