@@ -60,9 +60,9 @@ from layout_core.infer.tokens import RUN_TOKENIZER_DIR
 from layout_core.model import lora as lora_lib
 from layout_core.model.lm import transformer_lm_params
 from plugins import configurables, gin_setup, inference
+from plugins.origin import IMPORT_RECORD, base_run, origin_of
 from plugins.plan import check_model_dir, make_plan
 
-IMPORT_RECORD = 'hf_import.json'
 DEFAULT_SEQ_LEN = 64   # the Markov task's rows in an imported run's config (capped by max_len)
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
@@ -248,6 +248,10 @@ def export_run(*, export_dir: str, model_dir: str | None = None,
                                search_paths=list(search_paths)):
     kwargs = lm_kwargs_of_config()
     adapters = lora_lib.Tuning(lora=configurables.lora()).lora
+    trainable = configurables.train().trainable
+    init_from = configurables.checkpoint().init_from
+  run_dir = inference.run_directory(model_dir=model_dir, checkpoint=checkpoint)
+  record, tokenizer_dir = origin_of(run_dir, init_from)
   by_name = names_in(prefix)
   reader = tf.train.load_checkpoint(prefix)
 
@@ -261,8 +265,9 @@ def export_run(*, export_dir: str, model_dir: str | None = None,
                         fix='export the whole model (without --adapters_only)')
     if os.path.exists(export_dir):
       raise ConfigError(f'{export_dir} exists', where='--export_dir', fix='give a new directory')
+    base_model = (record or {}).get('hf_dir') or base_run(init_from) or ''
     written = peft.write_peft_dir(export_dir, kwargs=kwargs, lora=adapters, read=stored,
-                                  base_model=_base_model_of(model_dir, checkpoint))
+                                  base_model=base_model, trainable=trainable)
     return {**written, 'family': 'PEFT LoRA', 'tied': False, 'checkpoint': prefix,
             'step': step}
 
@@ -276,26 +281,7 @@ def export_run(*, export_dir: str, model_dir: str | None = None,
       return lora_lib.merged(value, a, b, scale=adapters.scale)
     return value
 
-  run_dir = inference.run_directory(model_dir=model_dir, checkpoint=checkpoint)
-  kept, tokenizer_dir = None, None
-  if run_dir:
-    record_path = os.path.join(run_dir, IMPORT_RECORD)
-    if os.path.isfile(record_path):
-      with open(record_path) as f:
-        kept = json.load(f).get('config')
-    if os.path.isdir(os.path.join(run_dir, RUN_TOKENIZER_DIR)):
-      tokenizer_dir = os.path.join(run_dir, RUN_TOKENIZER_DIR)
   written = hf_lib.write_hf_dir(export_dir, kwargs=kwargs, read=read, dtype=dtype,
                                 max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir,
-                                kept=kept, overwrite=overwrite)
+                                kept=(record or {}).get('config'), overwrite=overwrite)
   return {**written, 'checkpoint': prefix, 'step': step}
-
-
-def _base_model_of(model_dir: str | None, checkpoint: str | None) -> str:
-  """The Hugging Face directory the run was imported from ('' if none)."""
-  run_dir = inference.run_directory(model_dir=model_dir, checkpoint=checkpoint)
-  record_path = os.path.join(run_dir or '', IMPORT_RECORD)
-  if run_dir and os.path.isfile(record_path):
-    with open(record_path) as f:
-      return json.load(f).get('hf_dir', '')
-  return ''

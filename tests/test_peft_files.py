@@ -124,3 +124,72 @@ def test_a_malformed_peft_directory_is_a_config_error_naming_it(case, tmp_path):
   text = str(raised.value)
   assert 'Fix:' in text and all(part in text for part in named), text
   assert '\n' not in text.strip(), text  # one paragraph
+
+
+# -- writing -------------------------------------------------------------------------------
+def meshgin_values(layers, modules=('q_proj', 'v_proj')) -> dict[str, np.ndarray]:
+  """The run's adapter values (path -> array) on `modules` of `layers` only."""
+  rng = np.random.default_rng(1)
+  return {f'lm/stack/block_{layer:03d}/{LINEAR[m][1]}{suffix}':
+          rng.normal(size=SHAPES[f'lm/stack/block_000/{LINEAR[m][1]}{suffix}']).astype(np.float32)
+          for layer in layers for m in modules for suffix in ('_lora_a', '_lora_b')}
+
+
+def written(directory: str) -> tuple[dict, list[str]]:
+  """(adapter_config.json, the modules its safetensors file holds), read back with
+  json and safetensors."""
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(directory, peft.CONFIG_FILE)) as f:
+    config = json.load(f)
+  with safe_open(os.path.join(directory, peft.WEIGHTS_FILE), 'numpy') as f:
+    names = sorted({k[len('base_model.model.'):].rsplit('.lora_', 1)[0] for k in f.keys()})
+  return config, names
+
+
+LORA = LoraConfig(rank=RANK, alpha=8.0, targets=('.*/attn/w[qv]',))
+
+
+def test_adapters_on_some_layers_say_which_in_layers_to_transform(tmp_path):
+  """Adapters on block 1 only: PEFT must be told (layers_to_transform), else
+  target_modules alone would adapt every layer's q and v. Read back, they
+  adapt block 1 alone, with the values written."""
+  values = meshgin_values([1])
+  directory = str(tmp_path / 'a')
+  peft.write_peft_dir(directory, kwargs=KWARGS, lora=LORA, read=values.get)
+  config, modules = written(directory)
+  assert modules == ['model.layers.1.self_attn.q_proj', 'model.layers.1.self_attn.v_proj']
+  assert config['target_modules'] == ['q_proj', 'v_proj']
+  assert config['layers_to_transform'] == [1] and config['layers_pattern'] == 'layers'
+  lora, tensors = peft.read_peft_dir(directory)
+  assert [p for p in SHAPES if lora.adapts(p[:-len('_lora_a')]) and p.endswith('_a')] == [
+      'lm/stack/block_001/attn/wq_lora_a', 'lm/stack/block_001/attn/wv_lora_a']
+  again = peft.meshgin_adapters(KWARGS, tensors, {p: SHAPES[p] for p in values})
+  for path, value in values.items():
+    np.testing.assert_array_equal(again[path], value, err_msg=path)
+  # Control: on every layer, no layers_to_transform.
+  peft.write_peft_dir(str(tmp_path / 'b'), kwargs=KWARGS, lora=LORA,
+                      read=meshgin_values([0, 1]).get)
+  assert 'layers_to_transform' not in written(str(tmp_path / 'b'))[0]
+
+
+def test_adapters_on_no_grid_of_layers_and_modules_name_each_module(tmp_path):
+  values = {**meshgin_values([0], ['q_proj']), **meshgin_values([1], ['v_proj'])}
+  directory = str(tmp_path / 'a')
+  peft.write_peft_dir(directory, kwargs=KWARGS, lora=LORA, read=values.get)
+  config, modules = written(directory)
+  assert modules == ['model.layers.0.self_attn.q_proj', 'model.layers.1.self_attn.v_proj']
+  everyone = [f'model.layers.{n}.self_attn.{m}' for n in range(2) for m in LINEAR]
+  import re  # pylint: disable=g-import-not-at-top
+  assert [m for m in everyone if re.fullmatch(config['target_modules'], m)] == modules
+
+
+def test_base_weights_trained_beside_the_adapters_are_named_not_dropped(tmp_path):
+  with pytest.raises(ConfigError) as raised:
+    peft.write_peft_dir(str(tmp_path / 'a'), kwargs=KWARGS, lora=LORA,
+                        read=meshgin_values([0, 1]).get,
+                        trainable=('.*/final_ln/.*', '.*block_001/ln_ffn/.*'))
+  text = str(raised.value)
+  assert 'lm/final_ln/scale' in text and 'lm/stack/block_001/ln_ffn/scale' in text, text
+  assert 'without --adapters_only' in text and not os.path.exists(tmp_path / 'a')
+  peft.write_peft_dir(str(tmp_path / 'b'), kwargs=KWARGS, lora=LORA,
+                      read=meshgin_values([0, 1]).get, trainable=())  # adapters only: fine

@@ -21,8 +21,12 @@ float16 widen exactly).
 
 `write_hf_dir` is the inverse: the run's variables, read one at a time by
 `read(path)`, become the family's tensors (float32, or `dtype`), sharded over
-`max_shard_bytes`, with config.json and the tokenizer files, in a directory
-that appears whole (written beside it, renamed). It writes the embedding
+`max_shard_bytes`, with config.json and the tokenizer files (its chat
+template among them), in a directory that appears whole (written beside it,
+renamed). config.json's `bos_token_id` and `eos_token_id`, and a
+`generation_config.json` where the run kept none, come from the imported
+config and the tokenizer: EOS includes the chat template's end-of-turn
+token (`layout_core.convert.hf_tokens`). It writes the embedding
 once and `tie_word_embeddings: true` when the model ties its embeddings
 (`transformer_lm.tie_embeddings`) or `lm/softmax/w` is exactly the
 embedding table transposed, else both matrices and `false`.
@@ -41,14 +45,16 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from layout_core.convert import hf_config, hf_files, hf_names
+from layout_core.convert import hf_config, hf_files, hf_names, hf_tokens
 from layout_core import durable
 from layout_core.errors import ConfigError
 
 # Files of a Hugging Face tokenizer that an import copies into the run (those present).
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json',
                    'tokenizer.model', 'vocab.json', 'merges.txt', 'added_tokens.json',
-                   'generation_config.json')
+                   'chat_template.jinja', 'chat_template.json', 'generation_config.json')
+GENERATION_CONFIG = 'generation_config.json'
+
 # Safetensors dtypes an import reads (and widens exactly to float32).
 FLOAT_DTYPES = ('F32', 'F16', 'BF16')
 _DTYPES = {'float32': np.float32, 'bfloat16': 'bfloat16', 'float16': np.float16}
@@ -181,6 +187,7 @@ def write_hf_dir(target: str, *, kwargs: Mapping[str, Any],
   tied = (hf_config.resolved(kwargs)['tie_embeddings']
           or is_tied(checked('lm/emb/table'), checked('lm/softmax/w')))
   config = hf_config.hf_config_from_lm(kwargs, tied=tied, dtype=dtype, kept=kept)
+  config.update(hf_tokens.token_fields(tokenizer_dir, kept=kept))
   prefix = 'transformer.' if family == 'gpt2' else ''
   rules = hf_names.tensor_rules(kwargs, family=family, tied=tied, prefix=prefix)
   by_name = {}
@@ -199,6 +206,11 @@ def write_hf_dir(target: str, *, kwargs: Mapping[str, Any],
       json.dump(config, f, indent=2)
     files.append('config.json')
     files += copy_tokenizer(tokenizer_dir, partial) if tokenizer_dir else []
+    generation = hf_tokens.generation_config(tokenizer_dir, kept=kept)
+    if GENERATION_CONFIG not in files and generation:
+      with open(os.path.join(partial, GENERATION_CONFIG), 'w') as f:
+        json.dump(generation, f, indent=2)
+      files.append(GENERATION_CONFIG)
   return {'family': family, 'tied': tied, 'files': files, 'config': config}
 
 

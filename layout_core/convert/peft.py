@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Mapping
+import re
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from layout_core.convert import hf_config, hf_names
 from layout_core import durable
 from layout_core.errors import ConfigError
-from layout_core.model.lora import A_SUFFIX, B_SUFFIX, LoraConfig
+from layout_core.model.lora import A_SUFFIX, B_SUFFIX, LoraConfig, Tuning
 
 CONFIG_FILE, WEIGHTS_FILE = 'adapter_config.json', 'adapter_model.safetensors'
 PREFIX = 'base_model.model.'
@@ -36,8 +37,7 @@ MODULES = {'q_proj': 'attn/wq', 'k_proj': 'attn/wk', 'v_proj': 'attn/wv', 'o_pro
            'gate_proj': 'ffn/w_gate', 'up_proj': 'ffn/w_up', 'down_proj': 'ffn/w_down'}
 # adapter_config.json fields meshgin does not implement, with the value it would need.
 _UNSUPPORTED = {'use_dora': False, 'use_rslora': False, 'bias': 'none', 'rank_pattern': {},
-                'alpha_pattern': {}, 'modules_to_save': None, 'fan_in_fan_out': False,
-                'layers_to_transform': None}
+                'alpha_pattern': {}, 'modules_to_save': None, 'fan_in_fan_out': False}
 
 
 def _linear_rules(kwargs: Mapping[str, Any]) -> list[hf_names.TensorRule]:
@@ -54,13 +54,16 @@ def _linear_rules(kwargs: Mapping[str, Any]) -> list[hf_names.TensorRule]:
 
 
 def write_peft_dir(target: str, *, kwargs: Mapping[str, Any], lora: LoraConfig,
-                   read: Callable[[str], np.ndarray | None],
-                   base_model: str = '') -> dict[str, Any]:
+                   read: Callable[[str], np.ndarray | None], base_model: str = '',
+                   trainable: Sequence[str] | None = None) -> dict[str, Any]:
   """Writes the run's adapters (`read(path)`: a variable's value, None if the
   run has no such variable) into the new directory `target`; returns
-  {'files', 'modules', 'tensors'}."""
+  {'files', 'modules', 'tensors', 'layers'}. `trainable`: the run's
+  `train.trainable`; a base weight it trains is not an adapter, so PEFT's
+  files would lose it: ConfigError naming them (export merged instead)."""
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-  tensors, modules = {}, set()
+  _check_no_trained_base_weights(kwargs, lora, trainable)
+  tensors, adapted = {}, set()
   for rule in _linear_rules(kwargs):
     path = rule.paths[0]
     a, b = read(path + A_SUFFIX), read(path + B_SUFFIX)
@@ -70,21 +73,65 @@ def write_peft_dir(target: str, *, kwargs: Mapping[str, Any], lora: LoraConfig,
     module = PREFIX + rule.hf_name[:-len('.weight')]
     tensors[f'{module}.lora_A.weight'] = np.ascontiguousarray(a.reshape(in_, -1).T)
     tensors[f'{module}.lora_B.weight'] = np.ascontiguousarray(b.reshape(-1, out).T)
-    modules.add(rule.hf_name.split('.')[-2])
+    adapted.add((_layer_of(rule.hf_name), rule.hf_name[:-len('.weight')]))
   if not tensors:
     raise ConfigError('the run has no LoRA adapters on the projections PEFT names '
                       f'({", ".join(MODULES)})', where='lora.targets',
                       fix='export without --adapters_only')
   config = {'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'r': lora.rank,
             'lora_alpha': lora.alpha, 'lora_dropout': lora.dropout,
-            'target_modules': sorted(modules), 'bias': 'none', 'fan_in_fan_out': False,
+            **_targets(adapted, num_layers=int(kwargs['num_layers'])),
+            'bias': 'none', 'fan_in_fan_out': False,
             'inference_mode': True, 'base_model_name_or_path': base_model}
   with durable.directory_aside(target) as partial:
     save_file(tensors, os.path.join(partial, WEIGHTS_FILE), metadata={'format': 'pt'})
     with open(os.path.join(partial, CONFIG_FILE), 'w') as f:
       json.dump(config, f, indent=2)
-  return {'files': [CONFIG_FILE, WEIGHTS_FILE], 'modules': sorted(modules),
-          'tensors': len(tensors)}
+  modules = sorted({name.split('.')[-1] for _, name in adapted})
+  return {'files': [CONFIG_FILE, WEIGHTS_FILE], 'modules': modules,
+          'tensors': len(tensors), 'layers': sorted({layer for layer, _ in adapted}),
+          'config': config}
+
+
+def _layer_of(hf_name: str) -> int:
+  return int(re.search(r'\.layers\.(\d+)\.', hf_name).group(1))
+
+
+def _targets(adapted: set[tuple[int, str]], *, num_layers: int) -> dict[str, Any]:
+  """PEFT's fields for the adapted (layer, module name) pairs: target_modules
+  (the projections' short names), with layers_to_transform when only some
+  layers have them; when the pairs are not every chosen layer times every
+  chosen projection, target_modules is a regex of exactly those modules
+  (PEFT fullmatches a str against each module's name)."""
+  layers = sorted({layer for layer, _ in adapted})
+  short = sorted({name.split('.')[-1] for _, name in adapted})
+  by_pair = {(layer, name.split('.')[-1]) for layer, name in adapted}
+  if by_pair != {(layer, m) for layer in layers for m in short}:
+    return {'target_modules': '|'.join(re.escape(name) for _, name in sorted(adapted))}
+  if len(layers) == num_layers:
+    return {'target_modules': short}
+  return {'target_modules': short, 'layers_to_transform': layers, 'layers_pattern': 'layers'}
+
+
+def _check_no_trained_base_weights(kwargs: Mapping[str, Any], lora: LoraConfig,
+                                   trainable: Sequence[str] | None) -> None:
+  """ConfigError naming the base weights `train.trainable` trains beside the adapters."""
+  if not trainable:
+    return
+  tuning = Tuning(lora=lora, trainable=tuple(trainable))
+  family = hf_config.family_of(kwargs)
+  rules = hf_names.tensor_rules(kwargs, family=family,
+                                tied=hf_config.resolved(kwargs)['tie_embeddings'])
+  trained = sorted(p for p in hf_names.variable_shapes(rules) if tuning.trains(p))
+  if trained:
+    raise ConfigError(
+        f'train.trainable {list(trainable)!r} trains {len(trained)} base weight(s) beside the '
+        f'LoRA adapters ({", ".join(trained[:6])}{" ..." if len(trained) > 6 else ""}), which '
+        'PEFT adapter files do not hold: --adapters_only would drop what they learnt',
+        where='--adapters_only', fix='export the whole model with the adapters merged '
+                                     '(launch.export --format=hf without --adapters_only)')
+
+
 
 
 def read_peft_dir(directory: str) -> tuple[LoraConfig, dict[str, np.ndarray]]:
@@ -115,10 +162,20 @@ def read_peft_dir(directory: str) -> tuple[LoraConfig, dict[str, np.ndarray]]:
       or any(m not in MODULES for m in modules)):
     raise ConfigError(f'{path}: target_modules {modules!r}', where=path,
                       fix=f'adapters on the projections {", ".join(MODULES)}')
+  layers = config.get('layers_to_transform')
+  layers = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
+  if layers is not None and (not isinstance(layers, list) or not all(
+      isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in layers)
+      or config.get('layers_pattern') not in (None, 'layers', ['layers'])):
+    raise ConfigError(f"{path}: layers_to_transform {layers!r} (layers_pattern "
+                      f"{config.get('layers_pattern')!r})", where=path,
+                      fix="give layer numbers of the model's model.layers")
+  within = [f'.*/block_{n:03d}/' for n in sorted(set(layers))] if layers else ['.*/']
   lora = LoraConfig(rank=_number(config, 'r', path, integer=True),
                     alpha=_number(config, 'lora_alpha', path, default=8.0),
                     dropout=_number(config, 'lora_dropout', path, default=0.0),
-                    targets=tuple(f'.*/{MODULES[m]}' for m in sorted(modules)))
+                    targets=tuple(f'{prefix}{MODULES[m]}' for prefix in within
+                                  for m in sorted(modules)))
   weights = os.path.join(directory, WEIGHTS_FILE)
   try:
     tensors = load_file(weights)
