@@ -39,11 +39,9 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import inspect
 import itertools
 import json
 import os
-import shutil
 import tempfile
 import time
 from typing import Any, Callable, Sequence
@@ -56,15 +54,15 @@ from layout_core.checkpoint.matching import key_for_name, names_in
 from layout_core.checkpoint.shard_io import assign_global
 from layout_core.convert import hf as hf_lib
 from layout_core.convert import peft
-from layout_core.durable import sync_directory
+from layout_core.durable import directory_aside
 from layout_core.errors import ConfigError
 from layout_core.infer.tokens import RUN_TOKENIZER_DIR
 from layout_core.model import lora as lora_lib
 from layout_core.model.lm import transformer_lm_params
 from plugins import configurables, gin_setup, inference
+from plugins.origin import IMPORT_RECORD, base_run, origin_of
 from plugins.plan import check_model_dir, make_plan
 
-IMPORT_RECORD = 'hf_import.json'
 DEFAULT_SEQ_LEN = 64   # the Markov task's rows in an imported run's config (capped by max_len)
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
@@ -200,12 +198,7 @@ def _check_variables(variables, expected: dict[str, tuple[int, ...]], *, hf_dir:
 def _write_run(model_dir: str, *, trainer, plan, hf_dir: str, record: dict,
                overwrite: bool) -> None:
   """The run's files, written beside `model_dir` and renamed into place."""
-  target = os.path.abspath(model_dir)
-  parent = os.path.dirname(target)
-  os.makedirs(parent, exist_ok=True)
-  partial = os.path.join(parent, f'.{os.path.basename(target)}.importing-{os.getpid()}')
-  shutil.rmtree(partial, ignore_errors=True)
-  try:
+  with directory_aside(model_dir, replace=overwrite) as partial:
     os.makedirs(os.path.join(partial, RUN_TOKENIZER_DIR))
     checkpointer = Checkpointer(
         directory=os.path.join(partial, 'checkpoints'), state=trainer.state(),
@@ -217,21 +210,7 @@ def _write_run(model_dir: str, *, trainer, plan, hf_dir: str, record: dict,
                        (IMPORT_RECORD, json.dumps(record, indent=1, default=str))):
       with open(os.path.join(partial, name), 'w') as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    sync_directory(partial)
-    aside = None
-    if os.path.exists(target):  # --overwrite (checked): moved aside, removed once replaced
-      aside = partial + '.old'
-      os.rename(target, aside)
-    os.rename(partial, target)
-    sync_directory(parent)
-    if aside:
-      shutil.rmtree(aside, ignore_errors=True)
-  except BaseException:
-    shutil.rmtree(partial, ignore_errors=True)
-    raise
-  logging.info('Wrote %s', target)
+  logging.info('Wrote %s', model_dir)
 
 
 # -- export -----------------------------------------------------------------------------
@@ -239,9 +218,7 @@ def lm_kwargs_of_config() -> dict[str, Any]:
   """transformer_lm's arguments in the parsed gin config (its defaults, then
   the bound values); ConfigError unless `model.params` is exactly
   transformer_lm(**those)."""
-  signature = inspect.signature(transformer_lm_params)
-  kwargs = {name: p.default for name, p in signature.parameters.items()
-            if p.default is not inspect.Parameter.empty}
+  kwargs = dict(hf_lib.hf_config.LM_DEFAULTS)
   kwargs.update(gin.get_bindings(configurables.transformer_lm))
   built = configurables.model()
   if kwargs.get('cells') or transformer_lm_params(**kwargs) != built:
@@ -271,6 +248,10 @@ def export_run(*, export_dir: str, model_dir: str | None = None,
                                search_paths=list(search_paths)):
     kwargs = lm_kwargs_of_config()
     adapters = lora_lib.Tuning(lora=configurables.lora()).lora
+    trainable = configurables.train().trainable
+    init_from = configurables.checkpoint().init_from
+  run_dir = inference.run_directory(model_dir=model_dir, checkpoint=checkpoint)
+  record, tokenizer_dir = origin_of(run_dir, init_from)
   by_name = names_in(prefix)
   reader = tf.train.load_checkpoint(prefix)
 
@@ -284,8 +265,9 @@ def export_run(*, export_dir: str, model_dir: str | None = None,
                         fix='export the whole model (without --adapters_only)')
     if os.path.exists(export_dir):
       raise ConfigError(f'{export_dir} exists', where='--export_dir', fix='give a new directory')
+    base_model = (record or {}).get('hf_dir') or base_run(init_from) or ''
     written = peft.write_peft_dir(export_dir, kwargs=kwargs, lora=adapters, read=stored,
-                                  base_model=_base_model_of(model_dir, checkpoint))
+                                  base_model=base_model, trainable=trainable)
     return {**written, 'family': 'PEFT LoRA', 'tied': False, 'checkpoint': prefix,
             'step': step}
 
@@ -299,26 +281,7 @@ def export_run(*, export_dir: str, model_dir: str | None = None,
       return lora_lib.merged(value, a, b, scale=adapters.scale)
     return value
 
-  run_dir = inference.run_directory(model_dir=model_dir, checkpoint=checkpoint)
-  kept, tokenizer_dir = None, None
-  if run_dir:
-    record_path = os.path.join(run_dir, IMPORT_RECORD)
-    if os.path.isfile(record_path):
-      with open(record_path) as f:
-        kept = json.load(f).get('config')
-    if os.path.isdir(os.path.join(run_dir, RUN_TOKENIZER_DIR)):
-      tokenizer_dir = os.path.join(run_dir, RUN_TOKENIZER_DIR)
   written = hf_lib.write_hf_dir(export_dir, kwargs=kwargs, read=read, dtype=dtype,
                                 max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir,
-                                kept=kept, overwrite=overwrite)
+                                kept=(record or {}).get('config'), overwrite=overwrite)
   return {**written, 'checkpoint': prefix, 'step': step}
-
-
-def _base_model_of(model_dir: str | None, checkpoint: str | None) -> str:
-  """The Hugging Face directory the run was imported from ('' if none)."""
-  run_dir = inference.run_directory(model_dir=model_dir, checkpoint=checkpoint)
-  record_path = os.path.join(run_dir or '', IMPORT_RECORD)
-  if run_dir and os.path.isfile(record_path):
-    with open(record_path) as f:
-      return json.load(f).get('hf_dir', '')
-  return ''

@@ -5,7 +5,9 @@
 `model_dir` gets `config.gin` (the operative gin config: every value the run
 used), `params.txt` (the Params tree), `layouts.txt` (every variable's
 layout) and `mesh.json` (where every slice lives, for TensorBoard's Mesh tab:
-`mesh_document`), each written atomically; TensorBoard gets the same as text
+`mesh_document`), each written atomically, and for a run started with
+`checkpoint.init_from` its base run's tokenizer/ and hf_import.json
+(`plugins.origin.carry_origin`); TensorBoard gets the same as text
 (`config/gin`, `config/params`, `layouts/variables`) plus the layout scalars.
 Checkpoint saves and restores become `checkpoint/saves` and
 `checkpoint/restores` lines and `usage/checkpoint_*` scalars
@@ -33,6 +35,7 @@ from layout_core.train.summaries import code_block
 from layout_core.train.loop import Trainer
 from plugins.gin_setup import gin_settings
 from plugins.mesh_tab import MESH_JSON, MESH_JSON_FORMAT
+from plugins.origin import carry_origin
 from plugins.plan import RunPlan
 
 
@@ -51,6 +54,7 @@ def record_run(trainer: Trainer, plan: RunPlan, *, model_dir: str) -> None:
   write_text(model_dir, 'config.gin', plan.operative_config)
   write_text(model_dir, 'params.txt', params_text)
   write_text(model_dir, 'layouts.txt', trainer.write_layouts())
+  carry_origin(plan.checkpoint.init_from, model_dir)
   try:  # a report: it must never stop the run it reports on
     write_text(model_dir, MESH_JSON, json.dumps(mesh_document(trainer, plan),
                                                 separators=(',', ':')))

@@ -140,27 +140,37 @@ def state_dict(cfg: dict, *, seed: int = 0) -> dict[str, np.ndarray]:
   return tensors
 
 
-def write_tokenizer(directory: str, *, vocab_size: int = VOCAB - 8) -> None:
-  """A word-piece BPE trained on WORDS, saved as tokenizer.json (+ tokenizer_config.json)."""
+# A chat model's template in the style of Llama 3's: each turn ends with the
+# special token <|eot|>, not with the tokenizer's eos_token </s>.
+CHAT_TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}<|eot|>"
+                 "{% endfor %}{% if add_generation_prompt %}<|start|>assistant\n{% endif %}")
+
+
+def write_tokenizer(directory: str, *, vocab_size: int = VOCAB - 8, chat: bool = False) -> None:
+  """A word-piece BPE trained on WORDS, saved as tokenizer.json (+ tokenizer_config.json);
+  `chat`: with the special tokens <|start|> and <|eot|> and CHAT_TEMPLATE."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
   tokenizer = Tokenizer(models.BPE(unk_token='<unk>'))
   tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
   tokenizer.decoder = decoders.Metaspace()
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=['<unk>', '<s>', '</s>'],
+  specials = ['<unk>', '<s>', '</s>'] + (['<|start|>', '<|eot|>'] if chat else [])
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                 show_progress=False)
   tokenizer.train_from_iterator([' '.join(WORDS)] * 4, trainer=trainer)
   tokenizer.save(os.path.join(directory, 'tokenizer.json'))
   with open(os.path.join(directory, 'tokenizer_config.json'), 'w') as f:
     json.dump({'bos_token': '<s>', 'eos_token': '</s>', 'unk_token': '<unk>',
-               'tokenizer_class': 'PreTrainedTokenizerFast'}, f, indent=2)
+               'tokenizer_class': 'PreTrainedTokenizerFast',
+               **({'chat_template': CHAT_TEMPLATE} if chat else {})}, f, indent=2)
 
 
 def write_checkpoint(directory: str, family: str, *, cfg: dict | None = None, seed: int = 0,
-                     shards: int = 1, dtype: str = 'float32', tokenizer: bool = True,
+                     shards: int = 1, dtype: str = 'float32', tokenizer: bool | str = True,
                      tensors: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
   """Writes a `family` checkpoint into `directory` as save_pretrained does
   (config.json, model.safetensors or `shards` shards and their index, the
-  tokenizer); returns its tensors (float32, before any bfloat16 rounding)."""
+  tokenizer, with a chat template if `tokenizer` is 'chat'); returns its
+  tensors (float32, before any bfloat16 rounding)."""
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   os.makedirs(directory, exist_ok=True)
   cfg = cfg if cfg is not None else config(family)
@@ -187,5 +197,5 @@ def write_checkpoint(directory: str, family: str, *, cfg: dict | None = None, se
       json.dump({'metadata': {'total_size': sum(t.nbytes for t in stored.values())},
                  'weight_map': weight_map}, f, indent=2)
   if tokenizer:
-    write_tokenizer(directory)
+    write_tokenizer(directory, chat=tokenizer == 'chat')
   return tensors

@@ -283,6 +283,12 @@ def _truncate(directory):
     f.truncate(os.path.getsize(path) - 100)
 
 
+def _to_float8(tensors):
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  for name in ('model.layers.1.self_attn.q_proj.weight', 'model.layers.1.mlp.up_proj.weight'):
+    tensors[name] = tensors[name].astype(ml_dtypes.float8_e4m3fn)
+
+
 def _only_bin(directory):
   os.rename(os.path.join(directory, 'model.safetensors'),
             os.path.join(directory, 'pytorch_model.bin'))
@@ -323,6 +329,17 @@ BAD = {
                   ['config.json does not exist']),
     'config not json': (_break_files(lambda d: open(os.path.join(d, 'config.json'), 'w').write(
         '{"model_type": ')), ['config.json is not JSON']),
+    # Stored dtypes: only F32, F16 and BF16 widen exactly to float32.
+    'integer weight': (_break_tensors(lambda t: t.update({'model.norm.weight':
+                                                          np.ones(32, np.int32)})),
+                       ['model.norm.weight is I32 (in model.safetensors)']),
+    'bool weight': (_break_tensors(lambda t: t.update({'model.layers.0.input_layernorm.weight':
+                                                       np.ones(32, bool)})),
+                    ['model.layers.0.input_layernorm.weight is BOOL']),
+    'float8 weights': (_break_tensors(_to_float8), ['2 tensor(s)', 'is F8_E4M3',
+                                                    'model.layers.1.self_attn.q_proj.weight']),
+    'quantized': (_break_config('llama', quantization_config={'quant_method': 'fp8'}),
+                  ["quantization_config is set (quant_method 'fp8')"]),
 }
 
 

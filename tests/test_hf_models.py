@@ -196,8 +196,13 @@ def test_import_export_import_is_the_same_checkpoint_bit_for_bit(family, runs, h
   assert sorted(first) == sorted(second)
   for key in first:
     assert first[key].dtype == second[key].dtype and np.array_equal(first[key], second[key]), key
+  # The fixtures ship no generation_config.json: the export writes one (the
+  # config's BOS and EOS; the fixture's tokenizer has no chat template).
   assert sorted(os.listdir(os.path.join(again, 'tokenizer'))) == sorted(
-      os.listdir(os.path.join(runs[family], 'tokenizer')))
+      os.listdir(os.path.join(runs[family], 'tokenizer')) + ['generation_config.json'])
+  from transformers import GenerationConfig  # pylint: disable=g-import-not-at-top
+  generation = GenerationConfig.from_pretrained(exported)
+  assert (generation.bos_token_id, generation.eos_token_id) == (1, 2)
 
 
 def test_init_from_reads_an_imported_run(runs, tmp_path):

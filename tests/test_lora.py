@@ -10,6 +10,9 @@ run straight through; targets that match nothing exit 2.
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -187,12 +190,17 @@ def test_merged_and_peft_exports_compute_the_lora_models_logits(tmp_path):
   merged, read by KerasHub; (2) its SavedModel (merged); (3) the base
   re-imported with its PEFT-format adapters (`--adapters_only`, then
   `launch.import_hf --peft_dir`), whose adapters are the run's bit for bit.
-  Control: the base model's logits differ."""
+  Control: the base model's logits differ. The tuned run carries the base's
+  tokenizer and import record, so its Hugging Face export loads in
+  transformers with the chat template, and its config.json and
+  generation_config.json stop at the end-of-turn token as well as EOS; the
+  PEFT adapters name the imported directory as their base, and with
+  `train.trainable` beside LoRA --adapters_only exits naming the weights."""
   from plugins import hf, inference  # pylint: disable=g-import-not-at-top
   from tests import hf_fixtures  # pylint: disable=g-import-not-at-top
   from tests.test_hf_models import TOKENS, TOLERANCE, keras_hub_logits, relative_error  # pylint: disable=g-import-not-at-top
   base_hf, base, tuned = (str(tmp_path / name) for name in ('hf', 'base', 'tuned'))
-  hf_fixtures.write_checkpoint(base_hf, 'llama')
+  hf_fixtures.write_checkpoint(base_hf, 'llama', tokenizer='chat')
   hf.import_run(hf_dir=base_hf, model_dir=base)
   done = run_module(
       'launch.train', f'--gin_file={base}/config.gin', f'--model_dir={tuned}',
@@ -214,6 +222,7 @@ def test_merged_and_peft_exports_compute_the_lora_models_logits(tmp_path):
   files = [inference.run_config(model_dir=tuned)]
   hf.export_run(export_dir=str(tmp_path / 'merged'), model_dir=tuned, files=files)
   assert relative_error(keras_hub_logits(str(tmp_path / 'merged')), ours) < TOLERANCE
+  assert_ships_with_tokens(str(tmp_path / 'merged'), tuned=tuned, base=base)
   served = tf.saved_model.load(str(tmp_path / 'saved')).signatures['serving_default']
   padded = np.zeros((TOKENS.shape[0], 64), np.int32)  # serving_default's positions
   padded[:, :TOKENS.shape[1]] = TOKENS
@@ -222,6 +231,14 @@ def test_merged_and_peft_exports_compute_the_lora_models_logits(tmp_path):
   written = hf.export_run(export_dir=str(tmp_path / 'peft'), model_dir=tuned, files=files,
                           adapters_only=True)
   assert written['modules'] == ['down_proj', 'gate_proj', 'q_proj', 'up_proj', 'v_proj']
+  with open(f'{tmp_path}/peft/adapter_config.json') as f:
+    adapter_config = json.load(f)
+  assert adapter_config['base_model_name_or_path'] == os.path.abspath(base_hf)
+  assert 'layers_to_transform' not in adapter_config  # every layer is adapted
+  with pytest.raises(ConfigError) as raised:
+    hf.export_run(export_dir=str(tmp_path / 'peft2'), model_dir=tuned, files=files,
+                  bindings=["train.trainable = ['.*/final_ln/.*']"], adapters_only=True)
+  assert 'lm/final_ln/scale' in str(raised.value) and not os.path.exists(tmp_path / 'peft2')
   again = str(tmp_path / 'again')
   done = run_module('launch.import_hf', f'--hf_dir={base_hf}', f'--peft_dir={tmp_path}/peft',
                     f'--model_dir={again}')
@@ -234,3 +251,23 @@ def test_merged_and_peft_exports_compute_the_lora_models_logits(tmp_path):
   assert len(keys) == 2 * 5 * 2  # A and B of 5 weights in each of 2 blocks
   for key in keys:
     np.testing.assert_array_equal(saved[again].get_tensor(key), saved[tuned].get_tensor(key))
+
+
+def assert_ships_with_tokens(exported: str, *, tuned: str, base: str) -> None:
+  """The export of a run tuned from an imported chat model, read by
+  transformers: its tokenizer with the base's chat template, and EOS ids
+  [</s>, <|eot|>] in config.json and generation_config.json."""
+  from transformers import AutoConfig, AutoTokenizer, GenerationConfig  # pylint: disable=g-import-not-at-top
+  from tests import hf_fixtures  # pylint: disable=g-import-not-at-top
+  assert os.path.isdir(f'{tuned}/tokenizer')  # carried by checkpoint.init_from
+  with open(f'{tuned}/hf_import.json') as f:
+    assert json.load(f)['init_from'] == os.path.abspath(base)
+  tokenizer = AutoTokenizer.from_pretrained(exported)
+  assert tokenizer.chat_template == hf_fixtures.CHAT_TEMPLATE
+  assert tokenizer.apply_chat_template([{'role': 'user', 'content': 'count'}], tokenize=False,
+                                       add_generation_prompt=True).endswith('assistant\n')
+  stops = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids('<|eot|>')]
+  assert stops == [2, 4]  # the fixture's ids (config.json's eos_token_id is 2)
+  assert GenerationConfig.from_pretrained(exported).eos_token_id == stops
+  config = AutoConfig.from_pretrained(exported)
+  assert (config.eos_token_id, config.bos_token_id) == (stops, tokenizer.bos_token_id)

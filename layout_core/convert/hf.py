@@ -12,15 +12,21 @@
 weights (`layout_core.convert.hf_files`) and checks every tensor's name and
 shape against the family's table (`layout_core.convert.hf_names`) before a
 value is read: a tensor missing, one the table does not know (buffers
-such as `rotary_emb.inv_freq` aside), or one of another shape is a
-ConfigError naming it. `values()` then yields each meshgin variable's value,
+such as `rotary_emb.inv_freq` aside), one of another shape, or one stored
+in a dtype other than F32, F16 or BF16 (integers, bools, 8-bit floats) is a
+ConfigError naming it (and its file); so is a config.json with a
+`quantization_config`. `values()` then yields each meshgin variable's value,
 converted from one Hugging Face tensor at a time, in float32 (bfloat16 and
 float16 widen exactly).
 
 `write_hf_dir` is the inverse: the run's variables, read one at a time by
 `read(path)`, become the family's tensors (float32, or `dtype`), sharded over
-`max_shard_bytes`, with config.json and the tokenizer files, in a directory
-that appears whole (written beside it, renamed). It writes the embedding
+`max_shard_bytes`, with config.json and the tokenizer files (its chat
+template among them), in a directory that appears whole (written beside it,
+renamed). config.json's `bos_token_id` and `eos_token_id`, and a
+`generation_config.json` where the run kept none, come from the imported
+config and the tokenizer: EOS includes the chat template's end-of-turn
+token (`layout_core.convert.hf_tokens`). It writes the embedding
 once and `tie_word_embeddings: true` when the model ties its embeddings
 (`transformer_lm.tie_embeddings`) or `lm/softmax/w` is exactly the
 embedding table transposed, else both matrices and `false`.
@@ -39,14 +45,18 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from layout_core.convert import hf_config, hf_files, hf_names
-from layout_core.durable import sync_directory
+from layout_core.convert import hf_config, hf_files, hf_names, hf_tokens
+from layout_core import durable
 from layout_core.errors import ConfigError
 
 # Files of a Hugging Face tokenizer that an import copies into the run (those present).
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json',
                    'tokenizer.model', 'vocab.json', 'merges.txt', 'added_tokens.json',
-                   'generation_config.json')
+                   'chat_template.jinja', 'chat_template.json', 'generation_config.json')
+GENERATION_CONFIG = 'generation_config.json'
+
+# Safetensors dtypes an import reads (and widens exactly to float32).
+FLOAT_DTYPES = ('F32', 'F16', 'BF16')
 _DTYPES = {'float32': np.float32, 'bfloat16': 'bfloat16', 'float16': np.float16}
 
 
@@ -78,11 +88,20 @@ def open_hf(directory: str) -> HFSource:
   """The checkpoint in `directory`, every tensor name and shape checked (module doc)."""
   config = hf_files.read_config(directory)
   source_name = os.path.join(directory, 'config.json')
+  if config.get('quantization_config') is not None:
+    method = (config['quantization_config'].get('quant_method', '?')
+              if isinstance(config['quantization_config'], dict) else '?')
+    raise ConfigError(f'{source_name}: quantization_config is set (quant_method {method!r}): '
+                      'the weights are quantized, and meshgin reads float32, float16 and '
+                      'bfloat16 weights only', where=f'{source_name}, field '
+                      "'quantization_config'", fix='import the unquantized checkpoint the '
+                      'quantized one was made from')
   kwargs, facts = hf_config.lm_kwargs_from_hf(config, source=source_name)
   reader = hf_files.SafetensorsReader(directory)  # holds no file open
   prefix = hf_names.gpt2_prefix(list(reader.shapes)) if facts.family == 'gpt2' else ''
   rules = hf_names.tensor_rules(kwargs, family=facts.family, tied=facts.tied, prefix=prefix)
   check_tensors(reader, rules, family=facts.family, directory=directory, tied=facts.tied)
+  check_dtypes(reader, [rule.hf_name for rule in rules])
   return HFSource(directory=directory, config=config, kwargs=kwargs, facts=facts, rules=rules,
                   reader=reader)
 
@@ -114,6 +133,20 @@ def check_tensors(reader: hf_files.SafetensorsReader, rules, *, family: str, dir
                       f'describes: {"; ".join(problems)}', where=directory,
                       fix='give the config.json and safetensors of one checkpoint, '
                           'downloaded whole')
+
+
+def check_dtypes(reader: hf_files.SafetensorsReader, names) -> None:
+  """ConfigError naming the tensors (and files) among `names` stored in a
+  dtype other than FLOAT_DTYPES: an integer, bool or 8-bit float tensor
+  under a weight's name is not a weight meshgin can widen exactly."""
+  wrong = [f'{name} is {reader.dtypes[name]} (in {reader.file_of[name]})'
+           for name in dict.fromkeys(names) if reader.dtypes.get(name, 'F32') not in FLOAT_DTYPES]
+  if wrong:
+    raise ConfigError(
+        f'{len(wrong)} tensor(s) in {reader.directory} are not float32, float16 or '
+        f'bfloat16: {"; ".join(wrong[:4])}' + (' ...' if len(wrong) > 4 else ''),
+        where=reader.directory, fix='import a checkpoint saved in float32, float16 or '
+                                    'bfloat16 (not quantized)')
 
 
 # -- export ---------------------------------------------------------------------------------
@@ -154,6 +187,7 @@ def write_hf_dir(target: str, *, kwargs: Mapping[str, Any],
   tied = (hf_config.resolved(kwargs)['tie_embeddings']
           or is_tied(checked('lm/emb/table'), checked('lm/softmax/w')))
   config = hf_config.hf_config_from_lm(kwargs, tied=tied, dtype=dtype, kept=kept)
+  config.update(hf_tokens.token_fields(tokenizer_dir, kept=kept))
   prefix = 'transformer.' if family == 'gpt2' else ''
   rules = hf_names.tensor_rules(kwargs, family=family, tied=tied, prefix=prefix)
   by_name = {}
@@ -166,39 +200,18 @@ def write_hf_dir(target: str, *, kwargs: Mapping[str, Any],
     rule = by_name[name]
     return rule.to_hf([checked(path) for path in rule.paths]).astype(np_dtype)
 
-  parent = os.path.dirname(os.path.abspath(target))
-  os.makedirs(parent, exist_ok=True)
-  partial = os.path.join(parent, f'.{os.path.basename(target)}.partial-{os.getpid()}')
-  shutil.rmtree(partial, ignore_errors=True)
-  os.makedirs(partial)
-  try:
+  with durable.directory_aside(target, replace=overwrite) as partial:
     files = hf_files.write_safetensors(partial, tensor, sizes, max_shard_bytes=max_shard_bytes)
     with open(os.path.join(partial, 'config.json'), 'w') as f:
       json.dump(config, f, indent=2)
     files.append('config.json')
     files += copy_tokenizer(tokenizer_dir, partial) if tokenizer_dir else []
-    for name in os.listdir(partial):
-      with open(os.path.join(partial, name), 'rb') as f:
-        os.fsync(f.fileno())
-    sync_directory(partial)
-    _replace(partial, target)
-  except BaseException:
-    shutil.rmtree(partial, ignore_errors=True)
-    raise
+    generation = hf_tokens.generation_config(tokenizer_dir, kept=kept)
+    if GENERATION_CONFIG not in files and generation:
+      with open(os.path.join(partial, GENERATION_CONFIG), 'w') as f:
+        json.dump(generation, f, indent=2)
+      files.append(GENERATION_CONFIG)
   return {'family': family, 'tied': tied, 'files': files, 'config': config}
-
-
-def _replace(partial: str, target: str) -> None:
-  """Renames `partial` to `target`; an existing `target` is moved aside
-  first and removed only once the new one is in place."""
-  aside = None
-  if os.path.exists(target):
-    aside = f'{partial}.old'
-    os.rename(target, aside)
-  os.rename(partial, target)
-  sync_directory(os.path.dirname(target) or '.')
-  if aside:
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 def copy_tokenizer(source_dir: str, target_dir: str) -> list[str]:

@@ -21,27 +21,26 @@ matrix for both) become a tied model, `tie_embeddings=True` in the kwargs.
 The inverse writes `tie_word_embeddings` true for a tied model, or as the
 export decides (`tied`: an untied model whose matrices are still equal).
 
-Nothing here imports TensorFlow.
+Nothing here imports TensorFlow (`layout_core.model.lm` does not either).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Mapping
 
 from layout_core.errors import ConfigError
+from layout_core.model.lm import ROPE_SCALING_KEYS, transformer_lm_params
 
 FAMILIES = ('llama', 'mistral', 'qwen2', 'gpt2')
 
-# transformer_lm's defaults for the arguments an import sets (its signature
-# has them too; these fill what a run's kwargs leave out, for the inverse).
-LM_DEFAULTS: dict[str, Any] = dict(
-    max_len=128, activation='relu', norm='layer', norm_epsilon=1e-6, positions='learned',
-    rope_theta=10000.0, rope_scaling=None, ffn='mlp', num_kv_heads=0, head_dim=0,
-    qkv_bias=False, attention_out_bias=False, ffn_bias=None, output_bias=True,
-    tie_embeddings=False)
-ROPE_SCALING_KEYS = ('factor', 'low_freq_factor', 'high_freq_factor',
-                     'original_max_position_embeddings')
+# transformer_lm's defaults (from its signature): they fill what a run's kwargs
+# leave out, for the inverse.
+LM_DEFAULTS: dict[str, Any] = {
+    name: parameter.default
+    for name, parameter in inspect.signature(transformer_lm_params).parameters.items()
+    if parameter.default is not inspect.Parameter.empty}
 # Fields that give a model experts (mixture of experts), in any family's spelling.
 _EXPERT_FIELDS = ('num_local_experts', 'num_experts', 'num_experts_per_tok',
                   'n_routed_experts', 'moe_intermediate_size')

@@ -35,14 +35,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from layout_core.checkpoint.matching import check_fits, key_for_name, names_in
 from layout_core.checkpoint.shard_io import VALUE_SUFFIX, CheckpointEntry, checkpoint_entries
-from layout_core.durable import sync_directory
+from layout_core.durable import directory_aside
 from layout_core.errors import ConfigError
 from layout_core.infer.decode import CachedLM, lm_layers
 from layout_core.infer.decode import check_fits as check_decoding_fits
@@ -326,14 +325,8 @@ def export_saved_model(model: PlainModel, signatures: Sequence[Signature], *, ex
   signature converted for TensorFlow Lite too (`model.tflite`). Returns
   that record."""
   check_target(export_dir, overwrite=overwrite)
-  export_dir = os.path.abspath(export_dir)
-  parent = os.path.dirname(export_dir)
-  created = _missing_directories(parent)
-  os.makedirs(parent, exist_ok=True)
-  temporary = os.path.join(parent, f'.{os.path.basename(export_dir)}.partial-{os.getpid()}')
-  shutil.rmtree(temporary, ignore_errors=True)
-  done = False
-  try:
+  with directory_aside(export_dir, replace=overwrite,
+                       check=lambda: check_target(export_dir, overwrite=overwrite)) as temporary:
     root = tf.Module(name='exported')
     root.by_path = dict(model.variables)  # every captured variable is tracked
     concrete = {}
@@ -357,59 +350,13 @@ def export_saved_model(model: PlainModel, signatures: Sequence[Signature], *, ex
     os.makedirs(os.path.join(temporary, 'assets.extra'), exist_ok=True)
     with open(os.path.join(temporary, EXPORT_INFO), 'w') as f:
       json.dump(record, f, indent=1)
-    _sync_tree(temporary)
-    _move_into_place(temporary, export_dir, overwrite=overwrite)
-    done = True
-    return record
-  finally:
-    shutil.rmtree(temporary, ignore_errors=True)
-    for directory in reversed(created if not done else []):  # a failed export leaves none
-      if os.path.isdir(directory) and not os.listdir(directory):
-        os.rmdir(directory)
-
-
-def _missing_directories(path: str) -> list[str]:
-  """The directories of `path` that do not exist yet, outermost first."""
-  missing = []
-  while not os.path.isdir(path):
-    missing.append(path)
-    path = os.path.dirname(path)
-  return missing[::-1]
+  return record
 
 
 def _tensors(tensors) -> dict[str, list]:
   """{name: [shape, dtype]} of named TensorSpecs, or of a {name: tensor} dict."""
   named = tensors.items() if isinstance(tensors, Mapping) else [(t.name, t) for t in tensors]
   return {name: [t.shape.as_list(), t.dtype.name] for name, t in named}
-
-
-def _sync_tree(directory: str) -> None:
-  """Every file under `directory`, and the directories' names, on disk."""
-  for path, _, files in os.walk(directory):
-    for name in files:
-      with open(os.path.join(path, name), 'rb') as f:
-        os.fsync(f.fileno())
-    sync_directory(path)
-
-
-def _move_into_place(temporary: str, export_dir: str, *, overwrite: bool) -> None:
-  """One rename makes the export appear whole. Replacing an earlier one moves
-  it aside first (a reader sees the old export, the new one, or for the
-  instant between the two renames none), then deletes it."""
-  check_target(export_dir, overwrite=overwrite)  # again: time has passed
-  old = None
-  if os.path.lexists(export_dir):
-    old = f'{temporary}.old'
-    os.rename(export_dir, old)
-  try:
-    os.rename(temporary, export_dir)
-  except OSError:
-    if old is not None:
-      os.rename(old, export_dir)
-    raise
-  sync_directory(os.path.dirname(export_dir))
-  if old is not None:
-    shutil.rmtree(old)
 
 
 def graph_op_types(export_dir: str) -> set[str]:
