@@ -43,7 +43,6 @@ from __future__ import annotations
 import glob
 import itertools
 import math
-import os
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -145,6 +144,22 @@ class Task:
     """
     raise NotImplementedError
 
+  def trained_targets(self, batch: Batch) -> int | None:
+    """How many targets of a host batch (numpy, as `reader` gives it) the
+    loss trains on, for the check that a batch trains something
+    (`layout_core.train.trained_tokens`); None (the default): not counted,
+    every batch trains."""
+    del batch
+    return None
+
+  def untrained_reason(self, reader: 'BatchReader') -> tuple[str, str, str]:
+    """(why, where, fix) for a batch of `reader`'s with no trained target
+    (`trained_targets` 0): what the data did, the setting to change as the
+    user wrote it, and its value that would train."""
+    del reader
+    return ('every target is masked out', self.settings_name,
+            'check the data and the task\'s settings')
+
   def describe(self) -> str:
     """One line naming the task and its settings (default: the class name),
     for the run's log (`Data: ...`) and the check that every client of a
@@ -244,49 +259,6 @@ def _check_feature_spec(features: Mapping[str, Sequence]) -> dict[str, tuple[str
                         fix=f'use one of {_DTYPES} (the numeric tf.train.Example kinds)')
     checked[name] = (dtype, shape)
   return checked
-
-
-def write_tfrecords(pattern: str, arrays: Mapping[str, np.ndarray], *,
-                    num_shards: int = 1) -> list[str]:
-  """Writes row i of every array as one `tf.train.Example`, over `num_shards`
-  files named by `pattern.format(shard=k, num_shards=n)`; returns the paths."""
-  num_rows = {len(a) for a in arrays.values()}
-  if len(num_rows) != 1:
-    raise ValueError(f'arrays have different numbers of rows: {num_rows}')
-  (rows,) = num_rows
-  paths = []
-  for shard in range(num_shards):
-    path = pattern.format(shard=shard, num_shards=num_shards)
-    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    with tf.io.TFRecordWriter(path) as writer:
-      for i in range(shard, rows, num_shards):
-        feature = {}
-        for name, array in arrays.items():
-          values = np.asarray(array[i]).reshape(-1)
-          if np.issubdtype(values.dtype, np.floating):
-            feature[name] = tf.train.Feature(float_list=tf.train.FloatList(value=values))
-          else:
-            feature[name] = tf.train.Feature(int64_list=tf.train.Int64List(value=values))
-        example = tf.train.Example(features=tf.train.Features(feature=feature))
-        writer.write(example.SerializeToString())
-    paths.append(path)
-  return paths
-
-
-def read_tfrecords(files: Sequence[str], features: Mapping[str, tuple[str, tuple[int, ...]]]
-                   ) -> dict[str, np.ndarray]:
-  """Every Example of `files` (in the given order) parsed into numpy arrays."""
-  spec = {name: tf.io.FixedLenFeature(shape, tf.as_dtype(dtype))
-          for name, (dtype, shape) in features.items()}
-  dataset = tf.data.TFRecordDataset(list(files)).batch(4096).map(
-      lambda records: tf.io.parse_example(records, spec))
-  parts: dict[str, list[np.ndarray]] = {name: [] for name in features}
-  for chunk in dataset.as_numpy_iterator():
-    for name in features:
-      parts[name].append(chunk[name])
-  return {name: (np.concatenate(chunks) if chunks else
-                 np.zeros((0,) + features[name][1], features[name][0]))
-          for name, chunks in parts.items()}
 
 
 def find_split_files(patterns: Mapping[str, str], *, where: str) -> dict[str, list[str]]:

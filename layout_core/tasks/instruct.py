@@ -254,6 +254,7 @@ class ExamplePacker(Packer):
   def __init__(self, stream, *, length, pack, vocab_size, used, too_long, tokenizer,
                template):
     self.tokenizer, self.template, self.examples = tokenizer, template, 0
+    self.longest = 0  # tokens of the longest example read
     self._epoch = stream.position[0]
     super().__init__(stream, length=length, pack=pack, vocab_size=vocab_size, used=used,
                      too_long=too_long)
@@ -278,6 +279,7 @@ class ExamplePacker(Packer):
                         fix=f'set instruct.vocab_size to the model\'s vocabulary (at least '
                             f'{self.tokenizer.vocab_size or int(ids.max()) + 1})')
     self.examples += 1
+    self.longest = max(self.longest, len(ids))
     return {'tokens': ids.astype(np.int32), 'loss_mask': mask}
 
   def log_counts(self) -> None:
@@ -361,6 +363,24 @@ class InstructionTask(LMCorpusTask):
     mask = tf.logical_and(target_mask(batch['segments']), batch['loss_mask'][:, 1:] > 0)
     loss, accuracy = next_token_loss(outputs, batch['tokens'], mask)
     return loss, {'accuracy': accuracy, 'tokens_trained': tf.reduce_sum(tf.cast(mask, tf.float32))}
+
+  def trained_targets(self, batch):
+    """Targets in their input's example whose loss mask is on: the mask of
+    `loss_and_metrics`, on a host batch."""
+    segments = np.asarray(batch['segments'])
+    same = (segments[:, :-1] == segments[:, 1:]) & (segments[:, 1:] > 0)
+    return int(np.count_nonzero(same & (np.asarray(batch['loss_mask'])[:, 1:] > 0)))
+
+  def untrained_reason(self, reader):
+    counts = example_counts(reader)
+    longest = max((source.longest for source in reader.sources.values()), default=0)
+    setting = f'{self.settings_name}.seq_len'
+    why = (f'{counts["cut"]} of the {counts["examples"]} example(s) read so far were longer '
+           f'than a row ({setting} = {self.seq_len}: {self.seq_len + 1} tokens) and cut there, '
+           f'losing what of their answers lay beyond ({counts["dropped"]} dropped)')
+    fix = (f'set {setting} >= {max(longest - 1, self.seq_len + 1)} (the longest example read '
+           f'is {longest} tokens), or shorten the prompts')
+    return why, setting, fix
 
   def describe(self) -> str:
     counts = ', '.join(f'{split} {len(files)} file(s) {self.patterns[split]} '
