@@ -340,9 +340,26 @@ def test_a_bad_line_is_named_by_file_and_line(tmp_path, line, why):
   path = write_lines(tmp_path / 'bad.jsonl', [good, good, line, good])
   with pytest.raises(ConfigError) as error:
     InstructionTask(train_files=str(tmp_path / '*.jsonl'), eval_files=path,
-                    tokenizer='bytes', vocab_size=256)
+                    tokenizer='bytes', vocab_size=256).check_data()
   assert f'{path}:3 {why}' in str(error.value)
   assert 'Fix: write one JSON object per line' in str(error.value)
+
+
+def test_the_files_are_read_only_for_the_splits_a_plan_checks(tmp_path):
+  """Making the task reads no file (decode and export plan it so); eval
+  checks its split alone; training checks both, every line."""
+  good = write_lines(tmp_path / 'eval.jsonl', [{'prompt': 'a', 'response': 'b'}])
+  bad = write_lines(tmp_path / 'train.jsonl', ['{"prompt": "a"}'])
+  task = InstructionTask(train_files=str(tmp_path / 'gone-*.jsonl'), eval_files=good,
+                         tokenizer='bytes', vocab_size=256)
+  task.check_data(())
+  task.check_data(('eval',))
+  assert 'eval 1 file(s) (1 examples)' in task.describe()
+  with pytest.raises(ConfigError, match="no file matches the train pattern '.*gone-"):
+    task.check_data()
+  with pytest.raises(ConfigError, match=f'{bad}:1 needs string'):  # control: lines are read
+    InstructionTask(train_files=bad, eval_files=good, tokenizer='bytes',
+                    vocab_size=256).check_data()
 
 
 def test_a_token_outside_the_vocabulary_names_the_example(tmp_path):

@@ -144,6 +144,13 @@ class Task:
     """
     raise NotImplementedError
 
+  def check_data(self, splits: Sequence[str] = SPLITS) -> None:
+    """Reads and checks the data files of `splits` (a ConfigError naming the
+    file); the plan of a run calls it for the splits the program reads:
+    training both, eval 'eval', decode and export none, so those never need
+    (nor read) the training data. Default: nothing to check."""
+    del splits
+
   def trained_targets(self, batch: Batch) -> int | None:
     """How many targets of a host batch (numpy, as `reader` gives it) the
     loss trains on, for the check that a batch trains something
@@ -297,7 +304,8 @@ class TFRecordTask(Task):
   `num_streams` streams read with tf.data and shuffled within windows of
   `shuffle_window` records, so host memory does not grow with the data; a
   client reads only the streams its devices' rows come from. The first
-  record of every file is checked against `features` when the task is made.
+  record of every file of a split is checked against `features` when the
+  run's plan checks that split (`check_data`).
 
   Args:
     train_files: Glob pattern of the train split's TFRecord files (all sorted
@@ -344,15 +352,22 @@ class TFRecordTask(Task):
       raise ConfigError(f'tfrecord_task.num_classes is {num_classes}',
                         fix='set the number of classes (>= 2) for a classification task')
     self.inputs, self.label = tuple(inputs), label
-    self.files = find_split_files({'train': train_files, 'eval': eval_files},
-                                  where='tfrecord_task')
     self.patterns = {'train': train_files, 'eval': eval_files}
-    used = {name: self.features_spec[name] for name in self.inputs + (label,)}
-    for split, files in self.files.items():
-      streams.check_first_records(files, used, where=f'tfrecord_task.{split}_files '
-                                  f'/ tfrecord_task.features')
+    self.checked: dict[str, str] = {}  # split: what check_data found, for describe
     self.objective, self.num_classes, self.seed = objective, num_classes, seed
     self.num_streams, self.shuffle_window = num_streams, shuffle_window
+
+  def check_data(self, splits=SPLITS):
+    used = {name: self.features_spec[name] for name in self.inputs + (self.label,)}
+    for split in splits:
+      files = self.split_files(split)
+      streams.check_first_records(files, used,
+                                  where=f'tfrecord_task.{split}_files / tfrecord_task.features')
+      self.checked[split] = f'{len(files)} file(s) '
+
+  def split_files(self, split: str) -> list[str]:
+    """The files of `split`: its pattern's matches, sorted (a ConfigError if none)."""
+    return find_split_files({split: self.patterns[split]}, where=self.settings_name)[split]
 
   def _parse(self, serialized):
     spec = {name: tf.io.FixedLenFeature(self.features_spec[name][1],
@@ -366,7 +381,7 @@ class TFRecordTask(Task):
       return _BlockSource(stream, self._finish)
 
     return reading.open_stream_reader(
-        files=self.files[split], split=split, batch_size=batch_size,
+        files=self.split_files(split), split=split, batch_size=batch_size,
         num_streams=self.num_streams, rows=rows, state=state, start_step=start_step,
         where=self.settings_name, parse=self._parse, seed=2 * self.seed + SPLIT_INDEX[split],
         window=self.shuffle_window, position_length=2, source=source,
@@ -407,8 +422,8 @@ class TFRecordTask(Task):
                  for name in self.inputs)
 
   def describe(self) -> str:
-    counts = ', '.join(f'{split} {len(files)} file(s) {self.patterns[split]}'
-                       for split, files in self.files.items())
+    counts = ', '.join(f'{split} {self.checked.get(split, "")}{pattern}'
+                       for split, pattern in self.patterns.items())
     kind = (f'{self.num_classes}-class classification' if self.objective == 'classification'
             else 'regression')
     text = f'TFRecord {kind} of {self.label!r} from {", ".join(self.inputs)}: {counts}'

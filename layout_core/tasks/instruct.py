@@ -14,10 +14,12 @@ Each line of the JSON-lines files is one example, either
                   {"role": "assistant", "content": "5"}]}
 
 (a prompt/response pair is the conversation [user: prompt, assistant:
-response]). Every line is read and checked when the task is made: a line that
-is not such an object (bad JSON, a missing key, a role other than system,
-user or assistant, an empty line, no assistant turn) is a ConfigError naming
-the file and line.
+response]). Every line of a split is read and checked when the run's plan
+checks that split (`check_data`: training both, `launch.eval` the eval split,
+decode and export none, so a tuned run decodes without its data): a line
+that is not such an object (bad JSON, a missing key, a role other than
+system, user or assistant, an empty line, no assistant turn) is a
+ConfigError naming the file and line.
 
 The text of a conversation comes from a chat template:
 
@@ -78,7 +80,7 @@ from layout_core.lazy import tf
 from layout_core.tasks import streams
 from layout_core.tasks.instruct_files import (Messages, check_example_files, count_lines,
                                              numbered_lines, parse_example)
-from layout_core.tasks.base import find_split_files
+from layout_core.tasks.base import SPLITS
 from layout_core.tasks.corpus import LMCorpusTask, Packer, next_token_loss, target_mask
 
 TOO_LONG = ('cut', 'drop')
@@ -335,21 +337,24 @@ class InstructionTask(LMCorpusTask):
     if too_long not in TOO_LONG:
       raise ConfigError(f'instruct.too_long is {too_long!r}', where='instruct.too_long',
                         fix=f'use one of {TOO_LONG}')
-    self.files = find_split_files({'train': train_files, 'eval': eval_files},
-                                  where='instruct')
     self.patterns = {'train': train_files, 'eval': eval_files}
-    self.examples = {}
-    for split, files in self.files.items():
-      self.examples[split] = sum(check_example_files(files).values())
-      if not self.examples[split]:
-        raise ConfigError(f'the {split} files {files} hold no examples',
-                          where=f'instruct.{split}_files', fix='write examples into them')
+    self.checked: dict[str, str] = {}  # split: what check_data found, for describe
     self.tokenizer, directory = find_tokenizer(tokenizer)
     self.template = find_template(directory)
     self.vocab_size, self.seq_len, self.pack, self.seed = vocab_size, seq_len, pack, seed
     self.too_long, self.num_streams, self.shuffle_window = too_long, num_streams, shuffle_window
 
   _parse = staticmethod(_parse)
+
+  def check_data(self, splits=SPLITS):
+    """Reads and checks every line of the splits' files (module doc)."""
+    for split in splits:
+      files = self.split_files(split)
+      examples = sum(check_example_files(files).values())
+      if not examples:
+        raise ConfigError(f'the {split} files {files} hold no examples',
+                          where=f'instruct.{split}_files', fix='write examples into them')
+      self.checked[split] = f'{len(files)} file(s) ({examples} examples) '
 
   def _packer(self, stream, *, used):
     return ExamplePacker(stream, length=self.seq_len + 1, pack=self.pack,
@@ -383,9 +388,8 @@ class InstructionTask(LMCorpusTask):
     return why, setting, fix
 
   def describe(self) -> str:
-    counts = ', '.join(f'{split} {len(files)} file(s) {self.patterns[split]} '
-                       f'({self.examples[split]} examples)'
-                       for split, files in self.files.items())
+    counts = ', '.join(f'{split} {self.checked.get(split, "")}{pattern}'
+                       for split, pattern in self.patterns.items())
     packing = 'packed' if self.pack else 'one example per row'
     return (f'instructions, {self.template.describe()}, {self.tokenizer.describe()}, vocab '
             f'{self.vocab_size}, seq_len {self.seq_len}, {packing}, too long: '
