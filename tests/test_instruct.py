@@ -325,6 +325,18 @@ def test_launch_train_refuses_a_seq_len_that_cuts_every_answer(tmp_path):
   assert not model_dir.exists()
 
 
+def test_packing_without_segment_attention_names_instruct_pack(tmp_path):
+  """The packing refusal names the setting under the task in use."""
+  from layout_core.run.planning import check_segments_supported  # pylint: disable=g-import-not-at-top
+  task = make_task(tmp_path, [{'prompt': 'a', 'response': 'b'}], pack=True)
+  with pytest.raises(ConfigError) as error:
+    check_segments_supported(object(), task, pipelined=True)
+  text = str(error.value)
+  assert 'instruct.pack = True' in text and 'set instruct.pack = False' in text, text
+  assert error.value.where == 'instruct.pack' and 'lm_corpus' not in text
+  check_segments_supported(object(), make_task(tmp_path, [], pack=False), pipelined=True)
+
+
 @pytest.mark.parametrize('line,why', [
     ('{"prompt": "a", "response": ', 'is not JSON'),
     ('{"prompt": "a"}', 'needs string "prompt" and "response"'),
