@@ -87,7 +87,7 @@ def main(argv):
     with gin_setup.parsed_config(files=checkpoint_flags.config_files(),
                                  bindings=gin_flags.GIN_BINDINGS.value,
                                  search_paths=gin_flags.GIN_SEARCH_PATHS.value):
-      plan = plan_lib.make_plan()
+      plan = plan_lib.make_plan(data_splits=('eval',))  # never the training data
       count = eval_batches(EVAL_BATCHES.value, plan)
       plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, eval_batches=count))
       trained = inference.load_trained(plan, model_dir=MODEL_DIR.value,

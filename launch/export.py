@@ -121,7 +121,7 @@ def main(argv):
     with gin_setup.parsed_config(files=checkpoint_flags.config_files(),
                                  bindings=gin_flags.GIN_BINDINGS.value,
                                  search_paths=gin_flags.GIN_SEARCH_PATHS.value):
-      run_plan = plan.make_plan()
+      run_plan = plan.make_plan(data_splits=())  # an export reads no data
     model = export.load_plain_model(run_plan.params, task=run_plan.task, prefix=prefix,
                                     compute_dtype=run_plan.train.compute_dtype)
     if model.is_lm():

@@ -271,7 +271,7 @@ def load_decoder(*, files: Sequence[str], bindings: Sequence[str] = (),
   from plugins import gin_setup, plan as plan_lib
   with gin_setup.parsed_config(files=list(files), bindings=list(bindings),
                                search_paths=list(search_paths)):
-    plan = plan_lib.make_plan()
+    plan = plan_lib.make_plan(data_splits=())  # decoding reads no data
     layers = decode.lm_layers(plan.params)
     tokenizer = tokens.tokenizer_for(plan.task, spm_model=spm_model,
                                      run_dir=run_directory(model_dir=model_dir,

@@ -20,6 +20,7 @@ import inspect
 import os
 import pprint
 import re
+from typing import Sequence
 
 import gin
 
@@ -37,6 +38,7 @@ from layout_core.params import Params
 from layout_core.pipeline.plan import PipelinePlan
 from layout_core.layout.rules import LayoutRules
 from layout_core.tasks import Task
+from layout_core.tasks import base as tasks_base
 from layout_core.train.config import TrainConfig, batch_axis_for
 from layout_core.run.planning import plan_model, plan_pipeline_run
 from layout_core.tasks import lm as lm_tasks
@@ -87,8 +89,12 @@ class RunPlan:
         num_clients=num_clients, devices_per_client=self.mesh_spec.num_devices // num_clients)
 
 
-def make_plan() -> RunPlan:
-  """Calls every configurable once and validates the result (see module doc)."""
+def make_plan(*, data_splits: Sequence[str] = tasks_base.SPLITS) -> RunPlan:
+  """Calls every configurable once and validates the result (see module doc).
+
+  `data_splits`: the splits whose data files the program reads, checked here
+  (`Task.check_data`): training both, `launch.eval` ('eval',), decode, export
+  and lm-eval none (), so they neither read nor need the training data."""
   train = configurables.train()
   params = tuning.tune(configurables.model(), lora=configurables.lora(),
                          trainable=train.trainable)
@@ -96,6 +102,7 @@ def make_plan() -> RunPlan:
                rules=configurables.layout_rules(), task=configurables.data(),
                optimizer=configurables.optimizer(), train=train,
                checkpoint=configurables.checkpoint(), pipeline_config=configurables.pipeline())
+  parts['task'].check_data(data_splits)
   return build_plan(**parts, operative_config=operative_config())
 
 

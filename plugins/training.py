@@ -10,8 +10,11 @@ In order, and nothing is written to `model_dir` before step 4:
      in the layout scope, every variable directly sharded;
   2. the newest undamaged checkpoint in `model_dir`, if any, is checked to
      fit the model (read-only);
-  3. one forward and backward pass runs on a real batch, updating nothing,
-     so a layout DTensor cannot run is a ConfigError here, not at step 1;
+  3. the first train and eval batches are read on the host: one in which
+     the loss trains no token (a task's mask, `layout_core.train.
+     trained_tokens`) is a ConfigError; then one forward and backward pass
+     runs on a real batch, updating nothing, so a layout DTensor cannot run
+     is a ConfigError here, not at step 1;
   4. from here a stop signal finishes the current step and saves: the run
      record is written (`plugins.record`), the checkpoint restored, and the
      model trained, with checkpoints and TensorBoard summaries.
@@ -42,6 +45,7 @@ from layout_core.train.preemption import PreemptionWatcher
 from layout_core.train.summaries import NullWriter, SummaryWriter
 from layout_core.train.config import TrainResult
 from layout_core.train.engine import check_step_compiles
+from layout_core.train.trained_tokens import check_first_batches
 from layout_core.run import make_trainer
 from layout_core.train.loop import Trainer
 from layout_core.train.memory import model_flops_per_step
@@ -233,6 +237,7 @@ def _run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
       on_event=checkpoint_event_recorder(writer), coordinator=coordinator,
       check_state=trainer.check_finite, data_state=trainer.data_state)
   checkpointer.check_latest_fits()
+  check_first_batches(plan.task, batch_size=plan.train.batch_size)
   check_step_compiles(trainer.engine, plan.task, plan.train)
 
   watcher.reinstall()
@@ -281,8 +286,8 @@ def _run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
     checkpointer.wait()
   if result.eval_losses:
     (first_step, first), (last_step, last) = result.eval_losses[0], result.eval_losses[-1]
-    versus = (f' vs {first:.4f} at step {first_step} ({100 * last / first:.0f}%)'
-              if first_step != last_step else '')
+    ratio = f' ({100 * last / first:.0f}%)' if first > 0 else ''  # 0: nothing evaluated
+    versus = f' vs {first:.4f} at step {first_step}{ratio}' if first_step != last_step else ''
     logging.info('Done at step %d: eval loss %.4f at step %d%s; this process trained steps '
                  '%d..%d at %.2f steps/s', result.final_step, last, last_step, versus,
                  result.start_step, result.final_step, result.steps_per_sec)

@@ -15,7 +15,9 @@ seconds: 2 layers, model width 32, vocabulary 96, grouped-query attention
 (4 query heads, 2 kv heads) for Llama, Mistral and Qwen2. Llama uses
 rms_norm_eps 1e-6 (KerasHub's Llama conversion ignores the field and uses
 1e-6), Llama 3 RoPE scaling, and untied embeddings; Qwen2 ties them; Mistral
-has a head_dim other than hidden_size / heads; GPT-2 names its tensors
+has a head_dim other than hidden_size / heads and a sliding window of 4
+tokens, shorter than the tests' sequences (KerasHub's banded mask is then
+the reference for meshgin's); GPT-2 names its tensors
 without the `transformer.` prefix, as the hub's gpt2 files do.
 
 Mistral's weights are float16 values (stored as float32): KerasHub 0.32's
@@ -52,7 +54,7 @@ CONFIGS = {
         architectures=['MistralForCausalLM'], model_type='mistral', vocab_size=VOCAB,
         hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, hidden_act='silu', max_position_embeddings=128,
-        rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None, attention_dropout=0.0,
+        rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=4, attention_dropout=0.0,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, initializer_range=0.02,
         use_cache=True, torch_dtype='float32', transformers_version='4.46.0'),
     'qwen2': dict(

@@ -17,7 +17,8 @@ import pytest
 
 from layout_core.tasks import write_tfrecords
 from layout_core.tasks.corpus import write_documents
-from tests.conftest import TWO_DEVICES, Launched, killed_if_left, read_events, run_module
+from tests.conftest import (TWO_DEVICES, Launched, killed_if_left, read_events, run_module,
+                            run_modules)
 from tests.numerics import assert_close
 
 NUM_STEPS = 30
@@ -164,6 +165,30 @@ def test_two_clients_resume_reading_only_their_own_files(corpus, stopped, uninte
   # measured: 0 / 0 / 0 (default / no oneDNN / 1 thread)
   assert_close([curve[s] for s in sorted(curve)], [uninterrupted[s] for s in sorted(curve)],
                rel=1e-05, what='losses')
+
+
+def test_decode_export_and_eval_of_a_run_whose_training_data_is_gone(corpus, stopped, tmp_path):
+  """Decode, export and eval plan a run without reading (or needing) its
+  training data: the stopped run with lm_corpus.train_files pointed where no
+  file is. Control: training's plan (launch.inspect) refuses that pattern."""
+  model_dir, _ = stopped
+  gone = f"--gin_bindings=lm_corpus.train_files = '{tmp_path}/moved-away/train-*'"
+  output = tmp_path / 'decoded.jsonl'
+  decoded, exported, evaluated, inspected = run_modules([
+      ('launch.decode', f'--model_dir={model_dir}', gone, '--prompt_ids=3,8,13',
+       '--max_new_tokens=4', f'--output={output}'),
+      ('launch.export', f'--model_dir={model_dir}', gone, f'--export_dir={tmp_path}/export',
+       '--max_new_tokens=8'),
+      ('launch.eval', f'--model_dir={model_dir}', gone, f'--output_dir={tmp_path}/eval'),
+      ('launch.inspect', *corpus_args(corpus, gone))])
+  for result in (decoded, exported, evaluated):
+    assert result.returncode == 0, result.stderr[-3000:]
+  assert len(json.loads(output.read_text())['continuation']) == 4
+  assert os.path.isfile(tmp_path / 'export' / 'saved_model.pb')
+  assert os.path.isfile(tmp_path / 'eval' / 'eval_heldout' / 'metrics.json')
+  assert inspected.returncode == 2, inspected.stderr[-2000:]
+  assert "no file matches the train pattern '" + f"{tmp_path}/moved-away/train-*'" in (
+      inspected.stderr)
 
 
 def test_a_resume_over_added_files_exits_2_naming_them(corpus, stopped, tmp_path):

@@ -297,8 +297,8 @@ def _only_bin(directory):
 BAD = {
     'unknown model_type': (_break_config('llama', model_type='falcon'),
                            ["model_type is 'falcon'", 'config.json']),
-    'mistral sliding window': (_break_config('mistral', sliding_window=64),
-                               ['sliding_window is 64', 'max_position_embeddings 128']),
+    'mistral sliding window': (_break_config('mistral', sliding_window=0),
+                               ['sliding_window is 0', 'not a positive number of tokens']),
     'qwen2 sliding window': (_break_config('qwen2', use_sliding_window=True),
                              ['use_sliding_window is True']),
     'experts': (_break_config('llama', num_local_experts=8), ['num_local_experts is 8']),
@@ -357,11 +357,11 @@ def test_bad_checkpoint_is_a_config_error_naming_it(case, tmp_path):
 
 def test_the_launcher_exits_2_with_one_paragraph_and_writes_nothing(tmp_path):
   bad = str(tmp_path / 'hf')
-  _break_config('mistral', sliding_window=64)(bad)
-  run = str(tmp_path / 'runs' / 'mistral')
+  _break_config('llama', num_local_experts=8)(bad)
+  run = str(tmp_path / 'runs' / 'llama')
   done = run_module('launch.import_hf', f'--hf_dir={bad}', f'--model_dir={run}')
   assert done.returncode == 2, done.stderr[-2000:]
-  assert 'Configuration error:' in done.stderr and 'sliding_window is 64' in done.stderr
+  assert 'Configuration error:' in done.stderr and 'num_local_experts is 8' in done.stderr
   assert 'Traceback' not in done.stderr
   assert not os.path.exists(tmp_path / 'runs')
   os.makedirs(run)

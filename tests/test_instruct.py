@@ -238,6 +238,106 @@ def test_too_long_examples_are_cut_or_dropped_and_counted(tmp_path):
     make_task(tmp_path, examples, too_long='split')
 
 
+def test_trained_targets_count_the_answer_bytes_left_in_each_row(tmp_path):
+  """`trained_targets` (the host-side count the checks use) against the
+  answers' bytes counted from the texts: an answer starts where the text up
+  to it ends, and a cut row keeps the bytes of it below seq_len + 1."""
+  examples = [{'prompt': 'two plus two', 'response': 'four'},
+              {'prompt': 'x' * 30, 'response': 'a long answer'},
+              {'prompt': 'x' * 70, 'response': 'never seen'}]
+  length = 64
+  task = make_task(tmp_path, examples, pack=False, seq_len=length - 1)
+  expected = []
+  for example in examples:
+    start = len(f'<|user|>\n{example["prompt"]}<|end|>\n<|assistant|>\n')
+    end = start + len(f'{example["response"]}<|end|>')
+    expected.append(max(0, min(end, length) - start))
+  assert expected[1] > 0 and expected[1] < len('a long answer<|end|>') and expected[2] == 0
+  batch = next(task.reader(split='train', batch_size=3))
+  assert [task.trained_targets({k: v[row:row + 1] for k, v in batch.items()})
+          for row in range(3)] == expected
+  assert task.trained_targets(batch) == sum(expected)
+
+
+def test_a_run_that_would_train_nothing_is_refused_and_a_later_batch_is_warned(
+    tmp_path, caplog):
+  """The first batch of either split with no trained token: a ConfigError
+  naming instruct.seq_len, the rows cut and the seq_len that keeps them. A
+  later train batch with none: counted and warned about as it is read."""
+  from layout_core.train.trained_tokens import UntrainedBatches, check_first_batches  # pylint: disable=g-import-not-at-top
+  long = {'prompt': 'x' * 30, 'response': 'yes'}     # 72 bytes, answer from byte 61
+  short = {'prompt': 'a', 'response': 'b'}           # 41 bytes, answer from byte 32
+  all_long = make_task(tmp_path, [long] * 3, pack=False, seq_len=40)
+  with pytest.raises(ConfigError) as error:
+    check_first_batches(all_long, batch_size=2)
+  text = ' '.join(str(error.value).split())
+  assert 'the first train batch (2 rows) holds no trained token' in text
+  assert '2 of the 2 example(s) read so far were longer than a row' in text
+  assert 'instruct.seq_len = 40: 41 tokens' in text
+  assert error.value.where == 'instruct.seq_len'
+  assert 'set instruct.seq_len >= 71 (the longest example read is 72 tokens)' in text
+
+  eval_path = write_lines(tmp_path / 'eval.jsonl', [long] * 2)
+  train_path = write_lines(tmp_path / 'short.jsonl', [short] * 2)
+  eval_only = InstructionTask(train_files=train_path, eval_files=eval_path, tokenizer='bytes',
+                              vocab_size=256, seq_len=40, pack=False, num_streams=1)
+  with pytest.raises(ConfigError, match='the first eval batch .* its eval loss would be 0'):
+    check_first_batches(eval_only, batch_size=2)
+  fits = make_task(tmp_path, [long] * 3, pack=False, seq_len=71)
+  check_first_batches(fits, batch_size=2)  # control: the suggested seq_len trains
+
+  later = make_task(tmp_path, [short, long, short], pack=False, seq_len=40)
+  reader = later.reader(split='train', batch_size=1)
+  watch = UntrainedBatches(later)
+  caplog.set_level('WARNING')
+  warnings = []
+  for step in range(3):
+    caplog.clear()
+    watch.see(step=step, batch=next(reader), reader=reader)
+    warnings.append([r.getMessage() for r in caplog.records
+                     if 'no trained token' in r.getMessage()])
+  assert [len(w) for w in warnings] == [0, 1, 0] and watch.count == 1
+  text = ' '.join(warnings[1][0].split())
+  assert 'the train batch of step 2 (1 rows) holds no trained token' in text
+  assert '1 of the 2 example(s) read so far were longer than a row' in text
+  assert 'set instruct.seq_len >= 71' in text
+
+
+def test_launch_train_refuses_a_seq_len_that_cuts_every_answer(tmp_path):
+  """instruct_tiny with instruct.seq_len = 32: each answer starts at byte 35,
+  so nothing would train (it used to run with |g| 0.000, eval loss 0 and end
+  in a ZeroDivisionError). Exit 2 before training, model_dir not created."""
+  from tests.conftest import run_module  # pylint: disable=g-import-not-at-top
+  lines = [{'prompt': f'{a}+{b}=', 'response': str(a + b)} for a in range(4) for b in range(4)]
+  model_dir = tmp_path / 'run'
+  result = run_module(
+      'launch.train', '--gin_file=configs/experiments/instruct_tiny.gin',
+      f'--gin_bindings=instruct.train_files = "{write_lines(tmp_path / "t.jsonl", lines)}"',
+      f'--gin_bindings=instruct.eval_files = "{write_lines(tmp_path / "e.jsonl", lines)}"',
+      '--gin_bindings=instruct.seq_len = 32', '--gin_bindings=train.num_steps = 2',
+      f'--model_dir={model_dir}')
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert 'Traceback' not in result.stderr and 'Training steps' not in result.stderr
+  message = ' '.join(result.stderr[result.stderr.index('Configuration error:'):].split())
+  assert 'the first train batch' in message and 'holds no trained token' in message, message
+  assert 'instruct.seq_len = 32: 33 tokens' in message, message
+  assert 'example(s) read so far were longer than a row' in message, message
+  assert 'set instruct.seq_len >= 43' in message, message  # '<|user|>\n0+0=...0<|end|>\n'
+  assert not model_dir.exists()
+
+
+def test_packing_without_segment_attention_names_instruct_pack(tmp_path):
+  """The packing refusal names the setting under the task in use."""
+  from layout_core.run.planning import check_segments_supported  # pylint: disable=g-import-not-at-top
+  task = make_task(tmp_path, [{'prompt': 'a', 'response': 'b'}], pack=True)
+  with pytest.raises(ConfigError) as error:
+    check_segments_supported(object(), task, pipelined=True)
+  text = str(error.value)
+  assert 'instruct.pack = True' in text and 'set instruct.pack = False' in text, text
+  assert error.value.where == 'instruct.pack' and 'lm_corpus' not in text
+  check_segments_supported(object(), make_task(tmp_path, [], pack=False), pipelined=True)
+
+
 @pytest.mark.parametrize('line,why', [
     ('{"prompt": "a", "response": ', 'is not JSON'),
     ('{"prompt": "a"}', 'needs string "prompt" and "response"'),
@@ -253,9 +353,26 @@ def test_a_bad_line_is_named_by_file_and_line(tmp_path, line, why):
   path = write_lines(tmp_path / 'bad.jsonl', [good, good, line, good])
   with pytest.raises(ConfigError) as error:
     InstructionTask(train_files=str(tmp_path / '*.jsonl'), eval_files=path,
-                    tokenizer='bytes', vocab_size=256)
+                    tokenizer='bytes', vocab_size=256).check_data()
   assert f'{path}:3 {why}' in str(error.value)
   assert 'Fix: write one JSON object per line' in str(error.value)
+
+
+def test_the_files_are_read_only_for_the_splits_a_plan_checks(tmp_path):
+  """Making the task reads no file (decode and export plan it so); eval
+  checks its split alone; training checks both, every line."""
+  good = write_lines(tmp_path / 'eval.jsonl', [{'prompt': 'a', 'response': 'b'}])
+  bad = write_lines(tmp_path / 'train.jsonl', ['{"prompt": "a"}'])
+  task = InstructionTask(train_files=str(tmp_path / 'gone-*.jsonl'), eval_files=good,
+                         tokenizer='bytes', vocab_size=256)
+  task.check_data(())
+  task.check_data(('eval',))
+  assert 'eval 1 file(s) (1 examples)' in task.describe()
+  with pytest.raises(ConfigError, match="no file matches the train pattern '.*gone-"):
+    task.check_data()
+  with pytest.raises(ConfigError, match=f'{bad}:1 needs string'):  # control: lines are read
+    InstructionTask(train_files=bad, eval_files=good, tokenizer='bytes',
+                    vocab_size=256).check_data()
 
 
 def test_a_token_outside_the_vocabulary_names_the_example(tmp_path):

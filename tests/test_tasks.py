@@ -68,7 +68,7 @@ def test_bad_task_config_is_a_config_error(tmp_path):
            (dict(objective='ranking'), "objective is 'ranking'")]
   for overrides, message in cases:
     with pytest.raises(ConfigError, match=message):
-      make_task(str(tmp_path), **overrides)
+      make_task(str(tmp_path), **overrides).check_data()  # the files: when a plan checks them
 
 
 def classifier_trainer(mesh, directory, num_steps):

@@ -10,8 +10,8 @@ Four families, told apart by `model_type`: 'llama', 'mistral', 'qwen2'
 (RMSNorm, RoPE, SwiGLU, grouped-query attention) and 'gpt2' (LayerNorm,
 learned positions, a GELU MLP, every bias). A field meshgin does not
 implement is refused only when it would change what the model computes (a
-sliding window shorter than the context, experts, another RoPE scaling, an
-activation other than the family's), with a ConfigError that names the
+Qwen2 sliding window, experts, another RoPE scaling, an activation other
+than the family's), with a ConfigError that names the
 field, its value and the file: an import never yields a model that computes
 something else than the checkpoint's. A field missing from the file takes
 the default Hugging Face's config class gives it.
@@ -123,7 +123,7 @@ def lm_kwargs_from_hf(config: Mapping[str, Any], *, source: str = 'config.json'
 
 def _llama_kwargs(fields: _Fields, family: str) -> tuple[dict[str, Any], bool]:
   """Llama, Mistral and Qwen2: the same layers, different bias and window fields."""
-  config, source = fields.config, fields.source
+  config = fields.config
   model_dim = fields.positive_int('hidden_size')
   num_heads = fields.positive_int('num_attention_heads')
   num_kv_heads = fields.get('num_key_value_heads', num_heads)
@@ -136,13 +136,14 @@ def _llama_kwargs(fields: _Fields, family: str) -> tuple[dict[str, Any], bool]:
                    "not 'silu': meshgin's gated feed-forward for this family is SwiGLU",
                    "import a checkpoint whose hidden_act is 'silu'")
   max_len = fields.positive_int('max_position_embeddings')
+  window = 0  # transformer_lm.sliding_window: 0 attends to the whole context
   if family == 'mistral':
-    window = fields.get('sliding_window', 4096)  # MistralConfig's default
-    fields.refuse_if('sliding_window', isinstance(window, int) and window < max_len,
-                     f'shorter than max_position_embeddings {max_len}: attention would see '
-                     'only that many tokens back, and meshgin attends to the whole context',
-                     'import a checkpoint without a sliding window (sliding_window null), or '
-                     'one whose window covers max_position_embeddings')
+    window = config.get('sliding_window', 4096)  # absent: MistralConfig's default; null: none
+    fields.refuse_if('sliding_window', window is not None and (
+        not isinstance(window, int) or isinstance(window, bool) or window < 1),
+                     'not a positive number of tokens or null',
+                     'give the config.json saved with the checkpoint')
+    window = window or 0
   if family == 'qwen2':
     fields.refuse_if('use_sliding_window', bool(config.get('use_sliding_window')),
                      'a sliding-window attention meshgin does not implement',
@@ -162,7 +163,7 @@ def _llama_kwargs(fields: _Fields, family: str) -> tuple[dict[str, Any], bool]:
       positions='rope', rope_theta=theta, rope_scaling=scaling, ffn='swiglu',
       qkv_bias=qkv_bias, attention_out_bias=attention_bias if family != 'qwen2' else False,
       ffn_bias=bool(fields.get('mlp_bias', False)) if family == 'llama' else False,
-      output_bias=False)
+      output_bias=False, **({'sliding_window': window} if window else {}))
   return _tie(kwargs, bool(fields.get('tie_word_embeddings', False)))
 
 
@@ -245,6 +246,9 @@ def family_of(kwargs: Mapping[str, Any]) -> str:
                            '--format=hf)')
   if k['output_bias']:
     raise refuse('output_bias', 'no Llama, Qwen2 or GPT-2 has a bias on the output logits')
+  if k['sliding_window'] and (k['norm'] == 'layer' or k['qkv_bias'] or k['ffn_bias']):
+    raise refuse('sliding_window', 'of the families only Mistral (RMSNorm, no biases) has a '
+                 'sliding window meshgin writes')
   if k['norm'] == 'layer':
     for name, want in (('positions', 'learned'), ('ffn', 'mlp'), ('qkv_bias', True),
                        ('attention_out_bias', True), ('ffn_bias', True)):
@@ -275,9 +279,9 @@ def hf_config_from_lm(kwargs: Mapping[str, Any], *, tied: bool, dtype: str = 'fl
   matrix; `kept`: fields carried over (KEPT_FIELDS of the imported file)."""
   family = family_of(kwargs)
   k = resolved(kwargs)
-  if (family == 'llama' and kept and kept.get('model_type') == 'mistral'
-      and not k['qkv_bias'] and not k['ffn_bias']):
-    family = 'mistral'  # an imported Mistral goes back as one (the same math as Llama's)
+  if family == 'llama' and not k['qkv_bias'] and not k['ffn_bias'] and (
+      k['sliding_window'] or (kept and kept.get('model_type') == 'mistral')):
+    family = 'mistral'  # an imported Mistral goes back as one (Llama's math, and a window)
   extra = {name: kept[name] for name in KEPT_FIELDS if kept and name in kept}
   common = dict(architectures=[_ARCHITECTURES[family]], model_type=family,
                 vocab_size=k['vocab_size'], tie_word_embeddings=tied or k['tie_embeddings'],
@@ -307,5 +311,5 @@ def hf_config_from_lm(kwargs: Mapping[str, Any], *, tied: bool, dtype: str = 'fl
     return dict(config, use_sliding_window=False, sliding_window=None,
                 max_window_layers=k['num_layers'])
   if family == 'mistral':
-    return dict(config, sliding_window=None)
+    return dict(config, sliding_window=k['sliding_window'] or None)
   return dict(config, attention_bias=k['qkv_bias'], mlp_bias=k['ffn_bias'])

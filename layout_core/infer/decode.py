@@ -310,7 +310,7 @@ class CachedLM:
 
       def attend_fn(h, w=w, p=p, head_dim=head_dim):
         q, k, v = attention_inputs(p, h, w)
-        mask = causal_mask(width, dtype=q.dtype)
+        mask = causal_mask(width, dtype=q.dtype, window=p.sliding_window)
         out = attention_output(
             p, attend(q, k, v, mask=mask, head_dim=head_dim, dtype=h.dtype), w)
         pad = [[0, 0], [0, length - width], [0, 0], [0, 0]]
@@ -325,7 +325,8 @@ class CachedLM:
     x = self._embed(tf.expand_dims(tokens, 1), positions=tf.expand_dims(positions, 1))
     length = _size(caches[0][0], 1)
     written = tf.reshape(_one_hot(positions, length), [-1, length, 1, 1])     # [B, L, 1, 1]
-    visible = tf.expand_dims(tf.range(length), 0) <= tf.expand_dims(positions, 1)  # [B, L]
+    keys_at, query_at = tf.expand_dims(tf.range(length), 0), tf.expand_dims(positions, 1)
+    visible = keys_at <= query_at  # [B, L]
     updated = []
     for index, (keys, values) in enumerate(caches):
       w, p, head_dim = self._attention_parts(index)
@@ -335,7 +336,9 @@ class CachedLM:
         keys = self._lay_cache(tf.where(written, k, keys))
         values = self._lay_cache(tf.where(written, v, values))
         updated.append((keys, values))
-        mask = tf.reshape(tf.cast(visible, q.dtype), [-1, 1, 1, length])  # [B, 1, 1, L]
+        seen = visible if not p.sliding_window else tf.logical_and(  # causal_mask's window
+            visible, keys_at > query_at - p.sliding_window)
+        mask = tf.reshape(tf.cast(seen, q.dtype), [-1, 1, 1, length])  # [B, 1, 1, L]
         return attention_output(
             p, attend(q, keys, values, mask=mask, head_dim=head_dim, dtype=h.dtype), w)
       x = self._block(index, x, attend_fn)

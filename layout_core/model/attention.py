@@ -7,7 +7,8 @@
                                         head_dim=8, dtype=x.dtype), w)
 
 Grouped-query attention (fewer key/value heads), rotary positions with
-Llama 3's scaling, and biases per projection are options of the one layer;
+Llama 3's scaling, a sliding window (Mistral) and biases per projection are
+options of the one layer;
 `layout_core.model.layers.TransformerBlock` puts it in a block and
 `layout_core.infer.decode` runs its parts with a KV cache.
 """
@@ -36,6 +37,9 @@ class MultiHeadAttention(BaseLayer):
     p.Define('num_kv_heads', 0, 'Key/value heads, dividing num_heads; 0 means num_heads.')
     p.Define('head_dim', 0, 'Width per head; 0 means model_dim // num_heads.')
     p.Define('causal', True, 'Mask attention to earlier positions only.')
+    p.Define('sliding_window', 0, 'With causal: query i sees keys j with i - sliding_window '
+             '< j <= i (the last sliding_window positions, itself included: Mistral\'s '
+             'window); 0: every earlier position.')
     p.Define('rope_theta', 0.0, 'Rotary position base (e.g. 10000); 0: no rotary positions.')
     p.Define('rope_scaling', None, 'None, or Llama 3 frequency scaling: a dict of factor, '
              'low_freq_factor, high_freq_factor, original_max_position_embeddings.')
@@ -118,7 +122,7 @@ def attention(p, x, w):
   mask = None
   if p.causal:
     segments = None if sequence is None else sequence.segments
-    mask = causal_mask(x.shape[-2], dtype=q.dtype, segments=segments)
+    mask = causal_mask(x.shape[-2], dtype=q.dtype, segments=segments, window=p.sliding_window)
   context = attend(q, k, v, mask=mask, head_dim=MultiHeadAttention.head_dim(p), lead=w.lead,
                    dtype=x.dtype)
   return attention_output(p, context, w)
@@ -170,10 +174,13 @@ def rotate(x, positions, p):
   return x * cos + rotated * sin
 
 
-def causal_mask(length: int, *, dtype, segments=None):
-  """1 where query t may see key u (u <= t), else 0: [t, u]; with packed
-  documents' `segments` [b, t] also only within one's own document: [b, 1, t, u]."""
-  mask = tf.linalg.band_part(tf.ones([length, length], dtype), -1, 0)
+def causal_mask(length: int, *, dtype, segments=None, window: int = 0):
+  """1 where query t may see key u (u <= t; with a `window` > 0 also
+  t - window < u, Hugging Face Mistral's sliding window), else 0: [t, u];
+  with packed documents' `segments` [b, t] also only within one's own
+  document: [b, 1, t, u]. A document is contiguous in its row, so the window
+  counts its own positions there too."""
+  mask = tf.linalg.band_part(tf.ones([length, length], dtype), window - 1 if window else -1, 0)
   if segments is not None:  # packed documents: stay in one's own
     same = tf.equal(tf.expand_dims(segments, 2), tf.expand_dims(segments, 1))  # [b, t, u]
     mask = mask * tf.expand_dims(tf.cast(same, dtype), 1)  # [b, 1, t, u]

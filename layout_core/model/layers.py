@@ -271,6 +271,7 @@ class TransformerBlock(BaseLayer):
     p.Define('rope_scaling', None, 'Llama 3 rotary frequency scaling (a dict) or None.')
     p.Define('qkv_bias', False, 'Biases on the query, key and value projections.')
     p.Define('attention_out_bias', False, 'A bias on the attention output projection.')
+    p.Define('sliding_window', 0, 'Attention to the last sliding_window positions; 0: all.')
     return p
 
   @classmethod
@@ -283,7 +284,8 @@ class TransformerBlock(BaseLayer):
         'attn': MultiHeadAttention.Params().Set(
             model_dim=p.model_dim, num_heads=p.num_heads, num_kv_heads=p.num_kv_heads,
             head_dim=p.head_dim, rope_theta=p.rope_theta, rope_scaling=p.rope_scaling,
-            qkv_bias=p.qkv_bias, out_bias=p.attention_out_bias),
+            qkv_bias=p.qkv_bias, out_bias=p.attention_out_bias,
+            sliding_window=p.sliding_window),
         'ln_ffn': norm('ln_ffn'),
         'ffn': FeedForward.Params().Set(input_dim=p.model_dim, hidden_dim=p.ffn_dim,
                                         activation=p.activation, kind=p.ffn,

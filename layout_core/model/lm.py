@@ -30,9 +30,10 @@ def _one_of(name: str, field: str, value, allowed) -> None:
 def _check_cell(name: str, *, num_heads: int, ffn_dim: int, activation: str,
                 dropout_rate: float, ffn: str = 'mlp', norm: str = 'layer',
                 num_kv_heads: int = 0, head_dim: int = 0, norm_epsilon: float = 1e-6,
-                rope_scaling=None) -> None:
+                rope_scaling=None, sliding_window: int = 0) -> None:
   at_least(dict(num_heads=num_heads, ffn_dim=ffn_dim, num_kv_heads=num_kv_heads,
-                head_dim=head_dim), name, num_heads=1, ffn_dim=1, num_kv_heads=0, head_dim=0)
+                head_dim=head_dim, sliding_window=sliding_window), name, num_heads=1,
+           ffn_dim=1, num_kv_heads=0, head_dim=0, sliding_window=0)
   _one_of(name, 'activation', activation, ACTIVATIONS)
   _one_of(name, 'ffn', ffn, FFNS)
   _one_of(name, 'norm', norm, NORMS)
@@ -56,9 +57,10 @@ def _check_cell(name: str, *, num_heads: int, ffn_dim: int, activation: str,
 
 def _block_options(*, norm: str, norm_epsilon: float, ffn: str, ffn_bias: bool | None,
                    num_kv_heads: int, head_dim: int, positions: str, rope_theta: float,
-                   rope_scaling, qkv_bias: bool, attention_out_bias: bool) -> dict:
+                   rope_scaling, qkv_bias: bool, attention_out_bias: bool,
+                   sliding_window: int) -> dict:
   """The TransformerBlock params of the Llama-family options."""
-  return dict(norm=norm, norm_epsilon=norm_epsilon, ffn=ffn,
+  return dict(norm=norm, norm_epsilon=norm_epsilon, ffn=ffn, sliding_window=sliding_window,
               ffn_bias=(ffn == 'mlp') if ffn_bias is None else bool(ffn_bias),
               num_kv_heads=num_kv_heads, head_dim=head_dim,
               rope_theta=float(rope_theta) if positions == 'rope' else 0.0,
@@ -73,7 +75,8 @@ def transformer_block_params(*, num_heads: int = 4, ffn_dim: int = 256,
                              num_kv_heads: int = 0, head_dim: int = 0,
                              positions: str = 'learned', rope_theta: float = 10000.0,
                              rope_scaling: dict | None = None, qkv_bias: bool = False,
-                             attention_out_bias: bool = False) -> Params:
+                             attention_out_bias: bool = False,
+                             sliding_window: int = 0) -> Params:
   """One Transformer cell (its width comes from the LM it is put in).
 
   Args:
@@ -86,7 +89,7 @@ def transformer_block_params(*, num_heads: int = 4, ffn_dim: int = 256,
       in [0, 1), applied in training only (evaluation runs without it); 0 adds no
       dropout layers.
     norm, norm_epsilon, ffn, ffn_bias, num_kv_heads, head_dim, positions,
-      rope_theta, rope_scaling, qkv_bias, attention_out_bias: as in
+      rope_theta, rope_scaling, qkv_bias, attention_out_bias, sliding_window: as in
       `transformer_lm` (the cell's own; `positions` only decides whether the
       cell rotates its queries and keys).
   """
@@ -94,14 +97,14 @@ def transformer_block_params(*, num_heads: int = 4, ffn_dim: int = 256,
   _check_cell('transformer_block', num_heads=num_heads, ffn_dim=ffn_dim,
               activation=activation, dropout_rate=dropout_rate, ffn=ffn, norm=norm,
               num_kv_heads=num_kv_heads, head_dim=head_dim, norm_epsilon=norm_epsilon,
-              rope_scaling=rope_scaling)
+              rope_scaling=rope_scaling, sliding_window=sliding_window)
   _one_of('transformer_block', 'positions', positions, POSITIONS)
   return TransformerBlock.Params().Set(
       num_heads=num_heads, ffn_dim=ffn_dim, activation=activation, dropout_rate=dropout_rate,
       **_block_options(norm=norm, norm_epsilon=norm_epsilon, ffn=ffn, ffn_bias=ffn_bias,
                        num_kv_heads=num_kv_heads, head_dim=head_dim, positions=positions,
                        rope_theta=rope_theta, rope_scaling=rope_scaling, qkv_bias=qkv_bias,
-                       attention_out_bias=attention_out_bias))
+                       attention_out_bias=attention_out_bias, sliding_window=sliding_window))
 
 
 def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
@@ -114,7 +117,7 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
                           rope_theta: float = 10000.0, rope_scaling: dict | None = None,
                           ffn: str = 'mlp', ffn_bias: bool | None = None,
                           num_kv_heads: int = 0, head_dim: int = 0, qkv_bias: bool = False,
-                          attention_out_bias: bool = False,
+                          attention_out_bias: bool = False, sliding_window: int = 0,
                           output_bias: bool = True, tie_embeddings: bool = False) -> Params:
   """A decoder-only Transformer LM as a flat Sequential of heterogeneous layers:
 
@@ -170,6 +173,11 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
       divide); set it where the heads are not model_dim wide in all.
     qkv_bias: Biases on the query, key and value projections (Qwen2, GPT-2).
     attention_out_bias: A bias on the attention's output projection (GPT-2).
+    sliding_window: Each token attends to the last sliding_window positions,
+      itself included (query i sees keys j with i - sliding_window < j <= i,
+      Hugging Face Mistral's window; in a packed row, of its own document),
+      or to every earlier position when it is 0. Imported from Mistral's
+      config.json and exported back.
     output_bias: A bias on the logits (softmax/b).
     tie_embeddings: One matrix for the input embedding and the output
       projection: the softmax reads lm/emb/table transposed and has no w of
@@ -197,7 +205,7 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
     _check_cell('transformer_lm', num_heads=num_heads, ffn_dim=ffn_dim,
                 activation=activation, dropout_rate=dropout_rate, ffn=ffn, norm=norm,
                 num_kv_heads=num_kv_heads, head_dim=head_dim, norm_epsilon=norm_epsilon,
-                rope_scaling=rope_scaling)
+                rope_scaling=rope_scaling, sliding_window=sliding_window)
     if model_dim % num_heads and not head_dim:
       raise ConfigError(
           f'transformer_lm.num_heads={num_heads} does not divide '
@@ -222,7 +230,8 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
         dropout_rate=dropout_rate, norm=norm, norm_epsilon=norm_epsilon, ffn=ffn,
         ffn_bias=ffn_bias, num_kv_heads=num_kv_heads, head_dim=head_dim,
         positions=positions, rope_theta=rope_theta, rope_scaling=rope_scaling,
-        qkv_bias=qkv_bias, attention_out_bias=attention_out_bias).Set(model_dim=model_dim)
+        qkv_bias=qkv_bias, attention_out_bias=attention_out_bias,
+        sliding_window=sliding_window).Set(model_dim=model_dim)
     stack = Sequential.Params().Set(name='stack', sub=[block], repeat=num_layers)
   return Sequential.Params().Set(name=name, sub=[
       Embedding.Params().Set(vocab_size=vocab_size, dim=model_dim, max_len=max_len,

@@ -99,10 +99,11 @@ def check_segments_supported(model, task: Task, *, pipelined: bool) -> None:
     return
   if pipelined or not isinstance(model, Params):
     what = 'a pipeline engine' if pipelined else 'a Keras model'
-    raise ConfigError(f'packed documents (lm_corpus.pack = True) need attention that stays '
+    setting = f'{task.settings_name}.pack'  # the task the user bound: instruct.pack, ...
+    raise ConfigError(f'packed documents ({setting} = True) need attention that stays '
                       f'within each document, which {what} does not get',
-                      where='lm_corpus.pack',
-                      fix='set lm_corpus.pack = False (one document per row, padded: '
+                      where=setting,
+                      fix=f'set {setting} = False (one document per row, padded: '
                           'works with every engine and model), or train a Params model '
                           'without a pipeline')
 

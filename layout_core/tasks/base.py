@@ -43,7 +43,6 @@ from __future__ import annotations
 import glob
 import itertools
 import math
-import os
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -144,6 +143,29 @@ class Task:
         return (((batch_size, self.dim), 'float32'),)
     """
     raise NotImplementedError
+
+  def check_data(self, splits: Sequence[str] = SPLITS) -> None:
+    """Reads and checks the data files of `splits` (a ConfigError naming the
+    file); the plan of a run calls it for the splits the program reads:
+    training both, eval 'eval', decode and export none, so those never need
+    (nor read) the training data. Default: nothing to check."""
+    del splits
+
+  def trained_targets(self, batch: Batch) -> int | None:
+    """How many targets of a host batch (numpy, as `reader` gives it) the
+    loss trains on, for the check that a batch trains something
+    (`layout_core.train.trained_tokens`); None (the default): not counted,
+    every batch trains."""
+    del batch
+    return None
+
+  def untrained_reason(self, reader: 'BatchReader') -> tuple[str, str, str]:
+    """(why, where, fix) for a batch of `reader`'s with no trained target
+    (`trained_targets` 0): what the data did, the setting to change as the
+    user wrote it, and its value that would train."""
+    del reader
+    return ('every target is masked out', self.settings_name,
+            'check the data and the task\'s settings')
 
   def describe(self) -> str:
     """One line naming the task and its settings (default: the class name),
@@ -246,49 +268,6 @@ def _check_feature_spec(features: Mapping[str, Sequence]) -> dict[str, tuple[str
   return checked
 
 
-def write_tfrecords(pattern: str, arrays: Mapping[str, np.ndarray], *,
-                    num_shards: int = 1) -> list[str]:
-  """Writes row i of every array as one `tf.train.Example`, over `num_shards`
-  files named by `pattern.format(shard=k, num_shards=n)`; returns the paths."""
-  num_rows = {len(a) for a in arrays.values()}
-  if len(num_rows) != 1:
-    raise ValueError(f'arrays have different numbers of rows: {num_rows}')
-  (rows,) = num_rows
-  paths = []
-  for shard in range(num_shards):
-    path = pattern.format(shard=shard, num_shards=num_shards)
-    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    with tf.io.TFRecordWriter(path) as writer:
-      for i in range(shard, rows, num_shards):
-        feature = {}
-        for name, array in arrays.items():
-          values = np.asarray(array[i]).reshape(-1)
-          if np.issubdtype(values.dtype, np.floating):
-            feature[name] = tf.train.Feature(float_list=tf.train.FloatList(value=values))
-          else:
-            feature[name] = tf.train.Feature(int64_list=tf.train.Int64List(value=values))
-        example = tf.train.Example(features=tf.train.Features(feature=feature))
-        writer.write(example.SerializeToString())
-    paths.append(path)
-  return paths
-
-
-def read_tfrecords(files: Sequence[str], features: Mapping[str, tuple[str, tuple[int, ...]]]
-                   ) -> dict[str, np.ndarray]:
-  """Every Example of `files` (in the given order) parsed into numpy arrays."""
-  spec = {name: tf.io.FixedLenFeature(shape, tf.as_dtype(dtype))
-          for name, (dtype, shape) in features.items()}
-  dataset = tf.data.TFRecordDataset(list(files)).batch(4096).map(
-      lambda records: tf.io.parse_example(records, spec))
-  parts: dict[str, list[np.ndarray]] = {name: [] for name in features}
-  for chunk in dataset.as_numpy_iterator():
-    for name in features:
-      parts[name].append(chunk[name])
-  return {name: (np.concatenate(chunks) if chunks else
-                 np.zeros((0,) + features[name][1], features[name][0]))
-          for name, chunks in parts.items()}
-
-
 def find_split_files(patterns: Mapping[str, str], *, where: str) -> dict[str, list[str]]:
   """Each split's files (sorted glob matches); a ConfigError for a pattern
   that matches nothing."""
@@ -325,7 +304,8 @@ class TFRecordTask(Task):
   `num_streams` streams read with tf.data and shuffled within windows of
   `shuffle_window` records, so host memory does not grow with the data; a
   client reads only the streams its devices' rows come from. The first
-  record of every file is checked against `features` when the task is made.
+  record of every file of a split is checked against `features` when the
+  run's plan checks that split (`check_data`).
 
   Args:
     train_files: Glob pattern of the train split's TFRecord files (all sorted
@@ -372,15 +352,22 @@ class TFRecordTask(Task):
       raise ConfigError(f'tfrecord_task.num_classes is {num_classes}',
                         fix='set the number of classes (>= 2) for a classification task')
     self.inputs, self.label = tuple(inputs), label
-    self.files = find_split_files({'train': train_files, 'eval': eval_files},
-                                  where='tfrecord_task')
     self.patterns = {'train': train_files, 'eval': eval_files}
-    used = {name: self.features_spec[name] for name in self.inputs + (label,)}
-    for split, files in self.files.items():
-      record_files.check_first_records(files, used, where=f'tfrecord_task.{split}_files '
-                                  f'/ tfrecord_task.features')
+    self.checked: dict[str, str] = {}  # split: what check_data found, for describe
     self.objective, self.num_classes, self.seed = objective, num_classes, seed
     self.num_streams, self.shuffle_window = num_streams, shuffle_window
+
+  def check_data(self, splits=SPLITS):
+    used = {name: self.features_spec[name] for name in self.inputs + (self.label,)}
+    for split in splits:
+      files = self.split_files(split)
+      record_files.check_first_records(files, used,
+                                  where=f'tfrecord_task.{split}_files / tfrecord_task.features')
+      self.checked[split] = f'{len(files)} file(s) '
+
+  def split_files(self, split: str) -> list[str]:
+    """The files of `split`: its pattern's matches, sorted (a ConfigError if none)."""
+    return find_split_files({split: self.patterns[split]}, where=self.settings_name)[split]
 
   def _parse(self, serialized):
     spec = {name: tf.io.FixedLenFeature(self.features_spec[name][1],
@@ -394,7 +381,7 @@ class TFRecordTask(Task):
       return _BlockSource(stream, self._finish)
 
     return reading.open_stream_reader(
-        files=self.files[split], split=split, batch_size=batch_size,
+        files=self.split_files(split), split=split, batch_size=batch_size,
         num_streams=self.num_streams, rows=rows, state=state, start_step=start_step,
         where=self.settings_name, parse=self._parse, seed=2 * self.seed + SPLIT_INDEX[split],
         window=self.shuffle_window, position_length=2, source=source,
@@ -435,8 +422,8 @@ class TFRecordTask(Task):
                  for name in self.inputs)
 
   def describe(self) -> str:
-    counts = ', '.join(f'{split} {len(files)} file(s) {self.patterns[split]}'
-                       for split, files in self.files.items())
+    counts = ', '.join(f'{split} {self.checked.get(split, "")}{pattern}'
+                       for split, pattern in self.patterns.items())
     kind = (f'{self.num_classes}-class classification' if self.objective == 'classification'
             else 'regression')
     text = f'TFRecord {kind} of {self.label!r} from {", ".join(self.inputs)}: {counts}'

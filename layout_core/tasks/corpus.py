@@ -42,7 +42,7 @@ from layout_core.errors import ConfigError
 from layout_core.fields import at_least
 from layout_core.lazy import tf
 from layout_core.tasks import reading, record_files, streams
-from layout_core.tasks.base import SPLIT_INDEX, find_split_files
+from layout_core.tasks.base import SPLIT_INDEX, SPLITS, find_split_files
 from layout_core.tasks.lm import LMTask
 from layout_core.tasks.objective import Mean, masked_mean
 
@@ -174,18 +174,25 @@ class LMCorpusTask(LMTask):
                num_streams: int = 0, shuffle_window: int = 256):
     at_least(dict(vocab_size=vocab_size, seq_len=seq_len), 'lm_corpus', vocab_size=2,
              seq_len=1)
-    self.files = find_split_files({'train': train_files, 'eval': eval_files},
-                                  where='lm_corpus')
     self.patterns = {'train': train_files, 'eval': eval_files}
-    for split, files in self.files.items():
-      record_files.check_first_records(files, {FEATURE: ('int64', ())},
-                                  where=f'lm_corpus.{split}_files', varlen=(FEATURE,))
+    self.checked: dict[str, str] = {}  # split: what check_data found, for describe
     self.vocab_size, self.seq_len, self.pack, self.seed = vocab_size, seq_len, pack, seed
     self.num_streams, self.shuffle_window = num_streams, shuffle_window
 
   @property
   def tokens_per_example(self) -> int:  # type: ignore[override]
     return self.seq_len
+
+  def check_data(self, splits=SPLITS):
+    for split in splits:
+      files = self.split_files(split)
+      record_files.check_first_records(files, {FEATURE: ('int64', ())},
+                                  where=f'{self.settings_name}.{split}_files', varlen=(FEATURE,))
+      self.checked[split] = f'{len(files)} file(s) '
+
+  def split_files(self, split: str) -> list[str]:
+    """The files of `split`: its pattern's matches, sorted (a ConfigError if none)."""
+    return find_split_files({split: self.patterns[split]}, where=self.settings_name)[split]
 
   @property
   def needs_segments(self) -> bool:
@@ -214,7 +221,7 @@ class LMCorpusTask(LMTask):
       return (0, 0, 0)
 
     return reading.open_stream_reader(
-        files=self.files[split], split=split, batch_size=batch_size,
+        files=self.split_files(split), split=split, batch_size=batch_size,
         num_streams=self.num_streams, rows=rows, state=state, start_step=start_step,
         where=self.settings_name, parse=self._parse, seed=2 * self.seed + SPLIT_INDEX[split],
         window=self.shuffle_window, position_length=3, unsaved=unsaved,
@@ -254,8 +261,8 @@ class LMCorpusTask(LMTask):
     return (((batch_size, self.seq_len), 'int32'),)
 
   def describe(self) -> str:
-    counts = ', '.join(f'{split} {len(files)} file(s) {self.patterns[split]}'
-                       for split, files in self.files.items())
+    counts = ', '.join(f'{split} {self.checked.get(split, "")}{pattern}'
+                       for split, pattern in self.patterns.items())
     packing = 'packed' if self.pack else 'one document per row'
     return (f'token corpus, vocab {self.vocab_size}, seq_len {self.seq_len}, '
             f'{packing}: {counts}')

@@ -14,10 +14,12 @@ Each line of the JSON-lines files is one example, either
                   {"role": "assistant", "content": "5"}]}
 
 (a prompt/response pair is the conversation [user: prompt, assistant:
-response]). Every line is read and checked when the task is made: a line that
-is not such an object (bad JSON, a missing key, a role other than system,
-user or assistant, an empty line, no assistant turn) is a ConfigError naming
-the file and line.
+response]). Every line of a split is read and checked when the run's plan
+checks that split (`check_data`: training both, `launch.eval` the eval split,
+decode and export none, so a tuned run decodes without its data): a line
+that is not such an object (bad JSON, a missing key, a role other than
+system, user or assistant, an empty line, no assistant turn) is a
+ConfigError naming the file and line.
 
 The text of a conversation comes from a chat template
 (`layout_core.tasks.chat`): the `chat_template` of the tokenizer directory's
@@ -54,10 +56,7 @@ checkpoint continues exactly. The tokenizer is a run directory (its
 
 from __future__ import annotations
 
-import itertools
-import json
 import os
-from typing import Sequence
 
 import numpy as np
 from absl import logging
@@ -69,90 +68,14 @@ from layout_core.tasks.chat import (DefaultTemplate, JinjaTemplate, chat_prompt,
                                     find_template, tokenize)
 from layout_core.lazy import tf
 from layout_core.tasks import streams
-from layout_core.tasks.base import find_split_files
+from layout_core.tasks.instruct_files import (Messages, check_example_files,  # noqa: F401
+                                             count_lines, numbered_lines, parse_example)
+from layout_core.tasks.base import SPLITS
 from layout_core.tasks.corpus import LMCorpusTask, Packer, next_token_loss, target_mask
 from layout_core.tasks.objective import Total
 
-ROLES = ('system', 'user', 'assistant')
 TOO_LONG = ('cut', 'drop')
 RECORD = 'record'  # a stream's record: 'path\nline number\nline text'
-
-Messages = list[dict[str, str]]
-
-
-# -- examples ------------------------------------------------------------------
-def parse_example(text: str, *, path: str, line: int) -> Messages:
-  """The conversation on one line of a JSON-lines file (module doc); a
-  ConfigError naming `path:line` when the line is not an example."""
-  expected = ('one JSON object per line: {"prompt": "...", "response": "..."} or '
-              '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", '
-              '"content": "..."}]}')
-
-  def bad(what: str) -> ConfigError:
-    return ConfigError(f'{path}:{line} {what}', where=f'{path}:{line}', fix=f'write {expected}')
-
-  if not text.strip():
-    raise bad('is empty')
-  try:
-    example = json.loads(text)
-  except ValueError as e:
-    raise bad(f'is not JSON ({e})') from None
-  if not isinstance(example, dict):
-    raise bad(f'holds a {type(example).__name__}, not an object')
-  if 'messages' in example:
-    messages = example['messages']
-    if not isinstance(messages, list) or not messages:
-      raise bad('has "messages" that is not a non-empty list')
-    for number, message in enumerate(messages):
-      if not isinstance(message, dict) or not isinstance(message.get('content'), str):
-        raise bad(f'message {number} is {message!r}, not {{"role": ..., "content": "..."}}')
-      if message.get('role') not in ROLES:
-        raise bad(f'message {number} has role {message.get("role")!r}, not one of {ROLES}')
-    messages = [{'role': m['role'], 'content': m['content']} for m in messages]
-  elif 'prompt' in example or 'response' in example:
-    if not (isinstance(example.get('prompt'), str) and isinstance(example.get('response'), str)):
-      raise bad(f'needs string "prompt" and "response" (it has keys {sorted(example)})')
-    messages = [{'role': 'user', 'content': example['prompt']},
-                {'role': 'assistant', 'content': example['response']}]
-  else:
-    raise bad(f'has neither "messages" nor "prompt"/"response" (keys {sorted(example)})')
-  if not any(m['role'] == 'assistant' for m in messages):
-    raise bad('has no assistant turn: nothing to train on')
-  return messages
-
-
-def check_example_files(files: Sequence[str]) -> dict[str, int]:
-  """Reads and checks every line of `files` (`parse_example`); returns each
-  file's number of lines."""
-  counts = {}
-  for path in files:
-    number = 0
-    with open(path, 'rb') as f:
-      for number, raw in enumerate(f, 1):
-        try:
-          text = raw.decode('utf-8')
-        except UnicodeDecodeError as e:
-          raise ConfigError(f'{path}:{number} is not UTF-8 ({e})', where=f'{path}:{number}',
-                            fix='write the file as UTF-8') from None
-        parse_example(text, path=path, line=number)
-    counts[path] = number
-  return counts
-
-
-def count_lines(path: str, *, at_most: int) -> int:
-  """Lines of a file, counted up to `at_most` (the streams' `count`)."""
-  with open(path, 'rb') as f:
-    return sum(1 for _ in itertools.islice(f, at_most))
-
-
-def numbered_lines(files) -> 'tf.data.Dataset':
-  """The lines of `files` (a string tensor [n]) in order, each as
-  'path\\nline number\\ntext' so that an example can be named by file:line."""
-  def of_file(path):
-    lines = tf.data.TextLineDataset(path).enumerate(start=1)
-    return lines.map(lambda number, text: tf.strings.join(
-        [path, '\n', tf.strings.as_string(number), '\n', text]))
-  return tf.data.Dataset.from_tensor_slices(files).flat_map(of_file)
 
 
 # -- chat templates (layout_core.tasks.chat) ---------------------------------------
@@ -188,6 +111,7 @@ class ExamplePacker(Packer):
   def __init__(self, stream, *, length, pack, vocab_size, used, too_long, tokenizer,
                template):
     self.tokenizer, self.template, self.examples = tokenizer, template, 0
+    self.longest = 0  # tokens of the longest example read
     self._epoch = stream.position[0]
     super().__init__(stream, length=length, pack=pack, vocab_size=vocab_size, used=used,
                      too_long=too_long)
@@ -212,6 +136,7 @@ class ExamplePacker(Packer):
                         fix=f'set instruct.vocab_size to the model\'s vocabulary (at least '
                             f'{self.tokenizer.vocab_size or int(ids.max()) + 1})')
     self.examples += 1
+    self.longest = max(self.longest, len(ids))
     return {'tokens': ids.astype(np.int32), 'loss_mask': mask}
 
   def log_counts(self) -> None:
@@ -267,21 +192,24 @@ class InstructionTask(LMCorpusTask):
     if too_long not in TOO_LONG:
       raise ConfigError(f'instruct.too_long is {too_long!r}', where='instruct.too_long',
                         fix=f'use one of {TOO_LONG}')
-    self.files = find_split_files({'train': train_files, 'eval': eval_files},
-                                  where='instruct')
     self.patterns = {'train': train_files, 'eval': eval_files}
-    self.examples = {}
-    for split, files in self.files.items():
-      self.examples[split] = sum(check_example_files(files).values())
-      if not self.examples[split]:
-        raise ConfigError(f'the {split} files {files} hold no examples',
-                          where=f'instruct.{split}_files', fix='write examples into them')
+    self.checked: dict[str, str] = {}  # split: what check_data found, for describe
     self.tokenizer, self.tokenizer_dir = find_tokenizer(tokenizer)
     self.template = find_template(self.tokenizer_dir)
     self.vocab_size, self.seq_len, self.pack, self.seed = vocab_size, seq_len, pack, seed
     self.too_long, self.num_streams, self.shuffle_window = too_long, num_streams, shuffle_window
 
   _parse = staticmethod(_parse)
+
+  def check_data(self, splits=SPLITS):
+    """Reads and checks every line of the splits' files (module doc)."""
+    for split in splits:
+      files = self.split_files(split)
+      examples = sum(check_example_files(files).values())
+      if not examples:
+        raise ConfigError(f'the {split} files {files} hold no examples',
+                          where=f'instruct.{split}_files', fix='write examples into them')
+      self.checked[split] = f'{len(files)} file(s) ({examples} examples) '
 
   def _packer(self, stream, *, used):
     return ExamplePacker(stream, length=self.seq_len + 1, pack=self.pack,
@@ -296,10 +224,27 @@ class InstructionTask(LMCorpusTask):
     loss, accuracy = next_token_loss(outputs, batch['tokens'], mask)
     return loss, {'accuracy': accuracy, 'tokens_trained': Total(loss.count)}
 
+  def trained_targets(self, batch):
+    """Targets in their input's example whose loss mask is on: the mask of
+    `loss_and_metrics`, on a host batch."""
+    segments = np.asarray(batch['segments'])
+    same = (segments[:, :-1] == segments[:, 1:]) & (segments[:, 1:] > 0)
+    return int(np.count_nonzero(same & (np.asarray(batch['loss_mask'])[:, 1:] > 0)))
+
+  def untrained_reason(self, reader):
+    counts = example_counts(reader)
+    longest = max((source.longest for source in reader.sources.values()), default=0)
+    setting = f'{self.settings_name}.seq_len'
+    why = (f'{counts["cut"]} of the {counts["examples"]} example(s) read so far were longer '
+           f'than a row ({setting} = {self.seq_len}: {self.seq_len + 1} tokens) and cut there, '
+           f'losing what of their answers lay beyond ({counts["dropped"]} dropped)')
+    fix = (f'set {setting} >= {max(longest - 1, self.seq_len + 1)} (the longest example read '
+           f'is {longest} tokens), or shorten the prompts')
+    return why, setting, fix
+
   def describe(self) -> str:
-    counts = ', '.join(f'{split} {len(files)} file(s) {self.patterns[split]} '
-                       f'({self.examples[split]} examples)'
-                       for split, files in self.files.items())
+    counts = ', '.join(f'{split} {self.checked.get(split, "")}{pattern}'
+                       for split, pattern in self.patterns.items())
     packing = 'packed' if self.pack else 'one example per row'
     return (f'instructions, {self.template.describe()}, {self.tokenizer.describe()}, vocab '
             f'{self.vocab_size}, seq_len {self.seq_len}, {packing}, too long: '

@@ -10,7 +10,8 @@
 The engine (`layout_core.train.engine`) decides how a step runs (the whole mesh,
 GPipe on sub-meshes, the SPMD stage axis); the loop owns everything around
 the steps: the data position, progress logging, evaluation, the task's
-metrics (`train/<name>`, `eval/<name>`), summaries, text samples
+metrics (`train/<name>`, `eval/<name>`), a warning for each batch that trains
+nothing (`layout_core.train.trained_tokens`), summaries, text samples
 (`samples/text`, through a `text_samples` callable it is given), profiling, and the
 `after_step` hook through which the caller checkpoints and stops on a signal.
 """
@@ -32,6 +33,7 @@ from layout_core.train.config import TrainConfig, TrainResult
 from layout_core.train.engine import Counters, StepEngine
 from layout_core.train.profiling import StepProfiler
 from layout_core.train.summaries import NullWriter, SummaryWriter
+from layout_core.train.trained_tokens import UntrainedBatches
 from layout_core.train.usage import usage_scalars
 
 
@@ -58,6 +60,7 @@ class Trainer:
     self._reader = None
     self.last_eval_metrics: dict[str, float] = {}
     self._unchecked: list[tuple[int, object, object]] = []  # (step, loss, grad norm)
+    self.untrained = UntrainedBatches(task)  # train batches with no trained token, warned
 
   def state(self) -> dict:
     """Everything a checkpoint must hold to continue exactly, with
@@ -162,7 +165,9 @@ class Trainer:
     profiler = StepProfiler(logdir=self.profile_dir, steps=config.profile_steps)
     for step in range(start, config.num_steps):
       profiler.before_step(step)
-      loss, lr, grad_norm, metrics = self.train_step(next(batches))
+      batch = next(batches)
+      self.untrained.see(step=step, batch=batch, reader=batches)
+      loss, lr, grad_norm, metrics = self.train_step(batch)
       profiler.after_step(step, loss)
       window_steps += 1
       done = step + 1
