@@ -218,7 +218,7 @@ class ExamplePacker(Packer):
   def log_counts(self) -> None:
     logging.info('instruct: stream %d, epoch %d: %d example(s) read since the reader '
                  'opened, %d longer than a row (%d tokens) cut, %d dropped',
-                 self.stream.stream_id, self._epoch, self.examples, self.length, self.cut,
+                 self.stream.stream_id, self._epoch, self.examples, self.cut, self.length,
                  self.dropped)
 
 
