@@ -237,10 +237,13 @@ class HarnessLM(TemplateLM):
 
   def stop_ids(self, until: Iterable[str]) -> list[int]:
     """Token ids that end a row: each stop string that is one token whose
-    text holds it (the cut then falls at or before that token), and eos."""
+    text holds it (the cut then falls at or before that token), and eos. A
+    string's ids are `--stop`'s (`layout_core.infer.stops.text_ids`: a
+    special token's text is its id, no BOS added as `encode` may add it)."""
+    from layout_core.infer import stops  # pylint: disable=g-import-not-at-top
     found = [] if self.eos_id is None else [self.eos_id]
     for text in until:
-      ids = self.tokenizer.encode(text)
+      ids = stops.text_ids(text, self.tokenizer)
       if len(ids) == 1 and text in self.tokenizer.decode(ids) and ids[0] not in found:
         found.append(ids[0])
     return [i for i in found if 0 <= i < self.lm.vocab_size]

@@ -239,3 +239,44 @@ def test_sentencepiece_spans_cover_whole_characters(tmp_path):
   assert all(start < end for start, end in spans)
   assert [text[s:e] for (s, e), i in zip(spans, ids) if i == 2] == ['</s>']
   assert np.all(np.diff([s for s, _ in spans]) >= 0)
+
+
+def test_a_chat_template_jinja_file_is_read_as_transformers_reads_it(tmp_path):
+  """transformers 5 saves the template as chat_template.jinja, not in
+  tokenizer_config.json; the file wins over the config's entry, as it does
+  in `AutoTokenizer.from_pretrained`."""
+  from layout_core.convert import hf_tokens  # pylint: disable=g-import-not-at-top
+  directory = byte_level_dir(tmp_path / 'jinja', ['<|endoftext|>', '<|im_start|>', '<|im_end|>'],
+                             {'bos_token': None, 'eos_token': '<|endoftext|>',
+                              'pad_token': '<|endoftext|>'})
+  with open(os.path.join(directory, 'chat_template.jinja'), 'w', encoding='utf-8') as f:
+    f.write(CHATML)
+  reference = transformers.AutoTokenizer.from_pretrained(directory)
+  tokenizer, found = find_tokenizer(directory)
+  template = chat.find_template(found)
+  assert template.config_path.endswith('chat_template.jinja')
+  rendered = template.render_trained(NO_SYSTEM, where='the test')
+  assert rendered.text == reference.apply_chat_template(NO_SYSTEM, tokenize=False)
+  assert chat.tokenize(rendered, tokenizer)[0].tolist() == reference_ids(reference, NO_SYSTEM)
+  assert chat.chat_prompt('Name a colour.', template=template, tokenizer=tokenizer) == \
+      reference_ids(reference, NO_SYSTEM[:1], add_generation_prompt=True)
+  im_end = reference.convert_tokens_to_ids('<|im_end|>')
+  assert chat.end_of_turn_ids(template, tokenizer) == [im_end]
+  assert im_end in hf_tokens.special_ids(directory)['end_of_turn']
+  # a tokenizer_config.json entry beside the file: the file still wins, as in transformers
+  config_path = os.path.join(directory, 'tokenizer_config.json')
+  with open(config_path) as f:
+    config = json.load(f)
+  with open(config_path, 'w') as f:
+    json.dump({**config, 'chat_template': MARKED}, f)
+  reference = transformers.AutoTokenizer.from_pretrained(directory)
+  assert chat.find_template(found).render(NO_SYSTEM, generation_prompt=False, where='t') == \
+      reference.apply_chat_template(NO_SYSTEM, tokenize=False)
+  # without the file, the config's entry; a processor's chat_template.json last
+  os.remove(os.path.join(directory, 'chat_template.jinja'))
+  assert chat.find_template(found).source == MARKED
+  with open(config_path, 'w') as f:
+    json.dump(config, f)
+  with open(os.path.join(directory, 'chat_template.json'), 'w') as f:
+    json.dump({'chat_template': CHATML}, f)
+  assert chat.find_template(found).source == CHATML

@@ -235,6 +235,29 @@ def test_generate_until_is_greedy_generation_cut_at_the_stop(plain, harness):
   assert harness.stop_ids([two_char]) == []
 
 
+def test_a_stop_string_of_one_token_is_one_id_where_encode_adds_bos(plain, tmp_path):
+  """A Hugging Face tokenizer whose `encode` puts BOS first (Llama 3's
+  post-processor): a one-token stop string, a special token's text included,
+  is still one stop id, as `--stop` maps it (layout_core.infer.stops)."""
+  # pylint: disable=g-import-not-at-top
+  from tokenizers import Tokenizer, processors
+  from layout_core.infer.tokens import HuggingFaceTokenizer
+  from tests import hf_fixtures
+  hf_fixtures.write_tokenizer(str(tmp_path), chat=True)
+  path = str(tmp_path / 'tokenizer.json')
+  loaded = Tokenizer.from_file(path)
+  bos = loaded.token_to_id('<s>')
+  loaded.post_processor = processors.TemplateProcessing(single='<s> $A',
+                                                        special_tokens=[('<s>', bos)])
+  loaded.save(path)
+  tokenizer = HuggingFaceTokenizer(path)
+  word = next(w for w in hf_fixtures.WORDS if len(tokenizer.encode_rendered(w)[0]) == 1)
+  assert tokenizer.encode('<|eot|>')[0] == bos and len(tokenizer.encode(word)) == 2  # the control
+  harness_lm = HarnessLM(plain, tokenizer, batch_size=4)
+  assert harness_lm.stop_ids(['<|eot|>', word, 'the quick brown']) == [
+      loaded.token_to_id('<|eot|>'), tokenizer.encode_rendered(word)[0][0]]
+
+
 def test_new_tokens_are_capped_at_half_the_window(plain, harness):
   until, new, sampling = harness.generation_settings({'until': '\n', 'max_gen_toks': 500})
   assert (until, new, sampling.greedy) == (['\n'], MAX_LEN // 2, True)

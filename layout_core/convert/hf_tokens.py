@@ -8,8 +8,8 @@ A model tuned on chats ends each answer with its template's end-of-turn
 token (Llama 3's `<|eot_id|>`, Qwen2's `<|im_end|>`), which may not be the
 tokenizer's `eos_token`: generation must stop at both, as the published
 instruct models' `generation_config.json` says. The end-of-turn tokens are
-found by rendering the chat template (`tokenizer_config.json`'s
-`chat_template`, or `chat_template.jinja` beside it) on a user turn and an
+found by rendering the chat template (`chat_template.jinja`, else
+`tokenizer_config.json`'s `chat_template`, as `transformers` reads them) on a user turn and an
 assistant turn: the special tokens (added tokens marked special) that the
 template writes after the assistant's text. The EOS ids are, in order and
 once each: the imported config.json's `eos_token_id` (`kept`), the
@@ -45,20 +45,21 @@ def _content(value: Any) -> str:
 
 
 def chat_template(directory: str) -> str | None:
-  """The tokenizer's chat template: tokenizer_config.json's `chat_template`
-  (a string, or the one named 'default' of a list), else chat_template.jinja."""
-  config = _read_json(os.path.join(directory, 'tokenizer_config.json'))
-  source = config.get('chat_template') if isinstance(config, dict) else None
+  """The tokenizer's chat template as `transformers` finds it
+  (`layout_core.tasks.tokenizer.read_chat_template`: chat_template.jinja, else
+  tokenizer_config.json's `chat_template`, a string or the one named 'default'
+  of a list, else chat_template.json's); None without one or where it cannot
+  be read."""
+  from layout_core.tasks import tokenizer as tokens_lib  # pylint: disable=g-import-not-at-top
+  try:
+    found = tokens_lib.read_chat_template(directory)
+  except (ConfigError, OSError):
+    return None
+  source = found[0] if found else None
   if isinstance(source, list):
     source = {entry.get('name'): entry.get('template') for entry in source
               if isinstance(entry, dict)}.get('default')
-  if isinstance(source, str) and source:
-    return source
-  path = os.path.join(directory, 'chat_template.jinja')
-  if os.path.isfile(path):
-    with open(path, encoding='utf-8') as f:
-      return f.read()
-  return None
+  return source if isinstance(source, str) and source else None
 
 
 def _special_tokens(directory: str) -> dict[str, int]:

@@ -52,14 +52,21 @@ def parse_stops(values: Sequence[str], tokenizer: tokens_lib.Tokenizer, *,
     if not tokenizer.has_text:
       raise ConfigError(f'{where}={value!r} is text, but {tokenizer.why}', where=where,
                         fix='give the stop token as an id, e.g. --stop=1')
-    text = codecs.decode(value, 'unicode_escape') if '\\' in value else value
-    special = tokenizer.token_id(text)
-    ids = [special] if special is not None else tokenizer.encode_rendered(text)[0]
+    ids = text_ids(codecs.decode(value, 'unicode_escape') if '\\' in value else value,
+                   tokenizer)
     if not ids:
       raise ConfigError(f'{where}={value!r} has no tokens', where=where,
                         fix='give a token id, a special token or some text')
     found.append([int(i) for i in ids])
   return split(found)
+
+
+def text_ids(text: str, tokenizer: tokens_lib.Tokenizer) -> list[int]:
+  """The ids of a stop text: a special token's text is that token's id, other
+  text its ids as a rendered chat tokenizes it (no BOS put before it)."""
+  special = tokenizer.token_id(text)
+  return [int(special)] if special is not None else [
+      int(i) for i in tokenizer.encode_rendered(text)[0]]
 
 
 def chat_stops(tokenizer: tokens_lib.Tokenizer, *, template, directory: str | None) -> Stops:

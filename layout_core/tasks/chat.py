@@ -6,8 +6,10 @@
     chat_prompt('Add 2 and 3.', template=template, tokenizer=tokenizer)  # for decoding
     template.end_of_turn()                               # '<|eot_id|>': where a reply ends
 
-A tokenizer directory's `tokenizer_config.json` with a `chat_template`
-(Jinja, as Hugging Face models ship it) is rendered as `transformers`'
+A tokenizer directory's chat template (Jinja, as Hugging Face models ship
+it: `chat_template.jinja`, else the `chat_template` of
+`tokenizer_config.json`, else `chat_template.json`, in `transformers`' order,
+`tokenizer.read_chat_template`) is rendered as `transformers`'
 `apply_chat_template` renders it: a sandboxed environment with
 `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension
 (`{% break %}`, `{% continue %}`), `{% generation %}` blocks, a `tojson`
@@ -86,13 +88,15 @@ class DefaultTemplate:
 
 
 class JinjaTemplate:
-  """A tokenizer_config.json's `chat_template`, rendered as `transformers`
-  renders it (module doc)."""
+  """A tokenizer's chat template, rendered as `transformers` renders it
+  (module doc). `config_path`: the file it was read from; `config`:
+  tokenizer_config.json (its special tokens); `source`: the template, else
+  config's `chat_template`."""
 
-  def __init__(self, config_path: str, config: Mapping[str, Any]):
+  def __init__(self, config_path: str, config: Mapping[str, Any], source: Any = None):
     import jinja2  # pylint: disable=g-import-not-at-top
     self.config_path = config_path
-    source = config['chat_template']
+    source = config['chat_template'] if source is None else source
     if isinstance(source, list):  # [{'name': 'default', 'template': ...}, ...]
       named = {entry.get('name'): entry.get('template') for entry in source
                if isinstance(entry, dict)}
@@ -224,11 +228,12 @@ def _environment():
 
 
 def find_template(directory: str | None) -> DefaultTemplate | JinjaTemplate:
-  """The chat_template of `directory/tokenizer_config.json`, else the default."""
+  """The chat template of the tokenizer `directory` (module doc), else the default."""
   config = tokens_lib.read_config(directory)
-  if not config.get('chat_template'):
+  found = tokens_lib.read_chat_template(directory, config)
+  if found is None:
     return DefaultTemplate()
-  return JinjaTemplate(f'{directory}/{tokens_lib.CONFIG_FILE}', config)
+  return JinjaTemplate(found[1], config, found[0])
 
 
 def tokenize(rendered: Rendered, tokenizer: tokens_lib.Tokenizer

@@ -22,8 +22,9 @@ system, user or assistant, an empty line, no assistant turn) is a
 ConfigError naming the file and line.
 
 The text of a conversation comes from a chat template
-(`layout_core.tasks.chat`): the `chat_template` of the tokenizer directory's
-`tokenizer_config.json`, rendered as `transformers` renders it, else the
+(`layout_core.tasks.chat`): the tokenizer directory's chat template
+(`chat_template.jinja`, else the `chat_template` of `tokenizer_config.json`,
+else `chat_template.json`), rendered as `transformers` renders it, else the
 default template, each turn as
 
     <|system|>\\n{content}<|end|>\\n      (and <|user|> alike)
@@ -142,7 +143,7 @@ class ExamplePacker(Packer):
   def log_counts(self) -> None:
     logging.info('instruct: stream %d, epoch %d: %d example(s) read since the reader '
                  'opened, %d longer than a row (%d tokens) cut, %d dropped',
-                 self.stream.stream_id, self._epoch, self.examples, self.length, self.cut,
+                 self.stream.stream_id, self._epoch, self.examples, self.cut, self.length,
                  self.dropped)
 
 
@@ -167,8 +168,9 @@ class InstructionTask(LMCorpusTask):
     eval_files: Glob pattern of the eval split's files, in the same format.
     tokenizer: 'bytes' (UTF-8 bytes), or the path of a run directory (its
       tokenizer/), a directory holding tokenizer.json or tokenizer.model, or
-      such a file; a tokenizer_config.json beside it with a chat_template
-      formats the conversations (else the default template).
+      such a file; a chat template beside it (chat_template.jinja, or the
+      chat_template of tokenizer_config.json) formats the conversations (else
+      the default template).
     vocab_size: Number of token ids (>= 2), the model's vocabulary; a token id
       outside 0..vocab_size-1 is an error.
     seq_len: Model input length in tokens (>= 1); each row holds seq_len + 1

@@ -69,6 +69,45 @@ def read_config(directory: str | None) -> dict[str, Any]:
   return config
 
 
+# Where a tokenizer directory keeps its chat template, in the order
+# `transformers` takes them: chat_template.jinja (what transformers 5's
+# save_pretrained writes) over tokenizer_config.json's `chat_template`; a
+# processor's legacy chat_template.json last (AutoProcessor reads it,
+# AutoTokenizer does not).
+CHAT_TEMPLATE_JINJA = 'chat_template.jinja'
+CHAT_TEMPLATE_JSON = 'chat_template.json'
+
+
+def read_chat_template(directory: str | None, config: dict[str, Any] | None = None
+                       ) -> tuple[Any, str] | None:
+  """(the chat template, the file it was read from) of a tokenizer
+  directory, or None without one: chat_template.jinja, else the
+  `chat_template` of tokenizer_config.json (`config`, when already read: a
+  string, or a list of named templates), else chat_template.json's."""
+  if not directory:
+    return None
+  jinja_path = os.path.join(directory, CHAT_TEMPLATE_JINJA)
+  if os.path.isfile(jinja_path):
+    with open(jinja_path, encoding='utf-8') as f:
+      source = f.read()
+    if source:
+      return source, jinja_path
+  config = read_config(directory) if config is None else config
+  if config.get('chat_template'):
+    return config['chat_template'], os.path.join(directory, CONFIG_FILE)
+  json_path = os.path.join(directory, CHAT_TEMPLATE_JSON)
+  if os.path.isfile(json_path):
+    try:
+      with open(json_path, encoding='utf-8') as f:
+        held = json.load(f)
+    except ValueError as e:
+      raise ConfigError(f'{json_path} is not JSON ({e})', where=json_path,
+                        fix='restore the tokenizer\'s chat_template.json') from None
+    if isinstance(held, dict) and held.get('chat_template'):
+      return held['chat_template'], json_path
+  return None
+
+
 def config_specials(config: dict[str, Any]) -> dict[str, int | None]:
   """text -> id (None where it does not say) of every special or added token
   tokenizer_config.json names."""
