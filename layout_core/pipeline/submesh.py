@@ -269,7 +269,8 @@ class GPipe:
       tape.watch(floats)
       outputs = self._run(k, inputs, random)
       sums = self._loss_sums(outputs, labels) if labels is not None else None
-    grads = tape.gradient(total_of(sums[0]) if labels is not None else list(outputs),
+      target = total_of(sums[0], self.num_micro_batches) if labels is not None else None
+    grads = tape.gradient(target if labels is not None else list(outputs),
                           floats + self.variables[k],
                           output_gradients=None if labels is not None else list(output_grads),
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
@@ -296,9 +297,10 @@ class GPipe:
                    divide=True):
     """The forward's clock order reversed: stage k back-propagates micro-batch
     m while stage k-1 works on m-1, each re-computing its forward first.
-    Each micro-batch differentiates its loss's total; the summed gradients
-    are divided once by the micro-batches' summed count (`divide`; not when
-    the caller adds several passes first: gradient accumulation)."""
+    Each micro-batch differentiates its loss's total (a plain mean: its
+    share, loss / M); the summed gradients of totals are divided once by the
+    micro-batches' summed count (`divide`; not when the caller adds several
+    passes first: gradient accumulation)."""
     num_stages, num_micro, last = self.num_stages, self.num_micro_batches, self.num_stages - 1
     inputs = [[as_tuple(x) for x in micro_inputs]] + [list(row) for row in kept]
     output_grads = [[None] * num_micro for _ in range(num_stages)]
@@ -320,7 +322,7 @@ class GPipe:
     grads = [[tf.add_n([tf.convert_to_tensor(g) for g in column]) for column in zip(*rows)]
              for rows in per_micro]
     sums = add_parts(loss_sums)
-    divisor = gradient_divisor(sums[0], self.num_micro_batches, mean=divide)
+    divisor = gradient_divisor(sums[0], mean=divide)
     if divisor is not None:
       grads = self.divide(grads, divisor)
     squared_norms = [squared_norm(stage) if stage else None for stage in grads]

@@ -19,11 +19,12 @@ A task's `loss_and_metrics` may return, for the loss and for each metric:
     is (`tokens_trained`);
   * a plain scalar tensor: a mean over equal parts of the batch (every row,
     every position), such as a classifier's loss; the parts of a batch are of
-    equal size, so it counts 1 a part.
+    equal size, so each weighs 1/k of k parts, known before they are added.
 
-The engines (`layout_core.train.micro_steps`) add parts with `add_parts`
-and finish with `finish`; they differentiate the parts' totals and divide the
-summed gradients once (`MicroSteps.gradients`).
+The engines (`layout_core.train.micro_steps`, the pipelines) add parts with
+`add_parts` and finish with `finish`; a part differentiates its total
+(`total_of`), and the summed gradients are divided once by the batch's count
+(`gradient_divisor`).
 """
 
 from __future__ import annotations
@@ -82,21 +83,22 @@ def denominator(count):
   return tf.maximum(count, 1.0)
 
 
-def gradient_divisor(loss, parts: int, *, mean: bool = True):
-  """What the summed gradients of `parts` parts' `total_of` are divided by
-  to be the gradients of their sums `loss`'s value (`mean`), or of its
-  `total_of` (not `mean`: an outer sum still adds more parts; None, nothing
-  to divide): a Mean's count, or for a plain mean the number of (equal)
-  parts, either way."""
+def total_of(loss, parts: int = 1):
+  """What one of `parts` parts of a batch differentiates, so that the parts'
+  gradients add up to the batch's: a Mean's total (the sum is divided once,
+  by the count known only after it: `gradient_divisor`); a plain mean's
+  share, loss / parts (its weight is known before)."""
   if isinstance(loss, Mean):
-    return loss.count if mean else None
-  return parts
+    return loss.total
+  return loss if parts == 1 else loss / parts
 
 
-def total_of(loss):
-  """What a part differentiates when the parts' gradients are added before
-  the one division (`count_of`): a Mean's total, a plain mean itself."""
-  return loss.total if isinstance(loss, Mean) else loss
+def gradient_divisor(loss, *, mean: bool = True):
+  """What the parts' summed gradients are still divided by to be the
+  gradients of their sums `loss`'s value: a Mean's count, or None: a plain
+  mean's parts came weighted already, and with `mean` False an outer sum
+  adds more parts before the one division."""
+  return loss.count if isinstance(loss, Mean) and mean else None
 
 
 def value_of(value):

@@ -31,8 +31,8 @@ import numpy as np
 
 from layout_core.lazy import tf
 from layout_core.layout import mesh as mesh_lib
-from layout_core.tasks.objective import (add_parts, denominator, finish, gradient_divisor,
-                                         total_of, value_of)
+from layout_core.tasks.objective import (Mean, add_parts, denominator, finish,
+                                         gradient_divisor, total_of, value_of)
 
 
 def divide_gradients(gradients, count):
@@ -69,7 +69,8 @@ class MicroSteps:
   def target(self, loss):
     """What a micro-step differentiates: the whole batch's loss with one
     micro-step; with several, its part's total (the sum of the parts'
-    gradients is divided once, by the batch's count: `gradients`)."""
+    gradients is divided once, by the batch's count: `gradients`), or a
+    plain mean itself (its gradients weighted 1/k as they come)."""
     return value_of(loss) if self.count == 1 else total_of(loss)
 
   def summed_gradients(self, packed, micro_step: Callable[[Any, int], tuple], *,
@@ -90,6 +91,8 @@ class MicroSteps:
         with tf.control_dependencies(tf.nest.flatten(total)):
           part = tf.nest.map_structure(tf.identity, part)
       sums, grads = micro_step(part, i * self.rows)
+      if not isinstance(sums[0], Mean):  # a plain mean: its weight, 1/k, is known now
+        grads = tf.nest.map_structure(lambda g: g / self.count, grads)
       parts.append(sums)
       total = grads if total is None else tf.nest.map_structure(lambda a, b: a + b,
                                                                 total, grads)
@@ -102,8 +105,9 @@ class MicroSteps:
     then the one division by the batch's count: `divide(gradients, count)`,
     the count living with the loss)."""
     sums, grads = self.summed_gradients(packed, micro_step, one_at_a_time=one_at_a_time)
-    if self.count > 1:
-      grads = divide(grads, gradient_divisor(sums[0], self.count))
+    divisor = gradient_divisor(sums[0]) if self.count > 1 else None
+    if divisor is not None:
+      grads = divide(grads, divisor)
     loss, metrics = finish(sums)
     return loss, metrics, grads
 
