@@ -133,6 +133,135 @@ def test_targets_that_adapt_nothing_are_named():
     tune(transformer_lm_params(**MODEL), lora=None, trainable=('.*/nothing',))
 
 
+def checkpoint_bytes(directory: str) -> tuple[int, int]:
+  """(bytes of the tensor data files, bytes of every file) of a ckpt-N directory."""
+  sizes = {n: os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory)}
+  return sum(v for n, v in sizes.items() if '.data-' in n), sum(sizes.values())
+
+
+def trained_bytes(variables) -> int:
+  """What a checkpoint must hold for training to go on: every trainable
+  variable and Adam's two moments of it, from shapes and dtypes alone."""
+  return sum(3 * int(np.prod(v.shape)) * v.dtype.size for v in variables if v.trainable)
+
+
+def test_a_lora_checkpoint_holds_what_trains_and_names_its_base(lora_run, mesh_2x4, mesh_data8,
+                                                                tmp_path):
+  """A LoRA run started from a base checkpoint (`init_from`) saves its
+  adapters, their Adam moments and its counters, and base.json, not the
+  frozen weights. A fresh run on another mesh restores
+  every value the trained one holds, the frozen ones read from the base.
+  A moved base is an error naming it, until `checkpoint.moved_base` says
+  where it went; a changed one (another checkpoint in its place) is an error
+  saying what differs. Neither error changes anything on disk."""
+  from layout_core.checkpoint.frozen_base import BASE_FILE  # pylint: disable=g-import-not-at-top
+  from layout_core.checkpoint.manager import (  # pylint: disable=g-import-not-at-top
+      CheckpointConfig, Checkpointer, checkpoint_keys)
+  trainer, before, _, after = lora_run
+  base = make(mesh_2x4)
+  for path, value in values(base).items():  # the run's frozen weights are the base's
+    np.testing.assert_array_equal(before[path], value, err_msg=path)
+  base_dir, tuned_dir = str(tmp_path / 'base'), str(tmp_path / 'tuned')
+  saver = Checkpointer(directory=f'{base_dir}/checkpoints', state=base.state(),
+                       config=CheckpointConfig())
+  saver.prepare_directory()
+  saver.save(0, reason='final')
+  variables = trainer.engine.variables
+  tuned = Checkpointer(directory=f'{tuned_dir}/checkpoints', state=trainer.state(),
+                       config=CheckpointConfig())
+  tuned.init_from(base_dir, variables, new=[p for p in variables if is_adapter(p)],
+                  frozen=[p for p, v in variables.items() if not v.trainable])
+  tuned.prepare_directory()
+  prefix = tuned.save(3, reason='final')
+  keys = set(tf.train.load_checkpoint(prefix).get_variable_to_shape_map())
+  by_key = checkpoint_keys(trainer.state())
+  frozen = {k for k, v in by_key.items() if k.startswith('model/') and not v.trainable}
+  assert len(frozen) == len([v for v in variables.values() if not v.trainable])
+  assert not frozen & keys, sorted(frozen & keys)[:3]
+  assert set(by_key) - frozen <= keys  # adapters, moments, counters
+
+  def restored(step: int = 4, **config):
+    fresh = make(mesh_data8, lora=LORA, rules=())
+    restorer = Checkpointer(directory=f'{tuned_dir}/checkpoints', state=fresh.state(),
+                            config=CheckpointConfig(**config))
+    assert restorer.restore_latest() == step
+    return fresh, restorer
+  fresh, restorer = restored(3)
+  for path, value in values(fresh).items():
+    np.testing.assert_array_equal(value, after[path], err_msg=path)
+  slots = lambda t: {(n, p): to_numpy(v) for n in t.engine.optimizer.SLOT_NAMES  # noqa: E731
+                     for p, v in getattr(t.engine.optimizer, n).items()}
+  expected_slots = slots(trainer)
+  for name, value in slots(fresh).items():
+    np.testing.assert_array_equal(value, expected_slots[name], err_msg=str(name))
+  assert restorer.save(4, reason='final')  # and saves by reference again
+  assert os.path.isfile(f'{tuned_dir}/checkpoints/ckpt-4/{BASE_FILE}')
+
+  snapshot = {n: open(f'{tuned_dir}/checkpoints/ckpt-4/{n}', 'rb').read()
+              for n in os.listdir(f'{tuned_dir}/checkpoints/ckpt-4')}
+  moved = str(tmp_path / 'elsewhere')
+  os.rename(base_dir, moved)
+  with pytest.raises(ConfigError) as error:
+    restored()
+  message = str(error.value)
+  assert f'{base_dir}/checkpoints/ckpt-0/ckpt: missing' in message, message
+  assert 'checkpoint.moved_base' in message
+  restored(moved_base=f'{moved}/checkpoints/ckpt-0')
+  os.makedirs(base_dir)
+  other = make(mesh_2x4, lora=None)
+  other.engine.variables['lm/emb/table'].assign_add(tf.ones_like(
+      other.engine.variables['lm/emb/table']))
+  saver = Checkpointer(directory=f'{base_dir}/checkpoints', state=other.state(),
+                       config=CheckpointConfig())
+  saver.prepare_directory()
+  saver.save(0, reason='final')  # another checkpoint where the base was
+  with pytest.raises(ConfigError, match='has changed: the same tensor names and shapes, '
+                                        'other contents'):
+    restored()
+  assert snapshot == {n: open(f'{tuned_dir}/checkpoints/ckpt-4/{n}', 'rb').read()
+                      for n in os.listdir(f'{tuned_dir}/checkpoints/ckpt-4')}
+
+
+# Llama's shape at a size a test can hold: RMSNorm, RoPE, grouped-query
+# attention, SwiGLU, untied output; PEFT's default targets (q and v), rank 8.
+LLAMA = dict(vocab_size=2048, model_dim=512, num_heads=8, num_kv_heads=2, ffn_dim=1376,
+             num_layers=4, max_len=0, norm='rms', positions='rope', ffn='swiglu',
+             output_bias=False)
+LLAMA_LORA = LoraConfig(rank=8, alpha=16.0, targets=(r'.*/attn/w[qv]',))
+
+
+def test_a_llama_shaped_lora_checkpoint_is_its_adapters_and_their_moments(tmp_path):
+  """Bytes on disk of a LoRA checkpoint of a Llama-shaped model (13M
+  weights, rank-8 adapters on q and v): every file of the checkpoint
+  directory together within 1.1x of the adapters and their two Adam
+  moments, counted from shapes and dtypes; the same state saved without a
+  base (as every LoRA checkpoint was before) is over 10x that."""
+  from layout_core.checkpoint.manager import CheckpointConfig, Checkpointer  # pylint: disable=g-import-not-at-top
+  model = tune(transformer_lm_params(**LLAMA), lora=LLAMA_LORA, trainable=None)
+  trainer = make_trainer(
+      model=model, mesh=build_mesh(MeshSpec(shape={'data': 1})), rules=LayoutRules([]),
+      task=MarkovTask(vocab_size=2048, seq_len=16, seed=3),
+      optimizer=OptimizerConfig(learning_rate=1e-2, warmup_steps=0),
+      config=TrainConfig(num_steps=1, batch_size=2, eval_every=0, eval_batches=1))
+  variables = trainer.engine.variables
+
+  def saved(name: str, **init) -> tuple[int, int]:
+    checkpointer = Checkpointer(directory=str(tmp_path / name), state=trainer.state(),
+                                config=CheckpointConfig())
+    if init:
+      checkpointer.init_from(init['source'], variables,
+                             frozen=[p for p, v in variables.items() if not v.trainable])
+    checkpointer.prepare_directory()
+    return checkpoint_bytes(os.path.dirname(checkpointer.save(1, reason='final')))
+  whole = saved('whole')[1]
+  data, total = saved('tuned', source=str(tmp_path / 'whole'))
+  expected = trained_bytes(variables.values())
+  print(f'LoRA checkpoint: {total} bytes ({data} of tensor data) for {expected} bytes of '
+        f'adapters and moments: {total / expected:.3f}x; the whole state: {whole} bytes')
+  assert total <= 1.1 * expected, (total, expected)
+  assert whole > 10 * expected, (whole, expected)
+
+
 QUICK = ['--gin_file=configs/experiments/quickstart.gin', TWO_DEVICES,
          '--gin_bindings=train.log_every = 1',
          '--gin_bindings=train.eval_every = 0', '--gin_bindings=train.eval_batches = 1',
