@@ -3,9 +3,13 @@
 In process: step 0 equals the base model exactly; only the adapters train
 and carry optimizer state; the same LoRA run on one device, `data=8` and the
 2x4 Megatron mesh (FSDP and the pipelines are crossed with LoRA in the
-composition matrix, tests/composition.py). Launched: a LoRA run started from
-a base run (`checkpoint.init_from`), preempted and resumed, against the same
-run straight through; targets that match nothing exit 2.
+composition matrix, tests/composition.py). A LoRA checkpoint holds its
+adapters, their moments and counters, and names its base for the rest
+(restored exactly on another mesh; a moved or changed base is an error);
+on a Llama-shaped model its bytes on disk are within 1.1x of the adapters
+and moments. Launched: a LoRA run started from a base run
+(`checkpoint.init_from`), preempted and resumed, against the same run
+straight through; eval with the base moved; targets that match nothing exit 2.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from layout_core.checkpoint.frozen_base import CheckpointView
 from layout_core.errors import ConfigError
 from layout_core.layout.mesh import MeshSpec, build_mesh
 from layout_core.layout.rules import LayoutRules
@@ -274,7 +279,10 @@ def test_a_lora_run_from_a_base_run_resumes_exactly_and_keeps_the_base(tmp_path)
   straight through 6 steps, one preempted (SIGTERM) and resumed. The resumed
   run's losses equal the straight run's exactly; its final checkpoint holds
   the base run's weights bit for bit and changed adapters. With targets
-  matching nothing, launch.train exits 2 naming them."""
+  matching nothing, launch.train exits 2 naming them. The tuned checkpoint
+  holds the frozen weights by reference to the base's; with the base moved,
+  launch.eval exits 2 naming it, and reads it where `checkpoint.moved_base`
+  says."""
   base = str(tmp_path / 'base')
   result = run_module('launch.train', *QUICK, '--gin_bindings=train.num_steps = 2',
                       f'--model_dir={base}')
@@ -299,17 +307,28 @@ def test_a_lora_run_from_a_base_run_resumes_exactly_and_keeps_the_base(tmp_path)
   assert sorted(losses[cut]) == sorted(losses[straight]) == list(range(1, 7))
   assert losses[cut] == losses[straight]
   base_reader = tf.train.load_checkpoint(f'{base}/checkpoints/ckpt-2/ckpt')
-  tuned_reader = tf.train.load_checkpoint(f'{cut}/checkpoints/ckpt-6/ckpt')
-  model_keys = [k for k in tuned_reader.get_variable_to_shape_map()
+  tuned = CheckpointView(f'{cut}/checkpoints/ckpt-6/ckpt')
+  assert tuned.base_prefix == f'{base}/checkpoints/ckpt-2/ckpt'
+  model_keys = [k for k in tuned.shapes
                 if k.startswith('model/') and k.endswith('.ATTRIBUTES/VARIABLE_VALUE')]
   adapters = [k for k in model_keys if '_lora_' in k]
   assert adapters and len(model_keys) > len(adapters)
   for key in model_keys:
     if key in adapters:
       continue
-    np.testing.assert_array_equal(tuned_reader.get_tensor(key), base_reader.get_tensor(key),
+    assert key not in tuned.own  # held by the base, not copied
+    np.testing.assert_array_equal(tuned.get_tensor(key), base_reader.get_tensor(key),
                                   err_msg=key)
-  assert any(tuned_reader.get_tensor(k).any() for k in adapters if '_lora_b' in k)
+  assert any(tuned.get_tensor(k).any() for k in adapters if '_lora_b' in k)
+  moved = str(tmp_path / 'moved')
+  os.rename(base, moved)
+  evals = run_modules([('launch.eval', f'--model_dir={cut}', f'--output_dir={tmp_path}/e1'),
+                       ('launch.eval', f'--model_dir={cut}', f'--output_dir={tmp_path}/e2',
+                        f"--gin_bindings=checkpoint.moved_base = '{moved}'")])
+  assert evals[0].returncode == 2, evals[0].stderr[-3000:]
+  assert (f'{base}/checkpoints/ckpt-2/ckpt: missing' in evals[0].stderr and
+          'checkpoint.moved_base' in evals[0].stderr and 'Traceback' not in evals[0].stderr)
+  assert evals[1].returncode == 0, evals[1].stderr[-3000:]
 
 
 def test_merged_and_peft_exports_compute_the_lora_models_logits(tmp_path):
@@ -323,7 +342,8 @@ def test_merged_and_peft_exports_compute_the_lora_models_logits(tmp_path):
   tokenizer and import record, so its Hugging Face export loads in
   transformers with the chat template, and its config.json and
   generation_config.json stop at the end-of-turn token as well as EOS; the
-  PEFT adapters name the imported directory as their base, and with
+  PEFT adapters name the imported directory as their base (the tuned
+  checkpoint holds the frozen weights by reference to it), and with
   `train.trainable` beside LoRA --adapters_only exits naming the weights."""
   from plugins import hf, inference  # pylint: disable=g-import-not-at-top
   from tests import hf_fixtures  # pylint: disable=g-import-not-at-top
@@ -348,6 +368,9 @@ def test_merged_and_peft_exports_compute_the_lora_models_logits(tmp_path):
     return loaded.lm.logits(TOKENS).numpy()
   ours = logits(tuned)
   assert relative_error(logits(base), ours) > 100 * TOLERANCE  # the adapters matter
+  view = CheckpointView(inference.find_checkpoint(model_dir=tuned)[1])
+  assert view.base_prefix == f'{base}/checkpoints/ckpt-0/ckpt'  # every read below goes there
+  assert 'model/lm/emb/table/.ATTRIBUTES/VARIABLE_VALUE' not in view.own
   files = [inference.run_config(model_dir=tuned)]
   hf.export_run(export_dir=str(tmp_path / 'merged'), model_dir=tuned, files=files)
   assert relative_error(keras_hub_logits(str(tmp_path / 'merged')), ours) < TOLERANCE
