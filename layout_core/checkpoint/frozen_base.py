@@ -153,7 +153,7 @@ def locate(reference: BaseReference, *, recorded_in: str, moved_to: str | None =
   raise ConfigError(
       f'the checkpoint {recorded_in} holds its {len(reference.keys)} frozen weights '
       f'({reference.num_bytes / 2**20:.1f} MiB) by reference to the base checkpoint it '
-      f'started from, {reference.prefix} (step {reference.step}; {BASE_FILE} there), which '
+      f'started from, {reference.prefix} (step {reference.step}; base.json there), which '
       f'cannot be used: {" | ".join(problems)}', where='checkpoint.moved_base',
       fix='put the base checkpoint back where it was; if it was moved, say where it is now '
           "with --gin_bindings=\"checkpoint.moved_base = '<its ckpt-N directory>'\" (it must "
