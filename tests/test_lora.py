@@ -158,7 +158,9 @@ def test_a_lora_checkpoint_holds_what_trains_and_names_its_base(lora_run, mesh_2
   every value the trained one holds, the frozen ones read from the base.
   A moved base is an error naming it, until `checkpoint.moved_base` says
   where it went; a changed one (another checkpoint in its place) is an error
-  saying what differs. Neither error changes anything on disk."""
+  saying what differs. Neither error changes anything on disk. A run started
+  from the tuned one refers to the same base; the base and the tuned run
+  moved together are found by the relative path base.json records."""
   from layout_core.checkpoint.frozen_base import BASE_FILE  # pylint: disable=g-import-not-at-top
   from layout_core.checkpoint.manager import (  # pylint: disable=g-import-not-at-top
       CheckpointConfig, Checkpointer, checkpoint_keys)
@@ -185,9 +187,9 @@ def test_a_lora_checkpoint_holds_what_trains_and_names_its_base(lora_run, mesh_2
   assert not frozen & keys, sorted(frozen & keys)[:3]
   assert set(by_key) - frozen <= keys  # adapters, moments, counters
 
-  def restored(step: int = 4, **config):
+  def restored(step: int = 4, run: str = tuned_dir, **config):
     fresh = make(mesh_data8, lora=LORA, rules=())
-    restorer = Checkpointer(directory=f'{tuned_dir}/checkpoints', state=fresh.state(),
+    restorer = Checkpointer(directory=f'{run}/checkpoints', state=fresh.state(),
                             config=CheckpointConfig(**config))
     assert restorer.restore_latest() == step
     return fresh, restorer
@@ -201,6 +203,12 @@ def test_a_lora_checkpoint_holds_what_trains_and_names_its_base(lora_run, mesh_2
     np.testing.assert_array_equal(value, expected_slots[name], err_msg=str(name))
   assert restorer.save(4, reason='final')  # and saves by reference again
   assert os.path.isfile(f'{tuned_dir}/checkpoints/ckpt-4/{BASE_FILE}')
+  chained = Checkpointer(directory=str(tmp_path / 'chained'), state=fresh.state(),
+                         config=CheckpointConfig())
+  fresh_variables = fresh.engine.variables
+  chained.init_from(tuned_dir, fresh_variables,
+                    frozen=[p for p, v in fresh_variables.items() if not v.trainable])
+  assert chained.base.prefix == f'{base_dir}/checkpoints/ckpt-0/ckpt'  # not the tuned run
 
   snapshot = {n: open(f'{tuned_dir}/checkpoints/ckpt-4/{n}', 'rb').read()
               for n in os.listdir(f'{tuned_dir}/checkpoints/ckpt-4')}
@@ -225,6 +233,10 @@ def test_a_lora_checkpoint_holds_what_trains_and_names_its_base(lora_run, mesh_2
     restored()
   assert snapshot == {n: open(f'{tuned_dir}/checkpoints/ckpt-4/{n}', 'rb').read()
                       for n in os.listdir(f'{tuned_dir}/checkpoints/ckpt-4')}
+  os.makedirs(tmp_path / 'tree')  # both runs moved together: found by the relative path
+  os.rename(tuned_dir, tmp_path / 'tree' / 'tuned')
+  os.rename(moved, tmp_path / 'tree' / 'base')
+  restored(run=str(tmp_path / 'tree' / 'tuned'))
 
 
 # Llama's shape at a size a test can hold: RMSNorm, RoPE, grouped-query
