@@ -123,7 +123,8 @@ def main(argv):
                                  search_paths=gin_flags.GIN_SEARCH_PATHS.value):
       run_plan = plan.make_plan(data_splits=())  # an export reads no data
     model = export.load_plain_model(run_plan.params, task=run_plan.task, prefix=prefix,
-                                    compute_dtype=run_plan.train.compute_dtype)
+                                    compute_dtype=run_plan.train.compute_dtype,
+                                    moved_base=run_plan.checkpoint.moved_base)
     if model.is_lm():
       seq_len = SEQ_LEN.value or model.input_specs[0][0][1]
       signatures = export.lm_signatures(

@@ -27,7 +27,7 @@ in the `meshgin` module, so `mesh.shape` and `meshgin.mesh.shape` both work:
 | `optimizer`      | `layout_core.optim.OptimizerConfig`            | learning_rate, warmup_steps, ... |
 | `train`          | `layout_core.train.config.TrainConfig`         | num_steps, batch_size, ... |
 | `lora`           | `layout_core.model.lora.LoraConfig`: low-rank adapters for fine-tuning | rank, alpha, dropout, targets |
-| `checkpoint`     | `layout_core.checkpoint.manager.CheckpointConfig` | every_steps, keep, async_save, init_from, ... |
+| `checkpoint`     | `layout_core.checkpoint.config.CheckpointConfig` | every_steps, keep, async_save, init_from, ... |
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any, Mapping
 
 import gin
 
-from layout_core.checkpoint import manager as checkpoint_lib
+from layout_core.checkpoint import config as checkpoint_lib
 from layout_core.tasks import lm as data_lib
 from layout_core.model import keras as keras_models
 from layout_core.model import lora as lora_lib

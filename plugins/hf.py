@@ -49,6 +49,7 @@ from typing import Any, Callable, Sequence
 import gin
 from absl import logging
 
+from layout_core.checkpoint.frozen_base import CheckpointView
 from layout_core.checkpoint.manager import Checkpointer
 from layout_core.checkpoint.matching import key_for_name, names_in
 from layout_core.checkpoint.shard_io import assign_global
@@ -241,7 +242,6 @@ def export_run(*, export_dir: str, model_dir: str | None = None,
   LoRA adapters merged into their weights; with `adapters_only`, the
   adapters alone in PEFT's format (`layout_core.convert.peft`). Returns what
   was written plus the checkpoint and step."""
-  from layout_core.lazy import tf  # pylint: disable=g-import-not-at-top
   hf_lib.check_target(export_dir, overwrite=overwrite)
   step, prefix = inference.find_checkpoint(model_dir=model_dir, checkpoint=checkpoint)
   with gin_setup.parsed_config(files=list(files), bindings=list(bindings),
@@ -250,14 +250,15 @@ def export_run(*, export_dir: str, model_dir: str | None = None,
     adapters = lora_lib.Tuning(lora=configurables.lora()).lora
     trainable = configurables.train().trainable
     init_from = configurables.checkpoint().init_from
+    moved_base = configurables.checkpoint().moved_base
   run_dir = inference.run_directory(model_dir=model_dir, checkpoint=checkpoint)
   record, tokenizer_dir = origin_of(run_dir, init_from)
-  by_name = names_in(prefix)
-  reader = tf.train.load_checkpoint(prefix)
+  view = CheckpointView(prefix, moved_to=moved_base)  # frozen weights: in its base
+  by_name = names_in(prefix, view.shapes)
 
   def stored(path: str):
     key = key_for_name(path, by_name)
-    return None if key is None else reader.get_tensor(key)
+    return None if key is None else view.get_tensor(key)
 
   if adapters_only:
     if adapters is None:

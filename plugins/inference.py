@@ -45,7 +45,10 @@ stage axis replicated), which is the one `Trained.model` can call directly.
 
 Errors a user can fix are ConfigErrors (exit 2 in the launchers): no
 checkpoint in `model_dir`, a `checkpoint` that does not exist or is damaged,
-a checkpoint of another model (the variables that differ are listed).
+a checkpoint of another model (the variables that differ are listed), a
+fine-tuned run's base checkpoint that moved or changed (its frozen weights
+are read from there: `layout_core.checkpoint.frozen_base`;
+`checkpoint.moved_base` says where it went).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from absl import logging
 from layout_core.checkpoint import shard_io
 from layout_core.checkpoint.damage import CheckpointDamage, describe, is_damage
 from layout_core.checkpoint.files import MANIFEST, checkpoint_dirs, validate
+from layout_core.checkpoint.frozen_base import CheckpointView
 from layout_core.checkpoint.matching import check_fits
 from layout_core.errors import ConfigError
 from layout_core.lazy import tf
@@ -215,7 +219,12 @@ def load_trained(plan: RunPlan, *, model_dir: str | None = None,
   parts = {name: state[name] for name in _RESTORED}
   entries = shard_io.checkpoint_entries(parts)
   try:
-    check_fits(prefix, entries, roots=[shard_io.escape(name) + '/' for name in parts])
+    view = CheckpointView(prefix, moved_to=plan.checkpoint.moved_base)  # and its base's
+  except CheckpointDamage as e:
+    raise _damaged(prefix, e) from None
+  try:
+    check_fits(prefix, entries, roots=[shard_io.escape(name) + '/' for name in parts],
+               saved=view.shapes)
   except ConfigError as e:
     raise ConfigError(e.message, where='the config (--gin_file / --gin_bindings)',
                       fix='use the config of the run that wrote the checkpoint (its '
@@ -224,7 +233,7 @@ def load_trained(plan: RunPlan, *, model_dir: str | None = None,
   except CheckpointDamage as e:
     raise _damaged(prefix, e) from None
   try:
-    shard_io.read_entries(prefix, entries)
+    view.read(entries)
   except Exception as e:  # pylint: disable=broad-except  # all but damage re-raised
     if not is_damage(e):
       raise

@@ -253,7 +253,8 @@ def _run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
   if restored is None and plan.checkpoint.init_from:
     variables = trainer.engine.variables
     checkpointer.init_from(plan.checkpoint.init_from, variables,
-                           new=[path for path in variables if is_adapter(path)])
+                           new=[path for path in variables if is_adapter(path)],
+                           frozen=[path for path, v in variables.items() if not v.trainable])
   elif restored is not None and chief:
     try:  # a report: it must never stop the run it reports on
       record_resume_changes(plan, writer=writer, step=restored, checkpoint_dir=os.path.join(

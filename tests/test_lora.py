@@ -3,9 +3,13 @@
 In process: step 0 equals the base model exactly; only the adapters train
 and carry optimizer state; the same LoRA run on one device, `data=8` and the
 2x4 Megatron mesh (FSDP and the pipelines are crossed with LoRA in the
-composition matrix, tests/composition.py). Launched: a LoRA run started from
-a base run (`checkpoint.init_from`), preempted and resumed, against the same
-run straight through; targets that match nothing exit 2.
+composition matrix, tests/composition.py). A LoRA checkpoint holds its
+adapters, their moments and counters, and names its base for the rest
+(restored exactly on another mesh; a moved or changed base is an error);
+on a Llama-shaped model its bytes on disk are within 1.1x of the adapters
+and moments. Launched: a LoRA run started from a base run
+(`checkpoint.init_from`), preempted and resumed, against the same run
+straight through; eval with the base moved; targets that match nothing exit 2.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from layout_core.checkpoint.frozen_base import CheckpointView
 from layout_core.errors import ConfigError
 from layout_core.layout.mesh import MeshSpec, build_mesh
 from layout_core.layout.rules import LayoutRules
@@ -133,6 +138,147 @@ def test_targets_that_adapt_nothing_are_named():
     tune(transformer_lm_params(**MODEL), lora=None, trainable=('.*/nothing',))
 
 
+def checkpoint_bytes(directory: str) -> tuple[int, int]:
+  """(bytes of the tensor data files, bytes of every file) of a ckpt-N directory."""
+  sizes = {n: os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory)}
+  return sum(v for n, v in sizes.items() if '.data-' in n), sum(sizes.values())
+
+
+def trained_bytes(variables) -> int:
+  """What a checkpoint must hold for training to go on: every trainable
+  variable and Adam's two moments of it, from shapes and dtypes alone."""
+  return sum(3 * int(np.prod(v.shape)) * v.dtype.size for v in variables if v.trainable)
+
+
+def test_a_lora_checkpoint_holds_what_trains_and_names_its_base(lora_run, mesh_2x4, mesh_data8,
+                                                                tmp_path):
+  """A LoRA run started from a base checkpoint (`init_from`) saves its
+  adapters, their Adam moments and its counters, and base.json, not the
+  frozen weights. A fresh run on another mesh restores
+  every value the trained one holds, the frozen ones read from the base.
+  A moved base is an error naming it, until `checkpoint.moved_base` says
+  where it went; a changed one (another checkpoint in its place) is an error
+  saying what differs. Neither error changes anything on disk. A run started
+  from the tuned one refers to the same base; the base and the tuned run
+  moved together are found by the relative path base.json records."""
+  from layout_core.checkpoint.frozen_base import BASE_FILE  # pylint: disable=g-import-not-at-top
+  from layout_core.checkpoint.manager import (  # pylint: disable=g-import-not-at-top
+      CheckpointConfig, Checkpointer, checkpoint_keys)
+  trainer, before, _, after = lora_run
+  base = make(mesh_2x4)
+  for path, value in values(base).items():  # the run's frozen weights are the base's
+    np.testing.assert_array_equal(before[path], value, err_msg=path)
+  base_dir, tuned_dir = str(tmp_path / 'base'), str(tmp_path / 'tuned')
+  saver = Checkpointer(directory=f'{base_dir}/checkpoints', state=base.state(),
+                       config=CheckpointConfig())
+  saver.prepare_directory()
+  saver.save(0, reason='final')
+  variables = trainer.engine.variables
+  tuned = Checkpointer(directory=f'{tuned_dir}/checkpoints', state=trainer.state(),
+                       config=CheckpointConfig())
+  tuned.init_from(base_dir, variables, new=[p for p in variables if is_adapter(p)],
+                  frozen=[p for p, v in variables.items() if not v.trainable])
+  tuned.prepare_directory()
+  prefix = tuned.save(3, reason='final')
+  keys = set(tf.train.load_checkpoint(prefix).get_variable_to_shape_map())
+  by_key = checkpoint_keys(trainer.state())
+  frozen = {k for k, v in by_key.items() if k.startswith('model/') and not v.trainable}
+  assert len(frozen) == len([v for v in variables.values() if not v.trainable])
+  assert not frozen & keys, sorted(frozen & keys)[:3]
+  assert set(by_key) - frozen <= keys  # adapters, moments, counters
+
+  def restored(step: int = 4, run: str = tuned_dir, **config):
+    fresh = make(mesh_data8, lora=LORA, rules=())
+    restorer = Checkpointer(directory=f'{run}/checkpoints', state=fresh.state(),
+                            config=CheckpointConfig(**config))
+    assert restorer.restore_latest() == step
+    return fresh, restorer
+  fresh, restorer = restored(3)
+  for path, value in values(fresh).items():
+    np.testing.assert_array_equal(value, after[path], err_msg=path)
+  slots = lambda t: {(n, p): to_numpy(v) for n in t.engine.optimizer.SLOT_NAMES  # noqa: E731
+                     for p, v in getattr(t.engine.optimizer, n).items()}
+  expected_slots = slots(trainer)
+  for name, value in slots(fresh).items():
+    np.testing.assert_array_equal(value, expected_slots[name], err_msg=str(name))
+  assert restorer.save(4, reason='final')  # and saves by reference again
+  assert os.path.isfile(f'{tuned_dir}/checkpoints/ckpt-4/{BASE_FILE}')
+  chained = Checkpointer(directory=str(tmp_path / 'chained'), state=fresh.state(),
+                         config=CheckpointConfig())
+  fresh_variables = fresh.engine.variables
+  chained.init_from(tuned_dir, fresh_variables,
+                    frozen=[p for p, v in fresh_variables.items() if not v.trainable])
+  assert chained.base.prefix == f'{base_dir}/checkpoints/ckpt-0/ckpt'  # not the tuned run
+
+  snapshot = {n: open(f'{tuned_dir}/checkpoints/ckpt-4/{n}', 'rb').read()
+              for n in os.listdir(f'{tuned_dir}/checkpoints/ckpt-4')}
+  moved = str(tmp_path / 'elsewhere')
+  os.rename(base_dir, moved)
+  with pytest.raises(ConfigError) as error:
+    restored()
+  message = str(error.value)
+  assert f'{base_dir}/checkpoints/ckpt-0/ckpt: missing' in message, message
+  assert 'checkpoint.moved_base' in message
+  restored(moved_base=f'{moved}/checkpoints/ckpt-0')
+  os.makedirs(base_dir)
+  other = make(mesh_2x4, lora=None)
+  other.engine.variables['lm/emb/table'].assign_add(tf.ones_like(
+      other.engine.variables['lm/emb/table']))
+  saver = Checkpointer(directory=f'{base_dir}/checkpoints', state=other.state(),
+                       config=CheckpointConfig())
+  saver.prepare_directory()
+  saver.save(0, reason='final')  # another checkpoint where the base was
+  with pytest.raises(ConfigError, match='has changed: the same tensor names and shapes, '
+                                        'other contents'):
+    restored()
+  assert snapshot == {n: open(f'{tuned_dir}/checkpoints/ckpt-4/{n}', 'rb').read()
+                      for n in os.listdir(f'{tuned_dir}/checkpoints/ckpt-4')}
+  os.makedirs(tmp_path / 'tree')  # both runs moved together: found by the relative path
+  os.rename(tuned_dir, tmp_path / 'tree' / 'tuned')
+  os.rename(moved, tmp_path / 'tree' / 'base')
+  restored(run=str(tmp_path / 'tree' / 'tuned'))
+
+
+# Llama's shape at a size a test can hold: RMSNorm, RoPE, grouped-query
+# attention, SwiGLU, untied output; PEFT's default targets (q and v), rank 8.
+LLAMA = dict(vocab_size=2048, model_dim=512, num_heads=8, num_kv_heads=2, ffn_dim=1376,
+             num_layers=4, max_len=0, norm='rms', positions='rope', ffn='swiglu',
+             output_bias=False)
+LLAMA_LORA = LoraConfig(rank=8, alpha=16.0, targets=(r'.*/attn/w[qv]',))
+
+
+def test_a_llama_shaped_lora_checkpoint_is_its_adapters_and_their_moments(tmp_path):
+  """Bytes on disk of a LoRA checkpoint of a Llama-shaped model (13M
+  weights, rank-8 adapters on q and v): every file of the checkpoint
+  directory together within 1.1x of the adapters and their two Adam
+  moments, counted from shapes and dtypes; the same state saved without a
+  base (as every LoRA checkpoint was before) is over 10x that."""
+  from layout_core.checkpoint.manager import CheckpointConfig, Checkpointer  # pylint: disable=g-import-not-at-top
+  model = tune(transformer_lm_params(**LLAMA), lora=LLAMA_LORA, trainable=None)
+  trainer = make_trainer(
+      model=model, mesh=build_mesh(MeshSpec(shape={'data': 1})), rules=LayoutRules([]),
+      task=MarkovTask(vocab_size=2048, seq_len=16, seed=3),
+      optimizer=OptimizerConfig(learning_rate=1e-2, warmup_steps=0),
+      config=TrainConfig(num_steps=1, batch_size=2, eval_every=0, eval_batches=1))
+  variables = trainer.engine.variables
+
+  def saved(name: str, **init) -> tuple[int, int]:
+    checkpointer = Checkpointer(directory=str(tmp_path / name), state=trainer.state(),
+                                config=CheckpointConfig())
+    if init:
+      checkpointer.init_from(init['source'], variables,
+                             frozen=[p for p, v in variables.items() if not v.trainable])
+    checkpointer.prepare_directory()
+    return checkpoint_bytes(os.path.dirname(checkpointer.save(1, reason='final')))
+  whole = saved('whole')[1]
+  data, total = saved('tuned', source=str(tmp_path / 'whole'))
+  expected = trained_bytes(variables.values())
+  print(f'LoRA checkpoint: {total} bytes ({data} of tensor data) for {expected} bytes of '
+        f'adapters and moments: {total / expected:.3f}x; the whole state: {whole} bytes')
+  assert total <= 1.1 * expected, (total, expected)
+  assert whole > 10 * expected, (whole, expected)
+
+
 QUICK = ['--gin_file=configs/experiments/quickstart.gin', TWO_DEVICES,
          '--gin_bindings=train.log_every = 1',
          '--gin_bindings=train.eval_every = 0', '--gin_bindings=train.eval_batches = 1',
@@ -145,7 +291,10 @@ def test_a_lora_run_from_a_base_run_resumes_exactly_and_keeps_the_base(tmp_path)
   straight through 6 steps, one preempted (SIGTERM) and resumed. The resumed
   run's losses equal the straight run's exactly; its final checkpoint holds
   the base run's weights bit for bit and changed adapters. With targets
-  matching nothing, launch.train exits 2 naming them."""
+  matching nothing, launch.train exits 2 naming them. The tuned checkpoint
+  holds the frozen weights by reference to the base's; with the base moved,
+  launch.eval exits 2 naming it, and reads it where `checkpoint.moved_base`
+  says."""
   base = str(tmp_path / 'base')
   result = run_module('launch.train', *QUICK, '--gin_bindings=train.num_steps = 2',
                       f'--model_dir={base}')
@@ -170,17 +319,28 @@ def test_a_lora_run_from_a_base_run_resumes_exactly_and_keeps_the_base(tmp_path)
   assert sorted(losses[cut]) == sorted(losses[straight]) == list(range(1, 7))
   assert losses[cut] == losses[straight]
   base_reader = tf.train.load_checkpoint(f'{base}/checkpoints/ckpt-2/ckpt')
-  tuned_reader = tf.train.load_checkpoint(f'{cut}/checkpoints/ckpt-6/ckpt')
-  model_keys = [k for k in tuned_reader.get_variable_to_shape_map()
+  tuned = CheckpointView(f'{cut}/checkpoints/ckpt-6/ckpt')
+  assert tuned.base_prefix == f'{base}/checkpoints/ckpt-2/ckpt'
+  model_keys = [k for k in tuned.shapes
                 if k.startswith('model/') and k.endswith('.ATTRIBUTES/VARIABLE_VALUE')]
   adapters = [k for k in model_keys if '_lora_' in k]
   assert adapters and len(model_keys) > len(adapters)
   for key in model_keys:
     if key in adapters:
       continue
-    np.testing.assert_array_equal(tuned_reader.get_tensor(key), base_reader.get_tensor(key),
+    assert key not in tuned.own  # held by the base, not copied
+    np.testing.assert_array_equal(tuned.get_tensor(key), base_reader.get_tensor(key),
                                   err_msg=key)
-  assert any(tuned_reader.get_tensor(k).any() for k in adapters if '_lora_b' in k)
+  assert any(tuned.get_tensor(k).any() for k in adapters if '_lora_b' in k)
+  moved = str(tmp_path / 'moved')
+  os.rename(base, moved)
+  evals = run_modules([('launch.eval', f'--model_dir={cut}', f'--output_dir={tmp_path}/e1'),
+                       ('launch.eval', f'--model_dir={cut}', f'--output_dir={tmp_path}/e2',
+                        f"--gin_bindings=checkpoint.moved_base = '{moved}'")])
+  assert evals[0].returncode == 2, evals[0].stderr[-3000:]
+  assert (f'{base}/checkpoints/ckpt-2/ckpt: missing' in evals[0].stderr and
+          'checkpoint.moved_base' in evals[0].stderr and 'Traceback' not in evals[0].stderr)
+  assert evals[1].returncode == 0, evals[1].stderr[-3000:]
 
 
 def test_merged_and_peft_exports_compute_the_lora_models_logits(tmp_path):
@@ -194,7 +354,8 @@ def test_merged_and_peft_exports_compute_the_lora_models_logits(tmp_path):
   tokenizer and import record, so its Hugging Face export loads in
   transformers with the chat template, and its config.json and
   generation_config.json stop at the end-of-turn token as well as EOS; the
-  PEFT adapters name the imported directory as their base, and with
+  PEFT adapters name the imported directory as their base (the tuned
+  checkpoint holds the frozen weights by reference to it), and with
   `train.trainable` beside LoRA --adapters_only exits naming the weights."""
   from plugins import hf, inference  # pylint: disable=g-import-not-at-top
   from tests import hf_fixtures  # pylint: disable=g-import-not-at-top
@@ -219,6 +380,9 @@ def test_merged_and_peft_exports_compute_the_lora_models_logits(tmp_path):
     return loaded.lm.logits(TOKENS).numpy()
   ours = logits(tuned)
   assert relative_error(logits(base), ours) > 100 * TOLERANCE  # the adapters matter
+  view = CheckpointView(inference.find_checkpoint(model_dir=tuned)[1])
+  assert view.base_prefix == f'{base}/checkpoints/ckpt-0/ckpt'  # every read below goes there
+  assert 'model/lm/emb/table/.ATTRIBUTES/VARIABLE_VALUE' not in view.own
   files = [inference.run_config(model_dir=tuned)]
   hf.export_run(export_dir=str(tmp_path / 'merged'), model_dir=tuned, files=files)
   assert relative_error(keras_hub_logits(str(tmp_path / 'merged')), ours) < TOLERANCE

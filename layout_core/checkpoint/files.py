@@ -60,8 +60,9 @@ class DirectoryWatch:
     os.close(self._fd)
 
 
-def resolve_checkpoint_path(path: str) -> str:
-  """A checkpoint prefix from a prefix, a ckpt-N directory or a model_dir."""
+def resolve_checkpoint_path(path: str, *, where: str = 'checkpoint.init_from') -> str:
+  """A checkpoint prefix from a prefix, a ckpt-N directory or a model_dir
+  (ConfigError at `where` when there is none)."""
   if tf.io.gfile.exists(path + '.index'):
     return path
   for candidate in (os.path.join(path, 'ckpt'), os.path.join(path, 'checkpoints')):
@@ -74,8 +75,7 @@ def resolve_checkpoint_path(path: str) -> str:
   latest = tf.train.latest_checkpoint(path)
   if latest:
     return latest
-  raise ConfigError(f'no checkpoint found at {path!r}',
-                    where='checkpoint.init_from',
+  raise ConfigError(f'no checkpoint found at {path!r}', where=where,
                     fix='give a checkpoint prefix, a ckpt-N directory or a model_dir')
 
 

@@ -13,7 +13,10 @@ On disk, `checkpoints/ckpt-<step>/` holds a standard `tf.train.Checkpoint`
 `tf.train.Checkpoint.read`, keys such as
 `model/stack/block_000/ffn/w_in/.ATTRIBUTES/VARIABLE_VALUE`) plus
 `manifest.json` (step, reason, every file's size and crc32) and the run's
-`config.gin`, so a checkpoint always says how to rebuild its model.
+`config.gin`, so a checkpoint always says how to rebuild its model. A run
+started from `init_from` with frozen weights (LoRA, `train.trainable`)
+saves all but those, and `base.json` naming the checkpoint that holds them
+(`layout_core.checkpoint.frozen_base`); restore reads them from there.
 
 Written where the shards live (`layout_core.checkpoint.shard_io`): every device writes
 the distinct shards it holds, as slices of the global tensors, into a bundle
@@ -53,15 +56,19 @@ import random
 import shutil
 import threading
 import time
-from typing import Callable, Collection, Mapping, Sequence
+from typing import Callable, Collection, Mapping
 
 from absl import logging
 
 from layout_core.checkpoint import shard_io
+# Re-exported: the checkpointer's settings and events are part of its API.
+from layout_core.checkpoint.config import CheckpointConfig, CheckpointEvent  # noqa: F401
 # Re-exported: callers read keys and values through the manager module.
 from layout_core.checkpoint.shard_io import checkpoint_keys, checkpoint_values
 from layout_core.checkpoint.damage import (CheckpointDamage, aside_path, describe, is_damage,
                                            saved_variables)
+from layout_core.checkpoint.frozen_base import (BASE_FILE, BaseReference, CheckpointView,
+                                                reference_for)
 from layout_core.checkpoint.files import (DATA_STATE_FILE, DirectoryWatch, checkpoint_dirs,
                                           directory_size, latest_valid,
                                           read_data_state, resolve_checkpoint_path, validate,
@@ -71,7 +78,6 @@ from layout_core.checkpoint.state_file import StateFile
 from layout_core.layout.cluster import SingleClient
 from layout_core.durable import sync_directory
 from layout_core.errors import ConfigError
-from layout_core.fields import at_least, check_types
 from layout_core.lazy import tf
 
 _SHARED_CHECK = '.shared-filesystem-check'
@@ -90,43 +96,6 @@ def merge_data_states(texts) -> dict | None:
     for split, streams in (json.loads(text) if text else {}).items():
       merged.setdefault(split, {}).update(streams)
   return merged or None
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointConfig:
-  every_steps: int = 100        # save every N steps (0: never periodically)
-  every_seconds: float = 0.0    # also save when this long since the last save (0: off)
-  keep: int = 3                 # newest checkpoints kept; older ones deleted
-  save_at_end: bool = True      # save when training finishes
-  async_save: bool = False      # write in a background thread (single client only)
-  init_from: str | None = None  # a checkpoint (or directory) to start a fresh run from
-  # (regex on the new variable path, replacement) pairs: the name to read from
-  # `init_from`; first fullmatch wins; unmatched paths are read under their own name.
-  init_from_map: Sequence[Sequence[str]] = ()
-
-  def __post_init__(self):
-    check_types(self, name='checkpoint')
-    at_least(self, 'checkpoint', every_steps=0, every_seconds=0, keep=1)
-    for pair in self.init_from_map:
-      if len(pair) != 2 or not all(isinstance(p, str) for p in pair):
-        raise ConfigError(f'checkpoint.init_from_map entry {pair!r} is not a '
-                          '(regex, replacement) pair of strings',
-                          where='checkpoint.init_from_map',
-                          fix="write entries as (r'new/path/(.*)', r'old/path/\\1')")
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointEvent:
-  step: int
-  path: str
-  reason: str        # periodic | final | preemption | resume | init_from
-  seconds: float
-  size_bytes: int
-
-  def line(self) -> str:
-    verb = 'restored' if self.reason in ('resume', 'init_from') else 'saved'
-    return (f'step {self.step}: {verb} {self.path} ({self.reason}, '
-            f'{self.size_bytes / 2**20:.1f} MiB in {self.seconds:.2f} s)')
 
 
 _escape = shard_io.escape
@@ -159,6 +128,7 @@ class Checkpointer:
     self.is_chief = self.coordinator.client_id == 0
     self.entries = shard_io.checkpoint_entries(self.state)
     self._object_graph = shard_io.object_graph(self.state) if self.is_chief else None
+    self.base: BaseReference | None = None  # where the frozen weights are (frozen_base)
     self._last_save_time = time.monotonic()
     self._last_saved_step: int | None = None
     self._thread: threading.Thread | None = None
@@ -215,11 +185,15 @@ class Checkpointer:
         return step
     return None
 
-  def check_compatible(self, prefix: str, *, step: int | None = None) -> None:
-    """ConfigError listing every variable whose name or shape does not match
-    (of those `restorable` reads from the checkpoint of `step`)."""
+  def check_compatible(self, prefix: str, *, step: int | None = None) -> CheckpointView:
+    """The checkpoint's tensors (with its base's: `frozen_base`) after a
+    ConfigError listing every variable whose name or shape does not match (of
+    those `restorable` reads from the checkpoint of `step`), or naming a
+    base that is missing or changed."""
+    view = CheckpointView(prefix, moved_to=self.config.moved_base)
     check_fits(prefix, self.restorable(prefix, step=step),
-               roots=[_escape(name) + '/' for name in self.state])
+               roots=[_escape(name) + '/' for name in self.state], saved=view.shapes)
+    return view
 
   def restorable(self, prefix: str, *, step: int | None) -> list:
     """The entries a restore reads from the checkpoint at `prefix`: every
@@ -251,12 +225,12 @@ class Checkpointer:
     for step, path in candidates:
       prefix = os.path.join(path, 'ckpt')
       start = time.perf_counter()
-      problem, data_state = validate(path, check_contents=self.is_chief), None
+      problem, data_state, view = validate(path, check_contents=self.is_chief), None, None
       if problem is None:
         try:
-          self.check_compatible(prefix, step=step)
+          view = self.check_compatible(prefix, step=step)
           entries = self.restorable(prefix, step=step)
-          shard_io.read_entries(prefix, entries)
+          view.read(entries)
           if len(entries) < len(self.entries):
             logging.info('%s holds the weights only (an import): the optimizer starts fresh',
                          prefix)
@@ -267,6 +241,8 @@ class Checkpointer:
           problem = f'reading {prefix} failed: {describe(e)}'
       failed = [c for c, flag in enumerate(self.coordinator.gather(problem is not None)) if flag]
       if not failed:
+        self._hold(view.reference and dataclasses.replace(view.reference,
+                                                          prefix=view.base_prefix))
         self._last_saved_step = step
         self.restored_data_state = data_state
         self.on_event(CheckpointEvent(step, prefix, 'resume',
@@ -284,24 +260,41 @@ class Checkpointer:
     return None
 
   def init_from(self, source: str, variables: Mapping[str, tf.Variable], *,
-                new: Collection[str] = ()) -> int:
+                new: Collection[str] = (), frozen: Collection[str] = ()) -> int:
     """Reads `variables` (path -> variable) by name from another checkpoint.
 
     Works for object-graph checkpoints (meshgin's, keyed 'model/...') and
     name-based TF1 checkpoints (tf.compat.v1.train.Saver, keyed by variable
     name); `config.init_from_map` maps paths to names
     (`layout_core.checkpoint.matching`); the paths in `new` may be absent
-    (they keep their initial values). Returns the number of variables read.
+    (they keep their initial values). The paths in `frozen` never change:
+    this run's checkpoints hold those read here by reference to the
+    checkpoint they came from (`frozen_base`). Returns the number of
+    variables read.
     """
     prefix = resolve_checkpoint_path(source)
     start = time.perf_counter()
-    found, size_bytes = entries_by_name(prefix, variables,
-                                        rename_rules=self.config.init_from_map, new=new)
-    shard_io.read_entries(prefix, found)
+    view = CheckpointView(prefix)
+    found, size_bytes = entries_by_name(prefix, variables, rename_rules=self.config.init_from_map,
+                                        new=new, shapes=view.shapes)
+    view.read(found)
+    self._hold(reference_for(view, found, self.entries,
+                             frozen={id(variables[path]) for path in frozen}))
     self.on_event(CheckpointEvent(0, prefix, 'init_from', time.perf_counter() - start,
                                   size_bytes))
     logging.info('Initialised %d variables from %s', len(found), prefix)
     return len(found)
+
+  def _hold(self, base: BaseReference | None) -> None:
+    """Saves from now on leave out the variables `base` holds, and name it."""
+    self.base = base
+    if self.is_chief and base is not None:
+      self._object_graph = shard_io.object_graph(self.state, omit=base.keys)
+
+  def _saved_entries(self) -> list:
+    if self.base is None:
+      return self.entries
+    return [e for e in self.entries if e.key not in self.base.keys]
 
   # -- save ----------------------------------------------------------------------------
   def maybe_save(self, step: int) -> bool:
@@ -327,7 +320,7 @@ class Checkpointer:
       os.rename(final, aside_path(final))
     temporary = os.path.join(self.directory, f'tmp-ckpt-{step}')
     start = time.perf_counter()
-    writes = shard_io.snapshot(self.entries, client_id=self.coordinator.client_id,
+    writes = shard_io.snapshot(self._saved_entries(), client_id=self.coordinator.client_id,
                                object_graph_bytes=self._object_graph)
     data = self.data_state()
     writes = (writes, None if data is None else json.dumps(data, sort_keys=True))
@@ -420,6 +413,8 @@ class Checkpointer:
     extra = dict(self.extra_files)
     if data_state is not None:
       extra[DATA_STATE_FILE] = json.dumps(data_state, indent=1, sort_keys=True)
+    if self.base is not None:
+      extra[BASE_FILE] = self.base.to_json(directory=final)
     for name, text in extra.items():
       with open(os.path.join(temporary, name), 'w') as f:
         f.write(text)

@@ -29,13 +29,16 @@ def _listing(items: Sequence[str], *, shown: int = 4) -> str:
 
 
 def check_fits(prefix: str, entries: Sequence[CheckpointEntry], *,
-               roots: Sequence[str], unread: Callable[[str], bool] | None = None) -> None:
+               roots: Sequence[str], unread: Callable[[str], bool] | None = None,
+               saved: Mapping[str, Sequence[int]] | None = None) -> None:
   """ConfigError listing every variable whose key or shape differs between
   the checkpoint at `prefix` and `entries`; keys under other `roots` than the
   model's (e.g. a data iterator's) are not the model's business, nor those
   `unread(key)` says the caller reads otherwise (merged LoRA adapters).
-  CheckpointDamage when the checkpoint's index cannot be read."""
-  saved = saved_variables(prefix)
+  `saved` (key -> shape): what it holds, when not only its own index says
+  (`frozen_base.CheckpointView.shapes`). CheckpointDamage when the
+  checkpoint's index cannot be read."""
+  saved = saved_variables(prefix) if saved is None else saved
   expected = {e.key: list(e.shape) for e in entries}
   missing, reshaped = [], []
   for key, shape in expected.items():
@@ -58,10 +61,12 @@ def check_fits(prefix: str, entries: Sequence[CheckpointEntry], *,
              'existing checkpoint was left untouched)'))
 
 
-def names_in(prefix: str) -> dict[str, str]:
-  """name -> key of every tensor in the checkpoint at `prefix`: a key less
-  its `/.ATTRIBUTES/VARIABLE_VALUE` (`model/lm/emb/table`), or a TF1 name."""
-  shapes = tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
+def names_in(prefix: str, shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, str]:
+  """name -> key of every tensor in the checkpoint at `prefix` (or of
+  `shapes`' keys): a key less its `/.ATTRIBUTES/VARIABLE_VALUE`
+  (`model/lm/emb/table`), or a TF1 name."""
+  if shapes is None:
+    shapes = tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
   return {k[:-len(VALUE_SUFFIX)] if k.endswith(VALUE_SUFFIX) else k: k for k in shapes}
 
 
@@ -74,7 +79,9 @@ def key_for_name(name: str, by_name: Mapping[str, str]) -> str | None:
 
 def entries_by_name(prefix: str, variables: Mapping[str, tf.Variable], *,
                     rename_rules: Sequence[Sequence[str]],
-                    new: Collection[str] = ()) -> tuple[list[CheckpointEntry], int]:
+                    new: Collection[str] = (),
+                    shapes: Mapping[str, Sequence[int]] | None = None,
+                    ) -> tuple[list[CheckpointEntry], int]:
   """(an entry per variable, the checkpoint's size in float32 bytes) for
   reading `variables` (path -> variable) by name from the checkpoint at `prefix`.
 
@@ -84,9 +91,11 @@ def entries_by_name(prefix: str, variables: Mapping[str, tf.Variable], *,
   (tf.compat.v1.train.Saver, keyed by variable name). ConfigError naming
   every variable not found or of another shape, but for the paths in `new`
   (a fine-tuning run's LoRA adapters), which keep their initial values when
-  the checkpoint does not hold them."""
-  shapes = tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
-  by_name = names_in(prefix)
+  the checkpoint does not hold them. `shapes` (key -> shape): the tensors
+  to look among, when not only the checkpoint's own index says."""
+  if shapes is None:
+    shapes = tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
+  by_name = names_in(prefix, shapes)
   rules = [(re.compile(pattern), replacement) for pattern, replacement in rename_rules]
   missing, wrong_shape, found = [], [], []
   for path, variable in variables.items():

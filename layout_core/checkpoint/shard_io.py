@@ -32,7 +32,7 @@ import itertools
 import os
 import re
 import zlib
-from typing import Iterable, Mapping, Sequence
+from typing import Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -104,10 +104,11 @@ def checkpoint_entries(state: Mapping[str, object]) -> list[CheckpointEntry]:
   return entries
 
 
-def object_graph(state: Mapping[str, object]) -> bytes:
+def object_graph(state: Mapping[str, object], *, omit: Collection[str] = ()) -> bytes:
   """The serialized object graph tf.train.Checkpoint stores with its values,
   so `tf.train.Checkpoint(...).read()` can match objects, not just keys. Built
-  with the same traversal as `checkpoint_entries`, so the keys agree."""
+  with the same traversal as `checkpoint_entries`, so the keys agree; the
+  variables keyed in `omit` (not in the checkpoint) get no value attribute."""
   from tensorflow.core.protobuf import trackable_object_graph_pb2  # pylint: disable=g-import-not-at-top
   graph = trackable_object_graph_pb2.TrackableObjectGraph()
   node_of: dict[int, int] = {}
@@ -119,8 +120,8 @@ def object_graph(state: Mapping[str, object]) -> bytes:
     node_of[id(obj)] = node_id
     node = graph.nodes.add()
     if isinstance(obj, tf.Variable):
-      if unstacked_pieces(obj) is not None:  # its keys are the unstacked ones: none to name here
-        return node_id
+      if unstacked_pieces(obj) is not None or prefix + VALUE_SUFFIX in omit:
+        return node_id  # keys that are the unstacked ones, or none here: none to name
       attribute = node.attributes.add()
       attribute.name = 'VARIABLE_VALUE'
       attribute.full_name = obj.name.split(':')[0]

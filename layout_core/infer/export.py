@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from layout_core.checkpoint.frozen_base import CheckpointView
 from layout_core.checkpoint.matching import check_fits, key_for_name, names_in
 from layout_core.checkpoint.shard_io import VALUE_SUFFIX, CheckpointEntry, checkpoint_entries
 from layout_core.durable import directory_aside
@@ -84,14 +85,18 @@ class PlainModel:
 
 
 def load_plain_model(model: Params | KerasModel, *, task: Task, prefix: str,
-                     compute_dtype: str = 'float32') -> PlainModel:
+                     compute_dtype: str = 'float32',
+                     moved_base: str | None = None) -> PlainModel:
   """`model` (a Params tree or a `layout_core.model.keras.KerasModel`) on
   plain variables, each assigned the global value the checkpoint at `prefix`
   holds under the key a training run of it saves (`checkpoint_entries`).
   A model with LoRA adapters is loaded as its base model, each adapted
   weight merged with its adapters (`lora.merged`): the same function, with
-  no adapter path left to run. ConfigError when the checkpoint is not this
-  model's (keys or shapes)."""
+  no adapter path left to run. Frozen weights a fine-tuned run's checkpoint
+  holds by reference are read from its base (`frozen_base`; `moved_base`:
+  where it moved). ConfigError when the checkpoint is not this model's (keys
+  or shapes), or its base is missing or changed."""
+  view = CheckpointView(prefix, moved_to=moved_base)
   specs = tuple(((None,) + tuple(shape[1:]), str(dtype)) for shape, dtype in task.input_specs(1))
   adapters = tuning.lora_of(model) if isinstance(model, Params) else None
   if isinstance(model, Params):
@@ -110,17 +115,17 @@ def load_plain_model(model: Params | KerasModel, *, task: Task, prefix: str,
     params, (root, call) = None, _keras_on_one_device(model, specs, compute_dtype)
     variables = dict(root.by_path)
   entries = checkpoint_entries({'model': root})
-  values = read_values(prefix, entries, adapters=adapters is not None)
+  values = read_values(view, entries, adapters=adapters is not None)
   for entry in entries:
     entry.variable.assign(values[entry.key])
   if adapters is not None:
-    _merge_adapters(variables, prefix=prefix, scale=adapters.scale)
+    _merge_adapters(variables, view=view, scale=adapters.scale)
   return PlainModel(call=call, variables=variables, input_specs=specs, params=params)
 
 
-def _merge_adapters(variables: dict[str, Any], *, prefix: str, scale: float) -> None:
-  """Each variable whose adapters the checkpoint at `prefix` holds, merged with them."""
-  by_name, reader = names_in(prefix), tf.train.load_checkpoint(prefix)
+def _merge_adapters(variables: dict[str, Any], *, view: CheckpointView, scale: float) -> None:
+  """Each variable whose adapters the checkpoint `view` holds, merged with them."""
+  by_name, reader = names_in(view.prefix, view.shapes), view
   for path, variable in variables.items():
     a, b = (key_for_name(path + suffix, by_name) for suffix in (lora.A_SUFFIX, lora.B_SUFFIX))
     if a is not None and b is not None:
@@ -155,24 +160,23 @@ def _keras_on_one_device(model: KerasModel, specs: tuple, compute_dtype: str):
   return root, call
 
 
-def read_values(prefix: str, entries: Sequence[CheckpointEntry], *,
+def read_values(view: CheckpointView, entries: Sequence[CheckpointEntry], *,
                 adapters: bool = False) -> dict[str, np.ndarray]:
-  """{key: global value} of every entry's key, read from the checkpoint at
-  `prefix` (a sharded save's slices come back as one array). ConfigError
+  """{key: global value} of every entry's key, read from the checkpoint
+  `view` (with its base's tensors; a sharded save's slices come back as one array). ConfigError
   listing the variables that differ (missing, other shapes, only in the
   checkpoint) when it is not this model's checkpoint; but for LoRA adapters
   with `adapters` (merged by the caller)."""
   unread = (lambda key: lora.is_adapter(key.split(VALUE_SUFFIX)[0])
             ) if adapters else None
   try:
-    check_fits(prefix, entries, roots=['model/'], unread=unread)
+    check_fits(view.prefix, entries, roots=['model/'], unread=unread, saved=view.shapes)
   except ConfigError as e:
     raise ConfigError(e.message, where='the config (--gin_file / --gin_bindings)',
                       fix="export with the config the checkpoint was trained with (its "
                           "config.gin, which launch.export reads first); the checkpoint was "
                           'left untouched') from None
-  reader = tf.train.load_checkpoint(prefix)
-  return {entry.key: reader.get_tensor(entry.key) for entry in entries}
+  return {entry.key: view.get_tensor(entry.key) for entry in entries}
 
 
 # -- signatures ---------------------------------------------------------------------
