@@ -168,3 +168,22 @@ def test_every_task_declares_whether_it_needs_segments(tmp_path):
     corpus = LMCorpusTask(train_files=str(tmp_path / 'docs-*'), eval_files=str(tmp_path / 'docs-*'),
                           vocab_size=8, seq_len=4, pack=pack)
     assert corpus.needs_segments is pack
+
+
+def test_a_text_file_task_reads_its_file_only_when_data_is_checked_or_read(tmp_path):
+  """Decode and export plan a run without its training data: the bytes task
+  is made without reading the file; checking the data (training, eval) or
+  reading a batch names a missing file, and a present one gives its bytes."""
+  from layout_core.tasks.lm import TextFileTask  # pylint: disable=g-import-not-at-top
+  missing = TextFileTask(path=str(tmp_path / 'gone.txt'), seq_len=4)
+  assert 'gone.txt' in missing.describe()
+  for read in (missing.check_data, lambda: missing.batch(step=0, batch_size=2)):
+    with pytest.raises(ConfigError, match='data.text_file .*gone.txt.* does not exist'):
+      read()
+  text = tmp_path / 'notes.txt'
+  text.write_bytes(bytes(range(100)))
+  task = TextFileTask(path=str(text), seq_len=4)
+  task.check_data()
+  rows = task.batch(step=0, batch_size=3)
+  assert rows.shape == (3, 5) and all(np.all(np.diff(row) == 1) for row in rows)
+  assert rows.max() < 90  # the train split: the first 90 bytes

@@ -153,19 +153,37 @@ class TextFileTask(LMTask):
   """
 
   def __init__(self, *, path: str, seq_len: int = 64, seed: int = 1234):
+    self.vocab_size, self.seq_len, self.seed, self.path = 256, seq_len, seed, path
+    self._parts: dict[str, np.ndarray] | None = None  # read when first needed
+
+  def check_data(self, splits=('train', 'eval')):
+    """Reads the file (training and evaluation do; decode and export never
+    need it)."""
+    del splits
+    self._read()
+
+  @property
+  def parts(self) -> dict[str, np.ndarray]:
+    """{'train': the first 90% of the file's bytes, 'eval': the rest}."""
+    return self._parts if self._parts is not None else self._read()
+
+  def _read(self) -> dict[str, np.ndarray]:
+    path, seq_len = self.path, self.seq_len
     if not os.path.isfile(path):
       raise ConfigError(f'data.text_file {path!r} does not exist', where='data.text_file',
                         fix='give the path of a readable text file')
-    data = np.frombuffer(open(path, 'rb').read(), dtype=np.uint8)
+    with open(path, 'rb') as f:
+      data = np.frombuffer(f.read(), dtype=np.uint8)
     cut = int(len(data) * 0.9)
-    self.parts = {'train': data[:cut], 'eval': data[cut:]}
-    for split, part in self.parts.items():
+    parts = {'train': data[:cut], 'eval': data[cut:]}
+    for split, part in parts.items():
       if len(part) < seq_len + 2:
         raise ConfigError(
             f'data.text_file {path!r} has {len(data)} bytes; its {split} part '
             f'({len(part)} bytes) is shorter than seq_len + 2 = {seq_len + 2}',
             fix='use a longer file or a smaller data.seq_len')
-    self.vocab_size, self.seq_len, self.seed, self.path = 256, seq_len, seed, path
+    self._parts = parts
+    return parts
 
   def batch(self, *, step, batch_size, split='train'):
     part = self.parts[split]
@@ -174,7 +192,9 @@ class TextFileTask(LMTask):
     return np.stack([part[s:s + self.seq_len + 1] for s in starts]).astype(np.int32)
 
   def describe(self) -> str:
-    return f'bytes of {self.path} ({sum(map(len, self.parts.values())):,} bytes)'
+    if self._parts is None:  # not read: a plan that reads no data (decode, export)
+      return f'bytes of {self.path}'
+    return f'bytes of {self.path} ({sum(map(len, self._parts.values())):,} bytes)'
 
 
 def make_task(*, task: Task | None = None, text_file: str | None = None,
