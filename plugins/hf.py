@@ -152,7 +152,7 @@ def import_run(*, hf_dir: str, model_dir: str, files: Sequence[str] = (),
       f.write(base_config(source.kwargs))
     with gin_setup.parsed_config(files=[base, *files], bindings=list(bindings),
                                  search_paths=list(search_paths)):
-      plan = make_plan()
+      plan = make_plan(data_splits=())  # the import reads no data
       _check_architecture_kept(source.kwargs)
   # Written unpipelined: a pipelined run's checkpoint has the plain model's keys.
   # Every variable is assigned below (checked first): no initial values computed.
