@@ -51,9 +51,9 @@ TOLERANCES = {'exact': 1e-6, 'order': 1e-5, 'bf16': 3e-2}
 
 # (feature, setting, feature, setting) -> the words both errors must name.
 REFUSED = {
-    ('engine', 'spmd', 'packed', True): ('.pack = True', 'pipeline'),
-    ('engine', 'gpipe', 'packed', True): ('.pack = True', 'pipeline'),
-    ('engine', 'keras', 'packed', True): ('.pack = True', 'Keras'),
+    ('engine', 'spmd', 'packed', True): ('lm_corpus.pack', 'pipeline'),
+    ('engine', 'gpipe', 'packed', True): ('lm_corpus.pack', 'pipeline'),
+    ('engine', 'keras', 'packed', True): ('lm_corpus.pack', 'Keras'),
     ('engine', 'keras', 'fsdp', True): ('train.fsdp', 'Keras'),
     ('engine', 'keras', 'lora', True): ('lora', 'Keras'),
     ('engine', 'gpipe', 'tied', True): ('tie_embeddings', 'pipeline.engine'),

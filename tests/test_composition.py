@@ -65,6 +65,7 @@ class PackedMarkovTask(MarkovTask):
   per token its segment (1, 2, ... per row) and its position in its
   document; a target in another document than its input is not scored."""
   needs_segments = True
+  settings_name = 'lm_corpus'  # its launched twin's task: messages name lm_corpus.pack
 
   def features(self, *, split, step, batch_size):
     tokens = self.batch(step=step, batch_size=batch_size, split=split)
