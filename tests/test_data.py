@@ -47,8 +47,9 @@ def test_text_file_task(tmp_path):
   batch = task.batch(step=0, batch_size=3)
   assert batch.shape == (3, 11) and task.vocab_size == 256
   assert bytes(batch[0].astype(np.uint8)) in b'hello meshgin! ' * 3
+  # The file is read when the data is checked (a plan that trains or evaluates):
   with pytest.raises(ConfigError, match='does not exist'):
-    data.make_task(text_file=str(tmp_path / 'missing.txt'))
+    data.make_task(text_file=str(tmp_path / 'missing.txt')).check_data()
   (tmp_path / 'short.txt').write_bytes(b'abc')
   with pytest.raises(ConfigError, match='shorter than seq_len'):
-    data.make_task(text_file=str(tmp_path / 'short.txt'), seq_len=10)
+    data.make_task(text_file=str(tmp_path / 'short.txt'), seq_len=10).check_data()
