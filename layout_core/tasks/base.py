@@ -129,8 +129,13 @@ class Task:
         return (softmax_cross_entropy(outputs, batch['label']),
                 {'accuracy': accuracy(outputs, batch['label'])})
 
+    A mean over some of the batch's positions (a loss mask) is returned as
+    its sums, `layout_core.tasks.objective.Mean(total, count)` (`masked_mean`
+    makes one), and a count of the batch as `Total(value)`: the parts of a
+    split batch add them and the mean is taken once.
+
     Returns:
-      (loss, {metric name: scalar}).
+      (loss, {metric name: scalar, Mean or Total}).
     """
     raise NotImplementedError
 
