@@ -72,6 +72,8 @@ def check_writable(path: str, *, where: str) -> None:
   if not os.access(parent, os.W_OK | os.X_OK):
     raise ConfigError(f'{where} {path!r} cannot be written: no permission to write in '
                       f'{parent!r}', where=where, fix='give a path in a directory you can write')
+
+
 def sync_tree(directory: str) -> None:
   """Every file under `directory`, and the directories' names, on disk."""
   for path, _, files in os.walk(directory):

@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 import gin
 from absl import logging
 
-from layout_core.checkpoint.frozen_base import CheckpointView
+from layout_core.checkpoint.frozen_base import open_view
 from layout_core.checkpoint.manager import Checkpointer
 from layout_core.checkpoint.matching import key_for_name, names_in
 from layout_core.checkpoint.shard_io import assign_global
@@ -253,7 +253,7 @@ def export_run(*, export_dir: str, model_dir: str | None = None,
     moved_base = configurables.checkpoint().moved_base
   run_dir = inference.run_directory(model_dir=model_dir, checkpoint=checkpoint)
   record, tokenizer_dir = origin_of(run_dir, init_from)
-  view = CheckpointView(prefix, moved_to=moved_base)  # frozen weights: in its base
+  view = open_view(prefix, moved_to=moved_base)  # frozen weights: in its base
   by_name = names_in(prefix, view.shapes)
 
   def stored(path: str):

@@ -29,6 +29,7 @@ from typing import Any
 
 from absl import logging
 
+from layout_core.errors import ConfigError
 from layout_core.durable import directory_aside, write_atomically
 from layout_core.infer.tokens import RUN_TOKENIZER_DIR
 
@@ -49,8 +50,17 @@ def read_record(run_dir: str | None) -> dict[str, Any] | None:
   path = os.path.join(run_dir or '', IMPORT_RECORD)
   if not run_dir or not os.path.isfile(path):
     return None
-  with open(path) as f:
-    return json.load(f)
+  try:
+    with open(path) as f:
+      record = json.load(f)
+  except ValueError as e:
+    raise ConfigError(f'{path} is not JSON ({e})', where=path,
+                      fix='restore it from the run it came from, or delete it (the run then '
+                          'exports without its Hugging Face origin)') from None
+  if not isinstance(record, dict):
+    raise ConfigError(f'{path} holds a {type(record).__name__}, not an object', where=path,
+                      fix='restore it from the run it came from, or delete it')
+  return record
 
 
 def carry_origin(source: str | None, model_dir: str) -> list[str]:

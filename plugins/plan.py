@@ -216,11 +216,9 @@ def check_data_tokenizer(run_plan: RunPlan, *, model_dir: str) -> None:
   that of the run `checkpoint.init_from` names
   (`layout_core.tasks.corpus_tokenizer.check_run_tokenizer`)."""
   from layout_core.tasks import corpus_tokenizer  # pylint: disable=g-import-not-at-top
-  from plugins import inference  # pylint: disable=g-import-not-at-top  # it imports this module
-  run_dirs = [model_dir]
-  if run_plan.checkpoint.init_from:
-    run_dirs.append(inference.run_directory(model_dir=None,
-                                            checkpoint=run_plan.checkpoint.init_from))
+  from plugins.origin import base_run  # pylint: disable=g-import-not-at-top  # imports this
+  base = base_run(run_plan.checkpoint.init_from)
+  run_dirs = [model_dir] + ([base] if base else [])
   corpus_tokenizer.check_run_tokenizer(run_plan.task, run_dirs=run_dirs)
 
 

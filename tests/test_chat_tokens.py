@@ -241,6 +241,30 @@ def test_sentencepiece_spans_cover_whole_characters(tmp_path):
   assert np.all(np.diff([s for s, _ in spans]) >= 0)
 
 
+@pytest.mark.parametrize('legacy', [True, False])
+def test_a_sentencepiece_folder_reads_its_legacy_setting_as_transformers(legacy, tmp_path):
+  """`legacy: true` puts a ▁ before the text after every special token (the
+  'always' scheme), false only before the text's start: both as transformers."""
+  directory = sentencepiece_dir(tmp_path / 'sp', {'bos_token': '<s>', 'eos_token': '</s>',
+                                                  'legacy': legacy})
+  tokenizer, _ = find_tokenizer(directory)
+  text = '<s>[INST] hello there[/INST] ok</s> again'
+  expected = transformers.AutoTokenizer.from_pretrained(directory)(text, add_special_tokens=False)
+  assert tokenizer.encode_rendered(text)[0] == expected['input_ids']
+
+
+def test_a_corpus_sentencepiece_model_encodes_pieces_as_its_own_encode(tmp_path):
+  """A corpus's spm.model (no ▁ in front: add_dummy_prefix off) gives the
+  ids of `encode` for plain text: a --stop of '\n' stays that one token."""
+  from layout_core.tasks import prepare  # pylint: disable=g-import-not-at-top
+  from layout_core.tasks.tokenizer import SentencePieceTokenizer  # pylint: disable=g-import-not-at-top
+  lines = ['The cat sat on the mat.', 'return x', 'We went to the shop.'] * 50
+  tokenizer = SentencePieceTokenizer(prepare.train_sentencepiece(
+      documents=['\n'.join(lines)], model_prefix=str(tmp_path / 'spm'), vocab_size=120))
+  for text in ('\n', 'return', 'The cat sat.'):
+    assert tokenizer.encode_rendered(text)[0] == tokenizer.encode(text), text
+
+
 def test_a_chat_template_jinja_file_is_read_as_transformers_reads_it(tmp_path):
   """transformers 5 saves the template as chat_template.jinja, not in
   tokenizer_config.json; the file wins over the config's entry, as it does

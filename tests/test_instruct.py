@@ -298,7 +298,7 @@ def test_a_run_that_would_train_nothing_is_refused_and_a_later_batch_is_warned(
                      if 'no trained token' in r.getMessage()])
   assert [len(w) for w in warnings] == [0, 1, 0] and watch.count == 1
   text = ' '.join(warnings[1][0].split())
-  assert 'the train batch of step 2 (1 rows) holds no trained token' in text
+  assert 'the rows of the train batch of step 2 this process read hold no trained token' in text
   assert '1 of the 2 example(s) read so far were longer than a row' in text
   assert 'set instruct.seq_len >= 71' in text
 

@@ -36,6 +36,7 @@ can be named instead of written.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -149,7 +150,10 @@ def locate(reference: BaseReference, *, recorded_in: str, moved_to: str | None =
     elif fingerprint(candidate) == reference.index_sha256:
       return candidate
     else:
-      problems.append(f'{candidate}: {_difference(reference, candidate)}')
+      try:
+        problems.append(f'{candidate}: {_difference(reference, candidate)}')
+      except CheckpointDamage as e:  # the base's, never the reading checkpoint's damage
+        problems.append(f'{candidate}: damaged ({e})')
   raise ConfigError(
       f'the checkpoint {recorded_in} holds its {len(reference.keys)} frozen weights '
       f'({reference.num_bytes / 2**20:.1f} MiB) by reference to the base checkpoint it '
@@ -165,8 +169,16 @@ def locate(reference: BaseReference, *, recorded_in: str, moved_to: str | None =
 def read_base(prefix: str, entries: Iterable[shard_io.CheckpointEntry]) -> None:
   """Reads entries (keyed as in the base) from the base at `prefix`; damage
   there is a ConfigError naming the base, never the reading checkpoint's."""
-  try:
+  with base_damage_named(prefix):
     shard_io.read_entries(prefix, entries)
+
+
+@contextlib.contextmanager
+def base_damage_named(prefix: str):
+  """A block reading the base at `prefix`: damage found there is a
+  ConfigError naming the base (other errors pass through)."""
+  try:
+    yield
   except Exception as e:  # pylint: disable=broad-except  # all but damage re-raised
     if not is_damage(e):
       raise
@@ -216,9 +228,26 @@ class CheckpointView:
   def get_tensor(self, key: str):
     """The whole tensor `key` as a numpy array, on the host (an export)."""
     prefix, stored = self.source(key)
+    if prefix == self.prefix:
+      return self._reader(prefix).get_tensor(stored)
+    with base_damage_named(prefix):
+      return self._reader(prefix).get_tensor(stored)
+
+  def _reader(self, prefix: str):
     if prefix not in self._readers:
       self._readers[prefix] = tf.train.load_checkpoint(prefix)
-    return self._readers[prefix].get_tensor(stored)
+    return self._readers[prefix]
+
+
+def open_view(prefix: str, *, moved_to: str | None = None) -> CheckpointView:
+  """`CheckpointView(prefix)` for a reader that only reads (an export): a
+  damaged base.json is a ConfigError naming the checkpoint."""
+  try:
+    return CheckpointView(prefix, moved_to=moved_to)
+  except CheckpointDamage as e:
+    raise ConfigError(f'the checkpoint {prefix} is damaged: {e}', where='--checkpoint',
+                      fix='export another checkpoint of the run (--checkpoint), or restore '
+                          'this one from a copy') from None
 
 
 def reference_for(view: CheckpointView, found: Sequence[shard_io.CheckpointEntry],

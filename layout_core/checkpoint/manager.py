@@ -274,7 +274,7 @@ class Checkpointer:
     """
     prefix = resolve_checkpoint_path(source)
     start = time.perf_counter()
-    view = CheckpointView(prefix)
+    view = CheckpointView(prefix, moved_to=self.config.moved_base)
     found, size_bytes = entries_by_name(prefix, variables, rename_rules=self.config.init_from_map,
                                         new=new, shapes=view.shapes)
     view.read(found)

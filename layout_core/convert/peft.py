@@ -132,8 +132,6 @@ def _check_no_trained_base_weights(kwargs: Mapping[str, Any], lora: LoraConfig,
                                      '(launch.export --format=hf without --adapters_only)')
 
 
-
-
 def read_peft_dir(directory: str) -> tuple[LoraConfig, dict[str, np.ndarray]]:
   """(the adapters' LoraConfig, their tensors by PEFT name) of a PEFT LoRA
   directory; ConfigError naming a file or a field meshgin cannot take."""

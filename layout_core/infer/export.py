@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from layout_core.checkpoint.frozen_base import CheckpointView
+from layout_core.checkpoint.frozen_base import CheckpointView, open_view
 from layout_core.checkpoint.matching import check_fits, key_for_name, names_in
 from layout_core.checkpoint.shard_io import VALUE_SUFFIX, CheckpointEntry, checkpoint_entries
 from layout_core.durable import directory_aside
@@ -96,7 +96,7 @@ def load_plain_model(model: Params | KerasModel, *, task: Task, prefix: str,
   holds by reference are read from its base (`frozen_base`; `moved_base`:
   where it moved). ConfigError when the checkpoint is not this model's (keys
   or shapes), or its base is missing or changed."""
-  view = CheckpointView(prefix, moved_to=moved_base)
+  view = open_view(prefix, moved_to=moved_base)
   specs = tuple(((None,) + tuple(shape[1:]), str(dtype)) for shape, dtype in task.input_specs(1))
   adapters = tuning.lora_of(model) if isinstance(model, Params) else None
   if isinstance(model, Params):

@@ -30,6 +30,7 @@ from layout_core.errors import ConfigError
 from layout_core.lazy import tf
 from layout_core.fields import at_least, check_arguments
 from layout_core.tasks import Task, accuracy, softmax_cross_entropy, split_rng
+from layout_core.tasks.base import SPLITS
 from layout_core.tasks.streams import DataIterator, without_autotune
 
 
@@ -156,7 +157,7 @@ class TextFileTask(LMTask):
     self.vocab_size, self.seq_len, self.seed, self.path = 256, seq_len, seed, path
     self._parts: dict[str, np.ndarray] | None = None  # read when first needed
 
-  def check_data(self, splits=('train', 'eval')):
+  def check_data(self, splits=SPLITS):
     """Reads the file (training and evaluation do; decode and export never
     need it)."""
     del splits

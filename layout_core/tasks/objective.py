@@ -3,7 +3,8 @@ batch add exactly and the mean is taken once.
 
     losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
     loss = masked_mean(losses, mask)          # Mean(total=sum of losses, count=trained tokens)
-    return loss, {'accuracy': masked_mean(correct, mask), 'tokens_trained': Total(count)}
+    correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), labels), tf.float32)
+    return loss, {'accuracy': masked_mean(correct, mask), 'tokens_trained': Total(loss.count)}
 
 A task's `loss_and_metrics` may return, for the loss and for each metric:
 
@@ -128,10 +129,3 @@ def numpy_sums(result: tuple[Any, Mapping[str, Any]], to_numpy) -> tuple[Any, di
     return Mean(float(to_numpy(value)), 1.0)
   loss, metrics = result
   return host(loss), {name: host(value) for name, value in metrics.items()}
-
-
-def host_value(value) -> float:
-  """`value_of` for host sums (`numpy_sums`)."""
-  if isinstance(value, Total):
-    return value.value
-  return value.total / max(value.count, 1.0)

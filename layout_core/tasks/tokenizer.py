@@ -172,6 +172,9 @@ class SentencePieceTokenizer(Tokenizer):
     # transformers' LlamaTokenizer adds BOS unless the config says not to.
     self.add_bos = bool(config.get('add_bos_token', True)) if config else False
     self.prefix_space = bool(config.get('add_prefix_space', True))
+    # `legacy: true`: Metaspace's 'always' scheme, a ▁ before every piece of
+    # text between special tokens ('first' otherwise: the text's start only).
+    self.prefix_every_piece = bool(config.get('legacy', False))
     processor = self._processor
     self._specials = {processor.id_to_piece(i): i for i in range(self.vocab_size)
                       if processor.is_control(i) or processor.is_unknown(i)}
@@ -197,10 +200,14 @@ class SentencePieceTokenizer(Tokenizer):
         spans.append((start, end))
         continue
       piece = text[start:end]
-      # Metaspace's 'first' scheme: a ▁ before the text's very start, nowhere else.
-      added = int(start == 0 and self.prefix_space and not piece.startswith(' '))
+      if self.of_model:  # as transformers converts it: verbatim, a ▁ added in front
+        first_piece = start == 0 or self.prefix_every_piece
+        added = int(first_piece and self.prefix_space and not piece.startswith(' '))
+        encoder = self._plain
+      else:  # a corpus's model: its own normalization, as `encode` (and the corpus)
+        added, encoder = 0, self._processor
       written = ' ' * added + piece
-      data, tokens = written.encode('utf-8'), list(self._plain.encode(written, out_type='proto').pieces)
+      data, tokens = written.encode('utf-8'), list(encoder.encode(written, out_type='proto').pieces)
       chars = _char_of_byte(data)
       for index, token in enumerate(tokens):
         # A byte-fallback token is given its whole character (only the last

@@ -28,7 +28,7 @@ from absl import logging
 from layout_core.layout.scope import bytes_per_device, table_markdown
 from layout_core.layout.variables import to_numpy
 from layout_core.tasks import Task
-from layout_core.tasks.objective import add_parts, host_value, numpy_sums
+from layout_core.tasks.objective import add_parts, numpy_sums, value_of
 from layout_core.train.config import TrainConfig, TrainResult
 from layout_core.train.engine import Counters, StepEngine
 from layout_core.train.profiling import StepProfiler
@@ -116,7 +116,7 @@ class Trainer:
     # mean is taken once: a batch with few trained tokens weighs little.
     loss, metrics = add_parts([numpy_sums(self.engine.evaluate(packed), to_numpy)
                                for packed in self._eval_data], add=sum)
-    return host_value(loss), {name: host_value(value) for name, value in metrics.items()}
+    return value_of(loss), {name: value_of(value) for name, value in metrics.items()}
 
   def write_layouts(self) -> str:
     """The layout table and the engine's records to TensorBoard; returns the table."""

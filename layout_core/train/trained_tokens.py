@@ -24,8 +24,7 @@ from absl import logging
 
 from layout_core.errors import ConfigError
 from layout_core.tasks import Task
-
-SPLITS = ('train', 'eval')
+from layout_core.tasks.base import SPLITS
 
 
 def check_first_batches(task: Task, *, batch_size: int) -> None:
@@ -61,9 +60,11 @@ class UntrainedBatches:
       return
     self.count += 1
     why, _, fix = self.task.untrained_reason(reader)
-    logging.warning('the train batch of step %d (%d rows) holds no trained token, so that '
-                    'step learns nothing (%d such batch(es) in this run so far): %s. To '
-                    'train on every batch: %s', step + 1, _rows(batch), self.count, why, fix)
+    # A client reads only its own rows of the global batch: it speaks for those.
+    logging.warning('the rows of the train batch of step %d this process read hold no '
+                    'trained token, so they teach that step nothing (%d such batch(es) in '
+                    'this run so far): %s. To train on every batch: %s', step + 1,
+                    self.count, why, fix)
 
 
 def _rows(batch: Mapping[str, np.ndarray]) -> int:
