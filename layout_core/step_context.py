@@ -79,12 +79,15 @@ class StepContext:
     batch_split: The mesh axis FSDP splits the batch over; None: no split.
     remat: Whether this runs inside a rematerialized layer (the forward pass
       recomputed in the backward one).
+    adapters: Whether LoRA adapters add their low-rank path; False: the
+      frozen base alone (a preference task's reference model).
   """
   random: RandomState | None = None        # None: random layers are the identity
   sequence: SequenceInputs | None = None   # None: causal over the whole row
   residual: ResidualPin | None = None      # None: left to DTensor
   batch_split: str | None = None           # the mesh axis the batch is split over (FSDP)
   remat: bool = False                      # inside a rematerialized layer
+  adapters: bool = True                    # False: LoRA weights run as their base
 
   def replace(self, **changes) -> 'StepContext':
     """A copy with `changes` (field: value); the others kept."""

@@ -22,6 +22,8 @@ in the `meshgin` module, so `mesh.shape` and `meshgin.mesh.shape` both work:
 | `tfrecord_task`  | `layout_core.tasks.TFRecordTask`: tf.train.Example files | train_files, eval_files, features, inputs, label, ... |
 | `lm_corpus`      | `layout_core.tasks.corpus.LMCorpusTask`: token-id documents, packed | train_files, eval_files, vocab_size, seq_len, pack, ... |
 | `instruct`       | `layout_core.tasks.instruct.InstructionTask`: JSON-lines chats, loss on responses only | train_files, eval_files, tokenizer, vocab_size, seq_len, pack, too_long, ... |
+| `preference`     | `layout_core.tasks.preference.PreferenceTask`: JSON-lines pairs of a chosen and a rejected answer | train_files, eval_files, tokenizer, vocab_size, seq_len, too_long, objective, ... |
+| `dpo`            | `layout_core.tasks.dpo.DPOConfig`: the preference loss, for `preference.objective` | beta, loss, label_smoothing |
 | `keras_model`    | `layout_core.model.keras.KerasModel`, for `model.params` | build_fn, name |
 | `sequential`, `feed_forward`, `softmax`, `layer_norm`, `embedding` | library layers' Params (via `plugins.registry.register_layer`) | their Params keys |
 | `optimizer`      | `layout_core.optim.OptimizerConfig`            | learning_rate, warmup_steps, ... |
@@ -48,6 +50,8 @@ from layout_core.layout import rules as rules_lib
 from layout_core import tasks as tasks_lib
 from layout_core.tasks import corpus as corpus_lib
 from layout_core.tasks import instruct as instruct_lib
+from layout_core.tasks import dpo as dpo_lib
+from layout_core.tasks import preference as preference_lib
 from layout_core.train import config as train_config
 from layout_core.errors import ConfigError
 from layout_core.params import Params
@@ -70,6 +74,8 @@ register_task(data_lib.TextFileTask, name='bytes_task', module=MODULE)
 register_task(tasks_lib.TFRecordTask, name='tfrecord_task', module=MODULE)
 register_task(corpus_lib.LMCorpusTask, name='lm_corpus', module=MODULE)
 register_task(instruct_lib.InstructionTask, name='instruct', module=MODULE)
+register_task(preference_lib.PreferenceTask, name='preference', module=MODULE)
+dpo = gin.external_configurable(dpo_lib.DPOConfig, name='dpo', module=MODULE)
 keras_model = gin.external_configurable(keras_models.KerasModel, name='keras_model',
                                         module=MODULE)
 for _layer in (model_lib.Sequential, model_lib.FeedForward, model_lib.Softmax, model_lib.LayerNorm,

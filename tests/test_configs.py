@@ -69,6 +69,10 @@ def test_config_parses_and_builds(path, tmp_path, classifier_data):
       (tmp_path / f'{split}.jsonl').write_text(''.join(
           json.dumps({'prompt': f'{a}+1=', 'response': str(a + 1)}) + '\n' for a in range(3)))
       bindings.append(f"instruct.{split}_files = '{tmp_path}/{split}.jsonl'")
+  if path.endswith('dpo_tiny.gin'):  # a few pairs in place of its writer's
+    from examples.preference.write_pairs import write_pairs  # pylint: disable=g-import-not-at-top
+    written = write_pairs(str(tmp_path), num_train=4, num_eval=2)
+    bindings += [f"preference.{split}_files = '{path}'" for split, path in written.items()]
   if path.endswith('lm_small.gin'):
     bindings.append('data.vocab_size = 256')  # a byte-sized vocabulary
   if 'layouts' in path:

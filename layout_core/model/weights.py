@@ -191,7 +191,8 @@ class Weights:
     return y
 
   def _adapted(self, name: str) -> bool:
-    return self.adapters is not None and self.has(name + lora.A_SUFFIX)
+    return (self.adapters is not None and self.context.adapters
+            and self.has(name + lora.A_SUFFIX))
 
   def _dense(self, x, name):
     return dense(x, self(name), lead=self.lead)

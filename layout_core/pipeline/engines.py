@@ -48,7 +48,7 @@ from layout_core.layout.variables import to_numpy
 from layout_core.model.base import BaseLayer, Sequential, as_float32
 from layout_core.model.built import BuiltModel, StepFunction
 from layout_core.model.random import current_random, random_context, step_seed
-from layout_core.step_context import current
+from layout_core.step_context import current, entered
 from layout_core.params import Params
 from layout_core.pipeline import spmd as spmd_lib
 from layout_core.pipeline.plan import PipelinePlan
@@ -89,10 +89,14 @@ class GPipeEngine:
         input_shapes=[(plan.micro_batch_size, task.seq_len)], stage_axis=stage_axis,
         batch_axis=batch_axis, seed=config.seed, partition=plan.partition, fsdp_axis=fsdp_axis)
     self.placement = staged.placement
+    reference_fn = None
+    if task.needs_reference:  # the model without adapters, for a preference task's loss
+      def reference_fn(outputs, batch):
+        return task.reference_features(as_float32(outputs), batch)
     self.gpipe = GPipe(stages=staged.runners, placement=self.placement,
                        loss_fn=lambda outputs, batch: task.loss_and_metrics(as_float32(outputs),
                                                                             batch),
-                       num_micro_batches=plan.num_micro_batches)
+                       num_micro_batches=plan.num_micro_batches, reference_fn=reference_fn)
     self.variables, self.layout_records = staged.scope.variables, staged.scope.records
     self.model_state, self.description = staged.model, params.ToText()
     trainable = {p: v for p, v in self.variables.items() if v.trainable}
@@ -308,7 +312,7 @@ class SpmdProgram:
     num_micro = plan.num_micro_batches
     state = current_random()
 
-    def run(modules, x, m):
+    def run(modules, x, m, state=state):
       if state is None:
         for module in modules:
           x = module(x)
@@ -323,13 +327,21 @@ class SpmdProgram:
     # tensor sharded on dim 1 returns wrong values with a shifted layout.
     micro = [{name: tf.gather(value, m) for name, value in batch.items()}
              for m in range(num_micro)]
+    if self.task.needs_reference:  # first, so its activations are freed before the policy's
+      with entered(current().replace(adapters=False, random=None)):
+        reference = self._outputs(micro, lambda modules, x, m: run(modules, x, m, None))
+      micro = [{**features, **self.task.reference_features(tf.stop_gradient(y), features)}
+               for features, y in zip(micro, reference)]
+    return add_parts([self.task.loss_and_metrics(y, features)
+                      for features, y in zip(micro, self._outputs(micro, run))])
+
+  def _outputs(self, micro, run) -> list:
+    """The model's float32 outputs on each micro-batch, the stack pipelined."""
     hidden = []
-    for m in range(num_micro):
-      [inputs] = self.task.model_inputs(micro[m])
+    for m, features in enumerate(micro):
+      [inputs] = self.task.model_inputs(features)
       hidden.append(run(self.before, inputs, m))
-    outputs = self.pipeline(hidden)
-    return add_parts([self.task.loss_and_metrics(as_float32(run(self.after, y, m)), micro[m])
-                      for m, y in enumerate(outputs)])
+    return [as_float32(run(self.after, y, m)) for m, y in enumerate(self.pipeline(hidden))]
 
   def describe_stages(self) -> str:
     plan = self.plan

@@ -21,7 +21,7 @@ recomputation (`bench/step.py`).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from absl import logging
 
@@ -35,6 +35,7 @@ from layout_core.pipeline import schedule as schedule_lib
 from layout_core.pipeline.partitioning import PartitionPlan
 from layout_core.pipeline.placement import SubMeshPlacement
 from layout_core.pipeline.stages import as_tuple, num_fetched, split_fetched, stage_params
+from layout_core.step_context import current, entered
 
 
 class Pipeline(Module):
@@ -183,7 +184,8 @@ class GPipe:
 
   def __init__(self, *, stages: Sequence[Callable], placement,
                loss_fn: Callable[[tf.Tensor, tf.Tensor], tf.Tensor],
-               num_micro_batches: int, schedule: str = 'gpipe'):
+               num_micro_batches: int, schedule: str = 'gpipe',
+               reference_fn: Callable[[tf.Tensor, Any], dict] | None = None):
     if schedule not in ('gpipe', 'serial'):
       raise ConfigError(f'pipeline schedule {schedule!r}', fix="use 'gpipe' or 'serial'")
     for k, stage in enumerate(stages):
@@ -197,12 +199,13 @@ class GPipe:
     self.schedule = schedule
     self.stages = list(stages)
     self.placement = placement
-    self.loss_fn = loss_fn
+    self.loss_fn, self.reference_fn = loss_fn, reference_fn
     self.num_micro_batches = num_micro_batches
     self.variables = [list(stage.trainable_variables) for stage in self.stages]
     self._forward = StepFunction(self._forward_fn)
     self._backward = StepFunction(self._backward_fn)
     self._eval = StepFunction(self._eval_fn)
+    self._reference = StepFunction(self._reference_fn)
 
   @property
   def num_stages(self) -> int:
@@ -345,6 +348,24 @@ class GPipe:
     return add_parts([self._loss_sums(self._run(self.num_stages - 1, last[m]), micro_labels[m])
                       for m in range(self.num_micro_batches)])
 
+  def _reference_fn(self, micro_inputs, micro_labels):
+    """Forward only, LoRA adapters off, no dropout: each micro-batch's
+    `reference_fn(outputs, labels)` on the last stage's mesh."""
+    with entered(current().replace(adapters=False, random=None)):
+      kept = self._forward_fn(micro_inputs) if self.num_stages > 1 else [micro_inputs]
+      last = [as_tuple(x) for x in kept[-1]]
+      outputs = [self._run(self.num_stages - 1, last[m]) for m in range(self.num_micro_batches)]
+    return [self.reference_fn(y[0] if len(y) == 1 else y, labels)
+            for y, labels in zip(outputs, micro_labels)]
+
+  def _with_reference(self, micro_inputs, micro_labels) -> list:
+    """`micro_labels` with the reference model's features added (`reference_fn`)."""
+    micro_labels = list(micro_labels)
+    if self.reference_fn is None:
+      return micro_labels
+    return [{**labels, **reference} for labels, reference in
+            zip(micro_labels, self._reference(list(micro_inputs), micro_labels))]
+
   # -- public --------------------------------------------------------------------------
   def loss(self, micro_inputs, micro_labels) -> tf.Tensor:
     """Forward only (evaluation): the loss of all micro-batches together."""
@@ -355,7 +376,7 @@ class GPipe:
     of all micro-batches (`layout_core.tasks.objective.finish` gives the
     numbers)."""
     self._check(micro_inputs)
-    return self._eval(list(micro_inputs), list(micro_labels))
+    return self._eval(list(micro_inputs), self._with_reference(micro_inputs, micro_labels))
 
   def loss_and_gradients(self, micro_inputs, micro_labels, seeds=None):
     """(mean loss, [per-stage gradient lists], [per-stage squared gradient norm]),
@@ -379,7 +400,8 @@ class GPipe:
     seeds = list(seeds) if seeds is not None else None
     kept = (self._forward(list(micro_inputs), seeds, first_row)
             if self.num_stages > 1 else [])
-    return self._backward(list(micro_inputs), kept, list(micro_labels), seeds, first_row,
+    return self._backward(list(micro_inputs), kept,
+                          self._with_reference(micro_inputs, micro_labels), seeds, first_row,
                           divide)
 
   def _check(self, micro_inputs) -> None:

@@ -28,8 +28,8 @@ from layout_core.params import Params
 from layout_core.pipeline.config import PipelineConfig
 from layout_core.pipeline.engines import GPipeEngine, spmd_engine
 from layout_core.pipeline.plan import PipelinePlan
-from layout_core.run.planning import (check_segments_supported, fsdp_axis_of,
-                                      plan_pipeline_run)
+from layout_core.run.planning import (check_reference_supported, check_segments_supported,
+                                      fsdp_axis_of, plan_pipeline_run)
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig, batch_axis_for
 from layout_core.train.engine import Counters, ModelProgram, SingleProgramEngine, StepEngine
@@ -74,9 +74,12 @@ def _engine(model, *, mesh, rules, task, optimizer, config, counters, pipeline, 
     raise ValueError('weights_only builds a Params model on the one-program engine only')
   if isinstance(model, Params):
     model = compute_params(model, dtype=config.compute_dtype, remat=config.remat)
+  plan = None
   if pipelined:
     plan = pipeline_plan or plan_pipeline_run(pipeline, model=model, task=task, config=config,
                                               mesh_axes=mesh_axes, batch_axis=batch_axis)
+  check_reference_supported(model, task, config=config, pipeline_plan=plan)
+  if plan is not None:
     if plan.engine == 'spmd':
       return spmd_engine(
           params=model, plan=plan, stage_axis=pipeline.stage_axis, mesh=mesh,

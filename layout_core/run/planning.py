@@ -23,6 +23,7 @@ from layout_core.layout.rules import LayoutRules
 from layout_core.layout.scope import LayoutRecord, plan_layouts
 from layout_core.model.base import LayerMeta, frozen_meta, leaf_layers
 from layout_core.model.layers import Embedding
+from layout_core.model.tuning import lora_of
 from layout_core.params import Params
 from layout_core.pipeline.config import PipelineConfig
 from layout_core.pipeline.plan import (PipelinePlan, check_pipelinable, plan_layout_records,
@@ -54,6 +55,7 @@ def plan_model(model, *, rules: LayoutRules, mesh_axes: Mapping[str, int], task:
   (None for a Keras model: its FLOPs are not declared). Checks that a Params
   LM fits the task's vocabulary and length."""
   check_segments_supported(model, task, pipelined=pipeline_plan is not None)
+  check_reference_supported(model, task, config=config, pipeline_plan=pipeline_plan)
   split_axis = fsdp_axis_of(model, config=config, mesh_axes=mesh_axes,
                             stage_axis=stage_axis if pipeline_plan is not None else None)
   if not isinstance(model, Params):
@@ -106,6 +108,39 @@ def check_segments_supported(model, task: Task, *, pipelined: bool) -> None:
                       fix=f'set {setting} = False (one document per row, padded: '
                           'works with every engine and model), or train a Params model '
                           'without a pipeline')
+
+
+def check_reference_supported(model, task: Task, *, config: TrainConfig,
+                              pipeline_plan: PipelinePlan | None) -> None:
+  """A task that compares the model with its reference (preference tuning)
+  needs the reference, the model with its LoRA adapters off; and every part
+  of a split batch (micro-step, pipeline micro-batch) must hold whole pairs."""
+  if not task.needs_reference:
+    return
+  setting = task.settings_name
+  if not isinstance(model, Params):
+    raise ConfigError(f'{setting} compares the model with its reference, the model with its '
+                      "LoRA adapters off, and meshgin's LoRA adapters are a Params model's; "
+                      'this is a Keras model', where='model.params',
+                      fix='train preference pairs on a Params model (model.params = '
+                          '@transformer_lm(), or one imported with launch.import_hf)')
+  lora = lora_of(model)
+  if lora is None or not lora.rank:
+    raise ConfigError(
+        f'{setting} compares the model with its reference, the model before tuning, which '
+        'meshgin runs as the same model with its LoRA adapters off; this model has none',
+        where='lora.rank',
+        fix='fine-tune with LoRA: set lora.rank (e.g. 8) and lora.targets, and start from '
+            'the tuned model with checkpoint.init_from')
+  micro_batches = pipeline_plan.num_micro_batches if pipeline_plan is not None else 1
+  parts = config.grad_accum_steps * micro_batches
+  if config.batch_size % (2 * parts):
+    split = f'train.grad_accum_steps = {config.grad_accum_steps}' + (
+        f' x pipeline.num_micro_batches = {micro_batches}' if pipeline_plan is not None else '')
+    raise ConfigError(f'train.batch_size = {config.batch_size} cut into {parts} part(s) '
+                      f'({split}) leaves an odd number of rows in a part, so a pair of answers '
+                      '(two rows) would be split', where='train.batch_size',
+                      fix=f'use a train.batch_size that is a multiple of {2 * parts}')
 
 
 def _check_embedding_fits(params: Params, task: Task) -> None:

@@ -82,6 +82,11 @@ class Task:
     settings_name: The configurable the task's settings are bound under, for
       messages that name a setting ('lm_corpus.seq_len'): the name the user
       wrote.
+    needs_reference: The loss compares the model with its reference, the
+      same model with its LoRA adapters off (preference tuning): every
+      engine runs that model too, forward only, and adds
+      `reference_features(its outputs, batch)` to the batch the loss reads.
+    console_metrics: Metrics the training progress line shows after the loss.
   """
 
   deterministic: bool = True   # features() is a pure function of (seed, split, step)
@@ -93,6 +98,19 @@ class Task:
   # The configurable the task's settings are bound under, for messages that
   # name a setting ('lm_corpus.seq_len'): the name the user wrote.
   settings_name: str = 'data'
+  # True when the loss compares the model with a reference, the same model
+  # with its LoRA adapters off (a preference task): the engine runs that too
+  # and passes `reference_features(reference outputs, batch)` in the batch.
+  needs_reference: bool = False
+  # Metrics the training progress line shows after the loss (every metric
+  # goes to TensorBoard, and the evaluation line shows them all).
+  console_metrics: tuple[str, ...] = ()
+
+  def reference_features(self, reference_outputs: 'tf.Tensor', batch: Mapping[str, 'tf.Tensor']
+                         ) -> dict[str, 'tf.Tensor']:
+    """What `loss_and_metrics` needs of the reference model's outputs on
+    this batch, added to the batch it gets (only with `needs_reference`)."""
+    raise NotImplementedError
 
   def features(self, *, split: str, step: int, batch_size: int) -> dict[str, np.ndarray]:
     """One global batch: the whole batch of step `step`, every device's rows.

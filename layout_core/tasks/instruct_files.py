@@ -46,12 +46,7 @@ def parse_example(text: str, *, path: str, line: int) -> Messages:
     messages = example['messages']
     if not isinstance(messages, list) or not messages:
       raise bad('has "messages" that is not a non-empty list')
-    for number, message in enumerate(messages):
-      if not isinstance(message, dict) or not isinstance(message.get('content'), str):
-        raise bad(f'message {number} is {message!r}, not {{"role": ..., "content": "..."}}')
-      if message.get('role') not in ROLES:
-        raise bad(f'message {number} has role {message.get("role")!r}, not one of {ROLES}')
-    messages = [{'role': m['role'], 'content': m['content']} for m in messages]
+    messages = check_messages(messages, bad)
   elif 'prompt' in example or 'response' in example:
     if not (isinstance(example.get('prompt'), str) and isinstance(example.get('response'), str)):
       raise bad(f'needs string "prompt" and "response" (it has keys {sorted(example)})')
@@ -62,6 +57,17 @@ def parse_example(text: str, *, path: str, line: int) -> Messages:
   if not any(m['role'] == 'assistant' for m in messages):
     raise bad('has no assistant turn: nothing to train on')
   return messages
+
+
+def check_messages(messages: list, bad) -> Messages:
+  """`messages` as [{'role', 'content'}], each checked: a dict with a string
+  content and a role of ROLES; `bad(what)` makes the error to raise."""
+  for number, message in enumerate(messages):
+    if not isinstance(message, dict) or not isinstance(message.get('content'), str):
+      raise bad(f'message {number} is {message!r}, not {{"role": ..., "content": "..."}}')
+    if message.get('role') not in ROLES:
+      raise bad(f'message {number} has role {message.get("role")!r}, not one of {ROLES}')
+  return [{'role': m['role'], 'content': m['content']} for m in messages]
 
 
 def check_example_files(files: Sequence[str]) -> dict[str, int]:

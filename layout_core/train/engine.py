@@ -156,8 +156,18 @@ class ModelProgram:
                              residual=residual_pin(mesh=self.mesh, batch_axis=self.batch_axis))
 
   def loss_and_metrics(self, packed, training: bool = False):
-    outputs = self.model.call(self.task.model_inputs(packed), training)
+    inputs = self.task.model_inputs(packed)
+    if self.task.needs_reference:
+      packed = {**packed, **self.task.reference_features(self._reference(inputs), packed)}
+    outputs = self.model.call(inputs, training)
     return self.task.loss_and_metrics(as_float32(outputs), packed)
+
+  def _reference(self, inputs):
+    """The reference model's outputs (a preference task's): the model with
+    its LoRA adapters off and no dropout, out of the gradient. It runs
+    first, so that its activations are freed before the policy's are kept."""
+    with entered(current().replace(adapters=False, random=None)):
+      return tf.stop_gradient(as_float32(self.model.call(inputs, False)))
 
   def summaries(self):
     return {}, {}
@@ -268,6 +278,8 @@ def check_step_compiles(engine: StepEngine, task: Task, config: TrainConfig) -> 
   try:
     loss = engine.loss_and_gradients(packed)[0]
     to_numpy(loss)  # DTensor errors are asynchronous: wait for the values
+  except ConfigError:  # the task's or the model's own message
+    raise
   except (tf.errors.OpError, ValueError) as e:
     raise unrunnable_layout_error(e, engine.layout_records) from None
 

@@ -179,8 +179,10 @@ class Trainer:
         elapsed = time.perf_counter() - window_start
         steps_per_sec = window_steps / max(elapsed, 1e-9)
         eta = (config.num_steps - done) / max(steps_per_sec, 1e-9)
-        logging.info('step %d/%d  loss %.4f  lr %.2e  |g| %.3f  %.2f steps/s  '
-                     '%.0f %s/s  ETA %s', done, config.num_steps, loss_value,
+        shown = ''.join(f'  {name} {float(to_numpy(metrics[name])):.4f}'
+                        for name in self.task.console_metrics if name in metrics)
+        logging.info('step %d/%d  loss %.4f%s  lr %.2e  |g| %.3f  %.2f steps/s  '
+                     '%.0f %s/s  ETA %s', done, config.num_steps, loss_value, shown,
                      float(to_numpy(lr)), float(to_numpy(grad_norm)), steps_per_sec,
                      steps_per_sec * items_per_step, unit, _format_seconds(eta))
         self.writer.scalars(step=done, values={
