@@ -29,8 +29,9 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 from absl import logging
 
 from layout_core.layout import cluster as cluster_lib
@@ -40,11 +41,13 @@ from layout_core.checkpoint.manager import Checkpointer
 from layout_core.errors import ConfigError
 from layout_core.infer.text_samples import text_samples_for
 from layout_core.lazy import tf
-from layout_core.model.lora import is_adapter
+from layout_core.layout.variables import to_numpy
+from layout_core.model.lora import B_SUFFIX, is_adapter
 from layout_core.train.preemption import PreemptionWatcher
 from layout_core.train.summaries import NullWriter, SummaryWriter
 from layout_core.train.config import TrainResult
 from layout_core.train.engine import check_step_compiles
+from layout_core.train.reference_logps import attach_reference
 from layout_core.train.trained_tokens import check_first_batches
 from layout_core.run import make_trainer
 from layout_core.train.loop import Trainer
@@ -199,6 +202,24 @@ def as_peer_lost(error: BaseException, *, cluster: cluster_lib.ClusterSpec,
       resume=latest_valid(os.path.join(model_dir, 'checkpoints')))
 
 
+def check_reference_is_the_start(variables: Mapping[str, Any], *, init_from: str) -> None:
+  """The in-step reference of a preference run is the model with its LoRA
+  adapters off: the model it starts from only if it starts with adapters
+  that do nothing (lora_b zero). Adapters trained by an earlier LoRA run
+  (a LoRA SFT) would make the reference the base without them."""
+  trained = [path for path, v in variables.items()
+             if path.endswith(B_SUFFIX) and np.any(to_numpy(v))]
+  if trained:
+    raise ConfigError(
+        f'checkpoint.init_from {init_from!r} holds trained LoRA adapters ({trained[0]}, ...), '
+        'and the reference a preference run compares with is the model with its adapters '
+        'off: the base, not the tuned model it starts from',
+        where='checkpoint.init_from',
+        fix='merge the adapters first (launch.export --format=hf, then launch.import_hf, '
+            'and start from that run), or set dpo.precompute_reference = True (the '
+            'reference computed once from the starting model, adapters included)')
+
+
 def run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
                  cluster: cluster_lib.ClusterSpec | None = None,
                  on_start: Callable[[], None] | None = None) -> TrainResult:
@@ -255,6 +276,8 @@ def _run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
     checkpointer.init_from(plan.checkpoint.init_from, variables,
                            new=[path for path in variables if is_adapter(path)],
                            frozen=[path for path, v in variables.items() if not v.trainable])
+    if plan.task.needs_reference:
+      check_reference_is_the_start(variables, init_from=plan.checkpoint.init_from)
   elif restored is not None and chief:
     try:  # a report: it must never stop the run it reports on
       record_resume_changes(plan, writer=writer, step=restored, checkpoint_dir=os.path.join(
@@ -262,6 +285,10 @@ def _run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
     except Exception as e:  # pylint: disable=broad-except
       logging.warning('Could not compare the settings with the checkpoint\'s: %s: %s',
                       type(e).__name__, e)
+
+  if getattr(plan.task, 'reference_pending', False):  # dpo.precompute_reference
+    attach_reference(plan.task, trainer.engine, model_dir=model_dir,
+                     batch_size=plan.train.batch_size, resumed=restored is not None, chief=chief)
 
   def after_step(step: int) -> bool:
     requested = watcher.requested

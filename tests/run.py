@@ -51,7 +51,7 @@ SECONDS = {
     'test_docs_site.py': 27, 'test_never_lose_work.py': 27, 'test_speed_paths.py': 26,
     'test_eval.py': 23, 'test_flags.py': 21, 'test_tf_internals.py': 20,
     'test_pipeline_training.py': 18, 'test_layout_scope.py': 16, 'test_memory.py': 14,
-    'test_objective.py': 30, 'test_preference.py': 60, 'test_sliding_window.py': 8, 'test_peft_files.py': 4,
+    'test_objective.py': 30, 'test_preference.py': 105, 'test_sliding_window.py': 8, 'test_peft_files.py': 4,
     'test_chat_tokens.py': 3, 'test_keras_models.py': 12, 'test_gather.py': 12,
     'test_own_model.py': 9,
     'test_imports.py': 9, 'test_lost_peer.py': 8, 'test_docs_reference.py': 6,

@@ -37,7 +37,9 @@ from layout_core.run import make_trainer
 from layout_core.tasks import dpo
 from layout_core.tasks.instruct import InstructionTask
 from layout_core.tasks.preference import PreferenceTask
+from layout_core.train import reference_logps
 from layout_core.train.config import TrainConfig
+from layout_core.train.reference_logps import attach_reference
 from tests.conftest import Launched, killed_if_left, read_events, run_module, run_modules
 from tests.numerics import assert_close
 from tests.test_layout_scope import MEGATRON
@@ -199,10 +201,12 @@ def test_an_answers_log_probability_is_the_sum_over_its_tokens():
   assert_close(found.numpy(), expected, rel=1e-6, what='answer log-probabilities')
 
 
-def make(pairs_root, mesh, *, rules=(), pipeline=None, lora=LORA, steps=3, **config):
+def make(pairs_root, mesh, *, rules=(), pipeline=None, lora=LORA, steps=3, objective=None,
+         **config):
   return make_trainer(
       model=tune(transformer_lm_params(**MODEL), lora=lora, trainable=None), mesh=mesh,
-      rules=LayoutRules(list(rules)), task=preference_task(pairs_root), pipeline=pipeline,
+      rules=LayoutRules(list(rules)), task=preference_task(pairs_root, objective=objective),
+      pipeline=pipeline,
       optimizer=OptimizerConfig(learning_rate=1e-2, warmup_steps=0),
       config=TrainConfig(num_steps=steps, batch_size=BATCH, log_every=1, eval_every=0,
                          eval_batches=1, **config))
@@ -366,3 +370,94 @@ def test_a_bad_pair_exits_2_naming_its_line(tmp_path):
   assert result.returncode == 2, result.stderr[-2000:]
   assert f'{tmp_path}/train.jsonl:1' in result.stderr
   assert not os.path.exists(f'{tmp_path}/run/checkpoints')
+
+
+def precomputed(pairs_root, mesh, tmp_path, **settings):
+  """A trainer whose reference log-probabilities are precomputed, attached."""
+  trainer = make(pairs_root, mesh, objective=dpo.DPOConfig(precompute_reference=True),
+                 **settings)
+  attach_reference(trainer.task, trainer.engine, model_dir=str(tmp_path), batch_size=BATCH,
+                   resumed=False)
+  return trainer
+
+
+def test_a_precomputed_reference_trains_as_the_reference_run_in_each_step(
+    pairs, one_device, tmp_path):
+  """LoRA: the precomputed values are the in-step reference's, so the
+  losses are one device's; the file holds every pair of both splits."""
+  traced = trace(precomputed(pairs, build_mesh(MeshSpec(shape={'data': 1})), tmp_path))
+  for key in ('loss', 'grad_norm'):
+    assert_close(traced[key], one_device[1][key], rel=1e-5, what=f'precomputed {key}')
+  with open(tmp_path / reference_logps.FILE) as f:
+    stored = json.load(f)
+  assert {split: len(values) for split, values in stored['pairs'].items()} == {
+      'train': 96, 'eval': 16}
+
+
+def test_full_dpo_with_a_precomputed_reference_on_the_pipelines(pairs, devices8, tmp_path):
+  """Every weight trains (no adapters): the reference is the starting
+  model, precomputed, on the one-device engine and both pipelines alike."""
+  traces = {}
+  for name, (shape, rules, pipeline) in {
+      'one device': ({'data': 1}, (), None),
+      'spmd': (SPLITS['spmd pipeline'][:3]), 'gpipe': (SPLITS['gpipe'][:3])}.items():
+    trainer = precomputed(pairs, build_mesh(MeshSpec(shape=shape)), tmp_path / name,
+                          rules=rules, pipeline=pipeline, lora=None)
+    assert trainer.task.needs_reference is False
+    traces[name] = trace(trainer)
+  assert traces['one device']['loss'][0] == pytest.approx(math.log(2), rel=1e-6)
+  for name in ('spmd', 'gpipe'):
+    for key in ('loss', 'grad_norm'):
+      assert_close(traces[name][key], traces['one device'][key], rel=1e-5,
+                   what=f'{name} {key}')
+
+
+def test_full_dpo_with_a_precomputed_reference_resumes_exactly_and_refuses_changed_data(
+    tmp_path):
+  """Launched, every weight training: straight through against preempted at
+  step 15 and resumed (which reads the stored reference back); then a
+  changed eval file stops the resumed run with exit 2, naming it."""
+  write_pairs(str(tmp_path), num_train=64, num_eval=16)
+  full = bindings(tmp_path, '--gin_bindings=lora.rank = 0',
+                  '--gin_bindings=dpo.precompute_reference = True',
+                  '--gin_bindings=optimizer.learning_rate = 1e-3')
+  straight, cut = str(tmp_path / 'straight'), str(tmp_path / 'cut')
+  preempted = Launched('launch.train', *full, f'--model_dir={cut}', label='preempted')
+  with killed_if_left(preempted):
+    done = run_module('launch.train', *full, f'--model_dir={straight}')
+    output = preempted.stop_after(r'step 15/')
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert preempted.process.returncode == 0, output[-3000:]
+  assert 'Reference log-probabilities of 64 train pairs computed' in done.stderr
+  resumed = run_module('launch.train', *full, f'--model_dir={cut}')
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert 'Reference log-probabilities read from' in resumed.stderr
+  expected, found = (read_events(run)['scalars'] for run in (straight, cut))
+  assert expected['eval/loss'][0][1] == pytest.approx(math.log(2), rel=1e-6)
+  for tag in ('train/loss', 'eval/loss', 'eval/rewards/margins'):
+    assert dict(found[tag]) == dict(expected[tag]), tag
+  with open(tmp_path / 'eval.jsonl', 'a') as f:
+    f.write(json.dumps({'prompt': 'Say it.', 'chosen': 'it', 'rejected': 'IT'}) + '\n')
+  changed = run_module('launch.train', *full, f'--model_dir={cut}',
+                       '--gin_bindings=train.num_steps = 50')
+  assert changed.returncode == 2, changed.stderr[-3000:]
+  assert 'reference_logps.json' in changed.stderr and 'files' in changed.stderr
+
+
+def test_starting_from_trained_adapters_needs_a_merge_or_a_precomputed_reference(
+    launched, tmp_path):
+  """A LoRA run started from trained adapters (a LoRA SFT, here the DPO run)
+  would compare with the base, not with where it starts: exit 2 naming the
+  fixes; with the reference precomputed from the start, step 0 is ln 2."""
+  start = [f"--gin_bindings=checkpoint.init_from = '{launched['straight']}'",
+           '--gin_bindings=train.num_steps = 2']
+  refused, started = run_modules([
+      ('launch.train', *bindings(launched['root']), *start, f'--model_dir={tmp_path}/in_step'),
+      ('launch.train', *bindings(launched['root']), *start, f'--model_dir={tmp_path}/ahead',
+       '--gin_bindings=dpo.precompute_reference = True')])
+  assert refused.returncode == 2, refused.stderr[-3000:]
+  assert 'trained LoRA adapters' in refused.stderr and 'precompute_reference' in refused.stderr
+  assert started.returncode == 0, started.stderr[-3000:]
+  scalars = read_events(f'{tmp_path}/ahead')['scalars']
+  assert scalars['eval/loss'][0][1] == pytest.approx(math.log(2), rel=1e-6)
+  assert scalars['eval/rewards/accuracies'][0][1] == 0.0

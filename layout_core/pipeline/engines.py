@@ -56,7 +56,7 @@ from layout_core.pipeline.stages import build_staged_model
 from layout_core.pipeline.submesh import GPipe
 from layout_core.tasks import Task
 from layout_core.train.config import TrainConfig
-from layout_core.train.engine import Counters, SingleProgramEngine
+from layout_core.train.engine import Counters, SingleProgramEngine, join_rows
 from layout_core.tasks.objective import add_parts
 from layout_core.train.micro_steps import MicroSteps, client_rows, split_rows
 from layout_core.optim import OptimizerConfig, make_optimizer, squared_norm
@@ -89,14 +89,13 @@ class GPipeEngine:
         input_shapes=[(plan.micro_batch_size, task.seq_len)], stage_axis=stage_axis,
         batch_axis=batch_axis, seed=config.seed, partition=plan.partition, fsdp_axis=fsdp_axis)
     self.placement = staged.placement
-    reference_fn = None
-    if task.needs_reference:  # the model without adapters, for a preference task's loss
-      def reference_fn(outputs, batch):
-        return task.reference_features(as_float32(outputs), batch)
     self.gpipe = GPipe(stages=staged.runners, placement=self.placement,
                        loss_fn=lambda outputs, batch: task.loss_and_metrics(as_float32(outputs),
                                                                             batch),
-                       num_micro_batches=plan.num_micro_batches, reference_fn=reference_fn)
+                       num_micro_batches=plan.num_micro_batches,
+                       reference_fn=lambda outputs, batch: task.reference_features(
+                           as_float32(outputs), batch),
+                       reference_in_step=task.needs_reference)
     self.variables, self.layout_records = staged.scope.variables, staged.scope.records
     self.model_state, self.description = staged.model, params.ToText()
     trainable = {p: v for p, v in self.variables.items() if v.trainable}
@@ -195,6 +194,12 @@ class GPipeEngine:
 
   def evaluate(self, packed):
     return self.micro_steps.evaluate(packed, lambda part: self.gpipe.loss_and_metrics(*part))
+
+  def reference_features(self, batch):
+    """As `SingleProgramEngine.reference_features`: the micro-batches' on the
+    last stage's mesh, joined on the host."""
+    inputs, features = self._pack(batch)
+    return join_rows(self.gpipe.reference(inputs, features, adapters=True))
 
   def describe_stages(self) -> str:
     """Markdown table: per stage its sub-mesh, FLOPs share and layers."""
@@ -308,35 +313,45 @@ class SpmdProgram:
   def loss_and_metrics(self, batch, training: bool = False):
     """The task's loss and metrics as the sums of all micro-batches."""
     del training  # dropout is on inside a random_context, as for every engine
-    plan = self.plan
-    num_micro = plan.num_micro_batches
-    state = current_random()
+    micro = self._micro_batches(batch)
+    if self.task.needs_reference:  # first, so its activations are freed before the policy's
+      micro = [{**features, **reference} for features, reference in
+               zip(micro, self._reference(micro))]
+    return add_parts([self.task.loss_and_metrics(y, features) for features, y in
+                      zip(micro, self._outputs(micro, random=current_random()))])
 
-    def run(modules, x, m, state=state):
-      if state is None:
+  def reference_features(self, batch, adapters: bool = True) -> list[dict]:
+    """The task's `reference_features` of each micro-batch, in row order."""
+    return self._reference(self._micro_batches(batch), adapters=adapters)
+
+  def _micro_batches(self, batch) -> list[dict]:
+    # tf.gather, not x[m]: in TF 2.21 DTensor, indexing away dim 0 of a
+    # tensor sharded on dim 1 returns wrong values with a shifted layout.
+    return [{name: tf.gather(value, m) for name, value in batch.items()}
+            for m in range(self.plan.num_micro_batches)]
+
+  def _reference(self, micro, adapters: bool = False) -> list[dict]:
+    """The reference model (adapters off, or on: `adapters`; no dropout, no
+    gradient) on each micro-batch, as the task's `reference_features`."""
+    with entered(current().replace(adapters=adapters, random=None)):
+      outputs = self._outputs(micro, random=None)
+    return [self.task.reference_features(tf.stop_gradient(y), features)
+            for features, y in zip(micro, outputs)]
+
+  def _outputs(self, micro, *, random) -> list:
+    """The model's float32 outputs on each micro-batch, the stack pipelined;
+    `random`: the step's dropout state (None: none)."""
+    def run(modules, x, m):
+      if random is None:
         for module in modules:
           x = module(x)
         return x
-      with random_context(seed=state.seed,
-                          batch_offset=state.batch_offset + m * plan.micro_batch_size):
+      with random_context(seed=random.seed,
+                          batch_offset=random.batch_offset + m * self.plan.micro_batch_size):
         for module in modules:
           x = module(x)
       return x
 
-    # tf.gather, not x[m]: in TF 2.21 DTensor, indexing away dim 0 of a
-    # tensor sharded on dim 1 returns wrong values with a shifted layout.
-    micro = [{name: tf.gather(value, m) for name, value in batch.items()}
-             for m in range(num_micro)]
-    if self.task.needs_reference:  # first, so its activations are freed before the policy's
-      with entered(current().replace(adapters=False, random=None)):
-        reference = self._outputs(micro, lambda modules, x, m: run(modules, x, m, None))
-      micro = [{**features, **self.task.reference_features(tf.stop_gradient(y), features)}
-               for features, y in zip(micro, reference)]
-    return add_parts([self.task.loss_and_metrics(y, features)
-                      for features, y in zip(micro, self._outputs(micro, run))])
-
-  def _outputs(self, micro, run) -> list:
-    """The model's float32 outputs on each micro-batch, the stack pipelined."""
     hidden = []
     for m, features in enumerate(micro):
       [inputs] = self.task.model_inputs(features)

@@ -169,6 +169,12 @@ class GPipe:
     and its count of trained tokens), and the gradients are divided once by
     the count.
 
+  `reference_fn(outputs, labels)`: what a preference loss needs of the
+  reference model (the stages with their LoRA adapters off), per
+  micro-batch on the last stage's mesh: `reference` runs it (forward only);
+  with `reference_in_step`, every step runs it first and adds its features
+  to the labels the loss reads.
+
   `schedule='serial'` chains every unit of work on the previous one with
   control dependencies: the same numbers without any overlap (a benchmark
   reference).
@@ -185,7 +191,8 @@ class GPipe:
   def __init__(self, *, stages: Sequence[Callable], placement,
                loss_fn: Callable[[tf.Tensor, tf.Tensor], tf.Tensor],
                num_micro_batches: int, schedule: str = 'gpipe',
-               reference_fn: Callable[[tf.Tensor, Any], dict] | None = None):
+               reference_fn: Callable[[tf.Tensor, Any], dict] | None = None,
+               reference_in_step: bool = False):
     if schedule not in ('gpipe', 'serial'):
       raise ConfigError(f'pipeline schedule {schedule!r}', fix="use 'gpipe' or 'serial'")
     for k, stage in enumerate(stages):
@@ -200,6 +207,7 @@ class GPipe:
     self.stages = list(stages)
     self.placement = placement
     self.loss_fn, self.reference_fn = loss_fn, reference_fn
+    self.reference_in_step = reference_in_step
     self.num_micro_batches = num_micro_batches
     self.variables = [list(stage.trainable_variables) for stage in self.stages]
     self._forward = StepFunction(self._forward_fn)
@@ -348,20 +356,25 @@ class GPipe:
     return add_parts([self._loss_sums(self._run(self.num_stages - 1, last[m]), micro_labels[m])
                       for m in range(self.num_micro_batches)])
 
-  def _reference_fn(self, micro_inputs, micro_labels):
-    """Forward only, LoRA adapters off, no dropout: each micro-batch's
-    `reference_fn(outputs, labels)` on the last stage's mesh."""
-    with entered(current().replace(adapters=False, random=None)):
+  def _reference_fn(self, micro_inputs, micro_labels, adapters=False):
+    """Forward only, LoRA adapters off (or on: `adapters`), no dropout: each
+    micro-batch's `reference_fn(outputs, labels)` on the last stage's mesh."""
+    with entered(current().replace(adapters=adapters, random=None)):
       kept = self._forward_fn(micro_inputs) if self.num_stages > 1 else [micro_inputs]
       last = [as_tuple(x) for x in kept[-1]]
       outputs = [self._run(self.num_stages - 1, last[m]) for m in range(self.num_micro_batches)]
     return [self.reference_fn(y[0] if len(y) == 1 else y, labels)
             for y, labels in zip(outputs, micro_labels)]
 
+  def reference(self, micro_inputs, micro_labels, adapters: bool = False) -> list:
+    """Forward only, LoRA adapters off (or on): each micro-batch's `reference_fn`."""
+    self._check(micro_inputs)
+    return self._reference(list(micro_inputs), list(micro_labels), adapters)
+
   def _with_reference(self, micro_inputs, micro_labels) -> list:
     """`micro_labels` with the reference model's features added (`reference_fn`)."""
     micro_labels = list(micro_labels)
-    if self.reference_fn is None:
+    if not self.reference_in_step:
       return micro_labels
     return [{**labels, **reference} for labels, reference in
             zip(micro_labels, self._reference(list(micro_inputs), micro_labels))]

@@ -130,8 +130,9 @@ def check_reference_supported(model, task: Task, *, config: TrainConfig,
         f'{setting} compares the model with its reference, the model before tuning, which '
         'meshgin runs as the same model with its LoRA adapters off; this model has none',
         where='lora.rank',
-        fix='fine-tune with LoRA: set lora.rank (e.g. 8) and lora.targets, and start from '
-            'the tuned model with checkpoint.init_from')
+        fix='fine-tune with LoRA (set lora.rank, e.g. 8, and lora.targets), or set '
+            'dpo.precompute_reference = True: the reference log-probabilities computed once '
+            'from the starting weights, and every weight may train')
   micro_batches = pipeline_plan.num_micro_batches if pipeline_plan is not None else 1
   parts = config.grad_accum_steps * micro_batches
   if config.batch_size % (2 * parts):

@@ -54,10 +54,17 @@ class DPOConfig:
     loss: 'sigmoid' (DPO), 'ipo' or 'hinge'.
     label_smoothing: In [0, 0.5): the assumed share of pairs whose labels are
       wrong (conservative DPO); 'sigmoid' only.
+    precompute_reference: False: the reference model (the model with its
+      LoRA adapters off) runs in every step beside the policy. True: every
+      pair's reference log-probabilities are computed once before the first
+      step, from the starting weights, and kept beside the run
+      (`layout_core.train.reference_logps`): no LoRA needed (every weight
+      may train), no reference forward pass in the steps.
   """
   beta: float = 0.1
   loss: str = 'sigmoid'
   label_smoothing: float = 0.0
+  precompute_reference: bool = False
 
   def __post_init__(self):
     check_types(self, name='dpo')

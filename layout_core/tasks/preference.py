@@ -138,14 +138,34 @@ def check_pair_files(files) -> dict[str, int]:
   return counts
 
 
+def pair_arrays(sides, length: int) -> dict[str, np.ndarray]:
+  """A pair's two sides as a pair-row: each feature [2, length], padded."""
+  out = {name: np.zeros((len(SIDES), length), np.int32) for name in _FEATURES}
+  for side, (ids, mask) in enumerate(sides):
+    n = len(ids)
+    out['tokens'][side, :n] = ids
+    out['segments'][side, :n] = 1
+    out['positions'][side, :n] = np.arange(n)
+    out['loss_mask'][side, :n] = mask
+  return out
+
+
 class PairPacker(Packer):
   """One stream's pairs, each as a pair-row [2, length]: side 0 the chosen
   conversation, side 1 the rejected one, padded (module doc). Its position
-  is the stream's (epoch, record) and 0: a pair is never taken in part."""
+  is the stream's (epoch, record) and 0: a pair is never taken in part.
+  `references`: with a precomputed reference, {'path:line': [chosen,
+  rejected]} (None: not read yet, zeros), given to each pair-row as its
+  `reference_logps` [2]; absent (the default): no such feature."""
 
-  def __init__(self, stream, *, length, vocab_size, too_long, tokenizer, template):
-    self.tokenizer, self.template = tokenizer, template
+  def __init__(self, stream, *, length, vocab_size, too_long, tokenizer, template,
+               references=False):
+    self.tokenizer, self.template, self.references = tokenizer, template, references
     self.examples = self.longest = 0   # pairs read; tokens of the longest side read
+    if stream is None:  # encoding lines only (`PreferenceTask.encoded_pairs`)
+      self.stream, self.length, self.vocab_size, self.too_long = None, length, vocab_size, too_long
+      self.cut = self.dropped = 0
+      return
     super().__init__(stream, length=length, pack=False, vocab_size=vocab_size,
                      too_long=too_long)
 
@@ -168,12 +188,17 @@ class PairPacker(Packer):
                             f'{self.tokenizer.vocab_size or int(ids.max()) + 1})')
     return ids.astype(np.int32), mask
 
-  def read_pair(self) -> list[tuple[np.ndarray, np.ndarray]] | None:
-    """The next pair's two sides, cut to a row; None when it is dropped."""
+  def read_pair(self) -> tuple[str, list[tuple[np.ndarray, np.ndarray]] | None]:
+    """('path:line', the next pair's two sides cut to a row, or None when it
+    is dropped)."""
     record = self.stream.take(1)[RECORD][0]
     path, line, text = record.decode('utf-8').split('\n', 2)
+    return f'{path}:{line}', self.encode_line(text, path=path, line=int(line))
+
+  def encode_line(self, text: str, *, path: str, line: int):
+    """A line's two sides, cut to a row; None when the pair is dropped."""
     where = f'{path}:{line}'
-    pair = parse_pair(text, path=path, line=int(line))
+    pair = parse_pair(text, path=path, line=line)
     sides = [self.encode(pair, side, where) for side in SIDES]
     self.examples += 1
     longest = max(len(ids) for ids, _ in sides)
@@ -188,16 +213,21 @@ class PairPacker(Packer):
 
   def block(self, rows: int) -> dict[str, np.ndarray]:
     out = {name: np.zeros((rows, len(SIDES), self.length), np.int32) for name in _FEATURES}
+    if self.references is not False:
+      out['reference_logps'] = np.zeros((rows, len(SIDES)), np.float32)
     for row in range(rows):
-      sides = None
+      key, sides = self.read_pair()
       while sides is None:
-        sides = self.read_pair()
-      for side, (ids, mask) in enumerate(sides):
-        n = len(ids)
-        out['tokens'][row, side, :n] = ids
-        out['segments'][row, side, :n] = 1
-        out['positions'][row, side, :n] = np.arange(n)
-        out['loss_mask'][row, side, :n] = mask
+        key, sides = self.read_pair()
+      for name, value in pair_arrays(sides, self.length).items():
+        out[name][row] = value
+      if self.references:
+        if key not in self.references:
+          raise ConfigError(f'the pair at {key} has no precomputed reference log-probabilities '
+                            '(the file changed since they were computed)', where=key,
+                            fix='train on the data the run started with, or start a new '
+                                'model_dir')
+        out['reference_logps'][row] = self.references[key]
     return out
 
   def log_counts(self) -> None:  # the instruction task's counts (`example_counts`)
@@ -246,7 +276,6 @@ class PreferenceTask(InstructionTask):
   """
 
   settings_name = 'preference'
-  needs_reference = True
   console_metrics = ('rewards/margins', 'rewards/accuracies')
 
   def __init__(self, *, train_files: str, eval_files: str, tokenizer: str, vocab_size: int,
@@ -264,6 +293,35 @@ class PreferenceTask(InstructionTask):
                      vocab_size=vocab_size, seq_len=seq_len, pack=False, too_long=too_long,
                      seed=seed, num_streams=num_streams, shuffle_window=shuffle_window)
     self.objective = objective or DPOConfig()
+    self.references: dict[str, list[float]] | None = None  # precomputed: attach_references
+
+  @property
+  def needs_reference(self) -> bool:  # type: ignore[override]
+    """The engine runs the reference model, unless it is precomputed."""
+    return not self.objective.precompute_reference
+
+  @property
+  def reference_pending(self) -> bool:
+    """A precomputed reference not attached yet: the rows' reference_logps
+    are zeros, fit for checking shapes, not for training."""
+    return self.objective.precompute_reference and self.references is None
+
+  def attach_references(self, pairs: dict[str, dict[str, list[float]]]) -> None:
+    """The precomputed reference, {split: {'path:line': [chosen, rejected]}}
+    (`layout_core.train.reference_logps`), for the readers made from now on."""
+    self.references = {key: value for split in pairs.values() for key, value in split.items()}
+
+  def encoded_pairs(self, split: str):
+    """('path:line', pair-row arrays [2, seq_len + 1]) of every pair of the
+    split's files, in file order, cut as training cuts them (dropped pairs
+    left out)."""
+    packer = self._packer(None, used=0)
+    for path in self.split_files(split):
+      with open(path, 'rb') as f:
+        for number, raw in enumerate(f, 1):
+          sides = packer.encode_line(raw.decode('utf-8'), path=path, line=number)
+          if sides is not None:
+            yield f'{path}:{number}', pair_arrays(sides, packer.length)
 
   def check_data(self, splits=SPLITS):
     """Reads and checks every line of the splits' files (module doc)."""
@@ -278,7 +336,9 @@ class PreferenceTask(InstructionTask):
   def _packer(self, stream, *, used):
     del used  # a pair is never taken in part
     return PairPacker(stream, length=self.seq_len + 1, vocab_size=self.vocab_size,
-                      too_long=self.too_long, tokenizer=self.tokenizer, template=self.template)
+                      too_long=self.too_long, tokenizer=self.tokenizer, template=self.template,
+                      references=self.references if self.objective.precompute_reference
+                      else False)
 
   def reader(self, *, split, batch_size, start_step=0, rows=None, state=None):
     """Batches of `batch_size` rows, `batch_size / 2` pairs (module doc)."""

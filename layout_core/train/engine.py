@@ -82,6 +82,10 @@ class StepEngine(Protocol):
     """(loss, task metrics) of one packed batch, no dropout, as sums
     (`layout_core.tasks.objective`): the caller adds batches, then `finish`es."""
 
+  def reference_features(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The task's `reference_features` of the model as it is (forward only)
+    on a host batch, per row: a reference precomputed from the starting model."""
+
   def summaries(self) -> tuple[dict[str, str], dict[str, float]]:
     """Extra TensorBoard records at step 0: ({tag: markdown}, {tag: scalar})."""
 
@@ -132,6 +136,11 @@ class Program(Protocol):
     task's loss and metrics, as it returns them (sums or plain means,
     `layout_core.tasks.objective`)."""
 
+  def reference_features(self, packed, adapters: bool = True) -> list[dict[str, Any]]:
+    """Traced as `loss_and_metrics` is: the task's `reference_features` of
+    the model, its LoRA adapters on or off, forward only, one dict per
+    consecutive part of the batch's rows."""
+
   def summaries(self) -> tuple[dict[str, str], dict[str, float]]:
     """Extra TensorBoard records at step 0."""
 
@@ -162,11 +171,18 @@ class ModelProgram:
     outputs = self.model.call(inputs, training)
     return self.task.loss_and_metrics(as_float32(outputs), packed)
 
-  def _reference(self, inputs):
+  def reference_features(self, packed, adapters: bool = True) -> list[dict[str, Any]]:
+    """[the task's `reference_features` of the model on the batch, its LoRA
+    adapters on (the starting model) or off]."""
+    inputs = self.task.model_inputs(packed)
+    return [self.task.reference_features(self._reference(inputs, adapters), packed)]
+
+  def _reference(self, inputs, adapters: bool = False):
     """The reference model's outputs (a preference task's): the model with
-    its LoRA adapters off and no dropout, out of the gradient. It runs
-    first, so that its activations are freed before the policy's are kept."""
-    with entered(current().replace(adapters=False, random=None)):
+    its LoRA adapters off (or on: `adapters`) and no dropout, out of the
+    gradient. In a step it runs first, so that its activations are freed
+    before the policy's are kept."""
+    with entered(current().replace(adapters=adapters, random=None)):
       return tf.stop_gradient(as_float32(self.model.call(inputs, False)))
 
   def summaries(self):
@@ -197,6 +213,7 @@ class SingleProgramEngine:
     self._gradients = StepFunction(self._gradients_fn)
     self._apply = StepFunction(self._apply_fn)
     self._evaluate = StepFunction(self._evaluate_fn)
+    self._reference = StepFunction(self._reference_fn)
 
   def pack(self, batch):
     """The program's packed batch; with `grad_accum_steps` k, a list of k
@@ -243,6 +260,16 @@ class SingleProgramEngine:
   def _evaluate_fn(self, packed):
     return self.micro_steps.evaluate(packed, self._sums)
 
+  def _reference_fn(self, packed):
+    with entered(self.program.context(packed)):
+      return self.program.reference_features(packed, adapters=True)
+
+  def reference_features(self, batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The task's `reference_features` of the model as it is (forward only,
+    adapters on) on a host batch, as host arrays [B, ...]: a reference
+    precomputed from the starting model (`layout_core.train.reference_logps`)."""
+    return join_rows(self._reference(self.program.pack(batch)))
+
   def loss_and_gradients(self, packed):
     return self._gradients(packed)
 
@@ -254,6 +281,12 @@ class SingleProgramEngine:
 
   def summaries(self):
     return self.program.summaries()
+
+
+def join_rows(parts: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:
+  """Per-row features of a batch's consecutive parts as host arrays of all rows."""
+  return {name: np.concatenate([to_numpy(part[name]) for part in parts])
+          for name in parts[0]}
 
 
 def pack_batch(batch: Mapping[str, np.ndarray], *, mesh, batch_axis: str) -> dict:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 from absl import logging
 
+from layout_core.errors import ConfigError
 from layout_core.layout.scope import bytes_per_device, table_markdown
 from layout_core.layout.variables import to_numpy
 from layout_core.tasks import Task
@@ -140,6 +141,11 @@ class Trainer:
     stops training early (preemption)."""
     config = self.config
     start = self.current_step
+    if getattr(self.task, 'reference_pending', False):
+      raise ConfigError('the preference task\'s precomputed reference log-probabilities are '
+                        'not attached yet', where='dpo.precompute_reference',
+                        fix='call layout_core.train.reference_logps.attach_reference(task, '
+                            'engine, ...) before training (launch.train does)')
     eval_losses = []
     if start == 0:
       eval_losses.append((0, self._run_eval(0)))
