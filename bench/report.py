@@ -219,6 +219,22 @@ def _finetune(r: Results) -> Rendered:
                         'steps/s', 'largest that fits', 'its parameters'], rows)
 
 
+def _dpo(r: Results) -> Rendered:
+  met = 'met' if r['peak lora_dpo / lora_sft'] <= 1.15 else 'not met'
+  shows = (f"LoRA DPO with its reference in each step (the model with its adapters off, "
+           f"forward only) peaks at {figure('dpo.peak_ratio', r)} the memory of LoRA SFT on the "
+           f"same rows (goal at most 1.15x: {met}) and runs {figure('dpo.speed', r)} its steps "
+           f"per second; a precomputed reference runs {figure('dpo.precomputed_speed', r)} as "
+           f"fast as the in-step one. Full DPO (every weight, reference precomputed) peaks at "
+           f"{figure('dpo.full_peak', r)} LoRA DPO's memory.")
+  names = {'lora_sft': 'LoRA SFT on the same rows', 'lora_dpo': 'LoRA DPO, reference in the step',
+           'lora_dpo_pre': 'LoRA DPO, reference precomputed',
+           'full_dpo_pre': 'full DPO, reference precomputed'}
+  rows = [[label, in_bytes(r[name]['peak_bytes']), f"{r[name]['steps_per_sec']:.2f}"]
+          for name, label in names.items()]
+  return shows, _table(['setting', 'peak', 'steps/s'], rows)
+
+
 def _peak_breakdown(r: Results) -> Rendered:
   shows = (f"At width {r['width']} ({in_millions(r['parameters'])} parameters, {r['setting']}) "
            f"the allocator peaks at {in_bytes(r['allocator_peak_bytes'])}, "
@@ -556,6 +572,9 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
         'finetune.json': Section('Fine-tuning: full vs LoRA', '`bench/finetune.py`: the LM of '
                                  '`bench/memory.py` trained whole, or frozen with LoRA '
                                  'adapters, in one host-memory budget.', _finetune),
+        'dpo.json': Section('Preference tuning (DPO)', '`bench/dpo.py`: a width-1024, 4-block '
+                            'LM on bytes, 16 rows (8 pairs) a step on `data=8`, LoRA rank 8 on '
+                            'the queries and values unless full.', _dpo),
         'peak_breakdown.json': Section("What makes a step's peak", "Tensors live at a gradients "
                                        "call's allocator peak, by op.", _peak_breakdown),
         'fsdp_collectives.json': Section("FSDP's collectives on one weight", "A [2048, 8192] "

@@ -461,3 +461,64 @@ def test_starting_from_trained_adapters_needs_a_merge_or_a_precomputed_reference
   scalars = read_events(f'{tmp_path}/ahead')['scalars']
   assert scalars['eval/loss'][0][1] == pytest.approx(math.log(2), rel=1e-6)
   assert scalars['eval/rewards/accuracies'][0][1] == 0.0
+
+
+def test_a_published_model_sft_then_dpo_ships_as_hugging_face(tmp_path):
+  """The docs' path end to end on a tiny Llama in Hugging Face's format:
+  import, LoRA SFT on instruction examples, merged export and import, LoRA
+  DPO on pairs from that merged model, merged export. KerasHub's reading of
+  the export computes the DPO run's logits; transformers reads its
+  tokenizer, chat template and stop ids; the DPO run's step 0 is ln 2 (its
+  reference is the SFT model)."""
+  from plugins import hf, inference  # pylint: disable=g-import-not-at-top
+  from tests import hf_fixtures  # pylint: disable=g-import-not-at-top
+  from tests.test_hf_models import TOKENS, TOLERANCE, keras_hub_logits, relative_error  # pylint: disable=g-import-not-at-top
+  from tests.test_lora import assert_ships_with_tokens  # pylint: disable=g-import-not-at-top
+  paths = write_pairs(str(tmp_path / 'data'), num_train=32, num_eval=8)
+  chats = str(tmp_path / 'data' / 'chats.jsonl')
+  with open(paths['train']) as source, open(chats, 'w') as out:
+    out.writelines(json.dumps({'prompt': json.loads(line)['prompt'],
+                               'response': json.loads(line)['chosen']}) + '\n' for line in source)
+  base_hf, base, sft, merged, tuned = (
+      str(tmp_path / name) for name in ('hf', 'base', 'sft', 'merged', 'dpo'))
+  hf_fixtures.write_checkpoint(base_hf, 'llama', tokenizer='chat')
+  hf.import_run(hf_dir=base_hf, model_dir=base)
+  common = ['--gin_bindings=lora.rank = 4', "--gin_bindings=lora.targets = [r'.*/attn/w[qv]']",
+            '--gin_bindings=train.num_steps = 3', '--gin_bindings=train.batch_size = 4',
+            '--gin_bindings=train.eval_every = 0', '--gin_bindings=optimizer.warmup_steps = 0',
+            '--gin_bindings=optimizer.learning_rate = 0.01']
+  done = run_module(
+      'launch.train', f'--gin_file={base}/config.gin', f'--model_dir={sft}', *common,
+      f"--gin_bindings=checkpoint.init_from = '{base}'", '--gin_bindings=data.task = @instruct()',
+      f"--gin_bindings=instruct.train_files = '{chats}'",
+      f"--gin_bindings=instruct.eval_files = '{chats}'",
+      f"--gin_bindings=instruct.tokenizer = '{base}'",
+      f'--gin_bindings=instruct.vocab_size = {hf_fixtures.VOCAB}',
+      '--gin_bindings=instruct.seq_len = 64')
+  assert done.returncode == 0, done.stderr[-3000:]
+  hf.export_run(export_dir=str(tmp_path / 'sft_hf'), model_dir=sft,
+                files=[inference.run_config(model_dir=sft)])
+  hf.import_run(hf_dir=str(tmp_path / 'sft_hf'), model_dir=merged)
+  done = run_module(
+      'launch.train', f'--gin_file={merged}/config.gin', f'--model_dir={tuned}', *common,
+      f"--gin_bindings=checkpoint.init_from = '{merged}'",
+      '--gin_bindings=data.task = @preference()',
+      f"--gin_bindings=preference.train_files = '{paths['train']}'",
+      f"--gin_bindings=preference.eval_files = '{paths['eval']}'",
+      f"--gin_bindings=preference.tokenizer = '{merged}'",
+      f'--gin_bindings=preference.vocab_size = {hf_fixtures.VOCAB}',
+      '--gin_bindings=preference.seq_len = 64', '--gin_bindings=train.eval_batches = 1')
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert read_events(tuned)['scalars']['eval/loss'][0][1] == pytest.approx(math.log(2),
+                                                                           rel=1e-6)
+  exported = str(tmp_path / 'dpo_hf')
+  hf.export_run(export_dir=exported, model_dir=tuned,
+                files=[inference.run_config(model_dir=tuned)])
+
+  def logits(run):
+    loaded = inference.load_decoder(files=[inference.run_config(model_dir=run)], model_dir=run)
+    return loaded.lm.logits(TOKENS).numpy()
+  ours = logits(tuned)
+  assert relative_error(logits(merged), ours) > 100 * TOLERANCE  # DPO's adapters matter
+  assert relative_error(keras_hub_logits(exported), ours) < TOLERANCE
+  assert_ships_with_tokens(exported, tuned=tuned, base=merged)
