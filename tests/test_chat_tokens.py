@@ -304,3 +304,15 @@ def test_a_chat_template_jinja_file_is_read_as_transformers_reads_it(tmp_path):
   with open(os.path.join(directory, 'chat_template.json'), 'w') as f:
     json.dump({'chat_template': CHATML}, f)
   assert chat.find_template(found).source == CHATML
+
+
+def test_a_stop_text_reads_its_escapes_and_a_broken_one_is_named():
+  """--stop='\\n' is a newline, other characters stay as written (here outside
+  latin-1), and a lone trailing backslash is a ConfigError naming --stop."""
+  from layout_core.infer.stops import parse_stops  # pylint: disable=g-import-not-at-top
+  from layout_core.tasks.tokenizer import ByteTokenizer  # pylint: disable=g-import-not-at-top
+  ids, sequences = parse_stops(['你\\n'], ByteTokenizer())
+  assert (ids + [i for s in sequences for i in s]) == list('你\n'.encode())
+  with pytest.raises(ConfigError) as broken:
+    parse_stops(['end\\'], ByteTokenizer())
+  assert '--stop' in str(broken.value) and 'backslash' in str(broken.value)

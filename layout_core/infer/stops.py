@@ -26,7 +26,6 @@ module does not import TensorFlow.
 
 from __future__ import annotations
 
-import codecs
 import json
 import os
 import re
@@ -52,13 +51,23 @@ def parse_stops(values: Sequence[str], tokenizer: tokens_lib.Tokenizer, *,
     if not tokenizer.has_text:
       raise ConfigError(f'{where}={value!r} is text, but {tokenizer.why}', where=where,
                         fix='give the stop token as an id, e.g. --stop=1')
-    ids = text_ids(codecs.decode(value, 'unicode_escape') if '\\' in value else value,
-                   tokenizer)
+    ids = text_ids(unescaped(value, where) if '\\' in value else value, tokenizer)
     if not ids:
       raise ConfigError(f'{where}={value!r} has no tokens', where=where,
                         fix='give a token id, a special token or some text')
     found.append([int(i) for i in ids])
   return split(found)
+
+
+def unescaped(value: str, where: str) -> str:
+  """`value` with Python's backslash escapes read ('\\n' a newline); any
+  other character kept as it is."""
+  try:  # characters outside latin-1 travel as their own escapes, and come back
+    return value.encode('latin-1', 'backslashreplace').decode('unicode_escape')
+  except UnicodeDecodeError as e:
+    raise ConfigError(f'{where}={value!r} has a backslash escape that does not read ({e.reason})',
+                      where=where, fix='write the escape whole (\\n, \\t, \\u2581), or '
+                                       'double the backslash for a backslash') from None
 
 
 def text_ids(text: str, tokenizer: tokens_lib.Tokenizer) -> list[int]:

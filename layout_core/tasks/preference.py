@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+from absl import logging
 
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least
@@ -168,6 +169,7 @@ class PairPacker(Packer):
       return
     super().__init__(stream, length=length, pack=False, vocab_size=vocab_size,
                      too_long=too_long)
+    self._epoch = stream.position[0]
 
   def encode(self, pair: Pair, side: str, where: str) -> tuple[np.ndarray, np.ndarray]:
     """(ids, loss mask) of the prompt and one answer; the mask on the answer only."""
@@ -192,6 +194,9 @@ class PairPacker(Packer):
     """('path:line', the next pair's two sides cut to a row, or None when it
     is dropped)."""
     record = self.stream.take(1)[RECORD][0]
+    if self.stream.position[0] != self._epoch:
+      self.log_counts()
+      self._epoch = self.stream.position[0]
     path, line, text = record.decode('utf-8').split('\n', 2)
     return f'{path}:{line}', self.encode_line(text, path=path, line=int(line))
 
@@ -230,8 +235,11 @@ class PairPacker(Packer):
         out['reference_logps'][row] = self.references[key]
     return out
 
-  def log_counts(self) -> None:  # the instruction task's counts (`example_counts`)
-    pass
+  def log_counts(self) -> None:
+    logging.info('preference: stream %d, epoch %d: %d pair(s) read since the reader opened, '
+                 '%d with a side longer than a row (%d tokens) cut, %d dropped',
+                 self.stream.stream_id, self._epoch, self.examples, self.cut, self.length,
+                 self.dropped)
 
 
 class PairedReader:
