@@ -55,7 +55,7 @@ from layout_core.tasks import chat
 from layout_core.tasks.base import SPLITS
 from layout_core.tasks.corpus import Packer
 from layout_core.tasks.dpo import DPOConfig, answer_logps, answer_tokens, preference_loss
-from layout_core.tasks.instruct import (RECORD, TOO_LONG, InstructionTask, example_counts)
+from layout_core.tasks.instruct import RECORD, TOO_LONG, InstructionTask
 from layout_core.tasks.instruct_files import Messages, check_messages
 
 SIDES = ('chosen', 'rejected')
@@ -386,6 +386,3 @@ class PreferenceTask(InstructionTask):
             f'{self.tokenizer.describe()}, vocab {self.vocab_size}, seq_len {self.seq_len}, '
             f'too long: {self.too_long}: {counts}')
 
-
-__all__ = ['PreferenceTask', 'PairPacker', 'PairedReader', 'parse_pair', 'check_pair_files',
-           'example_counts']
