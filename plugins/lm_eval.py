@@ -23,8 +23,9 @@ bytes run's UTF-8. A Markov run has no text and is refused.
   every document; a newline byte for a bytes run), and so is one of
   whitespace alone. A continuation with no tokens is a ConfigError naming
   the request: scored, it would be 0.0 and greedy, and win any choice.
-* `loglikelihood_rolling((text,))`: every token of the text after the
-  prefix token, in windows of the model's `max_len`; each window after the
+* `loglikelihood_rolling((text,))`: every token of the text (not a BOS the
+  tokenizer puts first: texts are encoded as lm-eval's HFLM encodes them for
+  a causal model) after the prefix token, in windows of the model's `max_len`; each window after the
   first sees the `max_len` tokens before its own (lm-eval's rolling windows).
   A continuation longer than `max_len` is scored the same way.
 * `generate_until((context, gen_kwargs))`: `CachedLM.generate` (greedy
@@ -95,6 +96,7 @@ class HarnessLM(TemplateLM):
                         f'{lm.vocab_size}-token vocabulary', where='prefix_token_id',
                         fix=f'give an id in 0..{lm.vocab_size - 1}')
     self.about = dict(about or {})
+    self._added = list(tokenizer.encode(''))  # what encode puts before any text
     self._warned: set[str] = set()
 
   # -- lm-eval's interface ---------------------------------------------------------------
@@ -108,8 +110,13 @@ class HarnessLM(TemplateLM):
 
   def tok_encode(self, string: str, add_special_tokens: bool | None = None,
                  **kwargs) -> list[int]:
-    del add_special_tokens, kwargs  # the run's tokenizer adds none
-    return self.tokenizer.encode(string)
+    """The text's ids without what the tokenizer puts before every text (a
+    BOS: Llama's SentencePiece model, Llama 3's post-processor), as lm-eval's
+    HFLM encodes for a causal model: a rolling text or a continuation of an
+    empty context is scored from the prefix token, never its BOS."""
+    del add_special_tokens, kwargs
+    ids = self.tokenizer.encode(string)
+    return ids[len(self._added):] if ids[:len(self._added)] == self._added else ids
 
   def loglikelihood(self, requests, disable_tqdm: bool = True) -> list[tuple[float, bool]]:
     for index, request in enumerate(requests):  # the harness reads an empty context's first token
@@ -132,7 +139,7 @@ class HarnessLM(TemplateLM):
     return results
 
   def loglikelihood_rolling(self, requests, disable_tqdm: bool = True) -> list[float]:
-    pairs = [([self.prefix_token_id], self.tokenizer.encode(request.args[0]))
+    pairs = [([self.prefix_token_id], self.tok_encode(request.args[0]))
              for request in requests]
     results = [total for total, _ in self.score_pairs(pairs)]
     for request, result in zip(requests, results):

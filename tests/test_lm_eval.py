@@ -238,7 +238,8 @@ def test_generate_until_is_greedy_generation_cut_at_the_stop(plain, harness):
 def test_a_stop_string_of_one_token_is_one_id_where_encode_adds_bos(plain, tmp_path):
   """A Hugging Face tokenizer whose `encode` puts BOS first (Llama 3's
   post-processor): a one-token stop string, a special token's text included,
-  is still one stop id, as `--stop` maps it (layout_core.infer.stops)."""
+  is still one stop id, as `--stop` maps it (layout_core.infer.stops); a
+  rolling text is scored without that BOS."""
   # pylint: disable=g-import-not-at-top
   from tokenizers import Tokenizer, processors
   from layout_core.infer.tokens import HuggingFaceTokenizer
@@ -256,6 +257,14 @@ def test_a_stop_string_of_one_token_is_one_id_where_encode_adds_bos(plain, tmp_p
   harness_lm = HarnessLM(plain, tokenizer, batch_size=4)
   assert harness_lm.stop_ids(['<|eot|>', word, 'the quick brown']) == [
       loaded.token_to_id('<|eot|>'), tokenizer.encode_rendered(word)[0][0]]
+  # Scored as lm-eval's HFLM scores a causal model: the text's own tokens
+  # after the prefix token, not the BOS `encode` puts first.
+  text = ' '.join(hf_fixtures.WORDS[:6])
+  own = tokenizer.encode(text)[1:]
+  assert harness_lm.tok_encode(text) == own
+  [score] = harness_lm.loglikelihood_rolling([request('loglikelihood_rolling', text)])
+  [(want, _)] = harness_lm.score_pairs([([harness_lm.prefix_token_id], own)])
+  assert score == want
 
 
 def test_new_tokens_are_capped_at_half_the_window(plain, harness):
