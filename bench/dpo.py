@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 
@@ -35,8 +34,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from bench.common import write_json  # noqa: E402
+from bench.memory import train  # noqa: E402
 
-ENV = dict(os.environ, PYTHONPATH=REPO_ROOT, TF_CPP_MIN_LOG_LEVEL='2')
 LORA = ['lora.rank = 8', "lora.targets = [r'.*/attn/w[qv]']"]
 SETTINGS = {
     'lora_sft': ['data.task = @instruct()', 'instruct.tokenizer = "bytes"',
@@ -65,10 +64,8 @@ def write_data(directory: str) -> dict[str, str]:
 
 
 def run(name: str, *, data: dict[str, str], width: int, batch: int, steps: int) -> dict:
-  """One launch.train child: {peak_bytes, steps_per_sec, ok, error}."""
-  from plugins.suggest.measure import error_line, watch  # pylint: disable=g-import-not-at-top
-  model_dir = tempfile.mkdtemp(prefix='meshgin_dpo_')
-  bindings = [
+  """One launch.train child (`bench.memory.train`): {peak_bytes, steps_per_sec, ok, error, ...}."""
+  return train([
       f"preference.train_files = '{data['train']}'", f"preference.eval_files = '{data['eval']}'",
       f"instruct.train_files = '{data['train_chats']}'",
       f"instruct.eval_files = '{data['eval_chats']}'",
@@ -76,21 +73,8 @@ def run(name: str, *, data: dict[str, str], width: int, batch: int, steps: int) 
       'transformer_lm.num_layers = 4', f'train.batch_size = {batch}',
       f'train.num_steps = {steps}', f'train.log_every = {max(steps // 2, 1)}',
       'train.eval_every = 0', 'train.eval_batches = 1', 'checkpoint.every_steps = 0',
-      'checkpoint.save_at_end = False', *SETTINGS[name]]
-  child = watch([sys.executable, '-m', 'launch.train', f'--model_dir={model_dir}',
-                 '--gin_file=configs/experiments/dpo_tiny.gin',
-                 *[f'--gin_bindings={b}' for b in bindings]],
-                env=ENV, kill_above=64 * 2**30, cwd=REPO_ROOT)
-  rate = 0.0
-  try:
-    with open(os.path.join(model_dir, 'run_status.json')) as f:
-      rate = float(json.load(f).get('metrics', {}).get('steps_per_sec', 0.0))
-  except (OSError, ValueError):
-    pass
-  shutil.rmtree(model_dir, ignore_errors=True)
-  return {'ok': child.exit_code == 0, 'peak_bytes': child.peak_bytes, 'steps_per_sec': rate,
-          'seconds': child.seconds,
-          'error': error_line(child.stderr) if child.exit_code else ''}
+      'checkpoint.save_at_end = False', *SETTINGS[name]],
+      budget=64 * 2**30, gin_file='configs/experiments/dpo_tiny.gin')
 
 
 def main() -> None:

@@ -58,17 +58,19 @@ def lm_bindings(width: int, steps: int) -> list[str]:
           'checkpoint.save_at_end = False']
 
 
-def flags(bindings: list[str]) -> list[str]:
-  return ['--gin_file=configs/experiments/quickstart.gin',
-          *[f'--gin_bindings={b}' for b in bindings]]
+def flags(bindings: list[str], gin_file: str = 'configs/experiments/quickstart.gin'
+          ) -> list[str]:
+  return [f'--gin_file={gin_file}', *[f'--gin_bindings={b}' for b in bindings]]
 
 
-def train(bindings: list[str], *, budget: int) -> dict:
-  """One launch.train child: {ok, fits, peak_bytes, steps_per_sec, seconds, error}."""
+def train(bindings: list[str], *, budget: int,
+          gin_file: str = 'configs/experiments/quickstart.gin') -> dict:
+  """One launch.train child of `gin_file` and `bindings`: {ok, fits,
+  peak_bytes, steps_per_sec, seconds, error}."""
   from plugins.suggest.measure import error_line, watch  # pylint: disable=import-outside-toplevel
   model_dir = tempfile.mkdtemp(prefix='meshgin_mem_')
   child = watch([sys.executable, '-m', 'launch.train', f'--model_dir={model_dir}',
-                 *flags(bindings)], env=ENV, kill_above=budget, cwd=REPO_ROOT)
+                 *flags(bindings, gin_file)], env=ENV, kill_above=budget, cwd=REPO_ROOT)
   rate = 0.0
   try:
     with open(os.path.join(model_dir, 'run_status.json')) as f:

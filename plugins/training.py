@@ -286,7 +286,7 @@ def _run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
       logging.warning('Could not compare the settings with the checkpoint\'s: %s: %s',
                       type(e).__name__, e)
 
-  if getattr(plan.task, 'reference_pending', False):  # dpo.precompute_reference
+  if plan.task.reference_pending:  # dpo.precompute_reference
     attach_reference(plan.task, trainer.engine, model_dir=model_dir,
                      batch_size=plan.train.batch_size, resumed=restored is not None, chief=chief)
 

@@ -315,6 +315,21 @@ def killed_if_left(*runs: Launched):
         run.process.wait()
 
 
+def train_trace(trainer, *, steps: int, batch_size: int, evaluate: bool = False) -> dict:
+  """{'loss', 'grad_norm'}: a trainer's losses and gradient norms over `steps`
+  steps of its task's train split (an update shows in the next step's loss),
+  and 'eval': its evaluation loss afterwards if asked (else None)."""
+  from layout_core.layout.variables import to_numpy  # pylint: disable=g-import-not-at-top
+  reader = trainer.task.reader(split='train', batch_size=batch_size)
+  losses, norms = [], []
+  for _ in range(steps):
+    loss, _, norm, _ = trainer.train_step(next(reader))
+    losses.append(float(to_numpy(loss)))
+    norms.append(float(to_numpy(norm)))
+  return {'loss': losses, 'grad_norm': norms,
+          'eval': trainer.evaluate()[0] if evaluate else None}
+
+
 def read_events(logdir: str) -> dict:
   """{'scalars': {tag: [(step, value)]}, 'text': {tag: [str]}} from real event files."""
   from tensorboard.backend.event_processing import event_accumulator

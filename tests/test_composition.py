@@ -20,7 +20,6 @@ import pytest
 from layout_core.errors import ConfigError
 from layout_core.layout.mesh import MeshSpec, build_mesh
 from layout_core.layout.rules import LayoutRules
-from layout_core.layout.variables import to_numpy
 from layout_core.model import keras as keras_models
 from layout_core.model.lm import transformer_lm_params
 from layout_core.optim import OptimizerConfig
@@ -34,7 +33,7 @@ from layout_core.tasks.lm import MarkovTask
 from layout_core.train.config import TrainConfig
 from tests import composition
 from tests.numerics import assert_close
-from tests.conftest import REPO_ROOT, read_events, run_modules
+from tests.conftest import REPO_ROOT, read_events, run_modules, train_trace
 from tests.test_layout_scope import MEGATRON
 
 sys.path.insert(0, os.path.join(REPO_ROOT, 'tests', 'fixtures'))
@@ -124,26 +123,14 @@ def make(cell: dict, meshes: dict):
                          grad_accum_steps=cell['accum'], fsdp=cell['fsdp']))
 
 
-def trace(trainer, steps: int = STEPS, evaluate: bool = False) -> dict:
-  """Losses and gradient norms of `steps` steps (the updates show in the
-  next step's loss), then the evaluation loss if asked."""
-  reader = trainer.task.reader(split='train', batch_size=BATCH)
-  losses, norms = [], []
-  for _ in range(steps):
-    loss, _, norm, _ = trainer.train_step(next(reader))
-    losses.append(float(to_numpy(loss)))
-    norms.append(float(to_numpy(norm)))
-  return {'loss': losses, 'grad_norm': norms,
-          'eval': trainer.evaluate()[0] if evaluate else None}
-
-
 @pytest.fixture(scope='module')
 def traces(mesh_2x2, stage_mesh):
   meshes = {'2d': mesh_2x2, 'stage': stage_mesh}
 
   @functools.lru_cache(maxsize=None)
   def of(key: tuple, steps: int) -> dict:
-    return trace(make(dict(key), meshes), steps, evaluate=steps > STEPS)
+    return train_trace(make(dict(key), meshes), steps=steps, batch_size=BATCH,
+                       evaluate=steps > STEPS)
   return lambda cell, steps=STEPS: of(tuple(cell.items()), steps)
 
 

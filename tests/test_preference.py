@@ -42,7 +42,7 @@ from layout_core.train import reference_logps
 from layout_core.train.config import TrainConfig
 from layout_core.train.reference_logps import attach_reference
 from tests.conftest import (REPO_ROOT, Launched, killed_if_left, read_events, run_module,
-                            run_modules)
+                            run_modules, train_trace)
 from tests.numerics import assert_close
 from tests.test_layout_scope import MEGATRON
 
@@ -214,14 +214,8 @@ def make(pairs_root, mesh, *, rules=(), pipeline=None, lora=LORA, steps=3, objec
                          eval_batches=1, **config))
 
 
-def trace(trainer, steps=3) -> dict:
-  reader = trainer.task.reader(split='train', batch_size=BATCH)
-  losses, norms = [], []
-  for _ in range(steps):
-    loss, _, norm, _ = trainer.train_step(next(reader))
-    losses.append(float(to_numpy(loss)))
-    norms.append(float(to_numpy(norm)))
-  return {'loss': losses, 'grad_norm': norms}
+def trace(trainer) -> dict:
+  return train_trace(trainer, steps=3, batch_size=BATCH)
 
 
 @pytest.fixture(scope='module')

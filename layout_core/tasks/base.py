@@ -86,25 +86,19 @@ class Task:
       same model with its LoRA adapters off (preference tuning): every
       engine runs that model too, forward only, and adds
       `reference_features(its outputs, batch)` to the batch the loss reads.
+    reference_pending: The reference is computed before training
+      (`layout_core.train.reference_logps`) and not given yet: the loop
+      refuses to train.
     console_metrics: Metrics the training progress line shows after the loss.
   """
 
   deterministic: bool = True   # features() is a pure function of (seed, split, step)
   tokens_per_example: int = 1  # for the train/tokens_per_sec scalar
-  # True when a row may hold several documents (packed): the model must attend
-  # within each document only, so the trainer passes `sequence_inputs(batch)`
-  # (segments, positions) to the model and refuses engines that cannot.
-  needs_segments: bool = False
-  # The configurable the task's settings are bound under, for messages that
-  # name a setting ('lm_corpus.seq_len'): the name the user wrote.
-  settings_name: str = 'data'
-  # True when the loss compares the model with a reference, the same model
-  # with its LoRA adapters off (a preference task): the engine runs that too
-  # and passes `reference_features(reference outputs, batch)` in the batch.
-  needs_reference: bool = False
-  # Metrics the training progress line shows after the loss (every metric
-  # goes to TensorBoard, and the evaluation line shows them all).
-  console_metrics: tuple[str, ...] = ()
+  needs_segments: bool = False  # rows may hold several documents (packed)
+  settings_name: str = 'data'   # what the user bound the task's settings under
+  needs_reference: bool = False          # the engine runs the reference model too
+  reference_pending: bool = False        # a precomputed reference not given yet
+  console_metrics: tuple[str, ...] = ()  # shown on the training progress line
 
   def reference_features(self, reference_outputs: 'tf.Tensor', batch: Mapping[str, 'tf.Tensor']
                          ) -> dict[str, 'tf.Tensor']:

@@ -39,6 +39,7 @@ import dataclasses
 from layout_core.errors import ConfigError
 from layout_core.fields import check_types
 from layout_core.lazy import tf
+from layout_core.tasks.corpus import target_mask
 from layout_core.tasks.objective import Mean, Total
 
 LOSSES = ('sigmoid', 'ipo', 'hinge')
@@ -86,9 +87,7 @@ class DPOConfig:
 def answer_mask(batch) -> 'tf.Tensor':
   """[B, T] True at the targets that are answer tokens: in their input's
   example (not padding) with the loss mask on."""
-  segments = batch['segments']
-  same = tf.logical_and(tf.equal(segments[:, :-1], segments[:, 1:]), segments[:, 1:] > 0)
-  return tf.logical_and(same, batch['loss_mask'][:, 1:] > 0)
+  return tf.logical_and(target_mask(batch['segments']), batch['loss_mask'][:, 1:] > 0)
 
 
 def answer_logps(logits, batch) -> 'tf.Tensor':

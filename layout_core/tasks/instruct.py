@@ -202,16 +202,21 @@ class InstructionTask(LMCorpusTask):
     self.too_long, self.num_streams, self.shuffle_window = too_long, num_streams, shuffle_window
 
   _parse = staticmethod(_parse)
+  # What one line of the files holds: its parser (a ConfigError naming
+  # file:line) and its name in messages.
+  parse_line = staticmethod(parse_example)
+  line_holds = 'examples'
 
   def check_data(self, splits=SPLITS):
     """Reads and checks every line of the splits' files (module doc)."""
     for split in splits:
       files = self.split_files(split)
-      examples = sum(check_example_files(files).values())
-      if not examples:
-        raise ConfigError(f'the {split} files {files} hold no examples',
-                          where=f'instruct.{split}_files', fix='write examples into them')
-      self.checked[split] = f'{len(files)} file(s) ({examples} examples) '
+      lines = sum(check_example_files(files, parse=self.parse_line).values())
+      if not lines:
+        raise ConfigError(f'the {split} files {files} hold no {self.line_holds}',
+                          where=f'{self.settings_name}.{split}_files',
+                          fix=f'write {self.line_holds} into them')
+      self.checked[split] = f'{len(files)} file(s) ({lines} {self.line_holds}) '
 
   def _packer(self, stream, *, used):
     return ExamplePacker(stream, length=self.seq_len + 1, pack=self.pack,

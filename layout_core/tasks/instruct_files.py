@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from layout_core.errors import ConfigError
 from layout_core.lazy import tf
@@ -70,20 +70,27 @@ def check_messages(messages: list, bad) -> Messages:
   return [{'role': m['role'], 'content': m['content']} for m in messages]
 
 
-def check_example_files(files: Sequence[str]) -> dict[str, int]:
-  """Reads and checks every line of `files` (`parse_example`); returns each
-  file's number of lines."""
+def file_lines(path: str) -> Iterator[tuple[int, str]]:
+  """(line number from 1, text) of each line of `path`; a ConfigError naming
+  `path:line` for a line that is not UTF-8."""
+  with open(path, 'rb') as f:
+    for number, raw in enumerate(f, 1):
+      try:
+        yield number, raw.decode('utf-8')
+      except UnicodeDecodeError as e:
+        raise ConfigError(f'{path}:{number} is not UTF-8 ({e})', where=f'{path}:{number}',
+                          fix='write the file as UTF-8') from None
+
+
+def check_example_files(files: Sequence[str], parse=parse_example) -> dict[str, int]:
+  """Reads and checks every line of `files` with `parse(text, path=, line=)`
+  (`parse_example`; the preference task's `parse_pair`); returns each file's
+  number of lines."""
   counts = {}
   for path in files:
     number = 0
-    with open(path, 'rb') as f:
-      for number, raw in enumerate(f, 1):
-        try:
-          text = raw.decode('utf-8')
-        except UnicodeDecodeError as e:
-          raise ConfigError(f'{path}:{number} is not UTF-8 ({e})', where=f'{path}:{number}',
-                            fix='write the file as UTF-8') from None
-        parse_example(text, path=path, line=number)
+    for number, text in file_lines(path):
+      parse(text, path=path, line=number)
     counts[path] = number
   return counts
 

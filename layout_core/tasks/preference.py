@@ -52,11 +52,10 @@ from absl import logging
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least
 from layout_core.tasks import chat
-from layout_core.tasks.base import SPLITS
 from layout_core.tasks.corpus import Packer
 from layout_core.tasks.dpo import DPOConfig, answer_logps, answer_tokens, preference_loss
 from layout_core.tasks.instruct import RECORD, TOO_LONG, InstructionTask
-from layout_core.tasks.instruct_files import Messages, check_messages
+from layout_core.tasks.instruct_files import Messages, check_messages, file_lines
 
 SIDES = ('chosen', 'rejected')
 _FEATURES = ('tokens', 'segments', 'positions', 'loss_mask')
@@ -119,24 +118,6 @@ def parse_pair(text: str, *, path: str, line: int) -> Pair:
     raise bad('has the same chosen and rejected answer: the pair prefers nothing',
               fix='leave the pair out, or correct one of its answers')
   return Pair(prompt, answers['chosen'], answers['rejected'])
-
-
-def check_pair_files(files) -> dict[str, int]:
-  """Reads and checks every line of `files` (`parse_pair`); returns each
-  file's number of pairs."""
-  counts = {}
-  for path in files:
-    number = 0
-    with open(path, 'rb') as f:
-      for number, raw in enumerate(f, 1):
-        try:
-          text = raw.decode('utf-8')
-        except UnicodeDecodeError as e:
-          raise ConfigError(f'{path}:{number} is not UTF-8 ({e})', where=f'{path}:{number}',
-                            fix='write the file as UTF-8') from None
-        parse_pair(text, path=path, line=number)
-    counts[path] = number
-  return counts
 
 
 def pair_arrays(sides, length: int) -> dict[str, np.ndarray]:
@@ -284,6 +265,8 @@ class PreferenceTask(InstructionTask):
   """
 
   settings_name = 'preference'
+  parse_line = staticmethod(parse_pair)
+  line_holds = 'pairs'
   console_metrics = ('rewards/margins', 'rewards/accuracies')
 
   def __init__(self, *, train_files: str, eval_files: str, tokenizer: str, vocab_size: int,
@@ -325,21 +308,10 @@ class PreferenceTask(InstructionTask):
     left out)."""
     packer = self._packer(None, used=0)
     for path in self.split_files(split):
-      with open(path, 'rb') as f:
-        for number, raw in enumerate(f, 1):
-          sides = packer.encode_line(raw.decode('utf-8'), path=path, line=number)
-          if sides is not None:
-            yield f'{path}:{number}', pair_arrays(sides, packer.length)
-
-  def check_data(self, splits=SPLITS):
-    """Reads and checks every line of the splits' files (module doc)."""
-    for split in splits:
-      files = self.split_files(split)
-      pairs = sum(check_pair_files(files).values())
-      if not pairs:
-        raise ConfigError(f'the {split} files {files} hold no pairs',
-                          where=f'preference.{split}_files', fix='write pairs into them')
-      self.checked[split] = f'{len(files)} file(s) ({pairs} pairs) '
+      for number, text in file_lines(path):
+        sides = packer.encode_line(text, path=path, line=number)
+        if sides is not None:
+          yield f'{path}:{number}', pair_arrays(sides, packer.length)
 
   def _packer(self, stream, *, used):
     del used  # a pair is never taken in part
@@ -356,12 +328,6 @@ class PreferenceTask(InstructionTask):
     pair_rows = None if rows is None else np.unique(np.asarray(rows) // 2)
     return PairedReader(super().reader(split=split, batch_size=batch_size // 2,
                                        start_step=start_step, rows=pair_rows, state=state))
-
-  def features(self, *, split, step, batch_size):
-    reader = self.reader(split=split, batch_size=batch_size)
-    for _ in range(step):
-      next(reader)
-    return next(reader)
 
   def reference_features(self, reference_outputs, batch) -> dict:
     """What the loss needs of the reference model's logits: each row's

@@ -141,7 +141,7 @@ class Trainer:
     stops training early (preemption)."""
     config = self.config
     start = self.current_step
-    if getattr(self.task, 'reference_pending', False):
+    if self.task.reference_pending:
       raise ConfigError('the preference task\'s precomputed reference log-probabilities are '
                         'not attached yet', where='dpo.precompute_reference',
                         fix='call layout_core.train.reference_logps.attach_reference(task, '
