@@ -97,7 +97,7 @@ def make_plan(*, data_splits: Sequence[str] = tasks_base.SPLITS) -> RunPlan:
   and lm-eval none (), so they neither read nor need the training data."""
   train = configurables.train()
   params = tuning.tune(configurables.model(), lora=configurables.lora(),
-                         trainable=train.trainable)
+                       trainable=train.trainable, frozen_dtype=train.frozen_dtype)
   parts = dict(mesh_spec=configurables.mesh(), params=params,
                rules=configurables.layout_rules(), task=configurables.data(),
                optimizer=configurables.optimizer(), train=train,

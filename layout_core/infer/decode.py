@@ -53,6 +53,7 @@ from layout_core.layout.mesh import UNFOLDED_LENGTH, mesh_axes, pack_global_arra
 from layout_core.layout.rules import UNSHARDED
 from layout_core.layout.variables import to_numpy
 from layout_core.lazy import dtensor, tf
+from layout_core.model import frozen
 from layout_core.model.attention import (MultiHeadAttention, attend, attention_inputs,
                                          attention_output, causal_mask)
 from layout_core.model.layers import (Embedding, LayerNorm, Softmax, TransformerBlock,
@@ -263,8 +264,10 @@ class CachedLM:
     path, p = self.layers.embedding
     if positions is None and ids.shape[1] is None:  # a traced caller's unknown length
       positions = tf.expand_dims(tf.range(tf.shape(ids)[1]), 0)
+    scale = self._values.get(f'{path}/table{frozen.SCALE_SUFFIX}')  # an int8 table's
     return Embedding.lookup(p, ids, table=fsdp.at_use(self._values[f'{path}/table']),
-                            pos_table=(fsdp.at_use(self._values[f'{path}/pos_table'])
+                            table_scale=None if scale is None else fsdp.at_use(scale),
+                            pos_table=(self._weights(path, p)('pos_table')
                                        if learned_positions(p) else None),
                             positions=positions, dtype=compute_dtype(p))
 

@@ -106,7 +106,7 @@ class TensorWeights(Weights):
   def has(self, name):
     return f'{self.path}/{name}' in self._values
 
-  def __call__(self, name):
+  def _read(self, name):
     return fsdp.at_use(self._values[f'{self.path}/{name}'], self.dtype)
 
   def child(self, name):

@@ -156,6 +156,9 @@ class VariableSpec:
   # Where no layout rule matches this variable, it takes another's layout:
   # a LoRA adapter follows its weight (`layout_core.model.lora`).
   follows: 'Follows | None' = None
+  # Whose path seeds the initial value (None: its own): a stored weight's
+  # quantization scale draws its weight's values (`layout_core.model.frozen`).
+  seed_path: str | None = None
 
   @property
   def num_elements(self) -> int:
@@ -185,7 +188,7 @@ def path_seed(path: str, seed: int) -> int:
 
 def initial_value(spec: VariableSpec, seed: int) -> tf.Tensor:
   return spec.initializer(spec.shape, tf.as_dtype(spec.dtype),
-                          path_seed(spec.path, seed))
+                          path_seed(spec.seed_path or spec.path, seed))
 
 
 class StackedValues(Initializer):

@@ -31,9 +31,9 @@ from layout_core.errors import ConfigError
 from layout_core.params import Params, once_per_frozen
 from layout_core.layout import fsdp
 from layout_core.layout.variables import Initializer, VariableSpec, create_variable
-from layout_core.model import lora
+from layout_core.model import frozen, lora
 from layout_core.model.remat import floating, rematerialized
-from layout_core.model.weights import LayerWeights, cast
+from layout_core.model.weights import LayerWeights, as_used, cast
 
 Shape = tuple[int, ...]
 
@@ -163,6 +163,7 @@ class BaseLayer(Module):
     self.variable_names = tuple(spec.path.rsplit('/', 1)[1] for spec in specs)
     for name, spec in zip(self.variable_names, specs):
       setattr(self, name, create_variable(spec))
+    frozen.pair_scales({name: getattr(self, name) for name in self.variable_names})
     children = self.child_params(self.params)
     self.child_names = tuple(children)
     for name, child in children.items():
@@ -200,12 +201,16 @@ class BaseLayer(Module):
     it says and each LoRA target followed by its two adapters."""
     tuning, specs = p.tuning, []
     for d in cls.declare_variables(p):
-      specs.append(VariableSpec(
+      spec = VariableSpec(
           path=f'{path}/{d.name}', shape=tuple(d.shape), initializer=d.initializer,
           dtype=p.dtype, unshardable=dict(d.unshardable),
-          trainable=tuning is None or tuning.trains(f'{path}/{d.name}')))
-      if tuning is not None and tuning.lora and d.inputs and tuning.lora.adapts(specs[-1].path):
-        specs += lora.adapter_specs(specs[-1], inputs=d.inputs, lora=tuning.lora)
+          trainable=tuning is None or tuning.trains(f'{path}/{d.name}'))
+      if tuning is None:
+        specs.append(spec)
+        continue
+      specs += frozen.stored_specs(spec, inputs=d.inputs, frozen_dtype=tuning.frozen_dtype)
+      if tuning.lora and d.inputs and tuning.lora.adapts(spec.path):
+        specs += lora.adapter_specs(spec, inputs=d.inputs, lora=tuning.lora)
     return specs
 
   @classmethod
@@ -245,10 +250,11 @@ class BaseLayer(Module):
 
   def weight(self, name: str) -> tf.Tensor:
     """Variable `name` as the math uses it: cast to the compute dtype, gathered
-    when FSDP stores it split (`fsdp.at_use`). A user layer's `fprop` reads its
+    when FSDP stores it split (`fsdp.at_use`), times its scale when stored
+    in int8 (`layout_core.model.frozen`). A user layer's `fprop` reads its
     weights through this (or `LayerWeights`): a variable read directly is
     still right, but FSDP then leaves its communication to DTensor."""
-    return fsdp.at_use(getattr(self, name), self.compute_dtype)
+    return as_used(getattr(self, name), self.compute_dtype)
 
   def link_siblings(self, parent: Module) -> None:
     """Once `parent` built every child: take a sibling's variable (`Softmax.tied_to`)."""

@@ -19,8 +19,9 @@ from layout_core.model.base import (BaseLayer, Declared, LayerMeta, as_float32,
                                     num_elements as _size)
 from layout_core.model.activations import residual
 from layout_core.model.attention import MultiHeadAttention
+from layout_core.model import frozen
 from layout_core.model.random import dropout
-from layout_core.model.weights import LayerWeights, cast, dense
+from layout_core.model.weights import LayerWeights, as_used, cast, dense
 
 
 def check_width(p, x_shape, dim: str) -> None:
@@ -77,20 +78,26 @@ class Embedding(BaseLayer):
     context = LayerWeights(self, inputs=(ids,)).context
     sequence = context.sequence  # packed documents: each token's position within its own
     return self.lookup(self.params, ids, table=fsdp.at_use(self.table),
-                       pos_table=(fsdp.at_use(self.pos_table) if learned_positions(self.params)
+                       table_scale=scale_at_use(self.table),
+                       pos_table=(as_used(self.pos_table) if learned_positions(self.params)
                                   else None),
                        positions=None if sequence is None else sequence.positions,
                        dtype=self.compute_dtype)
 
   @classmethod
-  def lookup(cls, p, ids, *, table, pos_table, positions=None, dtype) -> tf.Tensor:
-    """The embedding's math: rows of `table` for `ids` [B, T], plus rows of
-    `pos_table` for `positions` ([B, T] or [1, T]; None: 0..T-1), in `dtype`.
-    The tables are float32 as stored (the cached decoder,
+  def lookup(cls, p, ids, *, table, pos_table, positions=None, dtype,
+             table_scale=None) -> tf.Tensor:
+    """The embedding's math: rows of `table` for `ids` [B, T] (times their
+    rows of `table_scale` [V, 1] for an int8 table, `layout_core.model.frozen`),
+    plus rows of `pos_table` for `positions` ([B, T] or [1, T]; None:
+    0..T-1), in `dtype`. The tables are as stored (the cached decoder,
     `layout_core.infer.decode`, calls this with one position per row)."""
-    # Rows looked up in float32, then cast (a bfloat16 table would sum the
+    # Rows looked up as stored, then cast (a bfloat16 table would sum the
     # gradients of repeated ids in bfloat16).
-    x = cast(tf.gather(table, ids), dtype)
+    x = tf.gather(table, ids)
+    if table_scale is not None:
+      x = tf.cast(x, tf.float32) * tf.gather(tf.cast(table_scale, tf.float32), ids)
+    x = cast(x, dtype)
     if learned_positions(p):
       if positions is None:
         x += cast(pos_table[:ids.shape[1]], dtype)
@@ -403,7 +410,7 @@ def tied_logits_table(variable, dtype):
   an untied softmax/w is split, so the logits come out split over the
   vocabulary. (Contracting over the split features instead failed in the
   SPMD pipeline: DTensor could not propagate layouts through its relayouts.)"""
-  table = fsdp.at_use(variable, dtype)
+  table = as_used(variable, dtype)
   layout = fsdp.use_layout(variable) or getattr(variable, 'layout', None)
   vocabulary, features = layout.sharding_specs if layout is not None else (None, UNSHARDED)
   if vocabulary != UNSHARDED or features == UNSHARDED:
@@ -418,6 +425,12 @@ class TiedTable:
 
   def __init__(self, variable):
     self.variable = variable
+
+
+def scale_at_use(variable):
+  """The scale of an int8 `variable` as the math uses it (`fsdp.at_use`), or None."""
+  scale = frozen.scale_of(variable)
+  return None if scale is None else fsdp.at_use(scale)
 
 
 def tied_variable(parent, tied_to: str, *, where: str):

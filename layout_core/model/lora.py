@@ -45,7 +45,7 @@ from layout_core.fields import check_types
 from layout_core.lazy import tf
 from layout_core.layout import fsdp
 from layout_core.layout.variables import Follows, Normal, VariableSpec, Zeros
-from layout_core.model import random
+from layout_core.model import frozen, random
 
 A_SUFFIX, B_SUFFIX = '_lora_a', '_lora_b'
 _RANK_LETTERS = 'rzyxwvuqponm'
@@ -89,12 +89,15 @@ class LoraConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-  """What a fine-tuning run changes: adapters (`lora`) and which base
-  weights train (`trainable`: regexes; None: all without LoRA, none with)."""
+  """What a fine-tuning run changes: adapters (`lora`), which base weights
+  train (`trainable`: regexes; None: all without LoRA, none with), and the
+  dtype the others are stored in (`frozen_dtype`: `layout_core.model.frozen`)."""
   lora: LoraConfig | None = None
   trainable: tuple[str, ...] | None = None
+  frozen_dtype: str = 'float32'
 
   def __post_init__(self):
+    frozen.check_frozen_dtype(self.frozen_dtype)
     if self.lora is not None and not self.lora.rank:
       object.__setattr__(self, 'lora', None)
     if self.trainable is not None:

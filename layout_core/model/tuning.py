@@ -40,16 +40,25 @@ def _carrying(p, tuning: Tuning | None):
   return p.Freeze()
 
 
-def tune(model, *, lora: LoraConfig | None, trainable: Sequence[str] | None):
+def tune(model, *, lora: LoraConfig | None, trainable: Sequence[str] | None,
+         frozen_dtype: str = 'float32'):
   """`model` (a Params tree) tuned as `lora` and `trainable` say, each regex
-  checked to match (`check_targets`); `model` itself when neither is set. A
-  ConfigError for a Keras model."""
-  tuning = Tuning(lora=lora, trainable=trainable)
+  checked to match (`check_targets`), its frozen weights stored in
+  `frozen_dtype`; `model` itself when neither is set. A ConfigError for a
+  Keras model, and for a `frozen_dtype` other than float32 that no weight
+  is frozen for."""
+  tuning = Tuning(lora=lora, trainable=trainable, frozen_dtype=frozen_dtype)
   if not tuning.active:
+    if frozen_dtype != 'float32':
+      raise ConfigError(f"train.frozen_dtype is {frozen_dtype!r}, but no weight is frozen",
+                        where='train.frozen_dtype',
+                        fix='freeze the base with LoRA (lora.rank, lora.targets) or '
+                            "train.trainable, or leave train.frozen_dtype = 'float32'")
     return model
   if not isinstance(model, Params):
     raise ConfigError('lora.* and train.trainable tune a Params model; this one is a '
-                      f'{type(model).__name__}', where='lora.rank / train.trainable',
+                      f'{type(model).__name__}',
+                      where='lora.rank / train.trainable / train.frozen_dtype',
                       fix="a Keras 3 model has its own layer.enable_lora(rank); or train a "
                           'Params model (model.params = @transformer_lm())')
   p = tuned(model, tuning)

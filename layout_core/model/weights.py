@@ -32,7 +32,7 @@ from typing import Callable, Hashable, Mapping, NamedTuple
 from layout_core.lazy import tf
 from layout_core.layout import fsdp
 from layout_core.layout.variables import path_seed
-from layout_core.model import lora
+from layout_core.model import frozen, lora
 from layout_core.model.random import DropoutInputs
 from layout_core.step_context import StepContext, current
 
@@ -56,6 +56,17 @@ def dense_equation(rank: int) -> str:
   """`dense`'s einsum for x of `rank` (no lead)."""
   batch = 'abceghij'[:rank - 1]
   return f'{batch}d,df->{batch}f'
+
+
+def as_used(variable, dtype=None) -> tf.Tensor:
+  """`variable` as the math uses it: gathered when FSDP stores it split
+  (`fsdp.at_use`), cast to `dtype` (None: as stored, float32 for int8), times
+  its scale where it is stored in int8 (`layout_core.model.frozen`)."""
+  scale = frozen.scale_of(variable)
+  if scale is None:
+    return fsdp.at_use(variable, dtype)
+  dtype = dtype or 'float32'
+  return fsdp.at_use(variable, dtype) * fsdp.at_use(scale, dtype)
 
 
 def cast(x, dtype) -> tf.Tensor:
@@ -147,8 +158,25 @@ class Weights:
 
   def __call__(self, name: str) -> tf.Tensor:
     """Weight `name` as the math uses it: in the compute dtype, gathered
-    first when FSDP stores it split. `w('w')`."""
+    first when FSDP stores it split, times its scale where it is stored in
+    int8 (`layout_core.model.frozen`). `w('w')`."""
+    value = self._read(name)
+    if self.has(name + frozen.SCALE_SUFFIX):
+      value = value * self._read(name + frozen.SCALE_SUFFIX)
+    return value
+
+  def _read(self, name: str) -> tf.Tensor:
+    """Variable `name` in the compute dtype, gathered when FSDP stores it split."""
     raise NotImplementedError
+
+  def _stored(self, name: str) -> tf.Tensor:
+    """Variable `name` as stored (no cast, no gather)."""
+    raise NotImplementedError
+
+  def _recomputed(self, name: str) -> bool:
+    """Whether contractions with weight `name` recompute it in the backward
+    pass instead of keeping it (a frozen weight stored narrow, not split)."""
+    return False
 
   def child(self, name: str) -> 'Weights':
     """The weights of sub-layer `name` (a key of `child_params`), sharing
@@ -176,7 +204,10 @@ class Weights:
   def dense(self, x: tf.Tensor, name: str) -> tf.Tensor:
     """x[..., d] @ w[d, f] with weight `name` (per slot under a lead), plus
     its adapters' low-rank path where it has them (`layout_core.model.lora`)."""
-    y = self._dense(x, name)
+    if self._recomputed(name):
+      y = self._recomputing(lambda x, w: dense(x, w, lead=self.lead), x, name)
+    else:
+      y = self._dense(x, name)
     if self._adapted(name):
       y += lora.low_rank(self, dense_equation(x.shape.rank - len(self.lead)), x, name,
                          self.adapters)
@@ -185,10 +216,26 @@ class Weights:
   def project(self, equation: str, x: tf.Tensor, name: str) -> tf.Tensor:
     """`tf.einsum(equation, x, self(name))`, each operand's subscripts
     after the lead ones ('btd,dhk->bthk'), plus the adapters' path."""
-    y = self._project(equation, x, name)
+    if self._recomputed(name):
+      lead = fsdp.lead_equation(equation, self.lead)
+      y = self._recomputing(lambda x, w: tf.einsum(lead, x, w), x, name)
+    else:
+      y = self._project(equation, x, name)
     if self._adapted(name):
       y += lora.low_rank(self, equation, x, name, self.adapters)
     return y
+
+  def _recomputing(self, contract, x, name: str) -> tf.Tensor:
+    """contract(x, w(name)), the weight made again from its stored parts in
+    the backward pass (`frozen.recomputed_contraction`)."""
+    names = [name] + [n for n in (name + frozen.SCALE_SUFFIX,) if self.has(n)]
+    dtype = self.dtype
+
+    def weight_of(stored, scale=None):
+      value = cast(stored, dtype)
+      return value if scale is None else value * cast(scale, dtype)
+    return frozen.recomputed_contraction(contract, x, [self._stored(n) for n in names],
+                                         weight_of)
 
   def _adapted(self, name: str) -> bool:
     return (self.adapters is not None and self.context.adapters
@@ -233,11 +280,20 @@ class LayerWeights(Weights):
   def has(self, name):
     return name in self.layer.variable_names
 
-  def __call__(self, name):
+  def _read(self, name):
     variable = getattr(self.layer, name)
     if fsdp.use_layout(variable) is None:
       return cast(variable, self.dtype)
     return self._at_use.get(id(variable))
+
+  def _stored(self, name):
+    return tf.convert_to_tensor(getattr(self.layer, name))
+
+  def _recomputed(self, name):
+    variable = getattr(self.layer, name)
+    return (not variable.trainable and fsdp.use_layout(variable) is None
+            and (variable.dtype != tf.as_dtype(self.dtype)
+                 or self.has(name + frozen.SCALE_SUFFIX)))
 
   def _replica_axis(self, variable) -> str | None:
     return fsdp.replica_axis(variable, self.dtype, self.context.batch_split)

@@ -60,6 +60,7 @@ from layout_core.pipeline.plan import (cell_slot, check_cell_count, check_identi
                                        check_stackable)
 from layout_core.layout.rules import UNSHARDED, LayoutRules
 from layout_core.layout.variables import StackedValues, dvariable, path_seed
+from layout_core.model import frozen
 from layout_core.model.remat import rematerialized
 from layout_core.model.random import DropoutInputs
 from layout_core.model.weights import GatheredAtUse, Split, Weights, cast, waits_for
@@ -158,6 +159,7 @@ class StackedCells(Module):
           bytes_total=nbytes,
           bytes_per_device=nbytes // math.prod(axes[a] for a in spec if a != UNSHARDED),
           use_spec=use_spec if split else None, trainable=template.trainable))
+    frozen.pair_scales(self.stacked_variables)
 
   @property
   def records(self) -> list[LayoutRecord]:
@@ -247,12 +249,24 @@ class SlotWeights(Weights):
                  for path, (use, stored) in self.use_layouts.items()},
         waits_for(inputs, self.context))
 
-  def __call__(self, name):
-    path = f'{self.below}/{name}' if self.below else name
+  def _path(self, name):
+    return f'{self.below}/{name}' if self.below else name
+
+  def _read(self, name):
+    path = self._path(name)
     if path in self.use_layouts:
       return self._at_use.get(path)
     value = self.select(path)
     return value if self.dtype is None else cast(value, self.dtype)
+
+  def _stored(self, name):
+    return self.select(self._path(name))
+
+  def _recomputed(self, name):
+    """int8 weights not split by FSDP (a bfloat16 frozen weight's float32
+    copy is kept here: the slots do not say which weights are frozen)."""
+    return (self._path(name) not in self.use_layouts and self.dtype is not None
+            and self.has(name + frozen.SCALE_SUFFIX))
 
   def has(self, name):
     try:

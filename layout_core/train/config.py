@@ -17,6 +17,7 @@ from absl import logging
 from layout_core.errors import ConfigError
 from layout_core.fields import at_least, check_types
 from layout_core.layout.rules import UNSHARDED
+from layout_core.model.frozen import check_frozen_dtype
 
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 # What the backward pass recomputes instead of keeping (docs/memory-precision.md):
@@ -59,6 +60,10 @@ class TrainConfig:
   # fullmatch train (gradients, optimizer state). None: every variable, or
   # with LoRA (`lora.rank`) the adapters only (layout_core.model.lora).
   trainable: tuple[str, ...] | None = None
+  # The dtype the frozen weights (a LoRA base, what `trainable` leaves out)
+  # are stored, checkpointed and gathered in: 'float32', 'bfloat16' or
+  # 'int8' (a float32 scale per output channel; layout_core.model.frozen).
+  frozen_dtype: str = 'float32'
 
   def __post_init__(self):
     check_types(self, name='train')
@@ -69,6 +74,7 @@ class TrainConfig:
       if getattr(self, field) not in allowed:
         raise ConfigError(f'train.{field} is {getattr(self, field)!r}', where=f'train.{field}',
                           fix=f"use one of {', '.join(map(repr, allowed))}")
+    check_frozen_dtype(self.frozen_dtype)
     if self.fsdp == '':
       raise ConfigError("train.fsdp is ''", where='train.fsdp',
                         fix='use False, True (the batch axis) or a mesh axis name')
