@@ -42,6 +42,7 @@ from layout_core.errors import ConfigError
 from layout_core.infer.text_samples import text_samples_for
 from layout_core.lazy import tf
 from layout_core.layout.variables import to_numpy
+from layout_core.model import frozen
 from layout_core.model.lora import B_SUFFIX, is_adapter
 from layout_core.train.preemption import PreemptionWatcher
 from layout_core.train.summaries import NullWriter, SummaryWriter
@@ -274,7 +275,8 @@ def _run_training(plan: RunPlan, *, model_dir: str, watcher: PreemptionWatcher,
   if restored is None and plan.checkpoint.init_from:
     variables = trainer.engine.variables
     checkpointer.init_from(plan.checkpoint.init_from, variables,
-                           new=[path for path in variables if is_adapter(path)],
+                           new=[path for path in variables
+                                if is_adapter(path) or frozen.is_scale(path)],
                            frozen=[path for path, v in variables.items() if not v.trainable])
     if plan.task.needs_reference:
       check_reference_is_the_start(variables, init_from=plan.checkpoint.init_from)

@@ -38,9 +38,10 @@ FACTORS = {  # feature -> its settings, the reference's first
     'arch': ('classic', 'llama'),   # transformer_lm's defaults, or its Llama-family options
     'lora': (False, True),          # a frozen base with LoRA adapters (`LORA`)
     'tied': (False, True),          # transformer_lm.tie_embeddings: the softmax reads the table
+    'frozen': ('float32', 'bfloat16', 'int8'),  # train.frozen_dtype: the LoRA base's storage
 }
 # Settings that change what is trained (kept in the reference) ...
-KEPT = ('packed', 'dtype', 'optimizer', 'arch', 'lora', 'tied')
+KEPT = ('packed', 'dtype', 'optimizer', 'arch', 'lora', 'tied', 'frozen')
 # ... and those that must not (the reference switches them off).
 TRANSPARENT = ('remat', 'fsdp', 'accum', 'shard_state')
 # Relative to the values' scale (tests/numerics.py). measured (default / no oneDNN / 1 thread,
@@ -57,13 +58,17 @@ REFUSED = {
     ('engine', 'keras', 'fsdp', True): ('train.fsdp', 'Keras'),
     ('engine', 'keras', 'lora', True): ('lora', 'Keras'),
     ('engine', 'gpipe', 'tied', True): ('tie_embeddings', 'pipeline.engine'),
+    ('engine', 'keras', 'frozen', 'bfloat16'): ('frozen_dtype', 'Keras'),
+    ('engine', 'keras', 'frozen', 'int8'): ('frozen_dtype', 'Keras'),
 }
 # The adapters of 'lora': attention's queries and values and every
 # feed-forward matrix, with dropout on their inputs.
 LORA = dict(rank=4, alpha=8.0, dropout=0.1, targets=(r'.*/attn/w[qv]', r'.*/ffn/w_.*'))
 
 # Pairs that mean nothing together: a Keras model has no transformer_lm options.
-NOT_APPLICABLE = {('engine', 'keras', 'arch', 'llama'), ('engine', 'keras', 'tied', True)}
+# A narrow frozen dtype needs frozen weights (without LoRA it is an error of its own).
+NOT_APPLICABLE = {('engine', 'keras', 'arch', 'llama'), ('engine', 'keras', 'tied', True),
+                  ('lora', False, 'frozen', 'bfloat16'), ('lora', False, 'frozen', 'int8')}
 
 Cell = dict  # feature -> setting
 
@@ -148,10 +153,10 @@ def name(cell: Cell) -> str:
 TWO_CLIENT_CELLS = [
     {'engine': 'plain', 'remat': 'block', 'packed': False, 'fsdp': False, 'dtype': 'float32',
      'accum': 2, 'shard_state': True, 'optimizer': 'adafactor', 'arch': 'llama', 'lora': True,
-     'tied': True},
+     'tied': True, 'frozen': 'int8'},
     {'engine': 'keras', 'remat': 'full', 'packed': False, 'fsdp': False, 'dtype': 'bfloat16',
      'accum': 2, 'shard_state': False, 'optimizer': 'adam', 'arch': 'classic', 'lora': False,
-     'tied': False},
+     'tied': False, 'frozen': 'float32'},
 ]
 # ... and the settings other multi-client tests run against one process.
 TWO_CLIENTS = {
@@ -163,7 +168,7 @@ TWO_CLIENTS = {
 }
 GIN = {'remat': 'train.remat', 'fsdp': 'train.fsdp', 'dtype': 'train.compute_dtype',
        'accum': 'train.grad_accum_steps', 'shard_state': 'optimizer.shard_state',
-       'optimizer': 'optimizer.name'}
+       'optimizer': 'optimizer.name', 'frozen': 'train.frozen_dtype'}
 
 
 def gin_bindings(cell: Cell) -> list[str]:

@@ -110,8 +110,9 @@ def make(cell: dict, meshes: dict):
   if cell['engine'] in ('spmd', 'gpipe'):
     pipeline = PipelineConfig(num_stages=2, num_micro_batches=2,
                               engine='spmd' if cell['engine'] == 'spmd' else 'submesh')
-  if cell['lora']:
-    model = tune(model, lora=LoraConfig(**composition.LORA), trainable=None)
+  if cell['lora'] or cell['frozen'] != 'float32':
+    model = tune(model, lora=LoraConfig(**composition.LORA) if cell['lora'] else None,
+                 trainable=None, frozen_dtype=cell['frozen'])
   rules = [] if keras else MEGATRON_QWEN2 if cell['arch'] == 'llama' else MEGATRON
   return make_trainer(
       model=model, mesh=meshes['stage' if pipeline else '2d'],

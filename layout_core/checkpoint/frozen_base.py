@@ -166,11 +166,12 @@ def locate(reference: BaseReference, *, recorded_in: str, moved_to: str | None =
           'instead. Nothing was changed on disk')
 
 
-def read_base(prefix: str, entries: Iterable[shard_io.CheckpointEntry]) -> None:
+def read_base(prefix: str, entries: Iterable[shard_io.CheckpointEntry], *,
+              saved_dtypes: Mapping[str, object] | None = None) -> None:
   """Reads entries (keyed as in the base) from the base at `prefix`; damage
   there is a ConfigError naming the base, never the reading checkpoint's."""
   with base_damage_named(prefix):
-    shard_io.read_entries(prefix, entries)
+    shard_io.read_entries(prefix, entries, saved_dtypes=saved_dtypes)
 
 
 @contextlib.contextmanager
@@ -205,6 +206,7 @@ class CheckpointView:
       for key, base_key in self.reference.keys.items():
         self.shapes.setdefault(key, list(self.reference.shapes[base_key]))
     self._readers: dict[str, object] = {}
+    self._dtype_maps: dict[str, dict] = {}
 
   def source(self, key: str) -> tuple[str, str]:
     """(prefix, key) where the tensor `key` is stored."""
@@ -213,7 +215,8 @@ class CheckpointView:
     return self.base_prefix, self.reference.keys[key]
 
   def read(self, entries: Sequence[shard_io.CheckpointEntry]) -> None:
-    """Assigns every entry's variable (`shard_io.read_entries`) from here or the base."""
+    """Assigns every entry's variable (`shard_io.read_entries`) from here or
+    the base, converted from the dtype stored there (`converted`)."""
     own, based = [], []
     for entry in entries:
       prefix, key = self.source(entry.key)
@@ -221,9 +224,24 @@ class CheckpointView:
         own.append(entry)
       else:
         based.append(dataclasses.replace(entry, key=key))
-    shard_io.read_entries(self.prefix, own)
+    shard_io.read_entries(self.prefix, own, saved_dtypes=self._dtypes(self.prefix))
     if based:
-      read_base(self.base_prefix, based)
+      read_base(self.base_prefix, based, saved_dtypes=self._dtypes(self.base_prefix))
+
+  def dtype(self, key: str):
+    """The tf.DType the tensor `key` is stored in (here or in the base)."""
+    prefix, stored = self.source(key)
+    return self._dtypes(prefix)[stored]
+
+  def converted(self, entries: Sequence[shard_io.CheckpointEntry]) -> set[int]:
+    """ids of the entries' variables stored in another dtype than theirs
+    (read widened, narrowed or quantized: `shard_io.read_entries`)."""
+    return {id(e.variable) for e in entries if self.dtype(e.key) != e.variable.dtype}
+
+  def _dtypes(self, prefix: str):
+    if prefix not in self._dtype_maps:
+      self._dtype_maps[prefix] = self._reader(prefix).get_variable_to_dtype_map()
+    return self._dtype_maps[prefix]
 
   def get_tensor(self, key: str):
     """The whole tensor `key` as a numpy array, on the host (an export)."""

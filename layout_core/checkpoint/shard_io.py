@@ -312,7 +312,8 @@ def _restore(prefix: str, names: Sequence[str], specs: Sequence[str], dtypes, de
                                 shape_and_slices=list(specs), dtypes=list(dtypes))
 
 
-def read_entries(prefix: str, entries: Iterable[CheckpointEntry]) -> None:
+def read_entries(prefix: str, entries: Iterable[CheckpointEntry], *,
+                 saved_dtypes: Mapping[str, object] | None = None) -> None:
   """Assigns every entry's variable from the checkpoint at `prefix`.
 
   Each local device reads only the slice it holds (a slice it shares with an
@@ -320,19 +321,35 @@ def read_entries(prefix: str, entries: Iterable[CheckpointEntry]) -> None:
   from their own keys and stacked on the device. Works for any mesh shape or
   layout, whatever the layout the checkpoint was written from.
 
+  `saved_dtypes` (key -> tf.DType): the checkpoint's, where they may differ
+  from the variables' (a bfloat16 import read into float32 masters, a
+  float32 base into a frozen bfloat16 or int8 one). A float tensor is read
+  in its own dtype and cast on each device; read into an int8 variable, it
+  is quantized on the mesh and the variable's scale set
+  (`layout_core.model.frozen`).
+
   One variable at a time, in this thread: reading from several threads raced
   in TF 2.21's eager runtime (one call's tensor names met another call's slice
   specs), so the parallelism stays on the write side, where it was tested."""
   by_variable: dict[int, list[CheckpointEntry]] = {}
   for entry in entries:
     by_variable.setdefault(id(entry.variable), []).append(entry)
+  saved_dtypes = saved_dtypes or {}
   for group in by_variable.values():
-    _assign(*_read_variable(prefix, group))
+    variable = group[0].variable
+    saved = tf.as_dtype(saved_dtypes.get(group[0].key, variable.dtype))
+    value = _read_variable(prefix, group, saved)
+    if saved == variable.dtype:
+      _assign(variable, value)
+    elif variable.dtype == tf.int8 and saved.is_floating:
+      _quantize_into(variable, value)
+    else:
+      _assign(variable, _cast_components(value, variable.dtype))
 
 
-def _read_variable(prefix: str, group: Sequence[CheckpointEntry]):
-  """(variable, its value) for a variable without a layout, else (variable,
-  the component of every local device)."""
+def _read_variable(prefix: str, group: Sequence[CheckpointEntry], dtype):
+  """The value of a variable without a layout, else the component of every
+  local device, read in `dtype` (the checkpoint's)."""
   variable = group[0].variable
   rows = {e.index: e for e in group}
   whole = rows.get(None)
@@ -340,22 +357,48 @@ def _read_variable(prefix: str, group: Sequence[CheckpointEntry]):
   layout = _layout(variable)
   if layout is None:
     extent = tuple((0, s) for s in shape)
-    return variable, _read_extent(prefix, whole, rows, shape, extent, variable.dtype,
-                                  variable.device)
+    return _read_extent(prefix, whole, rows, shape, extent, dtype, variable.device)
   all_ranges = device_ranges(shape, layout)
   cache: dict[Ranges, object] = {}
   components = []
   for device, position in zip(layout.mesh.local_devices(), _local_positions(layout.mesh)):
     ranges = all_ranges[position]
     if ranges not in cache:
-      cache[ranges] = _read_extent(prefix, whole, rows, shape, ranges, variable.dtype, device)
+      cache[ranges] = _read_extent(prefix, whole, rows, shape, ranges, dtype, device)
     components.append(cache[ranges])
-  return variable, components
+  return components
 
 
 def _assign(variable, value) -> None:
   layout = _layout(variable)
   variable.assign(value if layout is None else dtensor.pack(value, layout))
+
+
+def _cast_components(value, dtype):
+  """A value read by `_read_variable`, cast to `dtype` where it lies."""
+  if not isinstance(value, list):
+    return tf.cast(value, dtype)
+  cast = []
+  for component in value:
+    with tf.device(component.device):
+      cast.append(tf.cast(component, dtype))
+  return cast
+
+
+def _quantize_into(variable, value) -> None:
+  """Sets the int8 `variable` and its scale (`frozen.scale_of`) from the
+  float `value` (read by `_read_variable`), quantized on the mesh."""
+  from layout_core.model import frozen  # pylint: disable=g-import-not-at-top
+  scale_variable = frozen.scale_of(variable)
+  if scale_variable is None:
+    raise ValueError(f'{variable.name} is int8 without a scale; the checkpoint holds floats')
+  layout = _layout(variable)
+  whole = value if layout is None else dtensor.pack(value, layout)
+  axes = frozen.axes_of(variable.shape.as_list(), scale_variable.shape.as_list())
+  q, scale = frozen.quantize(whole, axes)
+  variable.assign(q)
+  scale_layout = _layout(scale_variable)
+  scale_variable.assign(scale if scale_layout is None else dtensor.relayout(scale, scale_layout))
 
 
 def _read_extent(prefix, whole, rows, shape, ranges: Ranges, dtype, device: str):

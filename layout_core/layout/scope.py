@@ -180,7 +180,7 @@ class LayoutScope:
     else:
       value = initial_dtensor(spec.initializer, shape=spec.shape, dtype=spec.dtype,
                               layout=self.layout(record.spec),
-                              seed=path_seed(spec.path, self.seed))
+                              seed=path_seed(spec.seed_path or spec.path, self.seed))
     variable = dvariable(value, path=spec.path, trainable=spec.trainable)
     if record.use_spec is not None:
       fsdp.set_use_layout(variable, self.layout(record.use_spec))

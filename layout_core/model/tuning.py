@@ -48,19 +48,19 @@ def tune(model, *, lora: LoraConfig | None, trainable: Sequence[str] | None,
   Keras model, and for a `frozen_dtype` other than float32 that no weight
   is frozen for."""
   tuning = Tuning(lora=lora, trainable=trainable, frozen_dtype=frozen_dtype)
-  if not tuning.active:
-    if frozen_dtype != 'float32':
-      raise ConfigError(f"train.frozen_dtype is {frozen_dtype!r}, but no weight is frozen",
-                        where='train.frozen_dtype',
-                        fix='freeze the base with LoRA (lora.rank, lora.targets) or '
-                            "train.trainable, or leave train.frozen_dtype = 'float32'")
+  if not tuning.active and frozen_dtype == 'float32':
     return model
   if not isinstance(model, Params):
-    raise ConfigError('lora.* and train.trainable tune a Params model; this one is a '
-                      f'{type(model).__name__}',
+    raise ConfigError('lora.*, train.trainable and train.frozen_dtype tune a Params model; '
+                      f'this one is a {type(model).__name__}',
                       where='lora.rank / train.trainable / train.frozen_dtype',
                       fix="a Keras 3 model has its own layer.enable_lora(rank); or train a "
                           'Params model (model.params = @transformer_lm())')
+  if not tuning.active:
+    raise ConfigError(f'train.frozen_dtype is {frozen_dtype!r}, but no weight is frozen',
+                      where='train.frozen_dtype',
+                      fix='freeze the base with LoRA (lora.rank, lora.targets) or '
+                          "train.trainable, or leave train.frozen_dtype = 'float32'")
   p = tuned(model, tuning)
   check_targets(p.cls.variable_specs(p), tuning.lora, tuning.trainable)
   return p
