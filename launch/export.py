@@ -70,8 +70,10 @@ FORMAT = flags.DEFINE_enum(
     "hf: a Hugging Face directory (config.json, safetensors, tokenizer) that transformers' "
     'AutoModelForCausalLM loads.')
 HF_DTYPE = flags.DEFINE_enum(
-    'hf_dtype', 'float32', ['float32', 'bfloat16'], '--format=hf: the weights\' dtype '
-    '(float32 keeps them exactly).')
+    'hf_dtype', 'auto', ['auto', 'float32', 'bfloat16'], '--format=hf: the weights\' dtype. '
+    'auto: the dtype the checkpoint holds the model\'s matrices in (a bfloat16 import, or '
+    'a LoRA run on it, exports bfloat16; LoRA updates are merged in float32 first), '
+    'float32 for float32 or int8 ones; float32 keeps float32 weights exactly.')
 MAX_SHARD_MB = flags.DEFINE_integer(
     'max_shard_mb', 5000, '--format=hf: the largest safetensors file, in MB (10^6 bytes); '
     'larger models are sharded, with model.safetensors.index.json.', lower_bound=1)

@@ -61,6 +61,11 @@ PEFT_DIR = flags.DEFINE_string(
     'peft_dir', None, 'LoRA adapters Hugging Face PEFT saved for that model '
     '(adapter_config.json, adapter_model.safetensors; launch.export --adapters_only writes '
     'them too): the run carries them, its config binding lora.* to their settings.')
+WEIGHTS_DTYPE = flags.DEFINE_enum(
+    'weights_dtype', 'auto', ['auto', 'float32', 'bfloat16'],
+    'What the run\'s step-0 checkpoint stores the weights in. auto: bfloat16 when every '
+    'weight in the checkpoint is BF16 (bit for bit, half the bytes of float32; a run '
+    'reading them into float32 weights widens them exactly), else float32.')
 OVERWRITE = flags.DEFINE_bool(
     'overwrite', False, 'Replace what --model_dir holds (it is replaced only once the new '
     'run is complete).')
@@ -87,7 +92,7 @@ def main(argv):
                            bindings=gin_flags.GIN_BINDINGS.value,
                            search_paths=gin_flags.GIN_SEARCH_PATHS.value,
                            overwrite=OVERWRITE.value, on_write=watcher.defer,
-                           peft_dir=PEFT_DIR.value)
+                           peft_dir=PEFT_DIR.value, weights_dtype=WEIGHTS_DTYPE.value)
     print(report.line(), flush=True)
 
   gin_flags.run_guarded(body)

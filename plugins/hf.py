@@ -47,6 +47,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import gin
+import numpy as np
 from absl import logging
 
 from layout_core.checkpoint.frozen_base import open_view
@@ -58,7 +59,10 @@ from layout_core.convert import peft
 from layout_core.durable import directory_aside
 from layout_core.errors import ConfigError
 from layout_core.infer.tokens import RUN_TOKENIZER_DIR
+from layout_core.lazy import tf
+from layout_core.model import frozen
 from layout_core.model import lora as lora_lib
+from layout_core.model import tuning as tuning_lib
 from layout_core.model.lm import transformer_lm_params
 from plugins import configurables, gin_setup, inference
 from plugins.origin import IMPORT_RECORD, base_run, origin_of
@@ -132,12 +136,13 @@ def return_freed_memory_promptly() -> None:
 def import_run(*, hf_dir: str, model_dir: str, files: Sequence[str] = (),
                bindings: Sequence[str] = (), search_paths: Sequence[str] = (),
                overwrite: bool = False, on_write: Callable[[], None] | None = None,
-               peft_dir: str | None = None) -> ImportReport:
+               peft_dir: str | None = None, weights_dtype: str = 'auto') -> ImportReport:
   """Writes the run of the Hugging Face checkpoint in `hf_dir` (module doc).
   `on_write` is called once everything is checked, right before the first
   file is written (launch.import_hf defers stop signals there). `peft_dir`:
   LoRA adapters saved by PEFT for that model, which the run then carries
-  (its config binds `lora.*` to theirs)."""
+  (its config binds `lora.*` to theirs). `weights_dtype`: what the step-0
+  checkpoint stores the weights in ('auto': `stored_dtype`)."""
   from plugins.training import build_trainer  # pylint: disable=g-import-not-at-top
   start = time.perf_counter()
   check_new_run(model_dir, overwrite=overwrite)
@@ -146,6 +151,7 @@ def import_run(*, hf_dir: str, model_dir: str, files: Sequence[str] = (),
     bindings = [*bindings, *(f'lora.{field} = {getattr(adapters, field)!r}'
                              for field in ('rank', 'alpha', 'dropout', 'targets'))]
   source = hf_lib.open_hf(hf_dir)
+  weights_dtype = stored_dtype(source, weights_dtype)
   with tempfile.TemporaryDirectory(prefix='meshgin-import-') as scratch:
     base = os.path.join(scratch, 'imported.gin')
     with open(base, 'w') as f:
@@ -156,7 +162,11 @@ def import_run(*, hf_dir: str, model_dir: str, files: Sequence[str] = (),
       _check_architecture_kept(source.kwargs)
   # Written unpipelined: a pipelined run's checkpoint has the plain model's keys.
   # Every variable is assigned below (checked first): no initial values computed.
-  trainer = build_trainer(dataclasses.replace(plan, pipeline=None), weights_only=True)
+  # The weights are held (frozen, for this build only) as they will be stored.
+  held = tuning_lib.tuned(plan.params, lora_lib.Tuning(
+      lora=tuning_lib.lora_of(plan.params), trainable=(), frozen_dtype=weights_dtype))
+  trainer = build_trainer(dataclasses.replace(plan, pipeline=None, params=held),
+                          weights_only=True)
   variables = trainer.engine.variables
   shapes = {path: tuple(v.shape.as_list()) for path, v in variables.items()}
   adapted = peft.meshgin_adapters(source.kwargs, adapter_tensors, shapes) if adapters else {}
@@ -170,6 +180,7 @@ def import_run(*, hf_dir: str, model_dir: str, files: Sequence[str] = (),
   if on_write is not None:
     on_write()
   record = {'hf_dir': os.path.abspath(hf_dir), 'family': source.facts.family,
+            'weights_dtype': weights_dtype,
             'peft_dir': os.path.abspath(peft_dir) if peft_dir else None,
             'tied': source.facts.tied, 'torch_dtype': source.facts.dtype,
             'kwargs': source.kwargs, 'config': source.config}
@@ -178,6 +189,23 @@ def import_run(*, hf_dir: str, model_dir: str, files: Sequence[str] = (),
   return ImportReport(model_dir=model_dir, family=source.facts.family, tied=source.facts.tied,
                       num_parameters=plan.num_parameters, mesh=plan.mesh_spec.describe(),
                       seconds=time.perf_counter() - start)
+
+
+WEIGHTS_DTYPES = ('auto', 'float32', 'bfloat16')
+
+
+def stored_dtype(source: hf_lib.HFSource, requested: str) -> str:
+  """The dtype an import stores the weights of `source` in: `requested`,
+  or for 'auto' bfloat16 where every tensor it reads is BF16 (held bit for
+  bit, half float32's bytes), else float32 (float16 widens exactly)."""
+  if requested not in WEIGHTS_DTYPES:
+    raise ConfigError(f'--weights_dtype is {requested!r}', where='--weights_dtype',
+                      fix=f"use one of {', '.join(WEIGHTS_DTYPES)}")
+  if requested != 'auto':
+    return requested
+  names = [rule.hf_name for rule in source.rules]
+  return ('bfloat16' if all(source.reader.dtypes.get(n) == 'BF16' for n in names)
+          else 'float32')
 
 
 def _check_variables(variables, expected: dict[str, tuple[int, ...]], *, hf_dir: str) -> None:
@@ -235,7 +263,7 @@ def lm_kwargs_of_config() -> dict[str, Any]:
 def export_run(*, export_dir: str, model_dir: str | None = None,
                checkpoint: str | None = None, files: Sequence[str] = (),
                bindings: Sequence[str] = (), search_paths: Sequence[str] = (),
-               overwrite: bool = False, dtype: str = 'float32',
+               overwrite: bool = False, dtype: str = 'auto',
                max_shard_bytes: int = hf_lib.hf_files.DEFAULT_MAX_SHARD_BYTES,
                adapters_only: bool = False) -> dict[str, Any]:
   """Writes the run's checkpoint as a Hugging Face directory (module doc),
@@ -258,7 +286,13 @@ def export_run(*, export_dir: str, model_dir: str | None = None,
 
   def stored(path: str):
     key = key_for_name(path, by_name)
-    return None if key is None else view.get_tensor(key)
+    if key is None:
+      return None
+    value = view.get_tensor(key)
+    scale = key_for_name(path + frozen.SCALE_SUFFIX, by_name)
+    if value.dtype == np.int8 and scale is not None:  # a frozen weight held in int8
+      return frozen.dequantized_np(value, view.get_tensor(scale))
+    return value
 
   if adapters_only:
     if adapters is None:
@@ -282,6 +316,10 @@ def export_run(*, export_dir: str, model_dir: str | None = None,
       return lora_lib.merged(value, a, b, scale=adapters.scale)
     return value
 
+  if dtype == 'auto':  # the base's own: that of the matrices the checkpoint holds
+    table = key_for_name('lm/emb/table', by_name)
+    dtype = ('bfloat16' if table is not None and view.dtype(table) == tf.bfloat16
+             else 'float32')
   written = hf_lib.write_hf_dir(export_dir, kwargs=kwargs, read=read, dtype=dtype,
                                 max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer_dir,
                                 kept=(record or {}).get('config'), overwrite=overwrite)

@@ -29,6 +29,11 @@ differs; `checkpoint.moved_base` says where a moved base is now (its index
 must be the same). References are flat: a run started from a run that holds
 its frozen weights by reference refers to the same base itself.
 
+A frozen weight the run stores in another dtype (`train.frozen_dtype`: a
+float32 base held in bfloat16 or int8) is named all the same: each read of
+the base converts it again, to the same bits (`shard_io.read_entries`); an
+int8 weight's scale is the run's own, and saved.
+
 Frozen weights that come from no checkpoint (random-init layers frozen with
 no `init_from`) are saved as before: only an unchanged copy of a checkpoint
 can be named instead of written.
@@ -216,7 +221,7 @@ class CheckpointView:
 
   def read(self, entries: Sequence[shard_io.CheckpointEntry]) -> None:
     """Assigns every entry's variable (`shard_io.read_entries`) from here or
-    the base, converted from the dtype stored there (`converted`)."""
+    the base, converted from the dtype stored there."""
     own, based = [], []
     for entry in entries:
       prefix, key = self.source(entry.key)
@@ -232,11 +237,6 @@ class CheckpointView:
     """The tf.DType the tensor `key` is stored in (here or in the base)."""
     prefix, stored = self.source(key)
     return self._dtypes(prefix)[stored]
-
-  def converted(self, entries: Sequence[shard_io.CheckpointEntry]) -> set[int]:
-    """ids of the entries' variables stored in another dtype than theirs
-    (read widened, narrowed or quantized: `shard_io.read_entries`)."""
-    return {id(e.variable) for e in entries if self.dtype(e.key) != e.variable.dtype}
 
   def _dtypes(self, prefix: str):
     if prefix not in self._dtype_maps:

@@ -278,11 +278,11 @@ class Checkpointer:
     found, size_bytes = entries_by_name(prefix, variables, rename_rules=self.config.init_from_map,
                                         new=new, shapes=view.shapes)
     view.read(found)
-    # A frozen weight read in another dtype (a float32 base stored in bfloat16
-    # or int8 here) is not the base's tensor: the run saves it itself.
+    # A frozen weight stored in another dtype here (a float32 base held in
+    # bfloat16 or int8) is still named, not saved: every read of the base
+    # converts it again, to the same bits (`shard_io.read_entries`).
     self._hold(reference_for(view, found, self.entries,
-                             frozen={id(variables[path]) for path in frozen}
-                             - view.converted(found)))
+                             frozen={id(variables[path]) for path in frozen}))
     self.on_event(CheckpointEvent(0, prefix, 'init_from', time.perf_counter() - start,
                                   size_bytes))
     logging.info('Initialised %d variables from %s', len(found), prefix)
