@@ -8,12 +8,16 @@ child, in two settings side by side:
     full   every weight trains (gradients and Adam's two moments for all)
     lora   the base frozen; rank-8 adapters on attention's queries and values
            (`lora.rank = 8`, `lora.targets = [r'.*/attn/w[qv]']`)
+    lora_bf16, lora_int8   the same with the base stored in bfloat16, or in
+           int8 with a float32 scale per output channel (`train.frozen_dtype`)
 
 Measured: at `--width`, each child's peak RSS, steps/s and trainable
 parameters; then the largest width (multiples of 64) each trains within
-`--budget_gib` (doubling, then bisection, as bench/memory.py searches), and
-the ratio of the two largest models' parameter counts (the issue's goal: at
-least 3x).
+`--budget_gib` (doubling from its `START` width, then bisection, as
+bench/memory.py searches), and the ratio of each LoRA setting's largest
+model's parameter count to full fine-tuning's (goals: at least 3x for
+LoRA, 20x with a narrow base), and each narrow base's steps/s against the
+float32 base's.
 
     python bench/finetune.py [--quick] [--budget_gib 4] [--out bench/results/finetune.json]
 """
@@ -31,10 +35,15 @@ from bench.common import write_json  # noqa: E402
 from bench.memory import WHOLE_STATE, inspect, largest, lm_bindings, train  # noqa: E402
 
 RANK = 8
+_LORA = WHOLE_STATE + [f'lora.rank = {RANK}', "lora.targets = [r'.*/attn/w[qv]']"]
 SETTINGS = {
     'full': WHOLE_STATE,
-    'lora': WHOLE_STATE + [f'lora.rank = {RANK}', "lora.targets = [r'.*/attn/w[qv]']"],
+    'lora': _LORA,
+    'lora_bf16': _LORA + ["train.frozen_dtype = 'bfloat16'"],
+    'lora_int8': _LORA + ["train.frozen_dtype = 'int8'"],
 }
+# Where each search starts doubling (near the largest measured before: fewer children).
+START = {'full': 512, 'lora': 1024, 'lora_bf16': 1536, 'lora_int8': 2048}
 
 
 def trainable(bindings: list[str]) -> int:
@@ -78,27 +87,44 @@ def main() -> None:
           f'{entry["parameters"]:,} parameters trained', flush=True)
     if not args.quick and run['ok']:
       width, _ = largest(setting, budget=budget, steps=args.steps, bisect=args.bisect,
-                         start=512, cache=cache)
+                         start=START[name], cache=cache)
       entry['largest_width'] = width
       entry['largest_parameters'] = (inspect(setting + lm_bindings(width, args.steps))[
           'parameters'] if width else None)
     results['settings'][name] = entry
-  full, lora = results['settings']['full'], results['settings']['lora']
-  results['peak_full / peak_lora'] = (full['at_width']['peak_bytes']
-                                      / max(lora['at_width']['peak_bytes'], 1))
-  results['steps_lora / steps_full'] = (lora['at_width']['steps_per_sec']
-                                        / max(full['at_width']['steps_per_sec'], 1e-9))
-  if full.get('largest_parameters') and lora.get('largest_parameters'):
-    results['largest_lora / largest_full'] = (lora['largest_parameters']
-                                              / full['largest_parameters'])
-  print(f"\nat width {args.width}: full / lora peak memory "
-        f"{results['peak_full / peak_lora']:.2f}x, lora / full steps/s "
-        f"{results['steps_lora / steps_full']:.2f}x")
-  if 'largest_lora / largest_full' in results:
-    print(f"largest in {args.budget_gib} GiB: full width {full['largest_width']} "
-          f"({full['largest_parameters']:,} parameters), lora width {lora['largest_width']} "
-          f"({lora['largest_parameters']:,}): {results['largest_lora / largest_full']:.2f}x "
-          '(goal 3x)')
+  full = results['settings']['full']
+  for name in ('lora', 'lora_bf16', 'lora_int8'):
+    tuned = results['settings'][name]
+    results[f'peak_full / peak_{name}'] = (full['at_width']['peak_bytes']
+                                           / max(tuned['at_width']['peak_bytes'], 1))
+    results[f'steps_{name} / steps_full'] = (tuned['at_width']['steps_per_sec']
+                                             / max(full['at_width']['steps_per_sec'], 1e-9))
+    if full.get('largest_parameters') and tuned.get('largest_parameters'):
+      results[f'largest_{name} / largest_full'] = (tuned['largest_parameters']
+                                                   / full['largest_parameters'])
+  lora = results['settings']['lora']
+  for name in ('lora_bf16', 'lora_int8'):
+    narrow = results['settings'][name]
+    results[f'steps_{name} / steps_lora'] = (narrow['at_width']['steps_per_sec']
+                                             / max(lora['at_width']['steps_per_sec'], 1e-9))
+    results[f'peak_{name} / peak_lora'] = (narrow['at_width']['peak_bytes']
+                                           / max(lora['at_width']['peak_bytes'], 1))
+  print(f'\nat width {args.width}:')
+  for name in ('lora', 'lora_bf16', 'lora_int8'):
+    print(f"  {name}: full / {name} peak memory {results[f'peak_full / peak_{name}']:.2f}x, "
+          f"{name} / full steps/s {results[f'steps_{name} / steps_full']:.2f}x")
+  for name in ('lora_bf16', 'lora_int8'):
+    print(f"  {name} against the float32 base: steps/s "
+          f"{results[f'steps_{name} / steps_lora']:.2f}x, peak "
+          f"{results[f'peak_{name} / peak_lora']:.2f}x")
+  for name in ('lora', 'lora_bf16', 'lora_int8'):
+    key = f'largest_{name} / largest_full'
+    if key in results:
+      tuned = results['settings'][name]
+      print(f"largest in {args.budget_gib} GiB: full width {full['largest_width']} "
+            f"({full['largest_parameters']:,} parameters), {name} width "
+            f"{tuned['largest_width']} ({tuned['largest_parameters']:,}): "
+            f"{results[key]:.2f}x (goal {3 if name == 'lora' else 20}x)")
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   write_json(results, args.out)
 

@@ -8,8 +8,8 @@ parameters by default), then, each in a fresh process, side by side:
   * `read`: every tensor read one at a time with safetensors and widened to
     float32, as the import reads them, and dropped (the files' own speed);
   * `build`: what the import builds (8 CPU devices, `data=8`, FSDP): the
-    model's weights alone, as zeros to be overwritten, no optimizer (a
-    training run adds its state), nothing read;
+    model's weights alone, held in the checkpoint's bfloat16 as zeros to be
+    overwritten, no optimizer (a training run adds its state), nothing read;
   * `import`: `plugins.hf.import_run` of the directory into that run, step-0
     checkpoint written.
 
@@ -60,7 +60,6 @@ BUILD = _PEAK + """
 import time
 from plugins import gin_setup, hf
 from plugins.plan import make_plan
-from plugins.training import build_trainer
 from layout_core.convert import hf as hf_lib
 start = time.perf_counter()
 source = hf_lib.open_hf(sys.argv[1])
@@ -69,7 +68,7 @@ with open(base, 'w') as f:
   f.write(hf.base_config(source.kwargs))
 with gin_setup.parsed_config(files=[base], bindings=json.loads(sys.argv[3])):
   plan = make_plan()
-trainer = build_trainer(plan, weights_only=True)  # as the import builds it
+trainer = hf.build_import_trainer(plan, weights_dtype=hf.stored_dtype(source, 'auto'))
 print('RESULT ' + json.dumps({'seconds': time.perf_counter() - start, 'peak_gib': peak_gib(),
                               'parameters': plan.num_parameters}))
 """

@@ -143,7 +143,6 @@ def import_run(*, hf_dir: str, model_dir: str, files: Sequence[str] = (),
   LoRA adapters saved by PEFT for that model, which the run then carries
   (its config binds `lora.*` to theirs). `weights_dtype`: what the step-0
   checkpoint stores the weights in ('auto': `stored_dtype`)."""
-  from plugins.training import build_trainer  # pylint: disable=g-import-not-at-top
   start = time.perf_counter()
   check_new_run(model_dir, overwrite=overwrite)
   adapters, adapter_tensors = peft.read_peft_dir(peft_dir) if peft_dir else (None, {})
@@ -160,13 +159,8 @@ def import_run(*, hf_dir: str, model_dir: str, files: Sequence[str] = (),
                                  search_paths=list(search_paths)):
       plan = make_plan(data_splits=())  # the import reads no data
       _check_architecture_kept(source.kwargs)
-  # Written unpipelined: a pipelined run's checkpoint has the plain model's keys.
-  # Every variable is assigned below (checked first): no initial values computed.
-  # The weights are held (frozen, for this build only) as they will be stored.
-  held = tuning_lib.tuned(plan.params, lora_lib.Tuning(
-      lora=tuning_lib.lora_of(plan.params), trainable=(), frozen_dtype=weights_dtype))
-  trainer = build_trainer(dataclasses.replace(plan, pipeline=None, params=held),
-                          weights_only=True)
+  # Every variable is assigned below (checked first).
+  trainer = build_import_trainer(plan, weights_dtype=weights_dtype)
   variables = trainer.engine.variables
   shapes = {path: tuple(v.shape.as_list()) for path, v in variables.items()}
   adapted = peft.meshgin_adapters(source.kwargs, adapter_tensors, shapes) if adapters else {}
@@ -189,6 +183,18 @@ def import_run(*, hf_dir: str, model_dir: str, files: Sequence[str] = (),
   return ImportReport(model_dir=model_dir, family=source.facts.family, tied=source.facts.tied,
                       num_parameters=plan.num_parameters, mesh=plan.mesh_spec.describe(),
                       seconds=time.perf_counter() - start)
+
+
+def build_import_trainer(plan, *, weights_dtype: str):
+  """The trainer an import assigns and saves: the plan's model unpipelined
+  (a pipelined run's checkpoint has the plain model's keys), its weights
+  alone, as zeros to be overwritten (no initial values computed), held in
+  `weights_dtype` (frozen for this build, so stored as `train.frozen_dtype`
+  would store them; LoRA adapters from a PEFT import stay float32)."""
+  from plugins.training import build_trainer  # pylint: disable=g-import-not-at-top
+  held = tuning_lib.tuned(plan.params, lora_lib.Tuning(
+      lora=tuning_lib.lora_of(plan.params), trainable=(), frozen_dtype=weights_dtype))
+  return build_trainer(dataclasses.replace(plan, pipeline=None, params=held), weights_only=True)
 
 
 WEIGHTS_DTYPES = ('auto', 'float32', 'bfloat16')

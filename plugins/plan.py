@@ -25,7 +25,7 @@ from typing import Sequence
 import gin
 
 from layout_core.model import keras as keras_models
-from layout_core.model import tuning
+from layout_core.model import frozen, tuning
 from layout_core.layout import scope as layout_scope
 from layout_core import pipeline as pipeline_lib
 from layout_core.checkpoint.manager import CheckpointConfig
@@ -64,7 +64,7 @@ class RunPlan:
 
   @property
   def num_parameters(self) -> int:
-    return count_parameters(r.shape for r in self.records)
+    return count_parameters(r.shape for r in self.records if not frozen.is_scale(r.path))
 
   def unsplit_axis_warnings(self) -> list[str]:
     """One line for each mesh axis of size > 1 that splits nothing: no

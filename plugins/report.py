@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from layout_core.layout import scope as layout_scope
+from layout_core.model import frozen as frozen_lib
 from layout_core.train import memory
 from plugins.plan import RunPlan
 
@@ -92,10 +93,13 @@ def describe_plan(plan: RunPlan, *, max_rows: int = 0) -> str:
   if following:  # LoRA adapters no rule names
     lines.append(f'  {following:6d}  as the weight they adapt')
   lines.append(f'  {unmatched:6d}  default: replicated')
-  frozen = sum(math.prod(r.shape) for r in records if not r.trainable)
+  frozen = [r for r in records if not r.trainable]
   if frozen:
-    lines.append(f'Trained: {plan.num_parameters - frozen:,} of the parameters; the rest '
-                 'frozen (lora.*, train.trainable: no gradients, no optimizer state)')
+    count = sum(math.prod(r.shape) for r in frozen if not frozen_lib.is_scale(r.path))
+    lines.append(f'Trained: {plan.num_parameters - count:,} of the parameters; the rest '
+                 'frozen (lora.*, train.trainable: no gradients, no optimizer state), stored '
+                 f'in {plan.train.frozen_dtype} (train.frozen_dtype): '
+                 f'{_gib(layout_scope.bytes_per_device(frozen))} per device')
   param_bytes = layout_scope.bytes_per_device(records)
   if plan.pipeline is not None:
     lines += ['', f'Pipeline: {plan.pipeline.num_micro_batches} micro-batches of '

@@ -214,6 +214,31 @@ def test_init_from_a_float32_base_quantizes_it_on_the_mesh_and_names_it(mesh_2x4
                                    rtol=2.5e-7, atol=0, err_msg=path)
 
 
+@pytest.mark.parametrize('dtype', ['bfloat16', 'int8'])
+def test_the_decoder_and_the_merged_saved_model_compute_the_trained_runs_logits(
+    dtype, mesh_2x4, tmp_path):
+  """After 2 steps on a narrow base: the cached decoder over the run's own
+  variables (the int8 weights scaled, the adapters' path run) and the
+  SavedModel exporter's one-device model (each adapted weight dequantized
+  and merged in float32, scales read with their weights) agree."""
+  from layout_core.infer import decode  # pylint: disable=g-import-not-at-top
+  from layout_core.infer.export import load_plain_model  # pylint: disable=g-import-not-at-top
+  trainer = make(mesh_2x4, dtype)
+  trace(trainer, 2)
+  saver = Checkpointer(directory=str(tmp_path), state=trainer.state(),
+                       config=CheckpointConfig())
+  saver.prepare_directory()
+  prefix = saver.save(2, reason='test')
+  saver.wait()
+  tokens = np.random.default_rng(3).integers(0, 32, size=(8, 16)).astype(np.int32)
+  ours = decode.CachedLM(tuned(dtype), trainer.engine.variables,
+                         batch_axis='data').logits(tokens).numpy()
+  plain = load_plain_model(tuned(dtype), task=trainer.task, prefix=prefix)
+  exported = plain.call(tf.constant(tokens)).numpy()
+  assert_close(exported, ours, rel=1e-5, what=f'{dtype}: merged export vs the decoder')
+  assert all(v.dtype == tf.float32 for v in plain.variables.values())
+
+
 def test_a_narrow_dtype_with_nothing_frozen_is_refused():
   with pytest.raises(ConfigError) as raised:
     tune(transformer_lm_params(**MODEL), lora=None, trainable=None, frozen_dtype='int8')

@@ -49,7 +49,7 @@ from layout_core.infer.decode import check_fits as check_decoding_fits
 from layout_core.infer.sampling import Sampling
 from layout_core.layout.variables import VariableSpec, variable_creator
 from layout_core.lazy import tf
-from layout_core.model import lora, tuning
+from layout_core.model import frozen, lora, tuning
 from layout_core.model.base import compute_params
 from layout_core.model.built import traced_function
 from layout_core.params import Params
@@ -167,7 +167,10 @@ def read_values(view: CheckpointView, entries: Sequence[CheckpointEntry], *,
   listing the variables that differ (missing, other shapes, only in the
   checkpoint) when it is not this model's checkpoint; but for LoRA adapters
   with `adapters` (merged by the caller)."""
-  unread = (lambda key: lora.is_adapter(key.split(VALUE_SUFFIX)[0])
+  # With the adapters merged the model is the base in float32: its weights
+  # held in int8 are read with their scales (`frozen`), not beside them.
+  unread = (lambda key: (lora.is_adapter(key.split(VALUE_SUFFIX)[0])
+                         or frozen.is_scale(key.split(VALUE_SUFFIX)[0]))
             ) if adapters else None
   try:
     check_fits(view.prefix, entries, roots=['model/'], unread=unread, saved=view.shapes)
@@ -176,7 +179,15 @@ def read_values(view: CheckpointView, entries: Sequence[CheckpointEntry], *,
                       fix="export with the config the checkpoint was trained with (its "
                           "config.gin, which launch.export reads first); the checkpoint was "
                           'left untouched') from None
-  return {entry.key: view.get_tensor(entry.key) for entry in entries}
+  values = {}
+  for entry in entries:
+    value = view.get_tensor(entry.key)
+    scale = entry.key.replace(VALUE_SUFFIX, frozen.SCALE_SUFFIX + VALUE_SUFFIX)
+    if (value.dtype == np.int8 and scale in view.shapes
+        and entry.variable.dtype != tf.int8):  # the merged base reads int8 as float32
+      value = frozen.dequantized_np(value, view.get_tensor(scale))
+    values[entry.key] = value.astype(entry.variable.dtype.as_numpy_dtype, copy=False)
+  return values
 
 
 # -- signatures ---------------------------------------------------------------------

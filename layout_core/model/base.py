@@ -409,7 +409,9 @@ def compute_params(p: Params, *, dtype: str = 'float32', remat: str = 'none') ->
 
 
 def num_parameters(p: Params) -> int:
-  return sum(s.num_elements for s in p.cls.variable_specs(p))
+  """The model's parameters: its weights' elements (an int8 weight's
+  quantization scales are how it is stored, not parameters)."""
+  return sum(s.num_elements for s in p.cls.variable_specs(p) if not frozen.is_scale(s.path))
 
 
 def flatten_layers(p: Params) -> list[Params]:

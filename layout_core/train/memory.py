@@ -51,8 +51,11 @@ model, per device (the fullest one) and in total (summed over the devices):
     internals (recomputed during its backward) and a backward working set
     of one layer's kept tensors (the gradients of the layer being
     differentiated): the largest `kept` of any layer;
-  * bf16 weight copies (compute_dtype 'bfloat16'): 2 bytes per parameter
-    element per device, cast in the forward and kept for the backward;
+  * parameters count each variable in the dtype it is stored in (a frozen
+    base's bfloat16 or int8 and its scales: `train.frozen_dtype`);
+  * bf16 weight copies (compute_dtype 'bfloat16'): 2 bytes per trained
+    parameter element per device, cast in the forward and kept for the
+    backward (a frozen weight's is made again in the backward pass);
   * with `train.fsdp` (parameters, gradients and slots counted above in their
     split layouts), gathered weights instead, in the same category: each
     split weight at its rule's layout (`LayoutRecord.use_spec`) and the
@@ -101,6 +104,7 @@ from layout_core.model.layers import (Dropout, Embedding, FeedForward, LayerNorm
 from layout_core.layout import fsdp
 from layout_core.layout.rules import UNSHARDED
 from layout_core.layout.scope import bytes_at_use
+from layout_core.layout.variables import dtype_size
 from layout_core.optim.config import OptimizerConfig, state_axis
 from layout_core.optim.make import optimizer_class
 from layout_core.params import Params, once_per_frozen
@@ -179,12 +183,14 @@ def estimate_memory(*, records: Sequence[Any], params: Any,
   for r in records:
     if r.use_spec is not None:
       leaf = _owner(r.path, remat_of)
-      # The copy the math uses: the rule's split, the compute dtype (float32 variables).
-      nbytes = bytes_at_use(r, mesh_axes) * width // 4
+      # The copy the math uses: the rule's split, in the compute dtype.
+      nbytes = bytes_at_use(r, mesh_axes) // dtype_size(r.dtype) * width
       by_leaf = gathered.setdefault(r.mesh, {})
       by_leaf[leaf] = by_leaf.get(leaf, 0) + nbytes
-    elif config.compute_dtype == 'bfloat16':
-      per_mesh[r.mesh]['weight copies'] += r.bytes_per_device // 2
+    elif r.trainable and r.dtype != config.compute_dtype:
+      # A frozen weight's copy is made again in the backward pass, not kept
+      # (`layout_core.model.frozen.recomputed_contraction`).
+      per_mesh[r.mesh]['weight copies'] += r.bytes_per_device // dtype_size(r.dtype) * width
   for name, by_leaf in gathered.items():  # kept for the backward unless recomputed
     kept = sum(n for leaf, n in by_leaf.items() if not remat_of.get(leaf, False))
     transient = max((n for leaf, n in by_leaf.items() if remat_of.get(leaf, False)), default=0)

@@ -54,6 +54,11 @@ def check_fits_somewhere(result: SearchResult, suggester: Suggester) -> None:
   unit = 'per process' if budget.per_process else 'per device'
   layout = smallest.candidate.layout
   need = budget.smallest_limit(smallest.need, layout)
+  train = suggester.base.train
+  narrower = {'float32': "'bfloat16' or 'int8'", 'bfloat16': "'int8'"}.get(train.frozen_dtype)
+  frozen = any(not r.trainable for r in suggester.base.records)
+  hint = (f', a frozen base stored narrower (train.frozen_dtype = {narrower})'
+          if frozen and narrower else '')
   raise ConfigError(
       f'no layout of {suggester.num_devices} devices fits {_gib(budget.limit)} {unit}: '
       f'the least any candidate needs is {_gib(smallest.need)} '
@@ -61,8 +66,8 @@ def check_fits_somewhere(result: SearchResult, suggester: Suggester) -> None:
       'margin',
       where='--memory_gb / mesh.device_memory_gb',
       fix=f'give at least {need / GIB:.2f} GiB {unit} (and use '
-          f'{smallest.candidate.describe()}), more devices (--devices), or a smaller '
-          'model or batch')
+          f'{smallest.candidate.describe()}), more devices (--devices){hint}, or a '
+          'smaller model or batch')
 
 
 def describe(result: SearchResult, suggester: Suggester, *, top_k: int,
