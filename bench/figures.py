@@ -275,7 +275,6 @@ FIGURES: dict[str, Figure] = {
     'dpo.full_peak': Figure('dpo.json', lambda r: f"{r['peak full_dpo_pre / lora_dpo_pre']:.1f}x"),
     'import_hf.checkpoint': Figure('import_hf.json', lambda r: f"{r['checkpoint_gib']:.2f} GiB"),
     'import_hf.peak': Figure('import_hf.json', lambda r: f"{r['import']['peak_gib']:.1f} GiB"),
-    'import_hf.build': Figure('import_hf.json', lambda r: f"{r['build']['peak_gib']:.1f}"),
     'import_hf.ratio': Figure('import_hf.json', lambda r: f"{r['import_peak / checkpoint']:.1f}x"),
     'import_hf.seconds': Figure('import_hf.json', lambda r: f"{r['import']['seconds']:.1f} s"),
     'import_hf.parameters': Figure('import_hf.json',

@@ -15,12 +15,13 @@
                     at the model's vocabulary (`data.vocab_size`; set your own
                     data to train), mesh.shape {'data': 1} unless `files` or
                     `bindings` choose a mesh and layout rules
-  checkpoints/ckpt-0  a step-0 checkpoint written by the run's own
-                    checkpointer: the model built on that mesh, laid out by
-                    those rules as training lays it out, each variable
-                    assigned from its converted tensor (one Hugging Face
-                    tensor in host memory at a time), the optimizer's state
-                    fresh
+  checkpoints/ckpt-0  a step-0 checkpoint of the model's weights (the
+                    optimizer's state starts fresh), streamed to disk: each
+                    converted tensor written whole as it is read (one
+                    Hugging Face tensor in host memory at a time, nothing
+                    built on a mesh; any mesh and layout restore it), in
+                    bfloat16 when the checkpoint is (`stored_dtype`), then
+                    committed by the run's own checkpointer
   tokenizer/        the model's tokenizer files (`layout_core.infer.tokens`
                     uses them: `launch.decode --prompt='text'`)
   hf_import.json    where it came from: the directory, family, whether the
@@ -53,17 +54,19 @@ from absl import logging
 from layout_core.checkpoint.frozen_base import open_view
 from layout_core.checkpoint.manager import Checkpointer
 from layout_core.checkpoint.matching import key_for_name, names_in
-from layout_core.checkpoint.shard_io import assign_global
+from layout_core.checkpoint import shard_io
 from layout_core.convert import hf as hf_lib
 from layout_core.convert import peft
 from layout_core.durable import directory_aside
 from layout_core.errors import ConfigError
 from layout_core.infer.tokens import RUN_TOKENIZER_DIR
 from layout_core.lazy import tf
+from layout_core.layout.variables import variable_creator
 from layout_core.model import frozen
 from layout_core.model import lora as lora_lib
 from layout_core.model import tuning as tuning_lib
 from layout_core.model.lm import transformer_lm_params
+from layout_core.train.engine import Counters
 from plugins import configurables, gin_setup, inference
 from plugins.origin import IMPORT_RECORD, base_run, origin_of
 from plugins.plan import check_model_dir, make_plan
@@ -159,42 +162,29 @@ def import_run(*, hf_dir: str, model_dir: str, files: Sequence[str] = (),
                                  search_paths=list(search_paths)):
       plan = make_plan(data_splits=())  # the import reads no data
       _check_architecture_kept(source.kwargs)
-  # Every variable is assigned below (checked first).
-  trainer = build_import_trainer(plan, weights_dtype=weights_dtype)
-  variables = trainer.engine.variables
-  shapes = {path: tuple(v.shape.as_list()) for path, v in variables.items()}
+  # The weights as the step-0 checkpoint holds them: frozen for this write,
+  # so in `weights_dtype` (LoRA adapters from a PEFT import stay float32).
+  held = tuning_lib.tuned(plan.params, lora_lib.Tuning(
+      lora=tuning_lib.lora_of(plan.params), trainable=(), frozen_dtype=weights_dtype))
+  specs = {spec.path: spec for spec in held.cls.variable_specs(held)}
+  shapes = {path: tuple(spec.shape) for path, spec in specs.items()}
   adapted = peft.meshgin_adapters(source.kwargs, adapter_tensors, shapes) if adapters else {}
-  _check_variables(variables, {**source.variable_shapes,
-                               **{path: v.shape for path, v in adapted.items()}},
-                   hf_dir=hf_dir)
-  for path, value in itertools.chain(source.values(), adapted.items()):
-    variable = variables[path]
-    assign_global(variable, value.astype(variable.dtype.as_numpy_dtype, copy=False))
-    del value  # before the next tensor is read: one in host memory at a time
+  _check_variables(shapes, {**source.variable_shapes,
+                            **{path: v.shape for path, v in adapted.items()}}, hf_dir=hf_dir)
   if on_write is not None:
     on_write()
+  values = ((path, value.astype(tf.as_dtype(specs[path].dtype).as_numpy_dtype, copy=False))
+            for path, value in itertools.chain(source.values(), adapted.items()))
   record = {'hf_dir': os.path.abspath(hf_dir), 'family': source.facts.family,
             'weights_dtype': weights_dtype,
             'peft_dir': os.path.abspath(peft_dir) if peft_dir else None,
             'tied': source.facts.tied, 'torch_dtype': source.facts.dtype,
             'kwargs': source.kwargs, 'config': source.config}
-  _write_run(model_dir, trainer=trainer, plan=plan, hf_dir=hf_dir, record=record,
+  _write_run(model_dir, params=held, values=values, plan=plan, hf_dir=hf_dir, record=record,
              overwrite=overwrite)
   return ImportReport(model_dir=model_dir, family=source.facts.family, tied=source.facts.tied,
                       num_parameters=plan.num_parameters, mesh=plan.mesh_spec.describe(),
                       seconds=time.perf_counter() - start)
-
-
-def build_import_trainer(plan, *, weights_dtype: str):
-  """The trainer an import assigns and saves: the plan's model unpipelined
-  (a pipelined run's checkpoint has the plain model's keys), its weights
-  alone, as zeros to be overwritten (no initial values computed), held in
-  `weights_dtype` (frozen for this build, so stored as `train.frozen_dtype`
-  would store them; LoRA adapters from a PEFT import stay float32)."""
-  from plugins.training import build_trainer  # pylint: disable=g-import-not-at-top
-  held = tuning_lib.tuned(plan.params, lora_lib.Tuning(
-      lora=tuning_lib.lora_of(plan.params), trainable=(), frozen_dtype=weights_dtype))
-  return build_trainer(dataclasses.replace(plan, pipeline=None, params=held), weights_only=True)
 
 
 WEIGHTS_DTYPES = ('auto', 'float32', 'bfloat16')
@@ -214,9 +204,10 @@ def stored_dtype(source: hf_lib.HFSource, requested: str) -> str:
           else 'float32')
 
 
-def _check_variables(variables, expected: dict[str, tuple[int, ...]], *, hf_dir: str) -> None:
-  """ConfigError unless the built model has exactly the variables the import fills."""
-  built = {path: tuple(v.shape.as_list()) for path, v in variables.items()}
+def _check_variables(built: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]],
+                     *, hf_dir: str) -> None:
+  """ConfigError unless the model (`built`: path -> shape) has exactly the
+  variables the import fills."""
   if built == expected:
     return
   only_model = sorted(set(built) - set(expected))
@@ -230,16 +221,49 @@ def _check_variables(variables, expected: dict[str, tuple[int, ...]], *, hf_dir:
       fix='import without bindings that change the model')
 
 
-def _write_run(model_dir: str, *, trainer, plan, hf_dir: str, record: dict,
+def checkpoint_skeleton(params) -> tuple[dict[str, Any], dict[str, str]]:
+  """(the state a run of `params` checkpoints, its variables empty
+  placeholders: nothing allocated; the key of each, by variable path, and of
+  the counters by key): what names a checkpoint streamed to disk."""
+  paths: dict[int, str] = {}
+
+  def placeholder(spec):
+    variable = tf.Variable(tf.zeros([0], spec.dtype), trainable=False,
+                           name=spec.path.rsplit('/', 1)[-1])
+    paths[id(variable)] = spec.path
+    return variable
+  with variable_creator(placeholder):
+    module = params.Instantiate()
+  state = {'model': module, 'counters': Counters(None).module}
+  keys = {paths.get(id(e.variable), e.key): e.key for e in shard_io.checkpoint_entries(state)}
+  return state, keys
+
+
+def _write_run(model_dir: str, *, params, values, plan, hf_dir: str, record: dict,
                overwrite: bool) -> None:
-  """The run's files, written beside `model_dir` and renamed into place."""
+  """The run's files, written beside `model_dir` and renamed into place; its
+  step-0 checkpoint streamed to disk, each of `values` ((path, host value)
+  of every variable of `params`) written as it comes, then merged: nothing
+  is built on a mesh, and one tensor is in memory at a time."""
+  state, keys = checkpoint_skeleton(params)
   with directory_aside(model_dir, replace=overwrite) as partial:
     os.makedirs(os.path.join(partial, RUN_TOKENIZER_DIR))
     checkpointer = Checkpointer(
-        directory=os.path.join(partial, 'checkpoints'), state=trainer.state(),
+        directory=os.path.join(partial, 'checkpoints'), state=state,
         config=plan.checkpoint, extra_files={'config.gin': plan.operative_config})
     checkpointer.prepare_directory()
-    checkpointer.save(0, reason='import')
+
+    def write(directory: str) -> int:
+      number = 0
+      for path, value in values:
+        shard_io.write_tensor_part(directory, number, keys.pop(path), value)
+        number += 1
+        del value  # before the next tensor is read
+      for key in keys.values():  # the counters: step 0
+        shard_io.write_tensor_part(directory, number, key, np.zeros([], np.int64))
+        number += 1
+      return number
+    checkpointer.save_written(0, reason='import', write=write)
     hf_lib.copy_tokenizer(hf_dir, os.path.join(partial, RUN_TOKENIZER_DIR))
     for name, text in (('config.gin', plan.operative_config),
                        (IMPORT_RECORD, json.dumps(record, indent=1, default=str))):

@@ -336,6 +336,30 @@ class Checkpointer:
       self._write(writes, temporary, final, step, reason, start)
     return os.path.join(final, 'ckpt')
 
+  def save_written(self, step: int, *, reason: str, write: Callable[[str], int]) -> str:
+    """Commits checkpoint `step` whose part bundles `write(directory)` writes
+    into the temporary directory it is given, returning how many (an import
+    streaming each tensor to disk as it is converted:
+    `shard_io.write_tensor_part`); then as `save`: merged, manifest, renamed.
+    One client; `state` may hold placeholders of any shape, naming the keys."""
+    if self.coordinator.num_clients != 1:
+      raise ValueError('save_written writes from one client')
+    self.wait()
+    final = os.path.join(self.directory, f'ckpt-{step}')
+    temporary = os.path.join(self.directory, f'tmp-ckpt-{step}')
+    start = time.perf_counter()
+    shutil.rmtree(temporary, ignore_errors=True)
+    os.makedirs(temporary)
+    watch = DirectoryWatch(temporary)
+    try:
+      written = write(temporary)
+      self._commit(temporary, final, step, reason, start, expected_parts=written,
+                   data_state=None, watch=watch)
+    finally:
+      watch.close()
+    self._last_saved_step = step
+    return os.path.join(final, 'ckpt')
+
   def wait(self) -> None:
     """Blocks until an async save in flight is on disk; re-raises its error."""
     if self._thread is not None:

@@ -291,6 +291,16 @@ def write_part(prefix: str, shard: _DeviceWrite) -> None:
       os.fsync(f.fileno())
 
 
+def write_tensor_part(directory: str, number: int, key: str, value) -> None:
+  """`value` (a whole tensor, on the host) as key `key` in part bundle
+  `number` of `directory` (`part-c0-<number>`): a checkpoint streamed to disk
+  one tensor at a time (an import), merged as a save's parts are."""
+  with tf.device('/CPU:0'):
+    shard = _DeviceWrite('/CPU:0')
+    shard.add(key, '', tf.constant(value))
+  write_part(os.path.join(directory, f'part-c0-{number}'), shard)
+
+
 def find_parts(directory: str) -> list[str]:
   """Every part bundle in `directory` (all clients'), in a fixed order."""
   names = sorted(m.group(1) for m in map(_PART.match, os.listdir(directory)) if m)

@@ -95,10 +95,26 @@ def recomputed_contraction(contract: Callable, x, parts: Sequence, weight_of: Ca
     def gradient(dy):
       with tf.GradientTape(watch_accessed_variables=False) as tape:
         tape.watch(x)
-        y = contract(x, weight_of(*parts))  # only its gradient runs: no forward kept
+        # Made again when the backward reaches it (not during the forward).
+        weight = weight_of(tied(parts[0], dy), *parts[1:])
+        y = contract(x, weight)  # only its gradient runs: no forward kept
       return (tape.gradient(y, x, output_gradients=dy),) + (None,) * len(parts)
-    return contract(x, weight_of(*parts)), gradient
+    # Made when the forward reaches it, not as the step starts.
+    return contract(x, weight_of(tied(parts[0], x), *parts[1:])), gradient
   return run(x, *parts)
+
+
+def tied(stored, to):
+  """`stored` plus 0 x the sum of `to` (exact for finite values): a copy
+  that exists only once `to` does.
+
+  An op whose inputs are variables alone may run as soon as the step
+  starts; a frozen weight's float copy made there lives until its layer
+  runs, every layer's at once (LoRA at width 1024 on data=8: evaluation
+  peaked 0.3 GiB higher with a bfloat16 base than a float32 one). A control
+  dependency did not hold it back under DTensor; this data dependency does."""
+  zero = tf.reduce_sum(tf.cast(to, tf.float32)) * 0.0
+  return stored + tf.cast(zero, stored.dtype)
 
 
 # -- the variables ---------------------------------------------------------------------

@@ -97,7 +97,10 @@ class Counters:
   pipeline that skips or repeats batches stays resumable."""
 
   def __init__(self, mesh):
+    """`mesh` None: plain variables (a checkpoint written without a mesh: an import)."""
     def counter(name: str):
+      if mesh is None:
+        return tf.Variable(tf.zeros([], tf.int64), trainable=False, name=name)
       return dtensor.DVariable(
           initial_dtensor(Zeros(), shape=(), dtype=tf.int64, seed=0,
                           layout=dtensor.Layout.replicated(mesh, rank=0)),
