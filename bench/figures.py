@@ -174,6 +174,11 @@ def _split_slower(name: str, than: str) -> Callable[[Results], str]:
   return lambda r: times(r['split'][name]['ms_per_step'] / r['split'][than]['ms_per_step'])
 
 
+def _large_logits(r) -> dict:
+  """frozen_accuracy.json's logit errors of its largest model."""
+  return r['logit_errors_by_layers'][max(r['logit_errors_by_layers'], key=int)]
+
+
 FIGURES: dict[str, Figure] = {
     'step.data8': Figure('step_breakdown.json', _loop_ms('data=8 (sharded state)'),
                          what='lm_small training step on `data=8` (8 CPU devices)',
@@ -268,6 +273,33 @@ FIGURES: dict[str, Figure] = {
     'finetune.peak_ratio': Figure('finetune.json',
                                   lambda r: f"{r['peak_full / peak_lora']:.1f}x"),
     'finetune.speed': Figure('finetune.json', lambda r: f"{r['steps_lora / steps_full']:.1f}x"),
+    'finetune.bf16_params': Figure(
+        'finetune.json',
+        lambda r: f"{r['settings']['lora_bf16']['largest_parameters'] / 1e6:.0f}M"),
+    'finetune.int8_params': Figure(
+        'finetune.json',
+        lambda r: f"{r['settings']['lora_int8']['largest_parameters'] / 1e6:.0f}M"),
+    'finetune.bf16_ratio': Figure('finetune.json',
+                                  lambda r: f"{r['largest_lora_bf16 / largest_full']:.1f}x"),
+    'finetune.int8_ratio': Figure('finetune.json',
+                                  lambda r: f"{r['largest_lora_int8 / largest_full']:.1f}x"),
+    'finetune.int8_vs_lora': Figure('finetune.json', lambda r: times(
+        r['settings']['lora_int8']['largest_parameters']
+        / r['settings']['lora']['largest_parameters'])),
+    'finetune.bf16_speed': Figure('finetune.json',
+                                  lambda r: f"{r['steps_lora_bf16 / steps_lora']:.2f}x"),
+    'finetune.int8_speed': Figure('finetune.json',
+                                  lambda r: f"{r['steps_lora_int8 / steps_lora']:.2f}x"),
+    'frozen_accuracy.bf16_logits': Figure(
+        'frozen_accuracy.json', lambda r: f"{_large_logits(r)['bfloat16']:.1e}"),
+    'frozen_accuracy.int8_logits': Figure(
+        'frozen_accuracy.json', lambda r: f"{_large_logits(r)['int8']:.1e}"),
+    'frozen_accuracy.bf16_eval': Figure(
+        'frozen_accuracy.json',
+        lambda r: f"{100 * r['lora']['bfloat16']['max_relative_eval_difference']:.2f}%"),
+    'frozen_accuracy.int8_eval': Figure(
+        'frozen_accuracy.json',
+        lambda r: f"{100 * r['lora']['int8']['max_relative_eval_difference']:.2f}%"),
     'dpo.peak_ratio': Figure('dpo.json', lambda r: f"{r['peak lora_dpo / lora_sft']:.2f}x"),
     'dpo.speed': Figure('dpo.json', lambda r: f"{r['steps/s lora_dpo / lora_sft']:.2f}x"),
     'dpo.precomputed_speed': Figure('dpo.json',

@@ -12,7 +12,9 @@ child, in two settings side by side:
            int8 with a float32 scale per output channel (`train.frozen_dtype`)
 
 Measured: at `--width`, each child's peak RSS, steps/s and trainable
-parameters; then the largest width (multiples of 64) each trains within
+parameters; the LoRA settings' speed again in turns (`--rounds` rounds of
+`SPEED_STEPS` steps each, the best steps/s of the last half of each run;
+a 3-step child's rate is one step's and noisy); then the largest width (multiples of 64) each trains within
 `--budget_gib` (doubling from its `START` width, then bisection, as
 bench/memory.py searches), and the ratio of each LoRA setting's largest
 model's parameter count to full fine-tuning's (goals: at least 3x for
@@ -42,6 +44,7 @@ SETTINGS = {
     'lora_bf16': _LORA + ["train.frozen_dtype = 'bfloat16'"],
     'lora_int8': _LORA + ["train.frozen_dtype = 'int8'"],
 }
+SPEED_STEPS = 12  # per child of the speed comparison; the rate is of its last 6 steps
 # Where each search starts doubling (near the largest measured before: fewer children).
 START = {'full': 512, 'lora': 1024, 'lora_bf16': 1536, 'lora_int8': 2048}
 
@@ -64,6 +67,7 @@ def main() -> None:
   parser.add_argument('--width', type=int, default=1024, help='the width compared side by side')
   parser.add_argument('--steps', type=int, default=3)
   parser.add_argument('--bisect', type=int, default=2)
+  parser.add_argument('--rounds', type=int, default=2, help='turns of the speed comparison')
   parser.add_argument('--out', default=os.path.join(REPO_ROOT, 'bench', 'results',
                                                     'finetune.json'))
   args = parser.parse_args()
@@ -92,6 +96,14 @@ def main() -> None:
       entry['largest_parameters'] = (inspect(setting + lm_bindings(width, args.steps))[
           'parameters'] if width else None)
     results['settings'][name] = entry
+  speed = {name: 0.0 for name in ('lora', 'lora_bf16', 'lora_int8')}
+  for number in range(args.rounds):
+    for name in speed:
+      run = train(SETTINGS[name] + lm_bindings(args.width, SPEED_STEPS)
+                  + [f'train.log_every = {SPEED_STEPS // 2}'], budget=2**62)
+      speed[name] = max(speed[name], run['steps_per_sec'])
+      print(f'  speed round {number + 1} {name}: {run["steps_per_sec"]:.3f} steps/s', flush=True)
+  results['steps_per_sec_in_turns'] = speed
   full = results['settings']['full']
   for name in ('lora', 'lora_bf16', 'lora_int8'):
     tuned = results['settings'][name]
@@ -105,8 +117,7 @@ def main() -> None:
   lora = results['settings']['lora']
   for name in ('lora_bf16', 'lora_int8'):
     narrow = results['settings'][name]
-    results[f'steps_{name} / steps_lora'] = (narrow['at_width']['steps_per_sec']
-                                             / max(lora['at_width']['steps_per_sec'], 1e-9))
+    results[f'steps_{name} / steps_lora'] = speed[name] / max(speed['lora'], 1e-9)
     results[f'peak_{name} / peak_lora'] = (narrow['at_width']['peak_bytes']
                                            / max(lora['at_width']['peak_bytes'], 1))
   print(f'\nat width {args.width}:')

@@ -125,7 +125,7 @@ def fine_tunes(scratch: str, *, base_steps: int, lora_steps: int) -> dict:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--layers', type=int, default=16, help='the large model (16: ~1.1B)')
-  parser.add_argument('--base_steps', type=int, default=150)
+  parser.add_argument('--base_steps', type=int, default=40)
   parser.add_argument('--lora_steps', type=int, default=60)
   parser.add_argument('--out', default=os.path.join(RESULTS, 'frozen_accuracy.json'))
   args = parser.parse_args()

@@ -203,20 +203,51 @@ def _memory(r: Results) -> Rendered:
 
 
 def _finetune(r: Results) -> Rendered:
-  full, lora = r['settings']['full'], r['settings']['lora']
+  goal = lambda key, at: 'met' if r[key] >= at else 'not met'  # noqa: E731
   shows = (f"In {figure('finetune.budget', r)}, LoRA (rank {r['rank']} on the queries and "
            f"values) trains a model of {figure('finetune.lora_params', r)} parameters, "
            f"{figure('finetune.largest_ratio', r)} the {figure('finetune.full_params', r)} "
-           f"full fine-tuning can (goal 3x: {'met' if r['largest_lora / largest_full'] >= 3 else 'not met'}). "
+           f"full fine-tuning can (goal 3x: {goal('largest_lora / largest_full', 3)}); with "
+           f"the frozen base stored in bfloat16, {figure('finetune.bf16_params', r)} "
+           f"({figure('finetune.bf16_ratio', r)}), and in int8, "
+           f"{figure('finetune.int8_params', r)} ({figure('finetune.int8_ratio', r)}; goal 20x: "
+           f"{goal('largest_lora_int8 / largest_full', 20)}). "
            f"At width {r['width']} full fine-tuning peaks at {figure('finetune.peak_ratio', r)} "
            f"LoRA's host memory, and LoRA runs {figure('finetune.speed', r)} its steps per "
-           'second.')
+           f"second; a bfloat16 base runs {figure('finetune.bf16_speed', r)} and an int8 one "
+           f"{figure('finetune.int8_speed', r)} the steps per second of a float32 base, timed "
+           'in turns (each use of a narrow weight widens it, forward and backward; the '
+           "table's steps/s are single 3-step runs).")
+  names = (('full fine-tuning', 'full'), (f"LoRA rank {r['rank']}, q and v", 'lora'),
+           ('the same, bfloat16 base', 'lora_bf16'), ('the same, int8 base', 'lora_int8'))
   rows = [[name, f"{e['trainable']:,} of {e['parameters']:,}",
            in_bytes(e['at_width']['peak_bytes']), f"{e['at_width']['steps_per_sec']:.2f}",
            f"width {e.get('largest_width')}", in_millions(e.get('largest_parameters'))]
-          for name, e in (('full fine-tuning', full), (f"LoRA rank {r['rank']}, q and v", lora))]
+          for name, e in ((label, r['settings'][key]) for label, key in names
+                          if key in r['settings'])]
   return shows, _table(['setting', f"trained parameters at width {r['width']}", 'peak',
                         'steps/s', 'largest that fits', 'its parameters'], rows)
+
+
+def _frozen_accuracy(r: Results) -> Rendered:
+  layers = sorted(r['logit_errors_by_layers'], key=int)
+  shows = (f"The checkpoints are bfloat16, so held in bfloat16 the largest model's logits "
+           f"differ from its float32 import's by {figure('frozen_accuracy.bf16_logits', r)} of "
+           f"the largest logit; in int8 by {figure('frozen_accuracy.int8_logits', r)} (random "
+           f"weights). LoRA for "
+           f"{r['lora_steps']} steps on a quickstart LM trained {r['base_steps']} steps reaches "
+           f"eval losses within {figure('frozen_accuracy.bf16_eval', r)} (bfloat16 base) and "
+           f"{figure('frozen_accuracy.int8_eval', r)} (int8) of the float32 base's.")
+  rows = [[f'{n}-layer Llama-shaped logits', '',
+           f"{r['logit_errors_by_layers'][n]['bfloat16']:.1e}",
+           f"{r['logit_errors_by_layers'][n]['int8']:.1e}"] for n in layers]
+  final = {d: r['lora'][d]['eval_loss'][-1][1] for d in ('float32', 'bfloat16', 'int8')}
+  rows.append([f"LoRA's last eval loss (step {r['lora']['float32']['eval_loss'][-1][0]})",
+               f"{final['float32']:.4f}", f"{final['bfloat16']:.4f}", f"{final['int8']:.4f}"])
+  rows.append(['LoRA steps/s', f"{r['lora']['float32']['steps_per_sec']:.2f}",
+               f"{r['lora']['bfloat16']['steps_per_sec']:.2f}",
+               f"{r['lora']['int8']['steps_per_sec']:.2f}"])
+  return shows, _table(['', 'float32 base', 'bfloat16 base', 'int8 base'], rows)
 
 
 def _dpo(r: Results) -> Rendered:
@@ -568,6 +599,11 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
         'finetune.json': Section('Fine-tuning: full vs LoRA', '`bench/finetune.py`: the LM of '
                                  '`bench/memory.py` trained whole, or frozen with LoRA '
                                  'adapters, in one host-memory budget.', _finetune),
+        'frozen_accuracy.json': Section(
+            'A frozen base in bfloat16 or int8: accuracy', '`bench/frozen_accuracy.py`: '
+            'logits of a random Llama-shaped import held narrow against float32 (relative to '
+            'the largest logit), and LoRA from a trained quickstart LM on each base.',
+            _frozen_accuracy),
         'dpo.json': Section('Preference tuning (DPO)', '`bench/dpo.py`: a width-1024, 4-block '
                             'LM on bytes, 16 rows (8 pairs) a step on `data=8`, LoRA rank 8 on '
                             'the queries and values unless full.', _dpo),

@@ -18,7 +18,7 @@ from layout_core.suggest.cost import ModelProfile, predict_step
 from layout_core.train import memory
 from plugins import gin_setup, plan as plan_lib
 from plugins.suggest.planner import Suggester
-from tests.conftest import REPO_ROOT, run_module
+from tests.conftest import REPO_ROOT, run_module, run_modules
 
 SMALL = ['configs/runs/train.gin', 'configs/models/lm_small.gin']
 
@@ -301,10 +301,15 @@ def test_margins_are_the_benchmarks_worst_errors_per_family(small_search):
 
 
 def test_fits_nowhere_exits_2_with_the_budget_that_would_fit(tmp_path):
-  small = run_module('launch.inspect', *[f'--gin_file={f}' for f in SMALL], '--suggest',
-                     '--memory_gb=0.5', '--suggest_json=')
+  """... and, for a run with a frozen base, names storing it narrower."""
+  fits_nowhere = ('launch.inspect', *[f'--gin_file={f}' for f in SMALL], '--suggest',
+                  '--memory_gb=0.5', '--suggest_json=')
+  small, tuned = run_modules([fits_nowhere, (*fits_nowhere, '--gin_bindings=lora.rank = 4',
+                                             "--gin_bindings=lora.targets = [r'.*/attn/wq']")])
   assert small.returncode == 2, small.stderr[-2000:]
-  assert 'Traceback' not in small.stderr
+  assert 'Traceback' not in small.stderr and 'frozen_dtype' not in small.stderr
+  assert tuned.returncode == 2, tuned.stderr[-2000:]
+  assert "train.frozen_dtype = 'bfloat16' or 'int8'" in tuned.stderr
   need = re.search(r'give at least ([\d.]+) GiB per process', small.stderr)
   assert need, small.stderr[-2000:]
   enough = run_module('launch.inspect', *[f'--gin_file={f}' for f in SMALL], '--suggest',

@@ -174,8 +174,10 @@ class Weights:
     raise NotImplementedError
 
   def _recomputed(self, name: str) -> bool:
-    """Whether contractions with weight `name` recompute it in the backward
-    pass instead of keeping it (a frozen weight stored narrow, not split)."""
+    """Whether contractions with weight `name` make it again in the backward
+    pass instead of keeping it: a frozen weight, not split by FSDP, stored in
+    another dtype than the math's (bfloat16 or int8 under float32 math, a
+    float32 one under bfloat16 math)."""
     return False
 
   def child(self, name: str) -> 'Weights':
