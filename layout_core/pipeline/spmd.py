@@ -271,7 +271,7 @@ class SlotWeights(Weights):
   def has(self, name):
     try:
       self.select(f'{self.below}/{name}' if self.below else name)
-    except KeyError:
+    except (KeyError, AttributeError):  # a mapping's, or an object's, missing name
       return False
     return True
 
