@@ -290,16 +290,20 @@ FIGURES: dict[str, Figure] = {
                                   lambda r: f"{r['steps_lora_bf16 / steps_lora']:.2f}x"),
     'finetune.int8_speed': Figure('finetune.json',
                                   lambda r: f"{r['steps_lora_int8 / steps_lora']:.2f}x"),
-    'frozen_accuracy.bf16_logits': Figure(
-        'frozen_accuracy.json', lambda r: f"{_large_logits(r)['bfloat16']:.1e}"),
+    'frozen_accuracy.bf16_logits': Figure(  # 0 for a bfloat16 checkpoint: prose says 'exactly'
+        'frozen_accuracy.json', lambda r: f"{_large_logits(r)['bfloat16']:.1e}", quoted=False),
     'frozen_accuracy.int8_logits': Figure(
         'frozen_accuracy.json', lambda r: f"{_large_logits(r)['int8']:.1e}"),
     'frozen_accuracy.bf16_eval': Figure(
         'frozen_accuracy.json',
-        lambda r: f"{100 * r['lora']['bfloat16']['max_relative_eval_difference']:.2f}%"),
+        lambda r: f"{100 * r['lora']['bfloat16']['max_relative_eval_difference']:.3f}%"),
     'frozen_accuracy.int8_eval': Figure(
         'frozen_accuracy.json',
-        lambda r: f"{100 * r['lora']['int8']['max_relative_eval_difference']:.2f}%"),
+        lambda r: f"{100 * r['lora']['int8']['max_relative_eval_difference']:.3f}%"),
+    'frozen_accuracy.bf16_speed': Figure(
+        'frozen_accuracy.json', lambda r: times(r['lora']['bfloat16']['steps_per_sec / float32'])),
+    'frozen_accuracy.int8_speed': Figure(
+        'frozen_accuracy.json', lambda r: times(r['lora']['int8']['steps_per_sec / float32'])),
     'dpo.peak_ratio': Figure('dpo.json', lambda r: f"{r['peak lora_dpo / lora_sft']:.2f}x"),
     'dpo.speed': Figure('dpo.json', lambda r: f"{r['steps/s lora_dpo / lora_sft']:.2f}x"),
     'dpo.precomputed_speed': Figure('dpo.json',

@@ -211,7 +211,8 @@ def _finetune(r: Results) -> Rendered:
            f"the frozen base stored in bfloat16, {figure('finetune.bf16_params', r)} "
            f"({figure('finetune.bf16_ratio', r)}), and in int8, "
            f"{figure('finetune.int8_params', r)} ({figure('finetune.int8_ratio', r)}; goal 20x: "
-           f"{goal('largest_lora_int8 / largest_full', 20)}). "
+           f"{goal('largest_lora_int8 / largest_full', 20)}; "
+           f"{figure('finetune.int8_vs_lora', r)} a float32 base's). "
            f"At width {r['width']} full fine-tuning peaks at {figure('finetune.peak_ratio', r)} "
            f"LoRA's host memory, and LoRA runs {figure('finetune.speed', r)} its steps per "
            f"second; a bfloat16 base runs {figure('finetune.bf16_speed', r)} and an int8 one "
@@ -237,7 +238,10 @@ def _frozen_accuracy(r: Results) -> Rendered:
            f"weights). LoRA for "
            f"{r['lora_steps']} steps on a quickstart LM trained {r['base_steps']} steps reaches "
            f"eval losses within {figure('frozen_accuracy.bf16_eval', r)} (bfloat16 base) and "
-           f"{figure('frozen_accuracy.int8_eval', r)} (int8) of the float32 base's.")
+           f"{figure('frozen_accuracy.int8_eval', r)} (int8) of the float32 base's, at "
+           f"{figure('frozen_accuracy.bf16_speed', r)} and {figure('frozen_accuracy.int8_speed', r)} "
+           "its steps per second (a tiny model: widening and tying each weight's use costs "
+           'more beside its small matmuls).')
   rows = [[f'{n}-layer Llama-shaped logits', '',
            f"{r['logit_errors_by_layers'][n]['bfloat16']:.1e}",
            f"{r['logit_errors_by_layers'][n]['int8']:.1e}"] for n in layers]
