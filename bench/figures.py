@@ -290,6 +290,14 @@ FIGURES: dict[str, Figure] = {
                                   lambda r: f"{r['steps_lora_bf16 / steps_lora']:.2f}x"),
     'finetune.int8_speed': Figure('finetune.json',
                                   lambda r: f"{r['steps_lora_int8 / steps_lora']:.2f}x"),
+    'frozen_memory.fsdp_bf16': Figure('frozen_memory.json', lambda r: times(
+        r['meshes']['data=8 + FSDP']['bfloat16']['peak / float32'])),
+    'frozen_memory.fsdp_int8': Figure('frozen_memory.json', lambda r: times(
+        r['meshes']['data=8 + FSDP']['int8']['peak / float32'])),
+    'frozen_memory.megatron_bf16': Figure('frozen_memory.json', lambda r: times(
+        r['meshes']['2x4 Megatron']['bfloat16']['peak / float32'])),
+    'frozen_memory.megatron_int8': Figure('frozen_memory.json', lambda r: times(
+        r['meshes']['2x4 Megatron']['int8']['peak / float32'])),
     'frozen_accuracy.bf16_logits': Figure(  # 0 for a bfloat16 checkpoint: prose says 'exactly'
         'frozen_accuracy.json', lambda r: f"{_large_logits(r)['bfloat16']:.1e}", quoted=False),
     'frozen_accuracy.int8_logits': Figure(

@@ -230,6 +230,18 @@ def _finetune(r: Results) -> Rendered:
                         'steps/s', 'largest that fits', 'its parameters'], rows)
 
 
+def _frozen_memory(r: Results) -> Rendered:
+  shows = (f"On 2x4 Megatron the process peaks at {figure('frozen_memory.megatron_bf16', r)} "
+           f"(bfloat16 base) and {figure('frozen_memory.megatron_int8', r)} (int8) of a float32 "
+           f"base's; with FSDP on data=8 at {figure('frozen_memory.fsdp_bf16', r)} and "
+           f"{figure('frozen_memory.fsdp_int8', r)}: higher, though the frozen bytes per device "
+           'are a half and a quarter (a measured limit, docs/limits.md).')
+  rows = [[mesh, dtype, in_bytes(row['frozen_bytes_per_device']), in_bytes(row['peak_bytes'])]
+          for mesh, rows in r['meshes'].items() for dtype, row in rows.items()]
+  return shows, _table(['mesh', 'frozen base', 'frozen bytes per device', 'process peak'],
+                       rows)
+
+
 def _frozen_accuracy(r: Results) -> Rendered:
   layers = sorted(r['logit_errors_by_layers'], key=int)
   shows = (f"The checkpoints are bfloat16, so held in bfloat16 the largest model's logits "
@@ -603,6 +615,10 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
         'finetune.json': Section('Fine-tuning: full vs LoRA', '`bench/finetune.py`: the LM of '
                                  '`bench/memory.py` trained whole, or frozen with LoRA '
                                  'adapters, in one host-memory budget.', _finetune),
+        'frozen_memory.json': Section(
+            'A frozen base in bfloat16 or int8: memory', '`bench/frozen_memory.py`: LoRA '
+            f"(rank 8, q and v) on bench/memory.py's LM at width {1536}, 3 steps, per mesh "
+            'and frozen dtype.', _frozen_memory),
         'frozen_accuracy.json': Section(
             'A frozen base in bfloat16 or int8: accuracy', '`bench/frozen_accuracy.py`: '
             'logits of a random Llama-shaped import held narrow against float32 (relative to '
