@@ -278,9 +278,8 @@ class Checkpointer:
     found, size_bytes = entries_by_name(prefix, variables, rename_rules=self.config.init_from_map,
                                         new=new, shapes=view.shapes)
     view.read(found)
-    # A frozen weight stored in another dtype here (a float32 base held in
-    # bfloat16 or int8) is still named, not saved: every read of the base
-    # converts it again, to the same bits (`shard_io.read_entries`).
+    # Frozen weights held in another dtype here are named too: each read of
+    # the base converts them again, to the same bits (`frozen_base`).
     self._hold(reference_for(view, found, self.entries,
                              frozen={id(variables[path]) for path in frozen}))
     self.on_event(CheckpointEvent(0, prefix, 'init_from', time.perf_counter() - start,
@@ -337,23 +336,19 @@ class Checkpointer:
     return os.path.join(final, 'ckpt')
 
   def save_written(self, step: int, *, reason: str, write: Callable[[str], int]) -> str:
-    """Commits checkpoint `step` whose part bundles `write(directory)` writes
-    into the temporary directory it is given, returning how many (an import
-    streaming each tensor to disk as it is converted:
-    `shard_io.write_tensor_part`); then as `save`: merged, manifest, renamed.
-    One client; `state` may hold placeholders of any shape, naming the keys."""
+    """Commits checkpoint `step` from the part bundles `write(directory)`
+    writes there and counts (an import streaming its tensors to disk:
+    `shard_io.write_tensor_part`; `state` may hold placeholders), as `save`
+    commits its own. One client, one attempt: a stream is not read twice."""
     if self.coordinator.num_clients != 1:
       raise ValueError('save_written writes from one client')
     self.wait()
-    final = os.path.join(self.directory, f'ckpt-{step}')
-    temporary = os.path.join(self.directory, f'tmp-ckpt-{step}')
-    start = time.perf_counter()
+    final, temporary = (os.path.join(self.directory, f'{p}ckpt-{step}') for p in ('', 'tmp-'))
     shutil.rmtree(temporary, ignore_errors=True)
     os.makedirs(temporary)
-    watch = DirectoryWatch(temporary)
+    start, watch = time.perf_counter(), DirectoryWatch(temporary)
     try:
-      written = write(temporary)
-      self._commit(temporary, final, step, reason, start, expected_parts=written,
+      self._commit(temporary, final, step, reason, start, expected_parts=write(temporary),
                    data_state=None, watch=watch)
     finally:
       watch.close()

@@ -349,12 +349,12 @@ def read_entries(prefix: str, entries: Iterable[CheckpointEntry], *,
     variable = group[0].variable
     saved = tf.as_dtype(saved_dtypes.get(group[0].key, variable.dtype))
     value = _read_variable(prefix, group, saved)
-    if saved == variable.dtype:
-      _assign(variable, value)
-    elif variable.dtype == tf.int8 and saved.is_floating:
-      _quantize_into(variable, value)
+    if variable.dtype == tf.int8 and saved.is_floating:
+      from layout_core.model import frozen  # pylint: disable=g-import-not-at-top
+      layout = _layout(variable)
+      frozen.assign_quantized(variable, value if layout is None else dtensor.pack(value, layout))
     else:
-      _assign(variable, _cast_components(value, variable.dtype))
+      _assign(variable, value if saved == variable.dtype else _cast(value, variable.dtype))
 
 
 def _read_variable(prefix: str, group: Sequence[CheckpointEntry], dtype):
@@ -384,31 +384,12 @@ def _assign(variable, value) -> None:
   variable.assign(value if layout is None else dtensor.pack(value, layout))
 
 
-def _cast_components(value, dtype):
+def _cast(value, dtype):
   """A value read by `_read_variable`, cast to `dtype` where it lies."""
-  if not isinstance(value, list):
-    return tf.cast(value, dtype)
-  cast = []
-  for component in value:
+  def cast(component):
     with tf.device(component.device):
-      cast.append(tf.cast(component, dtype))
-  return cast
-
-
-def _quantize_into(variable, value) -> None:
-  """Sets the int8 `variable` and its scale (`frozen.scale_of`) from the
-  float `value` (read by `_read_variable`), quantized on the mesh."""
-  from layout_core.model import frozen  # pylint: disable=g-import-not-at-top
-  scale_variable = frozen.scale_of(variable)
-  if scale_variable is None:
-    raise ValueError(f'{variable.name} is int8 without a scale; the checkpoint holds floats')
-  layout = _layout(variable)
-  whole = value if layout is None else dtensor.pack(value, layout)
-  axes = frozen.axes_of(variable.shape.as_list(), scale_variable.shape.as_list())
-  q, scale = frozen.quantize(whole, axes)
-  variable.assign(q)
-  scale_layout = _layout(scale_variable)
-  scale_variable.assign(scale if scale_layout is None else dtensor.relayout(scale, scale_layout))
+      return tf.cast(component, dtype)
+  return [cast(c) for c in value] if isinstance(value, list) else tf.cast(value, dtype)
 
 
 def _read_extent(prefix, whole, rows, shape, ranges: Ranges, dtype, device: str):

@@ -198,18 +198,17 @@ class BaseLayer(Module):
   @classmethod
   def own_variable_specs(cls, p: Params, path: str) -> list[VariableSpec]:
     """The layer's own variables at `path`; under `p.tuning`, frozen where
-    it says and each LoRA target followed by its two adapters."""
+    it says (stored in its `frozen_dtype`) and each LoRA target followed by
+    its two adapters."""
     tuning, specs = p.tuning, []
     for d in cls.declare_variables(p):
       spec = VariableSpec(
           path=f'{path}/{d.name}', shape=tuple(d.shape), initializer=d.initializer,
           dtype=p.dtype, unshardable=dict(d.unshardable),
           trainable=tuning is None or tuning.trains(f'{path}/{d.name}'))
-      if tuning is None:
-        specs.append(spec)
-        continue
-      specs += frozen.stored_specs(spec, inputs=d.inputs, frozen_dtype=tuning.frozen_dtype)
-      if tuning.lora and d.inputs and tuning.lora.adapts(spec.path):
+      specs += frozen.stored_specs(spec, inputs=d.inputs,
+                                   frozen_dtype=tuning.frozen_dtype if tuning else 'float32')
+      if tuning is not None and tuning.lora and d.inputs and tuning.lora.adapts(spec.path):
         specs += lora.adapter_specs(spec, inputs=d.inputs, lora=tuning.lora)
     return specs
 
@@ -409,8 +408,7 @@ def compute_params(p: Params, *, dtype: str = 'float32', remat: str = 'none') ->
 
 
 def num_parameters(p: Params) -> int:
-  """The model's parameters: its weights' elements (an int8 weight's
-  quantization scales are how it is stored, not parameters)."""
+  """Its weights' elements (an int8 weight's scales are storage, not parameters)."""
   return sum(s.num_elements for s in p.cls.variable_specs(p) if not frozen.is_scale(s.path))
 
 

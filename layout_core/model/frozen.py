@@ -24,10 +24,10 @@ weight through `recomputed_contraction`: its backward computes the
 dequantized weight again from the stored one, so no float copy of a frozen
 weight is kept between the forward and the backward pass.
 
-Weights come in quantized from a float checkpoint (`checkpoint.init_from`,
-an import): `layout_core.checkpoint.shard_io` quantizes an int8 variable
-read from a float tensor on the mesh, with `quantize`, and sets its scale
-(`scale_of`), so a run's base is quantized once, at its start.
+Weights come in quantized from a float checkpoint (`checkpoint.init_from`):
+`layout_core.checkpoint.shard_io` hands an int8 variable read from a float
+tensor to `assign_quantized`, which quantizes it on the mesh and sets its
+scale (`scale_of`), so a run's base is quantized once, at its start.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from layout_core.errors import ConfigError
-from layout_core.lazy import tf
+from layout_core.lazy import dtensor, tf
 from layout_core.layout.variables import Follows, Initializer, VariableSpec
 
 FROZEN_DTYPES = ('float32', 'bfloat16', 'int8')
@@ -175,6 +175,19 @@ def pair_scale(variable, scale) -> None:
 def scale_of(variable):
   """The scale variable paired with an int8 variable (`pair_scale`), or None."""
   return getattr(variable, _SCALE_TAG, None)
+
+
+def assign_quantized(variable, value) -> None:
+  """Sets the int8 `variable` and its scale variable (`scale_of`) from the
+  float `value`, laid out as the variable: quantized where it lies (a
+  split weight's scale taken over the whole weight)."""
+  scale = scale_of(variable)
+  if scale is None:
+    raise ValueError(f'{variable.name} is int8 without a scale; the checkpoint holds floats')
+  q, s = quantize(value, axes_of(variable.shape.as_list(), scale.shape.as_list()))
+  variable.assign(q)
+  layout = getattr(scale, 'layout', None)
+  scale.assign(s if layout is None else dtensor.relayout(s, layout))
 
 
 def pair_scales(variables) -> None:

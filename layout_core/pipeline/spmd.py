@@ -262,22 +262,19 @@ class SlotWeights(Weights):
   def _stored(self, name):
     return self.select(self._path(name))
 
-  def _recomputed(self, name):
-    """int8 weights not split by FSDP (a bfloat16 frozen weight's float32
-    copy is kept here: the slots do not say which weights are frozen)."""
+  def _recomputed(self, name):  # int8 only: the slots do not say which weights are frozen
     return (self._path(name) not in self.use_layouts and self.dtype is not None
             and self.has(name + frozen.SCALE_SUFFIX))
 
   def has(self, name):
     try:
-      self.select(f'{self.below}/{name}' if self.below else name)
+      self.select(self._path(name))
     except (KeyError, AttributeError):  # a mapping's, or an object's, missing name
       return False
     return True
 
   def child(self, name):
-    return SlotWeights(self.select, self.slot_random,
-                       f'{self.below}/{name}' if self.below else name, self.dtype,
+    return SlotWeights(self.select, self.slot_random, self._path(name), self.dtype,
                        self.use_layouts, context=self.context, at_use=self._at_use,
                        adapters=self.adapters)
 
