@@ -81,6 +81,8 @@ class StepContext:
       recomputed in the backward one).
     adapters: Whether LoRA adapters add their low-rank path; False: the
       frozen base alone (a preference task's reference model).
+    router_terms: Where mixture-of-experts layers put their router terms
+      (`layout_core.model.moe.collecting`); None: not collected.
   """
   random: RandomState | None = None        # None: random layers are the identity
   sequence: SequenceInputs | None = None   # None: causal over the whole row
@@ -88,6 +90,7 @@ class StepContext:
   batch_split: str | None = None           # the mesh axis the batch is split over (FSDP)
   remat: bool = False                      # inside a rematerialized layer
   adapters: bool = True                    # False: LoRA weights run as their base
+  router_terms: Any = None                 # MoE layers' terms go here (moe.collecting)
 
   def replace(self, **changes) -> 'StepContext':
     """A copy with `changes` (field: value); the others kept."""

@@ -15,6 +15,7 @@ in the `meshgin` module, so `mesh.shape` and `meshgin.mesh.shape` both work:
 | `layout_rules`   | `layout_core.layout.rules.LayoutRules`           | rules, strict |
 | `transformer_lm` | the LM Params tree                        | sizes |
 | `transformer_block` | one Transformer cell's Params (for `transformer_lm.cells`) | num_heads, ffn_dim, activation |
+| `moe_feed_forward` | a routed feed-forward layer's Params (for `transformer_lm.moe`; docs/moe.md) | num_experts, experts_per_token, capacity_factor, ... |
 | `model`          | the Params tree to train (+ dotted overrides) | params, overrides |
 | `pipeline`       | `layout_core.pipeline.PipelineConfig`     | num_stages, num_micro_batches, partition, ... |
 | `data`           | `layout_core.tasks.lm.make_task`: the run's task | task, text_file, vocab_size, seq_len, ... |
@@ -66,6 +67,8 @@ transformer_lm = gin.external_configurable(model_lib.transformer_lm_params,
                                            name='transformer_lm', module=MODULE)
 transformer_block = gin.external_configurable(model_lib.transformer_block_params,
                                               name='transformer_block', module=MODULE)
+moe_feed_forward = gin.external_configurable(model_lib.moe_feed_forward_params,
+                                             name='moe_feed_forward', module=MODULE)
 pipeline = gin.external_configurable(pipeline_lib.PipelineConfig, name='pipeline',
                                      module=MODULE)
 data = gin.external_configurable(data_lib.make_task, name='data', module=MODULE)

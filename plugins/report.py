@@ -12,6 +12,7 @@ import math
 
 from layout_core.layout import scope as layout_scope
 from layout_core.model import frozen as frozen_lib
+from layout_core.model import moe
 from layout_core.train import memory
 from plugins.plan import RunPlan
 
@@ -105,8 +106,11 @@ def describe_plan(plan: RunPlan, *, max_rows: int = 0) -> str:
     lines += ['', f'Pipeline: {plan.pipeline.num_micro_batches} micro-batches of '
                   f'{plan.pipeline.micro_batch_size}',
               plan.pipeline.partition.describe()]
+  inactive = moe.inactive_parameters(plan.params)
+  active = (f'; {plan.num_parameters - inactive:,} active per token (its experts only)'
+            if inactive else '')
   lines += ['', f'Parameters: {plan.num_parameters:,} '
-                f'({_gib(sum(r.bytes_total for r in records))} total)',
+                f'({_gib(sum(r.bytes_total for r in records))} total){active}',
             'Forward cost of one global batch: ' + (
                 f'{plan.meta.flops:.3e} FLOPs' if plan.meta else 'not known'),
             f'Parameters per device: {_gib(param_bytes)}', '']

@@ -39,9 +39,10 @@ FACTORS = {  # feature -> its settings, the reference's first
     'lora': (False, True),          # a frozen base with LoRA adapters (`LORA`)
     'tied': (False, True),          # transformer_lm.tie_embeddings: the softmax reads the table
     'frozen': ('float32', 'bfloat16', 'int8'),  # train.frozen_dtype: the LoRA base's storage
+    'moe': (False, True),           # transformer_lm.moe: routed feed-forward layers (`MOE`)
 }
 # Settings that change what is trained (kept in the reference) ...
-KEPT = ('packed', 'dtype', 'optimizer', 'arch', 'lora', 'tied', 'frozen')
+KEPT = ('packed', 'dtype', 'optimizer', 'arch', 'lora', 'tied', 'frozen', 'moe')
 # ... and those that must not (the reference switches them off).
 TRANSPARENT = ('remat', 'fsdp', 'accum', 'shard_state')
 # Relative to the values' scale (tests/numerics.py). measured (default / no oneDNN / 1 thread,
@@ -60,7 +61,17 @@ REFUSED = {
     ('engine', 'gpipe', 'tied', True): ('tie_embeddings', 'pipeline.engine'),
     ('engine', 'keras', 'frozen', 'bfloat16'): ('frozen_dtype', 'Keras'),
     ('engine', 'keras', 'frozen', 'int8'): ('frozen_dtype', 'Keras'),
+    ('engine', 'spmd', 'moe', True): ('pipeline', 'moe'),
+    ('engine', 'gpipe', 'moe', True): ('pipeline', 'moe'),
 }
+# The routed layers of 'moe' (moe_feed_forward's settings): 4 experts, 2 per
+# token, no token dropped, in every second block (the first keeps its dense
+# feed-forward layer, which LoRA's targets adapt), split over the 'data' axis
+# in process (GShard's expert parallelism: the batch's own axis). The load-balancing loss is off:
+# it is each micro-step's own, so accumulation would change it
+# (tests/test_moe.py shows both); the z-loss, a mean over tokens, is on.
+MOE = dict(num_experts=4, experts_per_token=2, aux_loss_coef=0.0, z_loss_coef=1e-3)
+MOE_RULE = (r'.*/moe/w_.*', ('data', 'unsharded', 'unsharded'))
 # The adapters of 'lora': attention's queries and values and every
 # feed-forward matrix, with dropout on their inputs.
 LORA = dict(rank=4, alpha=8.0, dropout=0.1, targets=(r'.*/attn/w[qv]', r'.*/ffn/w_.*'))
@@ -68,6 +79,7 @@ LORA = dict(rank=4, alpha=8.0, dropout=0.1, targets=(r'.*/attn/w[qv]', r'.*/ffn/
 # Pairs that mean nothing together: a Keras model has no transformer_lm options.
 # A narrow frozen dtype needs frozen weights (without LoRA it is an error of its own).
 NOT_APPLICABLE = {('engine', 'keras', 'arch', 'llama'), ('engine', 'keras', 'tied', True),
+                  ('engine', 'keras', 'moe', True),
                   ('lora', False, 'frozen', 'bfloat16'), ('lora', False, 'frozen', 'int8')}
 
 Cell = dict  # feature -> setting
@@ -153,10 +165,10 @@ def name(cell: Cell) -> str:
 TWO_CLIENT_CELLS = [
     {'engine': 'plain', 'remat': 'block', 'packed': False, 'fsdp': False, 'dtype': 'float32',
      'accum': 2, 'shard_state': True, 'optimizer': 'adafactor', 'arch': 'llama', 'lora': True,
-     'tied': True, 'frozen': 'int8'},
+     'tied': True, 'frozen': 'int8', 'moe': True},
     {'engine': 'keras', 'remat': 'full', 'packed': False, 'fsdp': False, 'dtype': 'bfloat16',
      'accum': 2, 'shard_state': False, 'optimizer': 'adam', 'arch': 'classic', 'lora': False,
-     'tied': False, 'frozen': 'float32'},
+     'tied': False, 'frozen': 'float32', 'moe': False},
 ]
 # ... and the settings other multi-client tests run against one process.
 TWO_CLIENTS = {
@@ -177,7 +189,11 @@ def gin_bindings(cell: Cell) -> list[str]:
   lora = [f'--gin_bindings=lora.{key} = {value!r}' for key, value in LORA.items()]
   return [f'--gin_bindings={GIN[f]} = {cell[f]!r}' for f in GIN] + (
       lora if cell['lora'] else []) + (
-      ['--gin_bindings=transformer_lm.tie_embeddings = True'] if cell['tied'] else [])
+      ['--gin_bindings=transformer_lm.tie_embeddings = True'] if cell['tied'] else []) + (
+      ['--gin_bindings=transformer_lm.moe = @moe_feed_forward()',
+       '--gin_bindings=transformer_lm.moe_every = 2'] + [
+          f'--gin_bindings=moe_feed_forward.{key} = {value!r}' for key, value in MOE.items()]
+      if cell['moe'] else [])
 
 
 def _label(feature: str, setting) -> str:

@@ -21,7 +21,7 @@ from layout_core.errors import ConfigError
 from layout_core.layout.mesh import MeshSpec, build_mesh
 from layout_core.layout.rules import LayoutRules
 from layout_core.model import keras as keras_models
-from layout_core.model.lm import transformer_lm_params
+from layout_core.model.lm import moe_feed_forward_params, transformer_lm_params
 from layout_core.optim import OptimizerConfig
 from layout_core.pipeline import PipelineConfig
 from layout_core.run import make_trainer
@@ -102,7 +102,9 @@ def make(cell: dict, meshes: dict):
   else:
     model = transformer_lm_params(vocab_size=32, model_dim=32, num_heads=4, ffn_dim=64,
                                   num_layers=2, max_len=16, dropout_rate=0.1,
-                                  tie_embeddings=cell['tied'], **ARCHS[cell['arch']])
+                                  tie_embeddings=cell['tied'], **ARCHS[cell['arch']],
+                                  moe=moe_feed_forward_params(**composition.MOE)
+                                  if cell['moe'] else None, moe_every=2)
     task = MarkovTask(vocab_size=32, seq_len=16, seed=3)
   if cell['packed']:
     task = PackedMarkovTask(vocab_size=32, seq_len=16, seed=3)
@@ -114,6 +116,8 @@ def make(cell: dict, meshes: dict):
     model = tune(model, lora=LoraConfig(**composition.LORA) if cell['lora'] else None,
                  trainable=None, frozen_dtype=cell['frozen'])
   rules = [] if keras else MEGATRON_QWEN2 if cell['arch'] == 'llama' else MEGATRON
+  if cell['moe']:
+    rules = [composition.MOE_RULE] + list(rules)
   return make_trainer(
       model=model, mesh=meshes['stage' if pipeline else '2d'],
       rules=LayoutRules(list(rules)), task=task, pipeline=pipeline,

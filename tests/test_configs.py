@@ -33,6 +33,15 @@ LAYOUT_MODELS = {
         "transformer_lm.activation = 'gelu_tanh'", 'transformer_lm.output_bias = False']),
     'megatron_llama.gin': ('configs/models/llama_tiny.gin', []),
     'megatron_qwen2.gin': ('configs/models/llama_tiny.gin', ['transformer_lm.qkv_bias = True']),
+    'moe_expert.gin': ('configs/models/moe_tiny.gin', []),
+    'moe_expert_megatron.gin': ('configs/models/moe_tiny.gin', []),
+    'moe_expert_fsdp.gin': ('configs/models/moe_tiny.gin', []),
+}
+# The mesh each layout file is parsed on (its rules' axes); default data=2 x model=4.
+LAYOUT_MESHES = {
+    'moe_expert.gin': "{'expert': 4, 'data': 2}",
+    'moe_expert_megatron.gin': "{'expert': 2, 'data': 2, 'model': 2}",
+    'moe_expert_fsdp.gin': "{'expert': 4, 'data': 2}",
 }
 
 
@@ -76,8 +85,10 @@ def test_config_parses_and_builds(path, tmp_path, classifier_data):
   if path.endswith('lm_small.gin'):
     bindings.append('data.vocab_size = 256')  # a byte-sized vocabulary
   if 'layouts' in path:
-    bindings.append("mesh.shape = {'data': 2, 'model': 4}")  # rules name 'model'
-    bindings += LAYOUT_MODELS[os.path.basename(path)][1] + ['layout_rules.strict = True']
+    name = os.path.basename(path)
+    mesh = LAYOUT_MESHES.get(name, "{'data': 2, 'model': 4}")  # the rules' axes
+    bindings.append(f'mesh.shape = {mesh}')
+    bindings += LAYOUT_MODELS[name][1] + ['layout_rules.strict = True']
 
   gin_setup.parse_gin(files=stack_for(path), bindings=bindings)
   plan = plan_lib.make_plan()

@@ -15,11 +15,13 @@ from layout_core.model.weights import LayerWeights, Weights, dense
 from layout_core.model.attention import MultiHeadAttention, attention
 from layout_core.model.layers import (Dropout, Embedding, FeedForward, LayerNorm, Softmax,
                                       TransformerBlock)
-from layout_core.model.lm import transformer_block_params, transformer_lm_params
+from layout_core.model.lm import (moe_feed_forward_params, transformer_block_params,
+                                  transformer_lm_params)
+from layout_core.model.moe import MoEFeedForward
 from layout_core.model.random import current_random, random_context, step_seed
 
 __all__ = ['BaseLayer', 'Declared', 'Dropout', 'Embedding', 'FeedForward', 'LayerMeta',
-           'LayerNorm', 'LayerWeights', 'MultiHeadAttention', 'Sequential', 'Softmax',
+           'LayerNorm', 'LayerWeights', 'MoEFeedForward', 'MultiHeadAttention', 'Sequential', 'Softmax',
            'TransformerBlock', 'Weights', 'attention', 'current_random', 'dense',
-           'flatten_layers', 'leaf_layers', 'leaf_modules', 'num_parameters', 'random_context',
+           'flatten_layers', 'leaf_layers', 'leaf_modules', 'moe_feed_forward_params', 'num_parameters', 'random_context',
            'step_seed', 'transformer_block_params', 'transformer_lm_params']

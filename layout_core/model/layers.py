@@ -279,7 +279,14 @@ class TransformerBlock(BaseLayer):
     p.Define('qkv_bias', False, 'Biases on the query, key and value projections.')
     p.Define('attention_out_bias', False, 'A bias on the attention output projection.')
     p.Define('sliding_window', 0, 'Attention to the last sliding_window positions; 0: all.')
+    p.Define('moe', None, 'A routed feed-forward layer (`layout_core.model.moe`) in place '
+             'of the dense one, as MoEFeedForward params; None: dense.')
     return p
+
+  @classmethod
+  def ffn_name(cls, p) -> str:
+    """The feed-forward child: 'moe' (routed) or 'ffn' (dense)."""
+    return 'moe' if p.moe is not None else 'ffn'
 
   @classmethod
   def child_params(cls, p):
@@ -294,10 +301,13 @@ class TransformerBlock(BaseLayer):
             qkv_bias=p.qkv_bias, out_bias=p.attention_out_bias,
             sliding_window=p.sliding_window),
         'ln_ffn': norm('ln_ffn'),
-        'ffn': FeedForward.Params().Set(input_dim=p.model_dim, hidden_dim=p.ffn_dim,
-                                        activation=p.activation, kind=p.ffn,
-                                        use_bias=p.ffn_bias),
     }
+    if p.moe is not None:
+      children['moe'] = p.moe.Copy().Set(name='moe', input_dim=p.model_dim)
+    else:
+      children['ffn'] = FeedForward.Params().Set(input_dim=p.model_dim, hidden_dim=p.ffn_dim,
+                                                 activation=p.activation, kind=p.ffn,
+                                                 use_bias=p.ffn_bias)
     if p.dropout_rate:
       for name in ('attn_dropout', 'ffn_dropout'):
         children[name] = Dropout.Params().Set(name=name, rate=p.dropout_rate)
@@ -333,7 +343,7 @@ class TransformerBlock(BaseLayer):
     if p.dropout_rate:
       attn = run('attn_dropout', attn)
     x = x + residual(attn, pin)
-    ffn = run('ffn', run('ln_ffn', x))
+    ffn = run(cls.ffn_name(p), run('ln_ffn', x))
     if p.dropout_rate:
       ffn = run('ffn_dropout', ffn)
     return residual(x + residual(ffn, pin), pin)

@@ -13,6 +13,7 @@ from layout_core.fields import at_least, check_arguments, in_range
 from layout_core.model.base import Sequential
 from layout_core.model.layers import (ACTIVATIONS, FFNS, NORMS, Embedding, LayerNorm,
                                       Softmax, TransformerBlock)
+from layout_core.model.moe import ROUTERS, MoEFeedForward, check as check_moe
 from layout_core.params import Params
 
 
@@ -107,6 +108,54 @@ def transformer_block_params(*, num_heads: int = 4, ffn_dim: int = 256,
                        attention_out_bias=attention_out_bias, sliding_window=sliding_window))
 
 
+def moe_feed_forward_params(*, num_experts: int = 8, experts_per_token: int = 2,
+                            expert_dim: int = 0, kind: str = 'swiglu',
+                            activation: str = 'relu', router: str = 'softmax',
+                            normalize_top_k: bool = True, capacity_factor: float = 0.0,
+                            shared_dim: int = 0, shared_gate: bool = True,
+                            aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0) -> Params:
+  """A routed feed-forward layer (mixture of experts) for `transformer_lm.moe`:
+  each token goes to `experts_per_token` of `num_experts` experts
+  (`layout_core.model.moe`; docs/moe.md).
+
+  Args:
+    num_experts: Experts per MoE layer (E >= 1).
+    experts_per_token: Experts each token goes to (top-k, 1..E; Mixtral: 2).
+    expert_dim: Inner width of each expert; 0 means the LM's ffn_dim.
+    kind: Each expert's feed-forward: 'swiglu' (Mixtral, Qwen-MoE), 'geglu' or 'mlp'.
+    activation: The activation of kind 'mlp': 'relu', 'gelu' or 'gelu_tanh'.
+    router: 'softmax' over the experts, or 'sigmoid' per expert.
+    normalize_top_k: The k chosen weights renormalised to sum to 1 (Mixtral);
+      False: the router's probabilities as they are (Qwen2-MoE).
+    capacity_factor: Slots per expert and batch row = capacity_factor x
+      tokens x k / E; a choice past them is dropped (the token keeps its
+      residual). <= 0: no token is dropped.
+    shared_dim: Inner width of a shared expert every token goes through (Qwen2-MoE); 0: none.
+    shared_gate: The shared expert's output scaled by a sigmoid gate of the token.
+    aux_loss_coef: The load-balancing loss's weight in the training loss.
+    z_loss_coef: The router z-loss's weight in the training loss.
+  """
+  check_arguments(moe_feed_forward_params, name='moe_feed_forward', values=locals())
+  p = MoEFeedForward.Params().Set(
+      num_experts=num_experts, experts_per_token=experts_per_token, hidden_dim=expert_dim,
+      kind=kind, activation=activation, router=router, normalize_top_k=normalize_top_k,
+      capacity_factor=float(capacity_factor), shared_dim=shared_dim, shared_gate=shared_gate,
+      aux_loss_coef=float(aux_loss_coef), z_loss_coef=float(z_loss_coef))
+  _one_of('moe_feed_forward', 'kind', kind, FFNS)
+  _one_of('moe_feed_forward', 'activation', activation, ACTIVATIONS)
+  _one_of('moe_feed_forward', 'router', router, ROUTERS)
+  check_moe(p.Copy().Set(hidden_dim=expert_dim or 1))
+  return p
+
+
+def _moe_blocks(block: Params, *, moe: Params | None, moe_every: int, ffn_dim: int,
+                num_layers: int) -> list[Params]:
+  """The stack's blocks: block i routed when (i + 1) % moe_every == 0."""
+  routed = block.Copy().Set(moe=moe.Copy().Set(hidden_dim=moe.hidden_dim or ffn_dim))
+  return [(routed if (i + 1) % moe_every == 0 else block).Copy().Set(name=f'block_{i:03d}')
+          for i in range(num_layers)]
+
+
 def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
                           num_heads: int = 4, ffn_dim: int = 256,
                           num_layers: int = 2, max_len: int = 128,
@@ -118,7 +167,8 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
                           ffn: str = 'mlp', ffn_bias: bool | None = None,
                           num_kv_heads: int = 0, head_dim: int = 0, qkv_bias: bool = False,
                           attention_out_bias: bool = False, sliding_window: int = 0,
-                          output_bias: bool = True, tie_embeddings: bool = False) -> Params:
+                          output_bias: bool = True, tie_embeddings: bool = False,
+                          moe: Params | None = None, moe_every: int = 1) -> Params:
   """A decoder-only Transformer LM as a flat Sequential of heterogeneous layers:
 
   lm/emb -> lm/stack/block_000..N-1 -> lm/final_ln -> lm/softmax (logits).
@@ -183,6 +233,10 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
       projection: the softmax reads lm/emb/table transposed and has no w of
       its own (GPT-2, small Llama 3.2 and Qwen2 models). Both sit on one mesh:
       the SPMD pipeline takes it, the sub-mesh (GPipe) engine does not.
+    moe: A routed feed-forward layer, @moe_feed_forward(), in place of the
+      dense one (mixture of experts; docs/moe.md); None: dense. Not with cells.
+    moe_every: With moe, block i is routed when (i + 1) % moe_every == 0
+      (1: every block; 2: every second one, Qwen2-MoE's decoder_sparse_step).
   """
   check_arguments(transformer_lm_params, name='transformer_lm', values=locals())
   at_least(locals(), 'transformer_lm', vocab_size=1, model_dim=1, num_layers=1, max_len=0)
@@ -216,6 +270,11 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
               f'of {num_heads}')
   _one_of('transformer_lm', 'positions', positions, POSITIONS)
   _one_of('transformer_lm', 'norm', norm, NORMS)
+  if moe is not None and (cells or not isinstance(moe, Params)
+                          or moe.cls is not MoEFeedForward or moe_every < 1):
+    raise ConfigError(f'transformer_lm.moe is {moe!r} (moe_every {moe_every}, '
+                      f'{len(cells or ())} cells)', where='transformer_lm.moe',
+                      fix='give @moe_feed_forward() with moe_every >= 1, and no cells')
   if cells:
     if num_layers != len(cells):
       raise ConfigError(f'transformer_lm.num_layers={num_layers} but {len(cells)} cells '
@@ -232,7 +291,11 @@ def transformer_lm_params(*, vocab_size: int = 256, model_dim: int = 64,
         positions=positions, rope_theta=rope_theta, rope_scaling=rope_scaling,
         qkv_bias=qkv_bias, attention_out_bias=attention_out_bias,
         sliding_window=sliding_window).Set(model_dim=model_dim)
-    stack = Sequential.Params().Set(name='stack', sub=[block], repeat=num_layers)
+    if moe is None:
+      stack = Sequential.Params().Set(name='stack', sub=[block], repeat=num_layers)
+    else:
+      stack = Sequential.Params().Set(name='stack', sub=_moe_blocks(
+          block, moe=moe, moe_every=moe_every, ffn_dim=ffn_dim, num_layers=num_layers))
   return Sequential.Params().Set(name=name, sub=[
       Embedding.Params().Set(vocab_size=vocab_size, dim=model_dim, max_len=max_len,
                              learned_positions=positions == 'learned'),

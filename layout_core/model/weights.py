@@ -180,6 +180,14 @@ class Weights:
     float32 one under bfloat16 math)."""
     return False
 
+  path = ''
+  """The layer's variable path ('lm/stack/block_000/moe'; '' for stacked cells)."""
+
+  def layout(self, name: str):
+    """The layout weight `name`'s math uses (its gathered one under FSDP);
+    None where it has none of its own (stacked cells)."""
+    return None
+
   def child(self, name: str) -> 'Weights':
     """The weights of sub-layer `name` (a key of `child_params`), sharing
     this layer's context and FSDP gather."""
@@ -281,6 +289,14 @@ class LayerWeights(Weights):
 
   def has(self, name):
     return name in self.layer.variable_names
+
+  @property
+  def path(self) -> str:
+    return self.layer.path
+
+  def layout(self, name):
+    variable = getattr(self.layer, name)
+    return fsdp.use_layout(variable) or getattr(variable, 'layout', None)
 
   def _read(self, name):
     variable = getattr(self.layer, name)

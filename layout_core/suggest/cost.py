@@ -111,9 +111,14 @@ class ModelProfile:
 
 def _block_matmuls(p) -> int:
   """A Transformer block's weight contractions: q, k, v, out, and its
-  feed-forward's (2, or 3 gated)."""
-  ffn = p.cls.child_params(p)['ffn']
-  return 4 + len(FeedForward.matrices(ffn))
+  feed-forward's (2, or 3 gated; a routed one's router, its experts' and
+  its shared expert's)."""
+  ffn = p.cls.child_params(p)[p.cls.ffn_name(p)]
+  if ffn.cls is FeedForward:
+    return 4 + len(FeedForward.matrices(ffn))
+  shared = ffn.cls.child_params(ffn)
+  return 5 + len(ffn.cls.matrices(ffn)) + sum(len(FeedForward.matrices(c)) + 1
+                                              for c in shared.values())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,6 +44,7 @@ from layout_core.layout.scope import LayoutRecord, initial_dtensor
 from layout_core.layout.variables import Zeros, to_numpy
 from layout_core.model.activations import residual_pin
 from layout_core.model.base import as_float32
+from layout_core.model import moe
 from layout_core.model.built import BuiltModel, StepFunction
 from layout_core.model.random import random_context, step_seed
 from layout_core.step_context import SequenceInputs, StepContext, current, entered
@@ -171,8 +172,9 @@ class ModelProgram:
     inputs = self.task.model_inputs(packed)
     if self.task.needs_reference:
       packed = {**packed, **self.task.reference_features(self._reference(inputs), packed)}
-    outputs = self.model.call(inputs, training)
-    return self.task.loss_and_metrics(as_float32(outputs), packed)
+    with moe.collecting() as router_terms:  # a mixture of experts' aux losses and load
+      outputs = self.model.call(inputs, training)
+    return router_terms.added_to(*self.task.loss_and_metrics(as_float32(outputs), packed))
 
   def reference_features(self, packed, adapters: bool = True) -> list[dict[str, Any]]:
     """[the task's `reference_features` of the model on the batch, its LoRA

@@ -1,0 +1,367 @@
+"""Mixture of experts: a routed feed-forward layer, split over an expert axis.
+
+    p = MoEFeedForward.Params().Set(input_dim=64, hidden_dim=128, num_experts=8,
+                                    experts_per_token=2)
+    with collecting() as terms:                 # the engine, around the forward pass
+      y = model(x)                              # each MoE layer adds its router terms
+    loss, metrics = terms.added_to(loss, metrics)   # aux and z losses, load, drops
+
+Each token's router picks `experts_per_token` (k) of `num_experts` (E)
+experts; the token goes to each, and their outputs come back weighted by the
+router's probabilities (renormalised over the k, Mixtral, or not,
+Qwen2-MoE). Dispatch and combine are GShard's einsums, in groups of one
+batch row: a token's place in its expert's buffer (capacity C per expert and
+group) is counted inside its own row, where the row lives, so no device
+needs another's tokens to know it. Every first choice of a row comes before
+any second choice; a choice past the capacity is dropped, and a token all of
+whose choices are dropped leaves the layer as zero (the block's residual
+carries it unchanged). `capacity_factor` <= 0 keeps every token (C = the
+row's length).
+
+The experts' weights are [E, ...]: a layout rule splits dim 0 over a mesh
+axis (expert parallelism). The tokens then move to their expert's device
+and back by relayouts of the [E, rows, C, D] buffers: an all-to-all where the
+expert axis is the batch's own (GShard), a local slice and a sum across the
+expert axis where they differ (`bench/moe.py` measures which).
+
+The router's terms, per MoE layer and step: the load-balancing loss
+E * sum_e f_e P_e (f_e: the share of tokens among whose k choices e is, so
+sum_e f_e = k; P_e: the mean router probability of e; Switch and GShard's
+form, Hugging Face's Mixtral), the router z-loss (the mean over tokens of
+logsumexp(logits)^2, ST-MoE), the share of choices each expert receives
+(min and max over experts; 1/E each when balanced) and the share of choices
+dropped. The losses are added to the training loss with their coefficients,
+averaged over the MoE layers, and every term is logged (`added_to`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Iterator
+
+from layout_core.errors import ConfigError
+from layout_core.lazy import dtensor, tf
+from layout_core.layout.rules import UNSHARDED
+from layout_core.layout.variables import Normal, Zeros
+from layout_core.model.base import BaseLayer, Declared, LayerMeta, num_elements
+from layout_core.step_context import current, entered
+from layout_core.tasks.objective import Mean
+
+ROUTERS = ('softmax', 'sigmoid')
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterTerms:
+  """One MoE layer's router terms in one forward pass (scalars, float32)."""
+  path: str
+  aux_loss: tf.Tensor
+  z_loss: tf.Tensor
+  load_min: tf.Tensor
+  load_max: tf.Tensor
+  dropped: tf.Tensor
+  aux_coef: float
+  z_coef: float
+
+
+class CollectedTerms:
+  """The router terms the MoE layers of one forward pass add (`collecting`)."""
+
+  def __init__(self):
+    self.layers: list[RouterTerms] = []
+
+  def add(self, terms: RouterTerms) -> None:
+    self.layers.append(terms)
+
+  def added_to(self, loss, metrics: dict) -> tuple:
+    """(loss, metrics) with the layers' weighted aux and z losses (their mean
+    over layers) added to the loss, and the terms as metrics: `moe/aux_loss`,
+    `moe/z_loss` (unweighted means over layers), per layer
+    `moe/<layer>/load_min`, `load_max`, `dropped`. Unchanged with no terms.
+    A `Mean` loss gets the penalty times its count, so parts of a batch add
+    it weighted as their tokens (`layout_core.tasks.objective`)."""
+    if not self.layers:
+      return loss, metrics
+    n = float(len(self.layers))
+    penalty = tf.add_n([t.aux_coef * t.aux_loss + t.z_coef * t.z_loss
+                        for t in self.layers]) / n
+    if isinstance(loss, Mean):
+      loss = Mean(loss.total + penalty * tf.cast(loss.count, penalty.dtype), loss.count)
+    else:
+      loss = loss + tf.cast(penalty, loss.dtype)
+    metrics = dict(metrics)
+    metrics['moe/aux_loss'] = tf.add_n([t.aux_loss for t in self.layers]) / n
+    metrics['moe/z_loss'] = tf.add_n([t.z_loss for t in self.layers]) / n
+    for t in self.layers:
+      name = layer_tag(t.path)
+      metrics[f'moe/{name}/load_min'] = t.load_min
+      metrics[f'moe/{name}/load_max'] = t.load_max
+      metrics[f'moe/{name}/dropped'] = t.dropped
+    return loss, metrics
+
+
+def layer_tag(path: str) -> str:
+  """The TensorBoard name of an MoE layer at `path`: its block
+  ('lm/stack/block_001/moe' -> 'block_001')."""
+  parts = path.split('/')
+  return parts[-2] if len(parts) > 1 else parts[-1]
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[CollectedTerms]:
+  """A block in which MoE layers add their router terms to the one yielded."""
+  terms = CollectedTerms()
+  with entered(current().replace(router_terms=terms)):
+    yield terms
+
+
+def capacity(p, group_size: int) -> int:
+  """Token slots per expert and group: ceil(capacity_factor * group_size * k / E),
+  at most the group's size; every token's (the group's size) when the
+  factor is <= 0."""
+  if p.capacity_factor <= 0:
+    return group_size
+  slots = math.ceil(p.capacity_factor * group_size * p.experts_per_token / p.num_experts)
+  return max(1, min(group_size, slots))
+
+
+class Routing:
+  """Where each token of [G, S] groups goes: `dispatch` [G, S, E, C] (1 where
+  token s fills slot c of expert e), `combine` [G, S, E, C] (its router
+  weight there), and the router's terms' inputs."""
+
+  def __init__(self, logits, *, k: int, router: str, normalize: bool, slots: int):
+    self.logits = logits                                 # [G, S, E] float32
+    experts = logits.shape[-1]
+    self.probs = tf.nn.softmax(logits) if router == 'softmax' else tf.sigmoid(logits)
+    # The choices from top_k, their weights read back through the one-hots:
+    # top_k's own gradient indexes the whole tensor, wrong where DTensor
+    # splits the rows ("indices[255] = [1022] does not index into shape [128]").
+    _, index = tf.math.top_k(tf.stop_gradient(self.probs), k)      # [G, S, k]
+    self.choice = tf.one_hot(index, experts, dtype=tf.float32)   # [G, S, k, E]
+    top = tf.einsum('gske,gse->gsk', self.choice, self.probs)
+    if normalize:
+      top = top / tf.reduce_sum(top, axis=-1, keepdims=True)
+    # Slot of each choice in its expert's buffer: every token's first choice
+    # (in token order), then every second one, ... counted within the group.
+    order = tf.transpose(self.choice, [0, 2, 1, 3])                # [G, k, S, E]
+    shape = tf.shape(order)
+    flat = tf.reshape(order, [shape[0], -1, experts])
+    before = tf.reshape(tf.cumsum(flat, axis=1, exclusive=True), shape)
+    slot = tf.reduce_sum(tf.transpose(before, [0, 2, 1, 3]) * self.choice, axis=-1)  # [G, S, k]
+    self.kept = tf.cast(slot < slots, tf.float32)                 # [G, S, k]
+    in_slot = tf.one_hot(tf.cast(slot, tf.int32), slots, dtype=tf.float32)  # [G, S, k, C]
+    self.dispatch = tf.einsum('gske,gskc->gsec', self.choice * self.kept[..., None], in_slot)
+    self.combine = tf.einsum('gske,gskc->gsec',
+                             self.choice * (top * self.kept)[..., None], in_slot)
+
+  def terms(self, *, path: str, aux_coef: float, z_coef: float) -> RouterTerms:
+    experts = self.logits.shape[-1]
+    k = self.choice.shape[2]
+    chosen = tf.reduce_sum(self.choice, axis=2)                   # [G, S, E]
+    tokens_share = tf.reduce_mean(chosen, axis=[0, 1])            # f_e, sums to k
+    # E * sum_e f_e P_e as a mean over tokens of E * sum_e f_e p_e(token) (the
+    # mean over the group dims of [G, S, E] did not compile under DTensor
+    # with the groups split: its gradient's Tile)
+    aux = experts * tf.reduce_mean(tf.einsum('gse,e->gs', self.probs,
+                                             tf.stop_gradient(tokens_share)))
+    z = tf.reduce_mean(tf.square(tf.reduce_logsumexp(self.logits, axis=-1)))
+    load = tokens_share / k                                       # share of choices
+    dropped = 1.0 - tf.reduce_mean(self.kept)
+    return RouterTerms(path=path, aux_loss=aux, z_loss=z, load_min=tf.reduce_min(load),
+                       load_max=tf.reduce_max(load), dropped=dropped,
+                       aux_coef=aux_coef, z_coef=z_coef)
+
+
+class MoEFeedForward(BaseLayer):
+  """Routed feed-forward (module doc): x [B, T, D] -> sum over the token's k
+  experts of weight * expert(x), plus a shared expert where `shared_dim`."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.name = 'moe'
+    p.Define('input_dim', 64, 'Input and output width.')
+    p.Define('hidden_dim', 256, 'Inner width of each expert.')
+    p.Define('num_experts', 8, 'Experts (E).')
+    p.Define('experts_per_token', 2, 'Experts each token goes to (top-k).')
+    p.Define('router', 'softmax', "Router probabilities: 'softmax' or 'sigmoid'.")
+    p.Define('normalize_top_k', True, 'Renormalise the k chosen weights to sum to 1 '
+             '(Mixtral); False: the probabilities as they are (Qwen2-MoE).')
+    p.Define('capacity_factor', 0.0, 'Slots per expert = capacity_factor * tokens * k / E '
+             'per row; <= 0: no token dropped.')
+    p.Define('kind', 'swiglu', "Each expert: 'mlp', 'swiglu' or 'geglu'.")
+    p.Define('activation', 'relu', "Activation of kind 'mlp'.")
+    p.Define('shared_dim', 0, 'Inner width of a shared expert every token goes '
+             'through (Qwen2-MoE); 0: none.')
+    p.Define('shared_gate', True, 'Scale the shared expert by sigmoid(x w_shared_gate).')
+    p.Define('aux_loss_coef', 0.01, 'Weight of the load-balancing loss in the loss.')
+    p.Define('z_loss_coef', 0.0, 'Weight of the router z-loss in the loss.')
+    p.Define('init_stddev', 0.02, 'Stddev of the initial weights.')
+    return p
+
+  @classmethod
+  def matrices(cls, p) -> tuple[str, ...]:
+    return ('w_in', 'w_out') if p.kind == 'mlp' else ('w_gate', 'w_up', 'w_down')
+
+  @classmethod
+  def declare_variables(cls, p):
+    init = Normal(p.init_stddev)
+    e, d, h = p.num_experts, p.input_dim, p.hidden_dim
+    declared = [Declared('router', (d, e), init, inputs=1)]
+    for name in cls.matrices(p):
+      shape = (e, h, d) if name in ('w_out', 'w_down') else (e, d, h)
+      declared.append(Declared(name, shape, init))
+    if p.shared_dim and p.shared_gate:
+      declared.append(Declared('shared_gate', (d, 1), init, inputs=1))
+    return declared
+
+  @classmethod
+  def child_params(cls, p):
+    if not p.shared_dim:
+      return {}
+    from layout_core.model.layers import FeedForward
+    return {'shared': FeedForward.Params().Set(
+        name='shared', input_dim=p.input_dim, hidden_dim=p.shared_dim, kind=p.kind,
+        activation=p.activation, use_bias=False, init_stddev=p.init_stddev)}
+
+  @classmethod
+  def stackable(cls, p) -> bool:
+    return False  # its router terms leave the layer beside its output: not a pipeline cell
+
+  @classmethod
+  def fprop_meta(cls, p, x_shape):
+    tokens = num_elements(x_shape[:-1])
+    matrices = len(cls.matrices(p))
+    active = 2 * tokens * p.experts_per_token * p.input_dim * p.hidden_dim * matrices
+    router = 2 * tokens * p.input_dim * p.num_experts
+    matmul = active + router
+    flops = matmul + tokens * p.experts_per_token * (matrices * p.hidden_dim + p.input_dim)
+    for child in cls.child_params(p).values():
+      meta = child.cls.fprop_meta(child, x_shape)
+      matmul += meta.matmul_flops
+      flops += meta.flops
+    return LayerMeta(out_shapes=(tuple(x_shape),), flops=flops, matmul_flops=matmul)
+
+  @classmethod
+  def apply(cls, p, w, x):
+    from layout_core.model.layers import activate
+    batch, length, _ = x.shape
+    slots = capacity(p, length)
+    expert_axis, batch_axis, mesh = _axes(w, cls.matrices(p)[0])
+    rows = [batch_axis or UNSHARDED]  # the routing stays with its rows (pinned: under
+    # remat DTensor otherwise gathered a reduction's result, and failed to compile)
+    logits = _relayout(tf.cast(w.project('btd,de->bte', x, 'router'), tf.float32), mesh, rows)
+    routing = Routing(logits, k=p.experts_per_token, router=p.router,
+                      normalize=p.normalize_top_k, slots=slots)
+    sink = w.context.router_terms
+    if sink is not None:
+      sink.add(routing.terms(path=w.path, aux_coef=p.aux_loss_coef, z_coef=p.z_loss_coef))
+    dispatch = _relayout(tf.cast(routing.dispatch, x.dtype), mesh, rows)
+    h = tf.einsum('gsec,gsd->egcd', dispatch, x)                  # [E, G, C, D]
+    h = _relayout(h, mesh, [expert_axis, _other(batch_axis, expert_axis)])
+    if p.kind == 'mlp':
+      h = activate(w.project('egcd,edh->egch', h, 'w_in'), p.activation)
+      out = w.project('egch,ehd->egcd', h, 'w_out')
+    else:
+      gate = activate(w.project('egcd,edh->egch', h, 'w_gate'),
+                      'silu' if p.kind == 'swiglu' else 'gelu_tanh')
+      out = w.project('egch,ehd->egcd', gate * w.project('egcd,edh->egch', h, 'w_up'),
+                      'w_down')
+    if expert_axis != UNSHARDED and expert_axis == batch_axis:
+      out = _relayout(out, mesh, [UNSHARDED, batch_axis])          # GShard: back by all-to-all
+    combine = _relayout(tf.cast(routing.combine, out.dtype), mesh, rows)
+    y = _relayout(tf.einsum('gsec,egcd->gsd', combine, out), mesh, rows)
+    if p.shared_dim:
+      shared_p = cls.child_params(p)['shared']
+      shared = shared_p.cls.apply(shared_p, w.child('shared'), x)
+      if p.shared_gate:
+        shared *= tf.sigmoid(w.dense(x, 'shared_gate'))
+      y += shared
+    return y
+
+
+def _other(batch_axis: str | None, expert_axis: str) -> str:
+  return batch_axis if batch_axis and batch_axis != expert_axis else UNSHARDED
+
+
+def _axes(w, name: str):
+  """(the mesh axis splitting weight `name`'s experts, the batch's, the mesh)."""
+  layout = w.layout(name)
+  if layout is None:
+    return UNSHARDED, w.context.batch_split, None
+  return layout.sharding_specs[0], w.context.batch_split, layout.mesh
+
+
+def _relayout(x, mesh, lead: list[str]):
+  """x relaid to `lead` on its leading dims, whole elsewhere (no mesh: as is)."""
+  if mesh is None or all(a == UNSHARDED for a in lead):
+    return x
+  return dtensor.relayout(x, dtensor.Layout(lead + [UNSHARDED] * (x.shape.rank - len(lead)),
+                                            mesh))
+
+
+def routed_paths(params) -> list[str]:
+  """The paths of the MoE layers' blocks in a Params model (none: [])."""
+  from layout_core.model.base import leaf_layers
+  from layout_core.params import Params
+  if not isinstance(params, Params):
+    return []
+  return [path for path, p in leaf_layers(params)
+          if p.cls is MoEFeedForward or getattr(p, 'moe', None) is not None]
+
+
+def routed_layers(params) -> list:
+  """The MoEFeedForward params of every routed layer of a Params model."""
+  from layout_core.model.base import leaf_layers
+  from layout_core.params import Params
+  if not isinstance(params, Params):
+    return []
+  layers = []
+  for _, p in leaf_layers(params):
+    if p.cls is MoEFeedForward:
+      layers.append(p)
+    elif getattr(p, 'moe', None) is not None:
+      layers.append(p.cls.child_params(p)['moe'])
+  return layers
+
+
+def inactive_parameters(params) -> int:
+  """Parameters a token does not use: in each routed layer, the experts it
+  is not sent to ((E - k) / E of the experts' weights)."""
+  return sum((p.num_experts - p.experts_per_token) * p.input_dim * p.hidden_dim
+             * len(MoEFeedForward.matrices(p)) for p in routed_layers(params))
+
+
+def check_supported(params, *, pipelined: bool) -> None:
+  """A ConfigError where a run cannot route: a pipeline (its stages would
+  have to carry the router terms out beside their activations)."""
+  routed = routed_paths(params)
+  if routed and pipelined:
+    raise ConfigError(
+        f'a pipeline cannot run mixture-of-experts layers yet ({len(routed)} routed blocks, '
+        f'the first {routed[0]!r})', where='pipeline.num_stages with transformer_lm.moe',
+        fix='train without a pipeline (pipeline.num_stages = 1) and split the experts over '
+            "a mesh axis instead (configs/layouts/moe_expert.gin); or drop transformer_lm.moe")
+
+
+def check(p) -> None:
+  """A ConfigError naming the binding for MoE params that cannot work."""
+  where = 'moe_feed_forward'
+  if p.num_experts < 1:
+    raise ConfigError(f'{where}.num_experts is {p.num_experts}', where=f'{where}.num_experts',
+                      fix='use at least 1 expert (8 is usual)')
+  if not 1 <= p.experts_per_token <= p.num_experts:
+    raise ConfigError(f'{where}.experts_per_token is {p.experts_per_token} with '
+                      f'{p.num_experts} experts', where=f'{where}.experts_per_token',
+                      fix=f'use 1 to {p.num_experts} (2 is usual: Mixtral)')
+  if p.router not in ROUTERS:
+    raise ConfigError(f'{where}.router is {p.router!r}', where=f'{where}.router',
+                      fix=f"use one of {', '.join(map(repr, ROUTERS))}")
+  if p.hidden_dim < 1 or p.shared_dim < 0:
+    raise ConfigError(f'{where}.hidden_dim is {p.hidden_dim}, shared_dim {p.shared_dim}',
+                      where=f'{where}.hidden_dim', fix='use a positive expert width')
+  if p.aux_loss_coef < 0 or p.z_loss_coef < 0:
+    raise ConfigError(f'{where}: a negative loss coefficient', where=f'{where}.aux_loss_coef',
+                      fix='use coefficients >= 0 (0.01 and 0.001 are usual)')
