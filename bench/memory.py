@@ -150,12 +150,15 @@ def fit(steps: int) -> dict:
 
 
 def largest(setting: list[str], *, budget: int, steps: int, bisect: int, start: int,
-            cache: dict) -> tuple[int | None, dict]:
-  """The largest width (multiple of 64) within budget: doubling, then bisection."""
+            cache: dict, bindings_of=lm_bindings, gin_file: str | None = None
+            ) -> tuple[int | None, dict]:
+  """The largest width (multiple of 64) within budget: doubling, then
+  bisection. `bindings_of(width, steps)`: the model's bindings at a width."""
   def fits(width):
     key = (tuple(setting), width)
     if key not in cache:
-      cache[key] = train(setting + lm_bindings(width, steps), budget=budget)
+      cache[key] = train(setting + bindings_of(width, steps), budget=budget,
+                         **({'gin_file': gin_file} if gin_file else {}))
       print(f'    width {width}: {"fits" if cache[key]["fits"] else "no"} '
             f'({cache[key]["peak_bytes"] / 2**30:.2f} GiB, {cache[key]["seconds"]:.0f} s)',
             flush=True)

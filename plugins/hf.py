@@ -65,7 +65,6 @@ from layout_core.layout.variables import variable_creator
 from layout_core.model import frozen
 from layout_core.model import lora as lora_lib
 from layout_core.model import tuning as tuning_lib
-from layout_core.model.lm import transformer_lm_params
 from layout_core.train.engine import Counters
 from plugins import configurables, gin_setup, inference
 from plugins.origin import IMPORT_RECORD, base_run, origin_of
@@ -95,7 +94,12 @@ def base_config(kwargs: dict[str, Any]) -> str:
   bindings): the model, the Markov task at its vocabulary, one device."""
   lines = ['# Written by launch.import_hf: the architecture of the imported checkpoint.',
            'model.params = @transformer_lm()']
-  lines += [f'transformer_lm.{name} = {value!r}' for name, value in kwargs.items()]
+  for name, value in kwargs.items():
+    if name == 'moe':  # a mixture of experts: moe_feed_forward's arguments
+      lines.append('transformer_lm.moe = @moe_feed_forward()')
+      lines += [f'moe_feed_forward.{key} = {v!r}' for key, v in value.items()]
+    else:
+      lines.append(f'transformer_lm.{name} = {value!r}')
   seq_len = min(DEFAULT_SEQ_LEN, kwargs['max_len']) if kwargs.get('max_len') else DEFAULT_SEQ_LEN
   lines += [f'data.vocab_size = {kwargs["vocab_size"]}', f'data.seq_len = {seq_len}',
             "mesh.shape = {'data': 1}"]
@@ -112,8 +116,12 @@ def check_new_run(model_dir: str, *, overwrite: bool) -> None:
 
 def _check_architecture_kept(kwargs: dict[str, Any]) -> None:
   """ConfigError when the user's files or bindings changed an argument the weights fix."""
+  bound_kwargs = lm_kwargs_of_config(exact=False)
   for name, value in kwargs.items():
-    bound = gin.query_parameter(f'transformer_lm.{name}')
+    bound = bound_kwargs.get(name)
+    if name == 'moe' and isinstance(bound, dict):  # the arguments the checkpoint fixes
+      bound = {key: bound.get(key) if key not in hf_lib.hf_config.MOE_TRAINING else v
+               for key, v in value.items()}
     if bound != value:
       raise ConfigError(
           f'transformer_lm.{name} is {bound!r} in the given config, but the checkpoint '
@@ -273,14 +281,21 @@ def _write_run(model_dir: str, *, params, values, plan, hf_dir: str, record: dic
 
 
 # -- export -----------------------------------------------------------------------------
-def lm_kwargs_of_config() -> dict[str, Any]:
+def lm_kwargs_of_config(exact: bool = True) -> dict[str, Any]:
   """transformer_lm's arguments in the parsed gin config (its defaults, then
-  the bound values); ConfigError unless `model.params` is exactly
-  transformer_lm(**those)."""
+  the bound values; a mixture of experts' `moe` as moe_feed_forward's
+  arguments); ConfigError unless `model.params` is exactly
+  transformer_lm(**those) (`exact` False: not checked)."""
   kwargs = dict(hf_lib.hf_config.LM_DEFAULTS)
   kwargs.update(gin.get_bindings(configurables.transformer_lm))
+  if kwargs.get('moe') is not None:  # @moe_feed_forward(): its arguments, as a dict
+    kwargs['moe'] = {name: value for name, value in {
+        **hf_lib.hf_config.MOE_DEFAULTS,
+        **gin.get_bindings(configurables.moe_feed_forward)}.items()}
+  if not exact:
+    return kwargs
   built = configurables.model()
-  if kwargs.get('cells') or transformer_lm_params(**kwargs) != built:
+  if kwargs.get('cells') or hf_lib.hf_config.lm_params(kwargs) != built:
     raise ConfigError('the run\'s model is not transformer_lm with its arguments alone '
                       '(cells, model.overrides or another model)', where='model.params',
                       fix='export it in meshgin\'s format (launch.export without --format=hf)')

@@ -65,6 +65,30 @@ CONFIGS = {
         sliding_window=128, max_window_layers=2, attention_dropout=0.0,
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, initializer_range=0.02,
         use_cache=True, torch_dtype='float32', transformers_version='4.46.0'),
+    # Mixtures of experts: Mixtral (every block routed, 4 experts, top 2) and
+    # Qwen2-MoE (4 experts of width 24, top 2 not renormalised, a gated shared
+    # expert; every block routed: KerasHub 0.32's conversion fails on Qwen2-MoE's
+    # dense blocks, so decoder_sparse_step 2 is tested without it).
+    'mixtral': dict(
+        architectures=['MixtralForCausalLM'], model_type='mixtral', vocab_size=VOCAB,
+        hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, hidden_act='silu', max_position_embeddings=128,
+        rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None, attention_dropout=0.0,
+        num_local_experts=4, num_experts_per_tok=2, output_router_logits=False,
+        router_aux_loss_coef=0.02, router_jitter_noise=0.0, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, initializer_range=0.02, use_cache=True,
+        torch_dtype='float32', transformers_version='4.46.0'),
+    'qwen2_moe': dict(
+        architectures=['Qwen2MoeForCausalLM'], model_type='qwen2_moe', vocab_size=VOCAB,
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, hidden_act='silu', max_position_embeddings=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None, use_sliding_window=False,
+        sliding_window=None, max_window_layers=2, attention_dropout=0.0,
+        decoder_sparse_step=1, moe_intermediate_size=24, shared_expert_intermediate_size=48,
+        num_experts_per_tok=2, num_experts=4, norm_topk_prob=False, output_router_logits=False,
+        router_aux_loss_coef=0.001, mlp_only_layers=[], tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, initializer_range=0.02, use_cache=True,
+        torch_dtype='float32', transformers_version='4.46.0'),
     'gpt2': dict(
         architectures=['GPT2LMHeadModel'], model_type='gpt2', vocab_size=VOCAB, n_embd=32,
         n_head=4, n_layer=2, n_positions=64, n_ctx=64, n_inner=None,
@@ -117,8 +141,9 @@ def state_dict(cfg: dict, *, seed: int = 0) -> dict[str, np.ndarray]:
   d, v, f = cfg['hidden_size'], cfg['vocab_size'], cfg['intermediate_size']
   heads, kv = cfg['num_attention_heads'], cfg['num_key_value_heads']
   k = cfg.get('head_dim') or d // heads
-  qkv_bias = cfg['model_type'] == 'qwen2' or cfg.get('attention_bias', False)
-  out_bias = cfg['model_type'] != 'qwen2' and cfg.get('attention_bias', False)
+  qwen = cfg['model_type'] in ('qwen2', 'qwen2_moe')
+  qkv_bias = qwen or cfg.get('attention_bias', False)
+  out_bias = not qwen and cfg.get('attention_bias', False)
   mlp_bias = cfg.get('mlp_bias', False)
   tensors['model.embed_tokens.weight'] = w(v, d)
   for i in range(cfg['num_hidden_layers']):
@@ -132,6 +157,22 @@ def state_dict(cfg: dict, *, seed: int = 0) -> dict[str, np.ndarray]:
     tensors[p + 'self_attn.o_proj.weight'] = w(d, heads * k)
     if out_bias:
       tensors[p + 'self_attn.o_proj.bias'] = w(d, scale=0.1)
+    if cfg['model_type'] == 'mixtral':  # MixtralSparseMoeBlock: gate, experts.e.w1/w3/w2
+      tensors[p + 'block_sparse_moe.gate.weight'] = w(cfg['num_local_experts'], d, scale=0.5)
+      for e in range(cfg['num_local_experts']):
+        for name, shape in (('w1', (f, d)), ('w3', (f, d)), ('w2', (d, f))):
+          tensors[p + f'block_sparse_moe.experts.{e}.{name}.weight'] = w(*shape)
+      continue
+    if cfg['model_type'] == 'qwen2_moe' and (i + 1) % cfg['decoder_sparse_step'] == 0:
+      m, s = cfg['moe_intermediate_size'], cfg['shared_expert_intermediate_size']
+      tensors[p + 'mlp.gate.weight'] = w(cfg['num_experts'], d, scale=0.5)
+      for e in range(cfg['num_experts']):
+        for name, shape in (('gate', (m, d)), ('up', (m, d)), ('down', (d, m))):
+          tensors[p + f'mlp.experts.{e}.{name}_proj.weight'] = w(*shape)
+      for name, shape in (('gate', (s, d)), ('up', (s, d)), ('down', (d, s))):
+        tensors[p + f'mlp.shared_expert.{name}_proj.weight'] = w(*shape)
+      tensors[p + 'mlp.shared_expert_gate.weight'] = w(1, d)
+      continue
     for name, shape in (('gate', (f, d)), ('up', (f, d)), ('down', (d, f))):
       tensors[p + f'mlp.{name}_proj.weight'] = w(*shape)
       if mlp_bias:

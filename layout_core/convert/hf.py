@@ -38,6 +38,7 @@ layout, the checkpoint and config.gin.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -78,8 +79,15 @@ class HFSource:
   def values(self) -> Iterator[tuple[str, np.ndarray]]:
     """(variable path, float32 value) for every variable, one Hugging Face
     tensor read at a time."""
+    stacked: dict[str, np.ndarray] = {}  # a routed layer's experts, filled one by one
     for rule in self.rules:
       values = rule.to_meshgin(self.reader.read(rule.hf_name), np.float32)
+      if rule.expert is not None:
+        (path,), (shape,) = rule.paths, rule.shapes
+        stacked.setdefault(path, np.empty(shape, np.float32))[rule.expert] = values[0]
+        if rule.expert == shape[0] - 1:
+          yield path, stacked.pop(path)
+        continue
       for path in rule.paths:
         yield path, values.pop(0)  # handed over: the caller's is the only reference
 
@@ -177,6 +185,7 @@ def write_hf_dir(target: str, *, kwargs: Mapping[str, Any],
   family = hf_config.family_of(kwargs)
   shapes = hf_names.variable_shapes(hf_names.tensor_rules(kwargs, family=family, tied=False))
 
+  @functools.lru_cache(maxsize=1)  # a routed layer's experts: one read for all E
   def checked(path: str) -> np.ndarray:
     value = np.asarray(read(path))
     if tuple(value.shape) != shapes[path]:

@@ -6,12 +6,18 @@
     facts.family, facts.tied                                # 'llama', False
     config = hf_config_from_lm(kwargs, tied=False)          # config.json again
 
-Four families, told apart by `model_type`: 'llama', 'mistral', 'qwen2'
-(RMSNorm, RoPE, SwiGLU, grouped-query attention) and 'gpt2' (LayerNorm,
-learned positions, a GELU MLP, every bias). A field meshgin does not
+Six families, told apart by `model_type`: 'llama', 'mistral', 'qwen2'
+(RMSNorm, RoPE, SwiGLU, grouped-query attention), 'gpt2' (LayerNorm,
+learned positions, a GELU MLP, every bias) and the mixtures of experts
+'mixtral' (Mistral's blocks, each feed-forward layer routed: top-k of E
+SwiGLU experts, the k weights renormalised) and 'qwen2_moe' (Qwen2's
+blocks, every `decoder_sparse_step`-th routed, with a gated shared expert).
+An MoE model's kwargs hold `moe`, the keyword arguments of
+`moe_feed_forward` as a dict (JSON, like the rest); `lm_params(kwargs)`
+makes the Params. A field meshgin does not
 implement is refused only when it would change what the model computes (a
-Qwen2 sliding window, experts, another RoPE scaling, an activation other
-than the family's), with a ConfigError that names the
+Qwen2 sliding window, experts in another family, another RoPE scaling, an
+activation other than the family's), with a ConfigError that names the
 field, its value and the file: an import never yields a model that computes
 something else than the checkpoint's. A field missing from the file takes
 the default Hugging Face's config class gives it.
@@ -31,9 +37,14 @@ import inspect
 from typing import Any, Mapping
 
 from layout_core.errors import ConfigError
-from layout_core.model.lm import ROPE_SCALING_KEYS, transformer_lm_params
+from layout_core.model.lm import (ROPE_SCALING_KEYS, moe_feed_forward_params,
+                                  transformer_lm_params)
 
-FAMILIES = ('llama', 'mistral', 'qwen2', 'gpt2')
+FAMILIES = ('llama', 'mistral', 'qwen2', 'gpt2', 'mixtral', 'qwen2_moe')
+MOE_FAMILIES = ('mixtral', 'qwen2_moe')
+# moe_feed_forward's arguments that change training only (an import's are a
+# starting point the user may rebind).
+MOE_TRAINING = ('aux_loss_coef', 'z_loss_coef', 'capacity_factor')
 
 # transformer_lm's defaults (from its signature): they fill what a run's kwargs
 # leave out, for the inverse.
@@ -48,7 +59,12 @@ _EXPERT_FIELDS = ('num_local_experts', 'num_experts', 'num_experts_per_tok',
 _GPT2_ACTIVATIONS = {'gelu_new': 'gelu_tanh', 'gelu_pytorch_tanh': 'gelu_tanh',
                      'gelu': 'gelu', 'relu': 'relu'}
 _ARCHITECTURES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM',
-                  'qwen2': 'Qwen2ForCausalLM', 'gpt2': 'GPT2LMHeadModel'}
+                  'qwen2': 'Qwen2ForCausalLM', 'gpt2': 'GPT2LMHeadModel',
+                  'mixtral': 'MixtralForCausalLM', 'qwen2_moe': 'Qwen2MoeForCausalLM'}
+# moe_feed_forward's defaults (from its signature), for the inverse.
+MOE_DEFAULTS: dict[str, Any] = {
+    name: parameter.default
+    for name, parameter in inspect.signature(moe_feed_forward_params).parameters.items()}
 # Fields an export carries over from the imported config.json when it has them.
 KEPT_FIELDS = ('bos_token_id', 'eos_token_id', 'pad_token_id', 'resid_pdrop', 'embd_pdrop',
                'attn_pdrop')
@@ -107,17 +123,19 @@ def lm_kwargs_from_hf(config: Mapping[str, Any], *, source: str = 'config.json'
   if family not in FAMILIES:
     raise _refuse(source, 'model_type', family, 'a model family meshgin cannot import',
                   f"import one of {', '.join(map(repr, FAMILIES))} (Llama 2/3, Mistral, Qwen2, "
-                  'GPT-2 checkpoints)')
-  for name in _EXPERT_FIELDS:
+                  'GPT-2, Mixtral, Qwen2-MoE checkpoints)')
+  for name in _EXPERT_FIELDS if family not in MOE_FAMILIES else ():
     value = config.get(name)
     fields.refuse_if(name, value not in (None, 0, 1, False),
-                     'a mixture of experts, which transformer_lm does not implement',
-                     'import a dense checkpoint')
+                     f'a mixture of experts in a {family} config, which meshgin does not '
+                     'implement', "import a dense checkpoint, or a 'mixtral' or 'qwen2_moe' one")
   dtype = config.get('torch_dtype', config.get('dtype'))
   if family == 'gpt2':
     kwargs, tied = _gpt2_kwargs(fields)
   else:
     kwargs, tied = _llama_kwargs(fields, family)
+  if family in MOE_FAMILIES:
+    kwargs.update(_moe_kwargs(fields, family))
   return kwargs, HFFacts(family=family, tied=tied, dtype=dtype if isinstance(dtype, str) else None)
 
 
@@ -137,14 +155,15 @@ def _llama_kwargs(fields: _Fields, family: str) -> tuple[dict[str, Any], bool]:
                    "import a checkpoint whose hidden_act is 'silu'")
   max_len = fields.positive_int('max_position_embeddings')
   window = 0  # transformer_lm.sliding_window: 0 attends to the whole context
-  if family == 'mistral':
-    window = config.get('sliding_window', 4096)  # absent: MistralConfig's default; null: none
+  if family in ('mistral', 'mixtral'):
+    # absent: MistralConfig's default (4096; MixtralConfig's: none); null: none
+    window = config.get('sliding_window', 4096 if family == 'mistral' else None)
     fields.refuse_if('sliding_window', window is not None and (
         not isinstance(window, int) or isinstance(window, bool) or window < 1),
                      'not a positive number of tokens or null',
                      'give the config.json saved with the checkpoint')
     window = window or 0
-  if family == 'qwen2':
+  if family in ('qwen2', 'qwen2_moe'):
     fields.refuse_if('use_sliding_window', bool(config.get('use_sliding_window')),
                      'a sliding-window attention meshgin does not implement',
                      'import a checkpoint with use_sliding_window false')
@@ -153,7 +172,8 @@ def _llama_kwargs(fields: _Fields, family: str) -> tuple[dict[str, Any], bool]:
                      'not all full attention', 'import a checkpoint of full-attention layers')
   theta, scaling = _rope(fields)
   attention_bias = bool(fields.get('attention_bias', False))
-  qkv_bias = True if family == 'qwen2' else attention_bias
+  qwen = family in ('qwen2', 'qwen2_moe')
+  qkv_bias = True if qwen else attention_bias
   kwargs = dict(
       vocab_size=fields.positive_int('vocab_size'), model_dim=model_dim, num_heads=num_heads,
       num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -161,10 +181,42 @@ def _llama_kwargs(fields: _Fields, family: str) -> tuple[dict[str, Any], bool]:
       num_layers=fields.positive_int('num_hidden_layers'), max_len=max_len,
       norm='rms', norm_epsilon=float(fields.get('rms_norm_eps', 1e-6)),
       positions='rope', rope_theta=theta, rope_scaling=scaling, ffn='swiglu',
-      qkv_bias=qkv_bias, attention_out_bias=attention_bias if family != 'qwen2' else False,
+      qkv_bias=qkv_bias, attention_out_bias=attention_bias if not qwen else False,
       ffn_bias=bool(fields.get('mlp_bias', False)) if family == 'llama' else False,
       output_bias=False, **({'sliding_window': window} if window else {}))
   return _tie(kwargs, bool(fields.get('tie_word_embeddings', False)))
+
+
+def _moe_kwargs(fields: _Fields, family: str) -> dict[str, Any]:
+  """transformer_lm's `moe` (moe_feed_forward's arguments, a dict) and
+  `moe_every` of a Mixtral or Qwen2-MoE config."""
+  config = fields.config
+  if family == 'mixtral':
+    experts = fields.positive_int('num_local_experts')
+    moe = dict(num_experts=experts, experts_per_token=fields.positive_int('num_experts_per_tok'),
+               expert_dim=fields.positive_int('intermediate_size'), normalize_top_k=True,
+               aux_loss_coef=float(fields.get('router_aux_loss_coef', 0.02)))
+    return {'moe': moe, 'moe_every': 1}
+  fields.refuse_if('mlp_only_layers', bool(config.get('mlp_only_layers')),
+                   'dense layers chosen by index, which meshgin does not implement '
+                   '(transformer_lm.moe_every routes every n-th block)',
+                   'import a checkpoint whose mlp_only_layers is empty')
+  shared = int(fields.get('shared_expert_intermediate_size', 0))
+  moe = dict(num_experts=fields.positive_int('num_experts'),
+             experts_per_token=fields.positive_int('num_experts_per_tok'),
+             expert_dim=fields.positive_int('moe_intermediate_size'),
+             normalize_top_k=bool(fields.get('norm_topk_prob', False)), shared_dim=shared,
+             aux_loss_coef=float(fields.get('router_aux_loss_coef', 0.001)))
+  return {'moe': moe, 'moe_every': fields.positive_int('decoder_sparse_step')}
+
+
+def lm_params(kwargs: Mapping[str, Any]):
+  """transformer_lm's Params of `kwargs`, an MoE model's `moe` dict made
+  moe_feed_forward's Params."""
+  moe = kwargs.get('moe')
+  if isinstance(moe, Mapping):
+    kwargs = {**kwargs, 'moe': moe_feed_forward_params(**moe)}
+  return transformer_lm_params(**kwargs)
 
 
 def _rope(fields: _Fields) -> tuple[float, dict | None]:
@@ -226,6 +278,9 @@ def resolved(kwargs: Mapping[str, Any]) -> dict[str, Any]:
   """`kwargs` with transformer_lm's defaults filled in and its 0 / None
   meaning spelt out (num_kv_heads, head_dim, ffn_bias)."""
   full = {**LM_DEFAULTS, **kwargs}
+  if full['moe'] is not None:
+    full['moe'] = {**MOE_DEFAULTS, **full['moe']}
+    full['moe']['expert_dim'] = full['moe']['expert_dim'] or full['ffn_dim']
   full['num_kv_heads'] = full['num_kv_heads'] or full['num_heads']
   full['head_dim'] = full['head_dim'] or full['model_dim'] // full['num_heads']
   if full['ffn_bias'] is None:
@@ -264,12 +319,39 @@ def family_of(kwargs: Mapping[str, Any]) -> str:
   for name, want in (('norm', 'rms'), ('positions', 'rope'), ('ffn', 'swiglu')):
     if k[name] != want:
       raise refuse(name, f'an RMSNorm model is Llama or Qwen2, which have {name} = {want!r}')
+  if k['moe'] is not None:
+    return _moe_family(k, refuse)
   if k['qkv_bias'] and not k['attention_out_bias'] and not k['ffn_bias']:
     return 'qwen2'
   if k['qkv_bias'] != k['attention_out_bias']:
     raise refuse('attention_out_bias', 'Llama has biases on all of q, k, v and the output '
                  'or on none, and Qwen2 on q, k and v only, with no feed-forward bias')
   return 'llama'
+
+
+def _moe_family(k: Mapping[str, Any], refuse) -> str:
+  """'mixtral' or 'qwen2_moe' for a routed model; ConfigError naming the
+  first argument neither has."""
+  moe = k['moe']
+  fixed = dict(kind='swiglu', router='softmax')  # (the losses, capacity: training only)
+  for name, want in fixed.items():
+    if moe[name] != want:
+      raise ConfigError(f'moe_feed_forward.{name} is {moe[name]!r}: Mixtral and Qwen2-MoE '
+                        f'have {want!r}, so the model has no Hugging Face config.json',
+                        where=f'moe_feed_forward.{name}',
+                        fix="export it in meshgin's own format (launch.export without "
+                            '--format=hf)')
+  if moe['shared_dim'] or k['qkv_bias']:
+    if not (moe['shared_dim'] and moe['shared_gate'] and k['qkv_bias']
+            and not k['attention_out_bias'] and not k['ffn_bias']):
+      raise refuse('qkv_bias', 'Qwen2-MoE has q/k/v biases and a gated shared expert '
+                   '(moe_feed_forward.shared_dim), Mixtral neither')
+    return 'qwen2_moe'
+  if k['moe_every'] != 1 or not moe['normalize_top_k'] or k['attention_out_bias'] \
+      or k['ffn_bias']:
+    raise refuse('moe_every', 'Mixtral routes every block, renormalises the top-k weights '
+                 'and has no biases')
+  return 'mixtral'
 
 
 def hf_config_from_lm(kwargs: Mapping[str, Any], *, tied: bool, dtype: str = 'float32',
@@ -307,9 +389,27 @@ def hf_config_from_lm(kwargs: Mapping[str, Any], *, tied: bool, dtype: str = 'fl
                 rope_scaling=(dict(rope_type='llama3', **k['rope_scaling'])
                               if k['rope_scaling'] else None),
                 attention_dropout=0.0)
+  if family in ('qwen2', 'qwen2_moe'):
+    config = dict(config, use_sliding_window=False, sliding_window=None,
+                  max_window_layers=k['num_layers'])
   if family == 'qwen2':
-    return dict(config, use_sliding_window=False, sliding_window=None,
-                max_window_layers=k['num_layers'])
+    return config
+  if family == 'qwen2_moe':
+    moe = k['moe']
+    return dict(config, num_experts=moe['num_experts'],
+                num_experts_per_tok=moe['experts_per_token'],
+                moe_intermediate_size=moe['expert_dim'],
+                shared_expert_intermediate_size=moe['shared_dim'],
+                norm_topk_prob=moe['normalize_top_k'], decoder_sparse_step=k['moe_every'],
+                mlp_only_layers=[], router_aux_loss_coef=moe['aux_loss_coef'],
+                output_router_logits=False)
+  if family == 'mixtral':
+    moe = k['moe']
+    return dict(config, intermediate_size=moe['expert_dim'],
+                num_local_experts=moe['num_experts'],
+                num_experts_per_tok=moe['experts_per_token'],
+                router_aux_loss_coef=moe['aux_loss_coef'], output_router_logits=False,
+                sliding_window=k['sliding_window'] or None)
   if family == 'mistral':
     return dict(config, sliding_window=k['sliding_window'] or None)
   return dict(config, attention_bias=k['qkv_bias'], mlp_bias=k['ffn_bias'])

@@ -18,6 +18,10 @@ values, they never round them):
              are already [in, out].
   A rule with several paths splits the tensor's last axis between them,
   each part reshaped: GPT-2's `c_attn` holds q | k | v.
+  A rule with an `expert` index is one expert's matrix, slice `expert` of
+  a routed layer's [E, in, out] variable (Mixtral's experts.e.w1 [F, D] ->
+  slice e of moe/w_gate [E, D, F]): the import stacks the E slices
+  (`HFSource.values`), the export takes each apart.
 
 RoPE needs no permutation: meshgin rotates the two halves of each head
 (Hugging Face's `rotate_half`), the layout Hugging Face's q_proj/k_proj
@@ -58,6 +62,7 @@ class TensorRule:
   paths: tuple[str, ...]
   shapes: tuple[Shape, ...]
   kind: str = 'reshape'   # 'linear' or 'reshape'
+  expert: int | None = None  # one expert's slice of the variable (dim 0)
 
   def to_meshgin(self, array: np.ndarray, dtype=None) -> list[np.ndarray]:
     """The variables' values from the Hugging Face tensor (shape checked by
@@ -65,7 +70,8 @@ class TensorRule:
     copied out, so a value costs one copy of itself at most."""
     dtype = array.dtype if dtype is None else np.dtype(dtype)
     if self.kind == 'linear':
-      return [np.asarray(array.T, dtype=dtype, order='C').reshape(self.shapes[0])]
+      shape = self.shapes[0] if self.expert is None else self.shapes[0][1:]
+      return [np.asarray(array.T, dtype=dtype, order='C').reshape(shape)]
     if len(self.paths) == 1:
       return [np.asarray(array.reshape(self.shapes[0]), dtype=dtype)]
     sizes = [int(np.prod(s)) // int(np.prod(self.hf_shape[:-1])) for s in self.shapes]
@@ -76,7 +82,10 @@ class TensorRule:
     """The Hugging Face tensor from the variables' values: `to_meshgin` undone."""
     if self.kind == 'linear':
       out, in_ = self.hf_shape
-      return np.ascontiguousarray(arrays[0].reshape(in_, out).T)
+      value = arrays[0]  # an expert's rule: its slice, or the whole variable it is of
+      if self.expert is not None and value.ndim == len(self.shapes[0]):
+        value = value[self.expert]
+      return np.ascontiguousarray(value.reshape(in_, out).T)
     if len(self.paths) == 1:
       return arrays[0].reshape(self.hf_shape)
     lead = self.hf_shape[:-1]
@@ -84,10 +93,11 @@ class TensorRule:
 
 
 def _rule(hf_name: str, hf_shape: Sequence[int], path: str | Sequence[str],
-          shape: Sequence[int] | Sequence[Sequence[int]], kind: str = 'reshape') -> TensorRule:
+          shape: Sequence[int] | Sequence[Sequence[int]], kind: str = 'reshape',
+          expert: int | None = None) -> TensorRule:
   paths = (path,) if isinstance(path, str) else tuple(path)
   shapes = (tuple(shape),) if isinstance(path, str) else tuple(tuple(s) for s in shape)
-  return TensorRule(hf_name, tuple(hf_shape), paths, shapes, kind)
+  return TensorRule(hf_name, tuple(hf_shape), paths, shapes, kind, expert)
 
 
 def tensor_rules(kwargs: Mapping[str, Any], *, family: str, tied: bool,
@@ -112,14 +122,15 @@ def tensor_rules(kwargs: Mapping[str, Any], *, family: str, tied: bool,
 def block_paths(kwargs: Mapping[str, Any]) -> list[str]:
   """Each block's path prefix in transformer_lm(**kwargs), as the model names
   them ('lm/stack/block_000/', ...; a one-layer stack's block is 'lm/stack/block/')."""
-  from layout_core.model.lm import transformer_lm_params  # pylint: disable=g-import-not-at-top
-  lm = transformer_lm_params(**kwargs)
+  from layout_core.convert.hf_config import lm_params  # pylint: disable=g-import-not-at-top
+  lm = lm_params(kwargs)
   stack = lm.sub[1]
   return [f'{lm.name}/{stack.name}/{name}/' for name in stack.cls.child_params(stack)]
 
 
 def _llama_rules(k: Mapping[str, Any], blocks: list[str]) -> list[TensorRule]:
-  """Llama, Mistral and Qwen2 name their tensors alike."""
+  """Llama, Mistral and Qwen2 name their tensors alike (Mixtral and
+  Qwen2-MoE too, but for their routed blocks' feed-forward layers)."""
   V, D, F = k['vocab_size'], k['model_dim'], k['ffn_dim']  # pylint: disable=invalid-name
   H, G, K = k['num_heads'], k['num_kv_heads'], k['head_dim']  # pylint: disable=invalid-name
   rules = [_rule('model.embed_tokens.weight', [V, D], 'lm/emb/table', [V, D])]
@@ -137,6 +148,9 @@ def _llama_rules(k: Mapping[str, Any], blocks: list[str]) -> list[TensorRule]:
     if k['attention_out_bias']:
       rules.append(_rule(hf + 'self_attn.o_proj.bias', [D], mg + 'attn/bo', [D]))
     rules.append(_rule(hf + 'post_attention_layernorm.weight', [D], mg + 'ln_ffn/scale', [D]))
+    if k['moe'] is not None and (i + 1) % k['moe_every'] == 0:
+      rules += _moe_rules(k, hf, mg)
+      continue
     for name, out, in_, path, shape in (('gate', F, D, 'w_gate', [D, F]),
                                         ('up', F, D, 'w_up', [D, F]),
                                         ('down', D, F, 'w_down', [F, D])):
@@ -146,6 +160,32 @@ def _llama_rules(k: Mapping[str, Any], blocks: list[str]) -> list[TensorRule]:
         rules.append(_rule(hf + f'mlp.{name}_proj.bias', [out], mg + f'ffn/b{path[1:]}', [out]))
   rules.append(_rule('model.norm.weight', [D], 'lm/final_ln/scale', [D]))
   rules.append(_rule('lm_head.weight', [V, D], 'lm/softmax/w', [D, V], 'linear'))
+  return rules
+
+
+def _moe_rules(k: Mapping[str, Any], hf: str, mg: str) -> list[TensorRule]:
+  """A routed block's feed-forward tensors: Mixtral's block_sparse_moe (the
+  router `gate`, experts' w1 | w3 | w2 = gate | up | down), or Qwen2-MoE's
+  mlp (the router `gate`, experts' gate_proj | up_proj | down_proj, the
+  shared expert and its gate)."""
+  moe, D = k['moe'], k['model_dim']  # pylint: disable=invalid-name
+  E, F = moe['num_experts'], moe['expert_dim']  # pylint: disable=invalid-name
+  mixtral = not moe['shared_dim']
+  hf += 'block_sparse_moe.' if mixtral else 'mlp.'
+  names = (('w1', 'w3', 'w2') if mixtral else ('gate_proj', 'up_proj', 'down_proj'))
+  rules = [_rule(hf + 'gate.weight', [E, D], mg + 'moe/router', [D, E], 'linear')]
+  for e in range(E):
+    for name, path, out, in_ in zip(names, ('w_gate', 'w_up', 'w_down'), (F, F, D),
+                                    (D, D, F)):
+      rules.append(_rule(hf + f'experts.{e}.{name}.weight', [out, in_], mg + f'moe/{path}',
+                         [E, in_, out], 'linear', expert=e))
+  if not mixtral:
+    S = moe['shared_dim']  # pylint: disable=invalid-name
+    for name, path, out, in_ in zip(names, ('w_gate', 'w_up', 'w_down'), (S, S, D), (D, D, S)):
+      rules.append(_rule(hf + f'shared_expert.{name}.weight', [out, in_],
+                         mg + f'moe/shared/{path}', [in_, out], 'linear'))
+    rules.append(_rule(hf + 'shared_expert_gate.weight', [1, D], mg + 'moe/shared_gate',
+                       [D, 1], 'linear'))
   return rules
 
 
