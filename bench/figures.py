@@ -82,6 +82,12 @@ def row_where(rows: list[dict], **match) -> dict:
   return next(r for r in rows if all(r.get(k) == v for k, v in match.items()))
 
 
+def _collectives(r: Results, case: str) -> str:
+  """bench/moe_exchange.py's collectives per device in one exchange."""
+  ops = r['cases'][case]['ops']
+  return ', '.join(f'{n:g} {op}' for op, n in ops.items()) or 'no collective'
+
+
 @dataclasses.dataclass(frozen=True)
 class Figure:
   """A figure rendered from one results file, as the pages write it. With
@@ -251,6 +257,26 @@ FIGURES: dict[str, Figure] = {
         against=lambda r: f"{_gathered('default (all-reduce)')(r)} by the default lowering"),
     'grappler.first_failing': Figure(
         'grappler_addn.json', lambda r: next(row['weight'] for row in r['rows'] if not row['ok'])),
+    'moe.budget': Figure('moe.json', lambda r: f"{r['budget_gib']:g} GiB"),
+    'moe.expert_bytes': Figure(
+        'moe.json', lambda r: f"{r['expert_bytes: expert=8 / replicated']:.3f}x",
+        what='expert weights + Adam state per device, `expert=8`',
+        against=lambda r: 'every expert on every device (goal 1/8)'),
+    'moe.speed_replicated': Figure(
+        'moe.json', lambda r: f"{r['steps: expert=8 / replicated']:.2f}x",
+        what='an 8-expert top-2 LM on `expert=8` (steps/s)',
+        against=lambda r: 'every expert on every device, `data=8`'),
+    'moe.speed_dense': Figure('moe.json', lambda r: f"{r['steps: expert=8 / dense']:.2f}x"),
+    'moe.largest_ep': Figure(
+        'moe.json', lambda r: in_millions(r['settings']['expert=8'].get('largest_parameters'))),
+    'moe.largest_replicated': Figure(
+        'moe.json', lambda r: in_millions(r['settings']['replicated'].get('largest_parameters'))),
+    'moe.largest_ratio': Figure(
+        'moe.json', lambda r: f"{r.get('largest: expert=8 / replicated', 0):.2f}x",
+        what='the largest MoE model in 4 GiB per process, `expert=8`',
+        against=lambda r: 'every expert on every device'),
+    'moe_exchange.same': Figure('moe_exchange.json', lambda r: _collectives(r, 'same axis')),
+    'moe_exchange.two': Figure('moe_exchange.json', lambda r: _collectives(r, 'two axes')),
     'startup.quickstart': Figure(
         'startup.json', _first_step('quickstart'), quoted=False,
         what='start-up to the first step of the quickstart (wall)',

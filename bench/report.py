@@ -577,6 +577,46 @@ def _decode(r: Results) -> Rendered:
                        [['new tokens/s'] + [c[1] for c in cells]])
 
 
+def _moe(r: Results) -> Rendered:
+  goal = 'met' if abs(r['expert_bytes: expert=8 / replicated'] - 0.125) <= 0.0125 else 'not met'
+  largest = ''
+  if 'largest: expert=8 / replicated' in r:
+    largest = (f" In {r['budget_gib']:g} GiB per process, expert parallelism trains an MoE "
+               f"model of {figure('moe.largest_ep', r)} parameters, "
+               f"{figure('moe.largest_ratio', r)} the {figure('moe.largest_replicated', r)} "
+               'that fits with every expert on every device.')
+  shows = (f"On `expert=8` each device holds {figure('moe.expert_bytes', r)} of the expert "
+           f"weights and Adam state it holds with the experts replicated (goal 1/8 within 10%: "
+           f"{goal}). Timed in turns, `expert=8` runs {figure('moe.speed_replicated', r)} the "
+           f"steps per second of the replicated experts and {figure('moe.speed_dense', r)} those "
+           'of the dense model with the same active parameters (the routing einsums, two '
+           'all-to-alls per routed block and the router cost more than the smaller '
+           f'matmuls save at this size).{largest}')
+  names = (('expert=8', '`expert=8`, the batch on it (GShard)'),
+           ('replicated', '`data=8`, every expert on every device'),
+           ('dense', 'dense, `ffn_dim` 4 x width (the active width)'))
+  def maybe(value, render):
+    return '' if value is None else render(value)
+  rows = [[label, f"{r['settings'][key]['parameters']:,}",
+           maybe(r['settings'][key].get('expert_bytes_per_device'), in_bytes),
+           f"{r['steps_per_sec_in_turns'][key]:.2f}",
+           in_bytes(r['peak_bytes_at_width'][key]),
+           maybe(r['settings'][key].get('largest_parameters'), in_millions)]
+          for key, label in names]
+  return shows, _table(['setting', f"parameters at width {r['width']}",
+                        'experts + Adam per device', 'steps/s (best in turns)', 'process peak',
+                        'largest that fits'], rows)
+
+
+def _moe_exchange(r: Results) -> Rendered:
+  shows = (f"The batch's own axis: {figure('moe_exchange.same', r)} per device, forward (there "
+           f"and back); an axis of its own: {figure('moe_exchange.two', r)} (the dispatch is "
+           'a local slice of rows every expert shard holds).')
+  rows = [[name, ', '.join(f'{n:g} x {op}' for op, n in c['ops'].items()) or 'none',
+           in_ms(1000 * c['seconds_per_call'])] for name, c in r['cases'].items()]
+  return shows, _table(['exchange', 'collectives per device', 'per call'], rows)
+
+
 @dataclasses.dataclass(frozen=True)
 class Section:
   heading: str
@@ -636,6 +676,14 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
         'accumulation_memory.json': Section('Gradient accumulation on CPU', 'A width-768 LM in '
                                             'bf16 at 1, 2 and 4 micro-steps.',
                                             accumulation_section),
+    },
+    'Mixture of experts': {
+        'moe.json': Section('Expert parallelism', '`bench/moe.py`: quickstart\'s LM with 8 '
+                            'experts of 2 x width per block, top-2, on 8 CPU devices, float32.',
+                            _moe),
+        'moe_exchange.json': Section("The tokens' exchange", '`bench/moe_exchange.py`: the '
+                                     '[E, rows, slots, D] dispatch buffer relaid to its experts '
+                                     'and combined back, on 8 CPU devices.', _moe_exchange),
     },
     'Start-up': {
         'startup.json': Section('Time to the first step', '`launch.train` against a hand-written '

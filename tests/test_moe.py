@@ -353,3 +353,13 @@ def test_a_bad_option_names_itself(options, words):
   with pytest.raises(ConfigError) as bad:
     moe_feed_forward_params(**options)
   assert words in str(bad.value)
+
+
+def test_lora_on_expert_weights_is_refused_saying_why():
+  from layout_core.model.lora import LoraConfig  # pylint: disable=g-import-not-at-top
+  from layout_core.model.tuning import tune  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ConfigError) as refused:
+    tune(transformer_lm_params(**LM, moe=moe_feed_forward_params(num_experts=4)),
+         lora=LoraConfig(rank=4, targets=(r'.*/moe/w_.*',)), trainable=None)
+  assert 'mixture-of-experts weights' in str(refused.value)
+  assert 'lora.targets' in str(refused.value)

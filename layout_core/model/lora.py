@@ -165,8 +165,13 @@ def check_targets(specs: Sequence[VariableSpec], lora: LoraConfig | None,
     idle = [t for t in lora.targets if not any(re.fullmatch(t, p) for p in adapted)]
     if idle:
       others = [p for p in paths if any(re.fullmatch(t, p) for t in idle)]
+      experts = [p for p in others if '/moe/w_' in p]
       said = (f'; it matches only {", ".join(others[:4])}, which no layer contracts with '
               'its input' if others else '')
+      if experts:  # a routed layer's [E, in, out] matrices
+        said = (f'; it matches only mixture-of-experts weights ({", ".join(experts[:2])}), '
+                'which take no adapters yet (docs/limits.md#mixture-of-experts): adapt the '
+                'attention, or the dense blocks of transformer_lm.moe_every > 1')
       raise ConfigError(f'lora.targets {idle} adapted no weight{said}', where='lora.targets',
                         fix='match projection weights by path (launch.inspect lists them), '
                             "e.g. r'.*/attn/w[qv]' or r'.*/ffn/w_.*'")
