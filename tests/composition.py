@@ -61,8 +61,7 @@ REFUSED = {
     ('engine', 'gpipe', 'tied', True): ('tie_embeddings', 'pipeline.engine'),
     ('engine', 'keras', 'frozen', 'bfloat16'): ('frozen_dtype', 'Keras'),
     ('engine', 'keras', 'frozen', 'int8'): ('frozen_dtype', 'Keras'),
-    ('engine', 'spmd', 'moe', True): ('pipeline', 'moe'),
-    ('engine', 'gpipe', 'moe', True): ('pipeline', 'moe'),
+    ('engine', 'spmd', 'moe', True): ('pipeline.engine', 'moe'),
 }
 # The routed layers of 'moe' (moe_feed_forward's settings): 4 experts, 2 per
 # token, no token dropped, in every second block (the first keeps its dense

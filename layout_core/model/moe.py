@@ -37,68 +37,85 @@ averaged over the MoE layers, and every term is logged (`added_to`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-from typing import Iterator
+from typing import Iterator, Mapping, NamedTuple
 
 from layout_core.errors import ConfigError
 from layout_core.lazy import dtensor, tf
 from layout_core.layout.rules import UNSHARDED
 from layout_core.layout.variables import Normal, Zeros
-from layout_core.model.base import BaseLayer, Declared, LayerMeta, num_elements
+from layout_core.model.base import BaseLayer, Declared, LayerMeta, leaf_layers, num_elements
+from layout_core.model.layers import FeedForward, activate
+from layout_core.params import Params
 from layout_core.step_context import current, entered
 from layout_core.tasks.objective import Mean
 
 ROUTERS = ('softmax', 'sigmoid')
 
 
-@dataclasses.dataclass(frozen=True)
-class RouterTerms:
-  """One MoE layer's router terms in one forward pass (scalars, float32)."""
-  path: str
+class RouterTerms(NamedTuple):
+  """One MoE layer's router terms in one forward pass (float32 scalars): a
+  tuple, so the sub-mesh pipeline can hand them from one step function to
+  the next (`values`)."""
   aux_loss: tf.Tensor
   z_loss: tf.Tensor
   load_min: tf.Tensor
   load_max: tf.Tensor
   dropped: tf.Tensor
-  aux_coef: float
-  z_coef: float
+  penalty: tf.Tensor   # aux_loss_coef x aux_loss + z_loss_coef x z_loss
 
 
 class CollectedTerms:
-  """The router terms the MoE layers of one forward pass add (`collecting`)."""
+  """The router terms the MoE layers of one forward pass add (`collecting`),
+  by the layer's path."""
 
   def __init__(self):
-    self.layers: list[RouterTerms] = []
+    self.layers: dict[str, RouterTerms] = {}
 
-  def add(self, terms: RouterTerms) -> None:
-    self.layers.append(terms)
+  def add(self, path: str, terms: RouterTerms) -> None:
+    self.layers[path] = terms
 
-  def added_to(self, loss, metrics: dict) -> tuple:
+  def extend(self, layers: Mapping[str, tuple]) -> 'CollectedTerms':
+    """These terms and `layers` ({path: RouterTerms' values}, another
+    stage's), in path order."""
+    self.layers.update({path: RouterTerms(*values) for path, values in layers.items()})
+    self.layers = dict(sorted(self.layers.items()))
+    return self
+
+  def penalty(self, num_layers: int | None = None):
+    """The layers' penalties summed over `num_layers` (default: theirs): what
+    the loss gets, averaged over the model's routed layers."""
+    return tf.add_n([t.penalty for t in self.layers.values()]) / float(
+        num_layers or len(self.layers))
+
+  def added_to(self, loss, metrics: dict, num_layers: int | None = None) -> tuple:
     """(loss, metrics) with the layers' weighted aux and z losses (their mean
-    over layers) added to the loss, and the terms as metrics: `moe/aux_loss`,
-    `moe/z_loss` (unweighted means over layers), per layer
-    `moe/<layer>/load_min`, `load_max`, `dropped`. Unchanged with no terms.
-    A `Mean` loss gets the penalty times its count, so parts of a batch add
-    it weighted as their tokens (`layout_core.tasks.objective`)."""
+    over `num_layers`, default these) added to the loss, and the terms as
+    metrics: `moe/aux_loss`, `moe/z_loss` (unweighted means over layers),
+    per layer `moe/<layer>/load_min`, `load_max`, `dropped`. Unchanged with
+    no terms. A `Mean` loss gets the penalty times its count
+    (`weighted`)."""
     if not self.layers:
       return loss, metrics
-    n = float(len(self.layers))
-    penalty = tf.add_n([t.aux_coef * t.aux_loss + t.z_coef * t.z_loss
-                        for t in self.layers]) / n
-    if isinstance(loss, Mean):
-      loss = Mean(loss.total + penalty * tf.cast(loss.count, penalty.dtype), loss.count)
-    else:
-      loss = loss + tf.cast(penalty, loss.dtype)
+    terms, n = list(self.layers.values()), float(len(self.layers))
     metrics = dict(metrics)
-    metrics['moe/aux_loss'] = tf.add_n([t.aux_loss for t in self.layers]) / n
-    metrics['moe/z_loss'] = tf.add_n([t.z_loss for t in self.layers]) / n
-    for t in self.layers:
-      name = layer_tag(t.path)
+    metrics['moe/aux_loss'] = tf.add_n([t.aux_loss for t in terms]) / n
+    metrics['moe/z_loss'] = tf.add_n([t.z_loss for t in terms]) / n
+    for path, t in self.layers.items():
+      name = layer_tag(path)
       metrics[f'moe/{name}/load_min'] = t.load_min
       metrics[f'moe/{name}/load_max'] = t.load_max
       metrics[f'moe/{name}/dropped'] = t.dropped
-    return loss, metrics
+    return weighted(loss, self.penalty(num_layers)), metrics
+
+
+def weighted(loss, penalty):
+  """`loss` plus `penalty` (a mean over the loss's tokens): a `Mean` loss's
+  total gets the penalty times its count, so the parts of a batch add it
+  weighted as their tokens (`layout_core.tasks.objective`)."""
+  if isinstance(loss, Mean):
+    return Mean(loss.total + penalty * tf.cast(loss.count, penalty.dtype), loss.count)
+  return loss + tf.cast(penalty, loss.dtype)
 
 
 def layer_tag(path: str) -> str:
@@ -156,7 +173,7 @@ class Routing:
     self.combine = tf.einsum('gske,gskc->gsec',
                              self.choice * (top * self.kept)[..., None], in_slot)
 
-  def terms(self, *, path: str, aux_coef: float, z_coef: float) -> RouterTerms:
+  def terms(self, *, aux_coef: float, z_coef: float) -> RouterTerms:
     experts = self.logits.shape[-1]
     k = self.choice.shape[2]
     chosen = tf.reduce_sum(self.choice, axis=2)                   # [G, S, E]
@@ -169,9 +186,9 @@ class Routing:
     z = tf.reduce_mean(tf.square(tf.reduce_logsumexp(self.logits, axis=-1)))
     load = tokens_share / k                                       # share of choices
     dropped = 1.0 - tf.reduce_mean(self.kept)
-    return RouterTerms(path=path, aux_loss=aux, z_loss=z, load_min=tf.reduce_min(load),
+    return RouterTerms(aux_loss=aux, z_loss=z, load_min=tf.reduce_min(load),
                        load_max=tf.reduce_max(load), dropped=dropped,
-                       aux_coef=aux_coef, z_coef=z_coef)
+                       penalty=aux_coef * aux + z_coef * z)
 
 
 class MoEFeedForward(BaseLayer):
@@ -221,7 +238,6 @@ class MoEFeedForward(BaseLayer):
   def child_params(cls, p):
     if not p.shared_dim:
       return {}
-    from layout_core.model.layers import FeedForward
     return {'shared': FeedForward.Params().Set(
         name='shared', input_dim=p.input_dim, hidden_dim=p.shared_dim, kind=p.kind,
         activation=p.activation, use_bias=False, init_stddev=p.init_stddev)}
@@ -246,9 +262,7 @@ class MoEFeedForward(BaseLayer):
 
   @classmethod
   def apply(cls, p, w, x):
-    from layout_core.model.layers import activate
-    batch, length, _ = x.shape
-    slots = capacity(p, length)
+    slots = capacity(p, x.shape[1])
     expert_axis, batch_axis, mesh = _axes(w, cls.matrices(p)[0])
     rows = [batch_axis or UNSHARDED]  # the routing stays with its rows (pinned: under
     # remat DTensor otherwise gathered a reduction's result, and failed to compile)
@@ -257,7 +271,7 @@ class MoEFeedForward(BaseLayer):
                       normalize=p.normalize_top_k, slots=slots)
     sink = w.context.router_terms
     if sink is not None:
-      sink.add(routing.terms(path=w.path, aux_coef=p.aux_loss_coef, z_coef=p.z_loss_coef))
+      sink.add(w.path, routing.terms(aux_coef=p.aux_loss_coef, z_coef=p.z_loss_coef))
     dispatch = _relayout(tf.cast(routing.dispatch, x.dtype), mesh, rows)
     h = tf.einsum('gsec,gsd->egcd', dispatch, x)                  # [E, G, C, D]
     h = _relayout(h, mesh, [expert_axis, _other(batch_axis, expert_axis)])
@@ -302,29 +316,20 @@ def _relayout(x, mesh, lead: list[str]):
                                             mesh))
 
 
-def routed_paths(params) -> list[str]:
-  """The paths of the MoE layers' blocks in a Params model (none: [])."""
-  from layout_core.model.base import leaf_layers
-  from layout_core.params import Params
+def _routed(params):
+  """(block path, MoEFeedForward params) of every routed layer of a Params model."""
   if not isinstance(params, Params):
-    return []
-  return [path for path, p in leaf_layers(params)
-          if p.cls is MoEFeedForward or getattr(p, 'moe', None) is not None]
+    return
+  for path, p in leaf_layers(params):
+    if p.cls is MoEFeedForward:
+      yield path, p
+    elif getattr(p, 'moe', None) is not None:
+      yield path, p.cls.child_params(p)['moe']
 
 
 def routed_layers(params) -> list:
   """The MoEFeedForward params of every routed layer of a Params model."""
-  from layout_core.model.base import leaf_layers
-  from layout_core.params import Params
-  if not isinstance(params, Params):
-    return []
-  layers = []
-  for _, p in leaf_layers(params):
-    if p.cls is MoEFeedForward:
-      layers.append(p)
-    elif getattr(p, 'moe', None) is not None:
-      layers.append(p.cls.child_params(p)['moe'])
-  return layers
+  return [p for _, p in _routed(params)]
 
 
 def inactive_parameters(params) -> int:
@@ -334,16 +339,18 @@ def inactive_parameters(params) -> int:
              * len(MoEFeedForward.matrices(p)) for p in routed_layers(params))
 
 
-def check_supported(params, *, pipelined: bool) -> None:
-  """A ConfigError where a run cannot route: a pipeline (its stages would
-  have to carry the router terms out beside their activations)."""
-  routed = routed_paths(params)
-  if routed and pipelined:
+def check_supported(params, *, engine: str | None) -> None:
+  """A ConfigError where a run cannot route: the SPMD pipeline (`engine`
+  'spmd'; None: no pipeline), whose stacked cells carry no router terms out
+  of their stage slots. The sub-mesh engine carries them (`GPipe`)."""
+  routed = [path for path, _ in _routed(params)]
+  if routed and engine == 'spmd':
     raise ConfigError(
-        f'a pipeline cannot run mixture-of-experts layers yet ({len(routed)} routed blocks, '
-        f'the first {routed[0]!r})', where='pipeline.num_stages with transformer_lm.moe',
-        fix='train without a pipeline (pipeline.num_stages = 1) and split the experts over '
-            "a mesh axis instead (configs/layouts/moe_expert.gin); or drop transformer_lm.moe")
+        f"the SPMD pipeline (pipeline.engine = 'spmd') cannot run mixture-of-experts layers "
+        f'({len(routed)} routed blocks, the first {routed[0]!r})',
+        where="pipeline.engine = 'spmd' with transformer_lm.moe",
+        fix="use pipeline.engine = 'submesh', or no pipeline and the experts split over a "
+            'mesh axis (configs/layouts/moe_expert.gin)')
 
 
 def check(p) -> None:

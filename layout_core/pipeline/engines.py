@@ -45,6 +45,7 @@ from layout_core.layout import mesh as mesh_lib
 from layout_core.layout.rules import UNSHARDED, LayoutRules
 from layout_core.layout.scope import LayoutRecord, LayoutScope
 from layout_core.layout.variables import to_numpy
+from layout_core.model import moe
 from layout_core.model.base import BaseLayer, Sequential, as_float32
 from layout_core.model.built import BuiltModel, StepFunction
 from layout_core.model.random import current_random, random_context, step_seed
@@ -95,7 +96,8 @@ class GPipeEngine:
                        num_micro_batches=plan.num_micro_batches,
                        reference_fn=lambda outputs, batch: task.reference_features(
                            as_float32(outputs), batch),
-                       reference_in_step=task.needs_reference)
+                       reference_in_step=task.needs_reference,
+                       routed_layers=len(moe.routed_layers(params)))
     self.variables, self.layout_records = staged.scope.variables, staged.scope.records
     self.model_state, self.description = staged.model, params.ToText()
     trainable = {p: v for p, v in self.variables.items() if v.trainable}

@@ -27,10 +27,12 @@ from absl import logging
 
 from layout_core.lazy import Module, tf, dtensor
 from layout_core.errors import ConfigError
+from layout_core.model import moe
 from layout_core.model.built import StepFunction
 from layout_core.model.random import random_context
 from layout_core.optim import squared_norm
-from layout_core.tasks.objective import add_parts, denominator, finish, gradient_divisor, total_of
+from layout_core.tasks.objective import (Mean, add_parts, denominator, finish,
+                                         gradient_divisor, total_of)
 from layout_core.pipeline import schedule as schedule_lib
 from layout_core.pipeline.partitioning import PartitionPlan
 from layout_core.pipeline.placement import SubMeshPlacement
@@ -175,6 +177,14 @@ class GPipe:
   with `reference_in_step`, every step runs it first and adds its features
   to the labels the loss reads.
 
+  `routed_layers`: how many mixture-of-experts layers the stages hold
+  (`layout_core.model.moe`). Their router terms reach the loss as in the
+  one-program engine: each stage's penalty is differentiated in its own
+  unit, weighted by its micro-batch's count of trained tokens (carried down
+  from the last stage, which computes it first); the forward's values of
+  the earlier stages' terms travel up to the last stage beside the
+  activations, which adds them to the reported loss and metrics.
+
   `schedule='serial'` chains every unit of work on the previous one with
   control dependencies: the same numbers without any overlap (a benchmark
   reference).
@@ -192,7 +202,7 @@ class GPipe:
                loss_fn: Callable[[tf.Tensor, tf.Tensor], tf.Tensor],
                num_micro_batches: int, schedule: str = 'gpipe',
                reference_fn: Callable[[tf.Tensor, Any], dict] | None = None,
-               reference_in_step: bool = False):
+               reference_in_step: bool = False, routed_layers: int = 0):
     if schedule not in ('gpipe', 'serial'):
       raise ConfigError(f'pipeline schedule {schedule!r}', fix="use 'gpipe' or 'serial'")
     for k, stage in enumerate(stages):
@@ -209,6 +219,7 @@ class GPipe:
     self.loss_fn, self.reference_fn = loss_fn, reference_fn
     self.reference_in_step = reference_in_step
     self.num_micro_batches = num_micro_batches
+    self.routed_layers = routed_layers
     self.variables = [list(stage.trainable_variables) for stage in self.stages]
     self._forward = StepFunction(self._forward_fn)
     self._backward = StepFunction(self._backward_fn)
@@ -233,6 +244,11 @@ class GPipe:
     row = first_row[k][0] if isinstance(first_row, (list, tuple)) else first_row
     return seeds[k][0], row + m * int(inputs[0].shape[0])
 
+  def _routed_run(self, k: int, inputs, random: tuple | None = None):
+    """(`_run`'s outputs, the router terms its MoE layers collected)."""
+    with moe.collecting() as terms:
+      return self._run(k, inputs, random), terms
+
   def _run(self, k: int, inputs, random: tuple | None = None) -> tuple:
     """Stage k on one micro-batch. With `random` = (step seed, first row), random
     layers (dropout) draw that micro-batch's masks, in the forward and in its
@@ -253,12 +269,16 @@ class GPipe:
   def _cross(self, values, source: int, target: int) -> tuple:
     return tuple(self.placement.cross(v, source, target) for v in values)
 
-  def _loss_sums(self, outputs: tuple, labels) -> tuple:
+  def _loss_sums(self, outputs: tuple, labels, terms=None, fed=None) -> tuple:
     """One micro-batch's (loss, {metric: value}) as sums
     (`layout_core.tasks.objective`): the micro-batches add theirs. `loss_fn`
-    returns a loss, or (loss, {metric: value})."""
+    returns a loss, or (loss, {metric: value}). `terms`: the last stage's
+    router terms, `fed` the earlier stages' ({path: values}), added."""
     result = self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, labels)
-    return result if isinstance(result, tuple) else (result, {})
+    sums = result if isinstance(result, tuple) else (result, {})
+    if terms is None:
+      return sums
+    return terms.extend(fed or {}).added_to(*sums, num_layers=self.routed_layers)
 
   def _chain(self, inputs, previous: list | None) -> tuple:
     """In the 'serial' schedule, makes this unit of work wait for the
@@ -269,19 +289,27 @@ class GPipe:
       return tuple(tf.identity(x) for x in inputs)
 
   def _unit_gradients(self, k: int, inputs, *, previous: list | None, labels=None,
-                      output_grads=None, random=None):
+                      output_grads=None, random=None, fed=None, weight=None):
     """Re-runs stage k on one micro-batch's kept input under a tape (after
     `previous` in the 'serial' schedule); returns ((loss, metric) sums
     or None, gradients of the floating inputs, of the variables, and what the
-    next unit waits for)."""
+    next unit waits for). Router terms: the last stage adds the earlier
+    stages' `fed` values to its sums; an earlier stage differentiates its
+    own penalty times `weight` (its share of the loss: the micro-batch's
+    count of trained tokens, or 1/M)."""
     inputs = self._chain(inputs, previous)
     floats = [x for x in inputs if x.dtype.is_floating]
     with tf.GradientTape() as tape:
       tape.watch(floats)
-      outputs = self._run(k, inputs, random)
-      sums = self._loss_sums(outputs, labels) if labels is not None else None
-      target = total_of(sums[0], self.num_micro_batches) if labels is not None else None
-    grads = tape.gradient(target if labels is not None else list(outputs),
+      outputs, terms = self._routed_run(k, inputs, random)
+      sums = target = None
+      if labels is not None:
+        sums = self._loss_sums(outputs, labels, terms, fed)
+        target = total_of(sums[0], self.num_micro_batches)
+      elif terms.layers:  # this stage's share of the loss: its layers' penalty
+        target = list(outputs) + [terms.penalty(self.routed_layers) * weight]
+        output_grads = list(output_grads) + [tf.ones_like(target[-1])]
+    grads = tape.gradient(target if target is not None else list(outputs),
                           floats + self.variables[k],
                           output_gradients=None if labels is not None else list(output_grads),
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
@@ -290,22 +318,28 @@ class GPipe:
 
   # -- step functions --------------------------------------------------------------
   def _forward_fn(self, micro_inputs, seeds=None, first_row=0):
-    """Stage inputs [k][m] for stages 1..K-1, in clock order (stages 0..K-2 run)."""
+    """(stage inputs [k][m] for stages 1..K-1, in clock order (stages 0..K-2
+    run); per micro-batch, the router terms of those stages' MoE layers on
+    the last stage's mesh, {path: values}, for its loss and metrics)."""
     num_stages, num_micro = self.num_stages, self.num_micro_batches
     kept = [[None] * num_micro for _ in range(num_stages)]
     kept[0] = [as_tuple(x) for x in micro_inputs]
+    fed: list[dict] = [{} for _ in range(num_micro)]
     previous = None
     for work in schedule_lib.clock_order(num_stages - 1, num_micro):
       for k, item in work:
         m = item.micro
-        outputs = self._run(k, self._chain(kept[k][m], previous),
-                            self._random(seeds, first_row, k, m, kept[k][m]))
+        outputs, terms = self._routed_run(k, self._chain(kept[k][m], previous),
+                                          self._random(seeds, first_row, k, m, kept[k][m]))
         previous = list(outputs)
         kept[k + 1][m] = self._cross(outputs, k, k + 1)
-    return kept[1:]
+        for path, values in terms.layers.items():  # values only: each stage's own
+          fed[m][path] = self._cross(tf.nest.map_structure(tf.stop_gradient, tuple(values)),
+                                     k, num_stages - 1)  # unit differentiates its penalty
+    return kept[1:], fed
 
   def _backward_fn(self, micro_inputs, kept, micro_labels, seeds=None, first_row=0,
-                   divide=True):
+                   divide=True, fed=None):
     """The forward's clock order reversed: stage k back-propagates micro-batch
     m while stage k-1 works on m-1, each re-computing its forward first.
     Each micro-batch differentiates its loss's total (a plain mean: its
@@ -317,15 +351,21 @@ class GPipe:
     output_grads = [[None] * num_micro for _ in range(num_stages)]
     per_micro: list[list] = [[] for _ in range(num_stages)]
     loss_sums, previous = [], None
+    weights = [None] * num_micro  # each micro-batch's share of the loss, on the last mesh
     for work in schedule_lib.clock_order(num_stages, num_micro, reverse=True):
       for k, item in work:
         m = item.micro
+        weight = weights[m]  # the last stage ran m first: its count, carried down
+        if k != last and self.routed_layers and not isinstance(weight, float):
+          weight = self.placement.cross(weight, last, k)
         sums, input_grads, grads, previous = self._unit_gradients(
             k, inputs[k][m], previous=previous,
             labels=micro_labels[m] if k == last else None, output_grads=output_grads[k][m],
-            random=self._random(seeds, first_row, k, m, inputs[k][m]))
+            random=self._random(seeds, first_row, k, m, inputs[k][m]),
+            fed=fed[m] if fed else None, weight=weight)
         if sums is not None:
           loss_sums.append(sums)
+          weights[m] = penalty_weight(sums[0], num_micro)
         per_micro[k].append(grads)
         if k > 0:
           output_grads[k - 1][m] = self._cross(input_grads, k, k - 1)
@@ -351,16 +391,21 @@ class GPipe:
     return [[g / count[k] for g in stage] for k, stage in enumerate(grads)]
 
   def _eval_fn(self, micro_inputs, micro_labels):
-    kept = self._forward_fn(micro_inputs) if self.num_stages > 1 else [micro_inputs]
+    kept, fed = (self._forward_fn(micro_inputs) if self.num_stages > 1
+                 else ([micro_inputs], [{}] * self.num_micro_batches))
     last = [as_tuple(x) for x in kept[-1]]
-    return add_parts([self._loss_sums(self._run(self.num_stages - 1, last[m]), micro_labels[m])
+    return add_parts([self._eval_sums(last[m], micro_labels[m], fed[m])
                       for m in range(self.num_micro_batches)])
+
+  def _eval_sums(self, inputs, labels, fed) -> tuple:
+    outputs, terms = self._routed_run(self.num_stages - 1, inputs)
+    return self._loss_sums(outputs, labels, terms, fed)
 
   def _reference_fn(self, micro_inputs, micro_labels, adapters=False):
     """Forward only, LoRA adapters off (or on: `adapters`), no dropout: each
     micro-batch's `reference_fn(outputs, labels)` on the last stage's mesh."""
     with entered(current().replace(adapters=adapters, random=None)):
-      kept = self._forward_fn(micro_inputs) if self.num_stages > 1 else [micro_inputs]
+      kept = self._forward_fn(micro_inputs)[0] if self.num_stages > 1 else [micro_inputs]
       last = [as_tuple(x) for x in kept[-1]]
       outputs = [self._run(self.num_stages - 1, last[m]) for m in range(self.num_micro_batches)]
     return [self.reference_fn(y[0] if len(y) == 1 else y, labels)
@@ -411,14 +456,22 @@ class GPipe:
     stage a `put_changing` vector (then one trace serves every micro-step)."""
     self._check(micro_inputs)
     seeds = list(seeds) if seeds is not None else None
-    kept = (self._forward(list(micro_inputs), seeds, first_row)
-            if self.num_stages > 1 else [])
+    kept, fed = (self._forward(list(micro_inputs), seeds, first_row)
+                 if self.num_stages > 1 else ([], None))
     return self._backward(list(micro_inputs), kept,
                           self._with_reference(micro_inputs, micro_labels), seeds, first_row,
-                          divide)
+                          divide, fed)
 
   def _check(self, micro_inputs) -> None:
     if len(micro_inputs) != self.num_micro_batches:
       raise ValueError(f'{len(micro_inputs)} micro-batches given, '
                        f'{self.num_micro_batches} expected')
 
+
+
+def penalty_weight(loss, parts: int):
+  """What a stage's router penalty is multiplied by in its unit's gradient,
+  so that it enters the loss as the one-program engine adds it
+  (`moe.weighted`): a `Mean` loss's count (its total is divided by the
+  summed count once), a plain mean's 1 / parts."""
+  return loss.count if isinstance(loss, Mean) else 1.0 / parts

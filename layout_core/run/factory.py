@@ -71,7 +71,7 @@ def _engine(model, *, mesh, rules, task, optimizer, config, counters, pipeline, 
   mesh_axes = mesh_lib.mesh_axes(mesh)
   pipelined = pipeline is not None and pipeline.enabled
   check_segments_supported(model, task, pipelined=pipelined)
-  moe.check_supported(model, pipelined=pipelined)
+  moe.check_supported(model, engine=pipeline.engine if pipelined else None)
   if weights_only and (pipelined or not isinstance(model, Params)):
     raise ValueError('weights_only builds a Params model on the one-program engine only')
   if isinstance(model, Params):
