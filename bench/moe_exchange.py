@@ -1,15 +1,15 @@
 r"""Which collectives DTensor runs to move an MoE layer's tokens to their experts and back.
 
 The dispatch buffer of a routed layer (`layout_core.model.moe`) is
-[E experts, G rows, C slots, D]: made where the rows live (split over the
+[G rows, E experts, C slots, D]: made where the rows live (split over the
 batch axis), then relaid so that each device holds its experts' slots. Two
 exchanges, each forward and back, on 8 virtual CPU devices:
 
   * `same axis` (GShard, mesh data=8, the experts split over the batch's own
-    axis): [U, data, U, U] -> [data, U, U, U] and back;
+    axis): [data, U, U, U] -> [U, data, U, U] and back;
   * `two axes` (mesh expert=4 x data=2, the batch on 'data', the experts on
-    'expert'): [U, data, U, U] -> [expert, data, U, U], then the combine
-    einsum contracting the experts ('gsec,egcd->gsd') back to the rows.
+    'expert'): [data, U, U, U] -> [data, expert, U, U], then the combine
+    einsum contracting the experts ('gsec,gecd->gsd') back to the rows.
 
 Each runs once compiled under a profiler trace; the ops the trace names are
 counted by kind (an all-to-all, all-gather, all-reduce, collective, or a
@@ -76,16 +76,16 @@ def main() -> None:
   u = dtensor.UNSHARDED
   e, g, c, d = args.experts, args.rows, args.slots, args.dim
   rng = np.random.default_rng(0)
-  buffer = rng.normal(size=(e, g, c, d)).astype(np.float32)
+  buffer = rng.normal(size=(g, e, c, d)).astype(np.float32)
   combine = (rng.random((g, 3, e, c)) < 0.05).astype(np.float32)   # [G, S=3, E, C]
-  expected = np.einsum('gsec,egcd->gsd', combine, buffer * 2.0)
+  expected = np.einsum('gsec,gecd->gsd', combine, buffer * 2.0)
 
   cases = {}
   for name, shape, expert_axis in (('same axis', {'data': 8}, 'data'),
                                    ('two axes', {'expert': 4, 'data': 2}, 'expert')):
     mesh = build_mesh(MeshSpec(shape=shape))
-    rows = dtensor.Layout([u, 'data', u, u], mesh)
-    at_experts = dtensor.Layout([expert_axis, u if expert_axis == 'data' else 'data', u, u],
+    rows = dtensor.Layout(['data', u, u, u], mesh)
+    at_experts = dtensor.Layout([u if expert_axis == 'data' else 'data', expert_axis, u, u],
                                 mesh)
     x = pack_global_array(buffer, rows)
     weights = pack_global_array(combine, dtensor.Layout(['data', u, u, u], mesh))
@@ -96,7 +96,7 @@ def main() -> None:
       h = dtensor.relayout(x, at_experts) * 2.0          # to the experts, expert math
       if expert_axis == 'data':
         h = dtensor.relayout(h, rows)                     # back by the inverse exchange
-      return tf.einsum('gsec,egcd->gsd', weights, h)     # combine (sums over the experts)
+      return tf.einsum('gsec,gecd->gsd', weights, h)     # combine (sums over the experts)
 
     got = to_numpy(exchange())
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

@@ -682,7 +682,7 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
                             'experts of 2 x width per block, top-2, on 8 CPU devices, float32.',
                             _moe),
         'moe_exchange.json': Section("The tokens' exchange", '`bench/moe_exchange.py`: the '
-                                     '[E, rows, slots, D] dispatch buffer relaid to its experts '
+                                     '[rows, E, slots, D] dispatch buffer relaid to its experts '
                                      'and combined back, on 8 CPU devices.', _moe_exchange),
     },
     'Start-up': {

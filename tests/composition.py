@@ -65,7 +65,7 @@ REFUSED = {
 }
 # The routed layers of 'moe' (moe_feed_forward's settings): 4 experts, 2 per
 # token, no token dropped, in every second block (the first keeps its dense
-# feed-forward layer, which LoRA's targets adapt), split over the 'data' axis
+# feed-forward layer), split over the 'data' axis
 # in process (GShard's expert parallelism: the batch's own axis). The load-balancing loss is off:
 # it is each micro-step's own, so accumulation would change it
 # (tests/test_moe.py shows both); the z-loss, a mean over tokens, is on.
@@ -74,6 +74,14 @@ MOE_RULE = (r'.*/moe/w_.*', ('data', 'unsharded', 'unsharded'))
 # The adapters of 'lora': attention's queries and values and every
 # feed-forward matrix, with dropout on their inputs.
 LORA = dict(rank=4, alpha=8.0, dropout=0.1, targets=(r'.*/attn/w[qv]', r'.*/ffn/w_.*'))
+# ... and with 'moe', every expert matrix too (one adapter pair per expert).
+MOE_LORA_TARGET = r'.*/moe/w_.*'
+
+
+def lora_settings(cell: Cell) -> dict:
+  """`LORA`, with the experts' matrices among the targets in a 'moe' cell."""
+  extra = (MOE_LORA_TARGET,) if cell['moe'] else ()
+  return {**LORA, 'targets': LORA['targets'] + extra}
 
 # Pairs that mean nothing together: a Keras model has no transformer_lm options.
 # A narrow frozen dtype needs frozen weights (without LoRA it is an error of its own).
@@ -185,7 +193,8 @@ GIN = {'remat': 'train.remat', 'fsdp': 'train.fsdp', 'dtype': 'train.compute_dty
 def gin_bindings(cell: Cell) -> list[str]:
   """`cell`'s settings as launch.train's --gin_bindings (engine and packed
   come from the config file)."""
-  lora = [f'--gin_bindings=lora.{key} = {value!r}' for key, value in LORA.items()]
+  lora = [f'--gin_bindings=lora.{key} = {value!r}'
+          for key, value in lora_settings(cell).items()]
   return [f'--gin_bindings={GIN[f]} = {cell[f]!r}' for f in GIN] + (
       lora if cell['lora'] else []) + (
       ['--gin_bindings=transformer_lm.tie_embeddings = True'] if cell['tied'] else []) + (

@@ -113,7 +113,8 @@ def make(cell: dict, meshes: dict):
     pipeline = PipelineConfig(num_stages=2, num_micro_batches=2,
                               engine='spmd' if cell['engine'] == 'spmd' else 'submesh')
   if cell['lora'] or cell['frozen'] != 'float32':
-    model = tune(model, lora=LoraConfig(**composition.LORA) if cell['lora'] else None,
+    model = tune(model, lora=LoraConfig(**composition.lora_settings(cell)) if cell['lora']
+                 else None,
                  trainable=None, frozen_dtype=cell['frozen'])
   rules = [] if keras else MEGATRON_QWEN2 if cell['arch'] == 'llama' else MEGATRON
   if cell['moe']:

@@ -382,11 +382,52 @@ def test_a_bad_option_names_itself(options, words):
   assert words in str(bad.value)
 
 
-def test_lora_on_expert_weights_is_refused_saying_why():
-  from layout_core.model.lora import LoraConfig  # pylint: disable=g-import-not-at-top
+def test_lora_on_expert_weights_trains_per_expert_adapters_and_merges_exactly():
+  """Adapters on a routed layer's [E, D, F] experts are one pair per expert,
+  A [E, D, r] and B [E, r, F]: the layer with them equals the layer with
+  each expert's weight merged (W_e + scale A_e B_e, `lora.merged`), and
+  only the adapters train."""
+  from layout_core.model import lora as lora_lib  # pylint: disable=g-import-not-at-top
   from layout_core.model.tuning import tune  # pylint: disable=g-import-not-at-top
+  config = lora_lib.LoraConfig(rank=3, alpha=6.0,
+                               targets=(r'.*/moe/w_(gate|up|down)', r'.*/attn/wq'))
+  tuned = tune(transformer_lm_params(**LM, moe=moe_feed_forward_params(num_experts=4)),
+               lora=config, trainable=None)
+  model = tuned.Instantiate()
+  rng = np.random.default_rng(8)
+  for variable in model.variables:
+    variable.assign(rng.normal(0, 0.3, variable.shape).astype(np.float32)
+                    + (1 if 'scale' in variable.name else 0))
+  block = model.stack.block_000.moe
+  assert block.w_gate_lora_a.shape == (4, 32, 3) and block.w_gate_lora_b.shape == (4, 3, 48)
+  assert {v.name.split('.')[-1][:-2] for v in model.trainable_variables} <= {
+      f'w_{m}_lora_{ab}' for m in ('gate', 'up', 'down') for ab in 'ab'} | {
+      'wq_lora_a', 'wq_lora_b'}
+  ids = tf.constant(rng.integers(0, 32, (2, 9)).astype(np.int32))
+  with_adapters = model(ids).numpy()
+  plain = transformer_lm_params(**LM, moe=moe_feed_forward_params(num_experts=4)).Instantiate()
+  by_name = {v.name: v.numpy() for v in model.variables}
+  for variable in plain.variables:  # the base weights, unmerged: a control
+    variable.assign(by_name[variable.name])
+  base = plain(ids).numpy()
+  for variable in plain.variables:
+    layer = variable.name[:-2]
+    if layer.rsplit('.', 1)[1] in ('w_gate', 'w_up', 'w_down', 'wq'):
+      variable.assign(lora_lib.merged(by_name[variable.name], by_name[f'{layer}_lora_a:0'],
+                                      by_name[f'{layer}_lora_b:0'], scale=config.scale))
+  assert_close(plain(ids).numpy(), with_adapters, rel=1e-5, what='merged experts')
+  assert np.abs(base - with_adapters).max() > 1e-2 * np.abs(base).max()  # they matter
+
+
+def test_peft_files_of_a_run_with_expert_adapters_are_refused_naming_the_merged_export(tmp_path):
+  from layout_core.convert import hf_config, peft  # pylint: disable=g-import-not-at-top
+  from layout_core.model.lora import LoraConfig  # pylint: disable=g-import-not-at-top
+  from tests import hf_fixtures  # pylint: disable=g-import-not-at-top
+  kwargs, _ = hf_config.lm_kwargs_from_hf(hf_fixtures.config('mixtral'))
+  adapted = 'lm/stack/block_001/moe/w_up_lora_a'
   with pytest.raises(ConfigError) as refused:
-    tune(transformer_lm_params(**LM, moe=moe_feed_forward_params(num_experts=4)),
-         lora=LoraConfig(rank=4, targets=(r'.*/moe/w_.*',)), trainable=None)
-  assert 'mixture-of-experts weights' in str(refused.value)
-  assert 'lora.targets' in str(refused.value)
+    peft.write_peft_dir(str(tmp_path / 'peft'), kwargs=kwargs,
+                        lora=LoraConfig(rank=2, targets=(r'.*/moe/w_.*',)),
+                        read=lambda path: np.zeros([1]) if path == adapted else None)
+  assert 'expert' in str(refused.value) and '--adapters_only' in str(refused.value)
+  assert not (tmp_path / 'peft').exists()

@@ -50,7 +50,21 @@ def _linear_rules(kwargs: Mapping[str, Any]) -> list[hf_names.TensorRule]:
                           '--adapters_only)')
   rules = hf_names.tensor_rules(kwargs, family=family, tied=False)
   return [r for r in rules if r.kind == 'linear' and len(r.paths) == 1
-          and r.hf_name.split('.')[-2] in MODULES]
+          and r.expert is None and r.hf_name.split('.')[-2] in MODULES]
+
+
+def _check_no_expert_adapters(kwargs: Mapping[str, Any],
+                              read: Callable[[str], np.ndarray | None]) -> None:
+  """ConfigError when the run has adapters on a routed layer's experts:
+  PEFT's files here hold per-projection Linear adapters only."""
+  family = hf_config.family_of(kwargs)
+  experts = sorted({r.paths[0] for r in hf_names.tensor_rules(kwargs, family=family, tied=False)
+                    if r.expert is not None and read(r.paths[0] + A_SUFFIX) is not None})
+  if experts:
+    raise ConfigError(f'the run has LoRA adapters on {len(experts)} expert weight(s) '
+                      f'({experts[0]}, ...), which --adapters_only does not write',
+                      where='--adapters_only', fix='export the adapters merged into the '
+                      'weights (launch.export --format=hf without --adapters_only)')
 
 
 def write_peft_dir(target: str, *, kwargs: Mapping[str, Any], lora: LoraConfig,
@@ -63,6 +77,7 @@ def write_peft_dir(target: str, *, kwargs: Mapping[str, Any], lora: LoraConfig,
   files would lose it: ConfigError naming them (export merged instead)."""
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   _check_no_trained_base_weights(kwargs, lora, trainable)
+  _check_no_expert_adapters(kwargs, read)
   tensors, adapted = {}, set()
   for rule in _linear_rules(kwargs):
     path = rule.paths[0]

@@ -84,6 +84,11 @@ class Declared:
   `w.project`): 1 for x @ w [d, f], 2 for attention's output [h, k, d]; 0:
   not such a weight. Only these can take LoRA adapters
   (`layout_core.model.lora`)."""
+  lead: int = 0
+  """Leading dims before those that the weight shares with its input and
+  output, uncontracted: a routed layer's expert dim ([E, d, f],
+  `layout_core.model.moe`). Its adapters and int8 scales are per index of
+  them."""
 
 
 def num_elements(shape: Shape) -> int:
@@ -206,10 +211,10 @@ class BaseLayer(Module):
           path=f'{path}/{d.name}', shape=tuple(d.shape), initializer=d.initializer,
           dtype=p.dtype, unshardable=dict(d.unshardable),
           trainable=tuning is None or tuning.trains(f'{path}/{d.name}'))
-      specs += frozen.stored_specs(spec, inputs=d.inputs,
+      specs += frozen.stored_specs(spec, inputs=d.inputs, lead=d.lead,
                                    frozen_dtype=tuning.frozen_dtype if tuning else 'float32')
       if tuning is not None and tuning.lora and d.inputs and tuning.lora.adapts(spec.path):
-        specs += lora.adapter_specs(spec, inputs=d.inputs, lora=tuning.lora)
+        specs += lora.adapter_specs(spec, inputs=d.inputs, lead=d.lead, lora=tuning.lora)
     return specs
 
   @classmethod

@@ -53,10 +53,11 @@ def check_frozen_dtype(value: str) -> None:
                       fix=f"use one of {', '.join(map(repr, FROZEN_DTYPES))}")
 
 
-def quantization_axes(shape: Sequence[int], inputs: int) -> tuple[int, ...]:
-  """The dims a matrix's scale is taken over: its `inputs` leading dims (the
-  ones the layer contracts with its input), else its last dim."""
-  return tuple(range(inputs)) if inputs else (len(shape) - 1,)
+def quantization_axes(shape: Sequence[int], inputs: int, lead: int = 0) -> tuple[int, ...]:
+  """The dims a matrix's scale is taken over: its `inputs` dims after the
+  `lead` ones (those the layer contracts with its input; an expert's, per
+  expert), else its last dim."""
+  return tuple(range(lead, lead + inputs)) if inputs else (len(shape) - 1,)
 
 
 def scale_shape(shape: Sequence[int], axes: Sequence[int]) -> tuple[int, ...]:
@@ -141,7 +142,8 @@ class QuantizationScales(Initializer):
     return quantize(self.initializer(self.shape, tf.float32, seed), self.axes)[1]
 
 
-def stored_specs(spec: VariableSpec, *, inputs: int, frozen_dtype: str) -> list[VariableSpec]:
+def stored_specs(spec: VariableSpec, *, inputs: int, frozen_dtype: str,
+                 lead: int = 0) -> list[VariableSpec]:
   """The variables a frozen float32 `spec` is stored as under `frozen_dtype`
   (module doc): itself, itself in bfloat16, or an int8 matrix and its scale
   (a scale laid out as its weight where no rule names it, its quantization
@@ -152,7 +154,7 @@ def stored_specs(spec: VariableSpec, *, inputs: int, frozen_dtype: str) -> list[
     return [dataclasses.replace(spec, dtype='bfloat16')]
   if len(spec.shape) < 2:
     return [spec]
-  axes = quantization_axes(spec.shape, inputs)
+  axes = quantization_axes(spec.shape, inputs, lead)
   return [
       dataclasses.replace(spec, dtype='int8', initializer=QuantizedValues(spec.initializer, axes)),
       VariableSpec(path=spec.path + SCALE_SUFFIX, shape=scale_shape(spec.shape, axes),

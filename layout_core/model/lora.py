@@ -130,27 +130,38 @@ def is_adapter(path: str) -> bool:
   return path.endswith((A_SUFFIX, B_SUFFIX))
 
 
-def adapter_specs(spec: VariableSpec, *, inputs: int, lora: LoraConfig) -> list[VariableSpec]:
-  """The two adapters of the weight `spec`, whose first `inputs` dims meet
-  the layer's input: A [in..., r] (Gaussian), B [r, out...] (zeros), each
-  following the weight's layout where no rule names it."""
+def adapter_specs(spec: VariableSpec, *, inputs: int, lora: LoraConfig,
+                  lead: int = 0) -> list[VariableSpec]:
+  """The two adapters of the weight `spec`, whose `inputs` dims after its
+  `lead` ones meet the layer's input: A [lead..., in..., r] (Gaussian), B
+  [lead..., r, out...] (zeros): one pair per index of the lead dims (a
+  routed layer's experts). Each follows the weight's layout where no rule
+  names it."""
   shape, r = tuple(spec.shape), lora.rank
-  ins, outs = shape[:inputs], shape[inputs:]
+  leads, ins, outs = shape[:lead], shape[lead:lead + inputs], shape[lead + inputs:]
   fan_in = math.prod(ins)
   return [
-      VariableSpec(path=spec.path + A_SUFFIX, shape=ins + (r,), dtype=spec.dtype,
+      VariableSpec(path=spec.path + A_SUFFIX, shape=leads + ins + (r,), dtype=spec.dtype,
                    initializer=Normal(1.0 / math.sqrt(fan_in)),
-                   follows=Follows(spec.path, shape, tuple(range(inputs)) + (None,))),
-      VariableSpec(path=spec.path + B_SUFFIX, shape=(r,) + outs, dtype=spec.dtype,
+                   follows=Follows(spec.path, shape, tuple(range(lead + inputs)) + (None,))),
+      VariableSpec(path=spec.path + B_SUFFIX, shape=leads + (r,) + outs, dtype=spec.dtype,
                    initializer=Zeros(),
-                   follows=Follows(spec.path, shape,
-                                   (None,) + tuple(range(inputs, len(shape)))))]
+                   follows=Follows(spec.path, shape, tuple(range(lead)) + (None,)
+                                   + tuple(range(lead + inputs, len(shape)))))]
 
 
 def merged(weight: np.ndarray, a: np.ndarray, b: np.ndarray, *, scale: float) -> np.ndarray:
   """W + scale * A.B: the weight whose contraction equals W's plus its
-  adapters' path (in float32, then W's dtype)."""
-  update = np.tensordot(np.asarray(a, np.float32), np.asarray(b, np.float32), axes=1)
+  adapters' path (in float32, then W's dtype); per expert where the
+  adapters carry the weight's lead dims (`adapter_specs`)."""
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  lead = a.ndim + b.ndim - 2 - np.ndim(weight)  # dims A, B and W share, uncontracted
+  if lead:
+    update = np.stack([np.tensordot(a_e, b_e, axes=1) for a_e, b_e in
+                       zip(a.reshape((-1,) + a.shape[lead:]), b.reshape((-1,) + b.shape[lead:]))]
+                      ).reshape(np.shape(weight))
+  else:
+    update = np.tensordot(a, b, axes=1)
   return (np.asarray(weight, np.float32) + scale * update).astype(weight.dtype)
 
 
@@ -165,13 +176,8 @@ def check_targets(specs: Sequence[VariableSpec], lora: LoraConfig | None,
     idle = [t for t in lora.targets if not any(re.fullmatch(t, p) for p in adapted)]
     if idle:
       others = [p for p in paths if any(re.fullmatch(t, p) for t in idle)]
-      experts = [p for p in others if '/moe/w_' in p]
       said = (f'; it matches only {", ".join(others[:4])}, which no layer contracts with '
               'its input' if others else '')
-      if experts:  # a routed layer's [E, in, out] matrices
-        said = (f'; it matches only mixture-of-experts weights ({", ".join(experts[:2])}), '
-                'which take no adapters yet (docs/limits.md#mixture-of-experts): adapt the '
-                'attention, or the dense blocks of transformer_lm.moe_every > 1')
       raise ConfigError(f'lora.targets {idle} adapted no weight{said}', where='lora.targets',
                         fix='match projection weights by path (launch.inspect lists them), '
                             "e.g. r'.*/attn/w[qv]' or r'.*/ffn/w_.*'")
@@ -193,8 +199,9 @@ def low_rank(w, equation: str, x, name: str, lora: LoraConfig):
   x_subs, w_subs = inputs.split(',')
   inner = a.shape.rank - len(w.lead) - 1
   w_in, w_out = w_subs[:inner], w_subs[inner:]
+  shared = ''.join(c for c in w_in if c in outs)  # the weight's uncontracted lead (experts)
   r = next(c for c in _RANK_LETTERS if c not in equation)
-  batch = ''.join(c for c in x_subs if c not in w_in)
+  batch = ''.join(c for c in x_subs if c not in w_in or c in shared)
   drop = w.random() if lora.dropout else None
   if drop is not None:  # its own mask: the layer's key mixed with the adapter's name
     salt = zlib.crc32(f'{name}{A_SUFFIX}'.encode())
@@ -202,5 +209,5 @@ def low_rank(w, equation: str, x, name: str, lora: LoraConfig):
             else drop.keys ^ salt)
     x = random.dropout(x, rate=lora.dropout, inputs=drop._replace(keys=keys), lead=w.lead)
   h = tf.einsum(fsdp.lead_equation(f'{x_subs},{w_in}{r}->{batch}{r}', w.lead), x, a)
-  y = tf.einsum(fsdp.lead_equation(f'{batch}{r},{r}{w_out}->{outs}', w.lead), h, b)
+  y = tf.einsum(fsdp.lead_equation(f'{batch}{r},{shared}{r}{w_out}->{outs}', w.lead), h, b)
   return y * tf.cast(lora.scale, y.dtype)

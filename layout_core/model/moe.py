@@ -20,7 +20,7 @@ row's length).
 
 The experts' weights are [E, ...]: a layout rule splits dim 0 over a mesh
 axis (expert parallelism). The tokens then move to their expert's device
-and back by relayouts of the [E, rows, C, D] buffers: an all-to-all where the
+and back by relayouts of the [rows, E, C, D] buffers: an all-to-all where the
 expert axis is the batch's own (GShard), a local slice and a sum across the
 expert axis where they differ (`bench/moe.py` measures which).
 
@@ -229,7 +229,7 @@ class MoEFeedForward(BaseLayer):
     declared = [Declared('router', (d, e), init, inputs=1)]
     for name in cls.matrices(p):
       shape = (e, h, d) if name in ('w_out', 'w_down') else (e, d, h)
-      declared.append(Declared(name, shape, init))
+      declared.append(Declared(name, shape, init, inputs=1, lead=1))
     if p.shared_dim and p.shared_gate:
       declared.append(Declared('shared_gate', (d, 1), init, inputs=1))
     return declared
@@ -273,20 +273,23 @@ class MoEFeedForward(BaseLayer):
     if sink is not None:
       sink.add(w.path, routing.terms(aux_coef=p.aux_loss_coef, z_coef=p.z_loss_coef))
     dispatch = _relayout(tf.cast(routing.dispatch, x.dtype), mesh, rows)
-    h = tf.einsum('gsec,gsd->egcd', dispatch, x)                  # [E, G, C, D]
-    h = _relayout(h, mesh, [expert_axis, _other(batch_axis, expert_axis)])
+    # The buffer [G, E, C, D] keeps the rows first, as every activation does:
+    # dropout's masks (a LoRA adapter's, here) follow the rows however the
+    # batch is cut.
+    h = tf.einsum('gsec,gsd->gecd', dispatch, x)
+    h = _relayout(h, mesh, [_other(batch_axis, expert_axis), expert_axis])
     if p.kind == 'mlp':
-      h = activate(w.project('egcd,edh->egch', h, 'w_in'), p.activation)
-      out = w.project('egch,ehd->egcd', h, 'w_out')
+      h = activate(w.project('gecd,edh->gech', h, 'w_in'), p.activation)
+      out = w.project('gech,ehd->gecd', h, 'w_out')
     else:
-      gate = activate(w.project('egcd,edh->egch', h, 'w_gate'),
+      gate = activate(w.project('gecd,edh->gech', h, 'w_gate'),
                       'silu' if p.kind == 'swiglu' else 'gelu_tanh')
-      out = w.project('egch,ehd->egcd', gate * w.project('egcd,edh->egch', h, 'w_up'),
+      out = w.project('gech,ehd->gecd', gate * w.project('gecd,edh->gech', h, 'w_up'),
                       'w_down')
     if expert_axis != UNSHARDED and expert_axis == batch_axis:
-      out = _relayout(out, mesh, [UNSHARDED, batch_axis])          # GShard: back by all-to-all
+      out = _relayout(out, mesh, [batch_axis, UNSHARDED])          # GShard: back by all-to-all
     combine = _relayout(tf.cast(routing.combine, out.dtype), mesh, rows)
-    y = _relayout(tf.einsum('gsec,egcd->gsd', combine, out), mesh, rows)
+    y = _relayout(tf.einsum('gsec,gecd->gsd', combine, out), mesh, rows)
     if p.shared_dim:
       shared_p = cls.child_params(p)['shared']
       shared = shared_p.cls.apply(shared_p, w.child('shared'), x)
