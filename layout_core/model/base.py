@@ -89,6 +89,9 @@ class Declared:
   output, uncontracted: a routed layer's expert dim ([E, d, f],
   `layout_core.model.moe`). Its adapters and int8 scales are per index of
   them."""
+  exact: bool = False
+  """Stays float32 in a frozen base stored narrow (`train.frozen_dtype`):
+  a router, whose top-k choice a rounding can flip."""
 
 
 def num_elements(shape: Shape) -> int:
@@ -211,8 +214,8 @@ class BaseLayer(Module):
           path=f'{path}/{d.name}', shape=tuple(d.shape), initializer=d.initializer,
           dtype=p.dtype, unshardable=dict(d.unshardable),
           trainable=tuning is None or tuning.trains(f'{path}/{d.name}'))
-      specs += frozen.stored_specs(spec, inputs=d.inputs, lead=d.lead,
-                                   frozen_dtype=tuning.frozen_dtype if tuning else 'float32')
+      specs += frozen.stored_specs(spec, inputs=d.inputs, lead=d.lead, frozen_dtype=(
+          tuning.frozen_dtype if tuning and not d.exact else 'float32'))
       if tuning is not None and tuning.lora and d.inputs and tuning.lora.adapts(spec.path):
         specs += lora.adapter_specs(spec, inputs=d.inputs, lead=d.lead, lora=tuning.lora)
     return specs

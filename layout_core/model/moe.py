@@ -226,7 +226,7 @@ class MoEFeedForward(BaseLayer):
   def declare_variables(cls, p):
     init = Normal(p.init_stddev)
     e, d, h = p.num_experts, p.input_dim, p.hidden_dim
-    declared = [Declared('router', (d, e), init, inputs=1)]
+    declared = [Declared('router', (d, e), init, inputs=1, exact=True)]
     for name in cls.matrices(p):
       shape = (e, h, d) if name in ('w_out', 'w_down') else (e, d, h)
       declared.append(Declared(name, shape, init, inputs=1, lead=1))
@@ -354,6 +354,24 @@ def check_supported(params, *, engine: str | None) -> None:
         where="pipeline.engine = 'spmd' with transformer_lm.moe",
         fix="use pipeline.engine = 'submesh', or no pipeline and the experts split over a "
             'mesh axis (configs/layouts/moe_expert.gin)')
+
+
+def check_submesh_layouts(records, *, batch_axis: str) -> None:
+  """A ConfigError where the sub-mesh pipeline's stages would split experts
+  over an axis other than the batch's: its stages do not pin the rows'
+  layout (no `batch_split` in their context), and without the pin DTensor
+  (TF 2.21) could not compile the combine's backward (EmitAllScatter); on
+  the batch's own axis (GShard) it trains as one device does."""
+  other = [r for r in records if '/moe/w_' in r.path and r.spec
+           and (r.use_spec or r.spec)[0] not in (UNSHARDED, batch_axis)]
+  if other:
+    first = other[0]
+    raise ConfigError(
+        f'the sub-mesh pipeline cannot split experts over {(first.use_spec or first.spec)[0]!r}, '
+        f"an axis other than the batch's ({batch_axis!r}): {first.path} by {first.source}",
+        where='layout_rules.rules with pipeline.engine = \'submesh\'',
+        fix=f"split the experts over the batch axis in each stage, e.g. (r'.*/moe/w_.*', "
+            f"('{batch_axis}', 'unsharded', 'unsharded')), or train without a pipeline")
 
 
 def check(p) -> None:

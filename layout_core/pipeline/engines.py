@@ -99,6 +99,7 @@ class GPipeEngine:
                        reference_in_step=task.needs_reference,
                        routed_layers=len(moe.routed_layers(params)))
     self.variables, self.layout_records = staged.scope.variables, staged.scope.records
+    moe.check_submesh_layouts(self.layout_records, batch_axis=batch_axis)
     self.model_state, self.description = staged.model, params.ToText()
     trainable = {p: v for p, v in self.variables.items() if v.trainable}
     self.optimizer = make_optimizer(optimizer, variables=list(trainable.values()),

@@ -21,6 +21,7 @@ from layout_core.errors import ConfigError
 from layout_core.layout import fsdp
 from layout_core.layout.rules import LayoutRules
 from layout_core.layout.scope import LayoutRecord, plan_layouts
+from layout_core.model import moe
 from layout_core.model.base import LayerMeta, frozen_meta, leaf_layers
 from layout_core.model.layers import Embedding
 from layout_core.model.tuning import lora_of
@@ -42,6 +43,7 @@ def plan_pipeline_run(pipeline: PipelineConfig | None, *, model, task: Task,
   batch axis (`layout_core.train.config.batch_axis_for`)."""
   if pipeline is None or not pipeline.enabled:
     return None
+  moe.check_supported(model, engine=pipeline.engine)
   check_pipelinable(model, task)
   return plan_pipeline(pipeline, params=model, mesh_axes=mesh_axes,
                        batch_size=config.batch_size // config.grad_accum_steps,
