@@ -22,7 +22,7 @@ The experts' weights are [E, ...]: a layout rule splits dim 0 over a mesh
 axis (expert parallelism). The tokens then move to their expert's device
 and back by relayouts of the [rows, E, C, D] buffers: an all-to-all where the
 expert axis is the batch's own (GShard), a local slice and a sum across the
-expert axis where they differ (`bench/moe.py` measures which).
+expert axis where they differ (`bench/moe_exchange.py` measures which).
 
 The router's terms, per MoE layer and step: the load-balancing loss
 E * sum_e f_e P_e (f_e: the share of tokens among whose k choices e is, so
