@@ -78,10 +78,11 @@ LORA = dict(rank=4, alpha=8.0, dropout=0.1, targets=(r'.*/attn/w[qv]', r'.*/ffn/
 MOE_LORA_TARGET = r'.*/moe/w_.*'
 
 
-def lora_settings(cell: Cell) -> dict:
-  """`LORA`, with the experts' matrices among the targets in a 'moe' cell."""
-  extra = (MOE_LORA_TARGET,) if cell['moe'] else ()
-  return {**LORA, 'targets': LORA['targets'] + extra}
+def lora_settings(cell: Cell, dense_blocks: bool = True) -> dict:
+  """`LORA`, with the experts' matrices among the targets in a 'moe' cell
+  (and without the dense feed-forward layers' where no block keeps one)."""
+  targets = LORA['targets'] if dense_blocks else LORA['targets'][:1]
+  return {**LORA, 'targets': targets + ((MOE_LORA_TARGET,) if cell['moe'] else ())}
 
 # Pairs that mean nothing together: a Keras model has no transformer_lm options.
 # A narrow frozen dtype needs frozen weights (without LoRA it is an error of its own).
@@ -193,13 +194,14 @@ GIN = {'remat': 'train.remat', 'fsdp': 'train.fsdp', 'dtype': 'train.compute_dty
 def gin_bindings(cell: Cell) -> list[str]:
   """`cell`'s settings as launch.train's --gin_bindings (engine and packed
   come from the config file)."""
+  # The 2-client LM has one block: routed when the cell has 'moe'.
   lora = [f'--gin_bindings=lora.{key} = {value!r}'
-          for key, value in lora_settings(cell).items()]
+          for key, value in lora_settings(cell, dense_blocks=not cell['moe']).items()]
   return [f'--gin_bindings={GIN[f]} = {cell[f]!r}' for f in GIN] + (
       lora if cell['lora'] else []) + (
       ['--gin_bindings=transformer_lm.tie_embeddings = True'] if cell['tied'] else []) + (
       ['--gin_bindings=transformer_lm.moe = @moe_feed_forward()',
-       '--gin_bindings=transformer_lm.moe_every = 2'] + [
+       '--gin_bindings=transformer_lm.moe_every = 1'] + [
           f'--gin_bindings=moe_feed_forward.{key} = {value!r}' for key, value in MOE.items()]
       if cell['moe'] else [])
 

@@ -306,7 +306,7 @@ class GPipe:
       if labels is not None:
         sums = self._loss_sums(outputs, labels, terms, fed)
         target = total_of(sums[0], self.num_micro_batches)
-      elif terms.layers:  # this stage's share of the loss: its layers' penalty
+      elif terms.layers and weight is not None:  # this stage's share of the loss
         target = list(outputs) + [terms.penalty(self.routed_layers) * weight]
         output_grads = list(output_grads) + [tf.ones_like(target[-1])]
     grads = tape.gradient(target if target is not None else list(outputs),
