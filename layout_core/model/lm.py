@@ -13,7 +13,7 @@ from layout_core.fields import at_least, check_arguments, in_range
 from layout_core.model.base import Sequential
 from layout_core.model.layers import (ACTIVATIONS, FFNS, NORMS, Embedding, LayerNorm,
                                       Softmax, TransformerBlock)
-from layout_core.model.moe import ROUTERS, MoEFeedForward, check as check_moe
+from layout_core.model.moe import MoEFeedForward, check as check_moe
 from layout_core.params import Params
 
 
@@ -143,8 +143,7 @@ def moe_feed_forward_params(*, num_experts: int = 8, experts_per_token: int = 2,
       aux_loss_coef=float(aux_loss_coef), z_loss_coef=float(z_loss_coef))
   _one_of('moe_feed_forward', 'kind', kind, FFNS)
   _one_of('moe_feed_forward', 'activation', activation, ACTIVATIONS)
-  _one_of('moe_feed_forward', 'router', router, ROUTERS)
-  check_moe(p.Copy().Set(hidden_dim=expert_dim or 1))
+  check_moe(p)
   return p
 
 

@@ -387,9 +387,9 @@ def check(p) -> None:
   if p.router not in ROUTERS:
     raise ConfigError(f'{where}.router is {p.router!r}', where=f'{where}.router',
                       fix=f"use one of {', '.join(map(repr, ROUTERS))}")
-  if p.hidden_dim < 1 or p.shared_dim < 0:
-    raise ConfigError(f'{where}.hidden_dim is {p.hidden_dim}, shared_dim {p.shared_dim}',
-                      where=f'{where}.hidden_dim', fix='use a positive expert width')
+  if p.hidden_dim < 0 or p.shared_dim < 0:  # (hidden_dim 0: the LM's ffn_dim)
+    raise ConfigError(f'{where}.expert_dim is {p.hidden_dim}, shared_dim {p.shared_dim}',
+                      where=f'{where}.expert_dim', fix='use a positive expert width (0: ffn_dim)')
   if p.aux_loss_coef < 0 or p.z_loss_coef < 0:
     raise ConfigError(f'{where}: a negative loss coefficient', where=f'{where}.aux_loss_coef',
                       fix='use coefficients >= 0 (0.01 and 0.001 are usual)')

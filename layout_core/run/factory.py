@@ -21,7 +21,6 @@ from typing import Any, Callable, Mapping
 from layout_core.layout import fsdp
 from layout_core.layout import mesh as mesh_lib
 from layout_core.layout.rules import LayoutRules
-from layout_core.model import moe
 from layout_core.model.base import compute_params
 from layout_core.model.built import build_params_model
 from layout_core.optim import OptimizerConfig
@@ -71,7 +70,6 @@ def _engine(model, *, mesh, rules, task, optimizer, config, counters, pipeline, 
   mesh_axes = mesh_lib.mesh_axes(mesh)
   pipelined = pipeline is not None and pipeline.enabled
   check_segments_supported(model, task, pipelined=pipelined)
-  moe.check_supported(model, engine=pipeline.engine if pipelined else None)
   if weights_only and (pipelined or not isinstance(model, Params)):
     raise ValueError('weights_only builds a Params model on the one-program engine only')
   if isinstance(model, Params):
