@@ -8,14 +8,15 @@ device busy at once, in one fresh process:
   * elementwise element-ops/s per device (a chain of x * y + z on tensors);
   * collectives over a mesh axis of 2, 4 and 8 devices at three message sizes,
     fitted to latency + bytes / bandwidth: all-reduce (a matmul whose
-    contracted dim is split: the partial sums reduced) and all-gather (a
-    split tensor relaid out replicated);
+    contracted dim is split: the partial sums reduced), all-gather (a
+    split tensor relaid out replicated) and all-to-all (a tensor split on
+    one dim relaid split on another: an MoE layer's token exchange);
 
 then the step times of real `launch.train` runs (`RUNS`, subprocesses, each
 the median of 3 processes): tiny LMs under each engine and split, whose
 time is the layout's structure (fixed costs per block run, per tensor
 all-reduce, per FSDP / ZeRO-1 variable, per SPMD tick and per-tick sum,
-per step), and a matmul-heavy LM for what the micro-benchmarks miss (the
+per routed block, per step), and a matmul-heavy LM for what the micro-benchmarks miss (the
 share of the matmul rate a step gets, the scale of each collective's bytes,
 the sub-mesh bubble that shows on shared cores). Each of those rates is
 fitted (`fit`) as what is left of its runs' time after the suggester's own
@@ -80,7 +81,8 @@ def timed(fn, *args, reps=20):
     best = min(best, (time.perf_counter() - start) / reps)
   return best
 
-result = {'matmul': {}, 'elementwise': {}, 'collectives': {'all_reduce': {}, 'all_gather': {}}}
+result = {'matmul': {}, 'elementwise': {},
+          'collectives': {'all_reduce': {}, 'all_gather': {}, 'all_to_all': {}}}
 data8 = mesh({'data': N})
 for dtype in ('float32', 'bfloat16'):
   rows = []
@@ -111,7 +113,7 @@ for dtype in ('float32', 'bfloat16'):
 
 for k in (2, 4, 8):
   m = mesh({'a': k, 'b': N // k})
-  for kind in ('all_reduce', 'all_gather'):
+  for kind in ('all_reduce', 'all_gather', 'all_to_all'):
     points = []
     for nbytes in (1 << 14, 1 << 18, 1 << 22):
       elements = nbytes // 4
@@ -123,6 +125,14 @@ for k in (2, 4, 8):
         fn = tf.function(lambda x, w: tf.matmul(x, w))
         seconds = timed(fn, x, w)
         moved = rows * cols * 4
+      elif kind == 'all_to_all':  # [k r, k, 256] split on dim 0 -> split on dim 1
+        cols = 256
+        rows = max(elements // (k * cols), 1)
+        x = dtensor.call_with_layout(lambda: tf.ones([k * rows, k, cols]),
+                                     dtensor.Layout(['a', U, U], m))
+        fn = tf.function(lambda x: dtensor.relayout(x, dtensor.Layout([U, 'a', U], m)) * 1.0)
+        seconds = timed(fn, x)
+        moved = rows * k * cols * 4  # a device's slice, as the cost model counts it
       else:  # [k * e] split over 'a' -> replicated
         x = dtensor.call_with_layout(lambda: tf.ones([k * (elements // k)]),
                                      dtensor.Layout(['a'], m))
@@ -174,6 +184,15 @@ WIDE = ['transformer_lm.model_dim = 512', 'transformer_lm.num_heads = 8',
         'optimizer.shard_state = False']
 PIPE = ["mesh.shape = {'stage': 2, 'data': 4}", 'pipeline.num_stages = 2',
         'pipeline.num_micro_batches = 4']
+# Every block routed to 8 experts (top-2), split over the batch's own axis
+# (GShard): the tokens go to their experts by all-to-all and come back.
+def moe(expert_dim: int, capacity: float) -> tuple[str, ...]:
+  return ('transformer_lm.moe = @moe_feed_forward()', 'moe_feed_forward.num_experts = 8',
+          'moe_feed_forward.experts_per_token = 2',
+          f'moe_feed_forward.expert_dim = {expert_dim}',
+          f'moe_feed_forward.capacity_factor = {capacity}',
+          "layout_rules.rules = [(r'.*/moe/w_(gate|up|down)', "
+          "('data', 'unsharded', 'unsharded'))]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,12 +221,14 @@ RUNS = (
         (*TINY, *PIPE, "pipeline.engine = 'spmd'", 'pipeline.circular_repeats = 2')),
     Run('data=8, FSDP', (*TINY, 'train.fsdp = True')),
     Run('data=8, ZeRO-1', (*TINY, 'optimizer.shard_state = True')),
+    Run('data=8, MoE', (*TINY, *moe(16, 0.0))),
     *(Run(f'data=1, {dtype}', (*WIDE, "mesh.shape = {'data': 1}",
                                f"train.compute_dtype = '{dtype}'"), alone=True)
       for dtype in ('float32', 'bfloat16')),
     Run('data', (*WIDE, "train.compute_dtype = 'bfloat16'")),
     Run('fsdp', (*WIDE, "train.compute_dtype = 'bfloat16'", 'train.fsdp = True')),
     Run('zero1', (*WIDE, "train.compute_dtype = 'bfloat16'", 'optimizer.shard_state = True')),
+    Run('moe', (*WIDE, "train.compute_dtype = 'bfloat16'", *moe(256, 1.0))),
     Run('submesh', (*WIDE, "train.compute_dtype = 'bfloat16'",
                     "mesh.shape = {'stage': 2, 'data': 4}", 'pipeline.num_stages = 2',
                     'pipeline.num_micro_batches = 2')),
@@ -257,10 +278,12 @@ GROUPS = (
      (_block('spmd'), Knob(('spmd_sum_variable_s',)))),
     (('data=8, FSDP',), (Knob(('fsdp_variable_s',)),)),
     (('data=8, ZeRO-1',), (Knob(('zero_variable_s',)),)),
+    (('data=8, MoE',), (Knob(('moe_block_s',)),)),
     *(((f'data=1, {dtype}',), (Knob(('matmul_efficiency', dtype), 0.05, 1.0, invert=True),))
       for dtype in ('float32', 'bfloat16')),
     *(((label,), (Knob(('collective_scale', label), 0.05, 20.0),))
       for label in ('data', 'fsdp', 'zero1')),
+    (('moe',), (Knob(('moe_matmul_share',), 0.05, 4.0, invert=True),)),
     (('submesh',), (Knob(('shared_bubble',), 0.0, 1.0),)),
 )
 ROUNDS = 8

@@ -11,10 +11,12 @@ exchanges, each forward and back, on 8 virtual CPU devices:
     'expert'): [data, U, U, U] -> [data, expert, U, U], then the combine
     einsum contracting the experts ('gsec,gecd->gsd') back to the rows.
 
-Each runs once compiled under a profiler trace; the ops the trace names are
-counted by kind (an all-to-all, all-gather, all-reduce, collective, or a
-local split), with seconds per call side by side (median of `--calls`) and
-the values checked against the same math without relayouts.
+Each runs once compiled under a profiler trace, forward alone and with the
+gradients of the buffer, the combine weights and the experts' own weights
+(split as the experts are: a training step's backward); the ops the trace names are counted by kind (an all-to-all,
+all-gather, all-reduce, collective, or a local split), with the forward's
+seconds per call (median of `--calls`) and the values and gradients checked
+against the same math in numpy.
 
     python bench/moe_exchange.py [--rows 16 --slots 64 --dim 256] [--out bench/results/moe_exchange.json]
 
@@ -78,7 +80,13 @@ def main() -> None:
   rng = np.random.default_rng(0)
   buffer = rng.normal(size=(g, e, c, d)).astype(np.float32)
   combine = (rng.random((g, 3, e, c)) < 0.05).astype(np.float32)   # [G, S=3, E, C]
-  expected = np.einsum('gsec,gecd->gsd', combine, buffer * 2.0)
+  upstream = rng.normal(size=(g, 3, d)).astype(np.float32)         # the output's gradient
+  scale = rng.normal(size=(e, d)).astype(np.float32)               # each expert's own weight
+  expected = np.einsum('gsec,gecd->gsd', combine, buffer * scale[None, :, None])
+  back = np.einsum('gsec,gsd->gecd', combine, upstream)             # the experts' outputs'
+  expected_grads = (back * scale[None, :, None],
+                    np.einsum('gsd,gecd->gsec', upstream, buffer * scale[None, :, None]),
+                    np.einsum('gecd,gecd->ed', back, buffer))
 
   cases = {}
   for name, shape, expert_axis in (('same axis', {'data': 8}, 'data'),
@@ -89,29 +97,44 @@ def main() -> None:
                                 mesh)
     x = pack_global_array(buffer, rows)
     weights = pack_global_array(combine, dtensor.Layout(['data', u, u, u], mesh))
+    up = pack_global_array(upstream, dtensor.Layout(['data', u, u], mesh))
+    w = pack_global_array(scale, dtensor.Layout([expert_axis, u], mesh))  # split as experts
 
-    @tf.function
-    def exchange(x=x, weights=weights, at_experts=at_experts, rows=rows,
-                 expert_axis=expert_axis):
-      h = dtensor.relayout(x, at_experts) * 2.0          # to the experts, expert math
+    def math(x, weights, w, at_experts=at_experts, rows=rows, expert_axis=expert_axis):
+      h = tf.einsum('gecd,ed->gecd', dtensor.relayout(x, at_experts), w)  # to the experts
       if expert_axis == 'data':
         h = dtensor.relayout(h, rows)                     # back by the inverse exchange
       return tf.einsum('gsec,gecd->gsd', weights, h)     # combine (sums over the experts)
 
-    got = to_numpy(exchange())
-    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-    with tempfile.TemporaryDirectory() as logdir:
-      tf.profiler.experimental.start(logdir)
-      dtensor.unpack(exchange())[0].numpy()
-      tf.profiler.experimental.stop()
-      ops = traced_ops(logdir, devices=8)
+    exchange = tf.function(lambda x=x, weights=weights, w=w, math=math: math(x, weights, w))
+
+    @tf.function
+    def with_backward(x=x, weights=weights, w=w, up=up, math=math):
+      with tf.GradientTape() as tape:
+        tape.watch([x, weights, w])
+        y = math(x, weights, w)
+        loss = tf.reduce_sum(y * up)
+      return tape.gradient(loss, [x, weights, w]), loss   # a step's loss: its forward runs
+
+    np.testing.assert_allclose(to_numpy(exchange()), expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip(with_backward()[0], expected_grads):  # sums of 256: float32's error
+      np.testing.assert_allclose(to_numpy(got), want, rtol=1e-5,
+                                 atol=1e-5 * float(np.abs(want).max()))
+    found = {}
+    for label, fn in (('ops', exchange), ('ops_with_backward', with_backward)):
+      with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        dtensor.unpack(tf.nest.flatten(fn())[0])[0].numpy()
+        tf.profiler.experimental.stop()
+        found[label] = traced_ops(logdir, devices=8)
     seconds = []
     for _ in range(args.calls):
       start = time.perf_counter()
       dtensor.unpack(exchange())[0].numpy()
       seconds.append(time.perf_counter() - start)
-    cases[name] = {'mesh': shape, 'ops': ops, 'seconds_per_call': statistics.median(seconds)}
-    print(f'{name:10s} {shape}: {statistics.median(seconds) * 1e3:.1f} ms/call; ops {ops}')
+    cases[name] = {'mesh': shape, **found, 'seconds_per_call': statistics.median(seconds)}
+    print(f"{name:10s} {shape}: {statistics.median(seconds) * 1e3:.1f} ms/call; forward "
+          f"{found['ops']}; forward and backward {found['ops_with_backward']}")
   write_json({'experts': e, 'rows': g, 'slots': c, 'dim': d, 'buffer_bytes': buffer.nbytes,
               'cases': cases}, args.out)
 

@@ -28,7 +28,8 @@ from typing import Any, Callable
 from bench.figures import (CLOCKS, FIGURES, Results, figure, in_bytes, in_millions, in_ms, in_s,
                            outcome, row_spread, times)
 from bench.report_layouts import (accumulation_section, calibration_section,
-                                  spmd_repeats_section, suggest_section)
+                                  spmd_repeats_section, suggest_moe_section,
+                                  suggest_section)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, 'bench', 'results')
@@ -502,6 +503,15 @@ def _submesh_residual(r: Results) -> Rendered:
   return _in_words([(row['variation'], _ok(row)) for row in r['rows']]), []
 
 
+def _moe_routing(r: Results) -> Rendered:
+  """What fails in words; every other case in one count."""
+  failed = [row for row in r['rows'] if not row.get('ok')]
+  said = _in_words([(f"{row['case']}, {row['placing']}, {row['threads']}", _ok(row))
+                    for row in failed]) if failed else 'Nothing fails.'
+  return (f"{said} The other {len(r['rows']) - len(failed)} cases (each form, rows or "
+          "experts split or neither, two thread settings) give one device's gradient."), []
+
+
 def _truncated(r: Results) -> Rendered:
   def cell(run: dict) -> str:
     return f"{run['records']} read, {outcome(run['error']) if run['error'] else 'no error'}"
@@ -612,9 +622,12 @@ def _moe_exchange(r: Results) -> Rendered:
   shows = (f"The batch's own axis: {figure('moe_exchange.same', r)} per device, forward (there "
            f"and back); an axis of its own: {figure('moe_exchange.two', r)} (the dispatch is "
            'a local slice of rows every expert shard holds).')
-  rows = [[name, ', '.join(f'{n:g} x {op}' for op, n in c['ops'].items()) or 'none',
+  def listed(ops: dict) -> str:
+    return ', '.join(f'{n:g} x {op}' for op, n in ops.items()) or 'none'
+  rows = [[name, listed(c['ops']), listed(c.get('ops_with_backward', {})),
            in_ms(1000 * c['seconds_per_call'])] for name, c in r['cases'].items()]
-  return shows, _table(['exchange', 'collectives per device', 'per call'], rows)
+  return shows, _table(['exchange', 'collectives per device, forward',
+                        'with the backward and the loss', 'forward per call'], rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -710,6 +723,11 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
         'suggest.json': Section('The suggester against every candidate', '`bench/suggest.py`: '
                                 'lm_small and a width-768 LM on 8 devices, every candidate '
                                 'trained.', suggest_section),
+        'suggest_moe.json': Section('The suggester on a mixture of experts', '`bench/suggest.py '
+                                    "--models lm_moe`: bench/moe.py's 8-expert top-2 LM on 8 "
+                                    'devices, its experts replicated or split (over data or an '
+                                    'expert axis), every candidate trained.',
+                                    suggest_moe_section),
         'calibration.json': Section("The cost model's rates", '`bench/calibrate.py`: this '
                                     "machine's 8 CPU devices.", calibration_section),
         'spmd_repeats.json': Section("Circular repeats' gradient sums", '`bench/spmd_repeats.py`'
@@ -742,6 +760,9 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
             'Only replicated values between stages that span every client move.')),
         'submesh_residual.json': Section("Pinning the sub-mesh engine's residual stream",
                                          'lm_pipeline.gin, 3 steps.', _submesh_residual),
+        'moe_routing_limit.json': Section("An MoE router's gradient on split rows",
+                                          'Router probabilities [16, 32, 8] on `data=8`, '
+                                          'against one device.', _moe_routing),
         'keras_remat_limit.json': Section("Keras' remat under tf.function", 'Whole-layer and '
                                           'activation remat, eager and traced.', _keras_remat),
         'truncated_tfrecord.json': Section('Damaged TFRecord files', '`TFRecordDataset` on a file '

@@ -39,15 +39,24 @@ def calibration_section(r: Results) -> tuple[str, list[str]]:
   return shows, []
 
 
-def suggest_section(r: Results) -> tuple[str, list[str]]:
+def suggest_moe_section(r: Results) -> tuple[str, list[str]]:
+  """The same for the routed model, in words (its budgets agree)."""
+  shows, table = suggest_section(r, with_100b=False)
+  said = [f"{row[1].strip()}: {row[2].strip()} (fits: {row[3].strip()}; {row[4].strip()} the "
+          f"fastest fitting; Spearman {row[5].strip()}; {row[6].strip()} the best "
+          'hand-written layout)' for row in (line.strip('|').split('|') for line in table[2:])]
+  return shows + ' ' + '; '.join(said) + '.', []
+
+
+def suggest_section(r: Results, with_100b: bool = True) -> tuple[str, list[str]]:
   """The suggester against every candidate trained, per model and budget."""
   margins = ', '.join(f'{family} {margin:.0%}' for family, margin in
                       r['memory_margins'].items())
-  big = r.get('suggest_100b', {})
+  big = r.get('suggest_100b', {}) if with_100b else {}
   timed = ', '.join(f"{in_s(run['seconds'])} on {hosts.split('=')[1]} host(s)"
                     for hosts, run in big.items() if run.get('exit') == 0)
-  shows = (f'The memory margins measured per family: {margins}. '
-           + (f'`--suggest` on the 100B inspect config, 1,024 devices: {timed}.'
+  shows = (f'The memory margins measured per family: {margins}.'
+           + (f' `--suggest` on the 100B inspect config, 1,024 devices: {timed}.'
               if timed else ''))
   rows, nowhere = [], []
   for model, info in r['models'].items():

@@ -1,8 +1,9 @@
 r"""Benchmark: the layout suggester against the ground truth, every fitting candidate run.
 
 For each model (lm_small, and bench/memory.py's wide quickstart LM at width
-768, near this machine's 4 GiB ceiling) on 8 virtual CPU devices, and each
-budget of 1, 2 and 4 GiB per process, in two passes:
+768, near this machine's 4 GiB ceiling; apart, lm_moe: bench/moe.py's routed
+LM, 8 experts top-2, whose candidates also split the experts) on 8 virtual
+CPU devices, and each budget of 1, 2 and 4 GiB per process, in two passes:
 
   1. the suggester's search with no memory margin (in this process, no
      TensorFlow): each layout with its fastest settings that fit by the
@@ -31,6 +32,7 @@ devices (no device touched). A candidate shared by budgets or passes trains once
 
     python bench/suggest.py [--models lm_small lm_wide] [--reuse]
                             [--out bench/results/suggest.json]
+    python bench/suggest.py --models lm_moe     # -> bench/results/suggest_moe.json
 
 --reuse keeps the trials of an earlier results file (or of a run that
 stopped: bench/results/.suggest.partial.json) whose bindings match.
@@ -63,9 +65,30 @@ MODELS = {
     'lm_wide': dict(files=['configs/experiments/quickstart.gin'],
                     bindings=['transformer_lm.model_dim = 768',
                               'transformer_lm.ffn_dim = 3072'], trials=2),
+    # bench/moe.py's model: quickstart's LM at width 256, every block routed
+    # to 8 experts of 2 x width (top-2). Its candidates also split the
+    # experts (over data, or an expert axis of their own); its hand-written
+    # layouts are the shipped MoE ones. Results apart (--out, below).
+    'lm_moe': dict(files=['configs/experiments/quickstart.gin'],
+                   bindings=['transformer_lm.model_dim = 256', 'transformer_lm.ffn_dim = 1024',
+                             'transformer_lm.moe = @moe_feed_forward()',
+                             'moe_feed_forward.num_experts = 8',
+                             'moe_feed_forward.experts_per_token = 2',
+                             'moe_feed_forward.expert_dim = 512',
+                             "moe_feed_forward.kind = 'mlp'",
+                             "moe_feed_forward.activation = 'relu'"], trials=2,
+                   hand_written='moe'),
 }
+MOE_RESULTS = 'suggest_moe.json'  # lm_moe's file: suggest.json keeps the dense models'
+# margins, which launch.inspect --suggest reads
 # The layouts of configs/experiments/, as bindings on any LM (their settings:
-# float32, no remat, no accumulation).
+# float32, no remat, no accumulation); for a routed LM, the shipped MoE layouts.
+EXPERTS = "layout_rules.rules = [(r'.*/moe/w_(in|out)', ('{}', 'unsharded', 'unsharded'))]"
+HAND_WRITTEN_MOE = {
+    'moe_tiny (expert=4 x data=2)': ["mesh.shape = {'expert': 4, 'data': 2}",
+                                     "train.batch_axis = 'data'", EXPERTS.format('expert')],
+    'GShard (data=8, experts over data)': ["mesh.shape = {'data': 8}", EXPERTS.format('data')],
+}
 HAND_WRITTEN = {
     'quickstart (data=8)': ["mesh.shape = {'data': 8}", 'layout_rules.rules = []'],
     'lm_2d (data=2 x model=4, Megatron)': ["mesh.shape = {'data': 2, 'model': 4}", MEGATRON],
@@ -230,7 +253,8 @@ def summarise(rows, *, limit, model, cache, smallest, budget, ground_truth) -> d
       summary['spearman_retest'] = spearman([statistics.median(e[0::2]) for e in each],
                                             [statistics.median(e[1::2]) for e in each])
   hand = {}
-  for label, bindings in HAND_WRITTEN.items():
+  layouts = HAND_WRITTEN_MOE if model.get('hand_written') == 'moe' else HAND_WRITTEN
+  for label, bindings in layouts.items():
     trial = run_trial(model, bindings, cache, label=f'hand-written {label}')
     fits = trial['ok'] and trial['peak_bytes'] <= limit
     hand[label] = {'fits': fits, 'step_seconds': trial['step_seconds'],
@@ -277,12 +301,19 @@ def time_100b() -> dict:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  parser.add_argument('--models', nargs='+', default=list(MODELS))
+  parser.add_argument('--models', nargs='+', default=['lm_small', 'lm_wide'])
   parser.add_argument('--reuse', action='store_true')
-  parser.add_argument('--out', default=os.path.join(RESULTS, 'suggest.json'))
+  parser.add_argument('--out', default='',
+                      help=f'default: bench/results/suggest.json, or {MOE_RESULTS} for '
+                           '--models lm_moe')
   parser.add_argument('--only_100b', action='store_true',
                       help="time the 100B config's suggestion again, into --out")
   args = parser.parse_args()
+  if 'lm_moe' in args.models and len(args.models) > 1:
+    parser.error(f'--models lm_moe runs alone (its results go to {MOE_RESULTS}; '
+                 "suggest.json's margins are the dense models')")
+  args.out = args.out or os.path.join(
+      RESULTS, MOE_RESULTS if args.models == ['lm_moe'] else 'suggest.json')
   if args.only_100b:
     with open(args.out) as f:
       results = json.load(f)

@@ -7,7 +7,7 @@ import pytest
 
 from layout_core.layout.rules import LayoutRules
 from layout_core.layout.scope import plan_layouts
-from layout_core.model.lm import transformer_lm_params
+from layout_core.model.lm import moe_feed_forward_params, transformer_lm_params
 from layout_core.tasks.lm import MarkovTask
 from layout_core.train.config import TrainConfig
 from layout_core.optim import (AUTO_MIN_PARAMETERS, OptimizerConfig, count_parameters,
@@ -228,3 +228,27 @@ def test_the_estimate_and_the_optimizer_count_the_same_parameters_for_auto(mesh_
                                paths=list(variables), total_steps=1, mesh_axes=axes)
     got = estimate_from(records, params=object(), axes=axes)
     assert optimizer.shard_axis == got.state_axis == expected
+
+
+def test_a_routed_block_keeps_its_buffers_split_with_the_rows_and_the_experts():
+  """A routed block keeps, per device, its [G, E, C, *] buffers (input,
+  hidden, output: 2 D + H a slot for an MLP expert) split with the rows and
+  with the experts where an axis other than the batch's splits them, and
+  its two [G, S, E, C] masks with the rows: the estimate moves by exactly
+  that between the experts on 'expert', on the batch's own axis and whole."""
+  experts, width, hidden, rows, length = 4, 32, 48, 8, 16
+  params = transformer_lm_params(
+      vocab_size=64, model_dim=width, num_heads=4, ffn_dim=64, num_layers=1, max_len=length,
+      moe=moe_feed_forward_params(num_experts=experts, expert_dim=hidden, kind='mlp'))
+  axes = {'expert': 4, 'data': 2}
+
+  def activations(axis):
+    rules = LayoutRules([(r'.*/moe/w_.*', (axis, 'unsharded', 'unsharded'))])
+    return estimate(params, axes=axes, rules=rules).per_device['activations']
+
+  slots = rows * experts * length  # capacity_factor 0: C = S, per row
+  buffers = slots * (2 * width + hidden) * 4 // 2  # float32, rows split over data=2
+  # twice at the peak: kept for the backward, and as its working set (the
+  # block is the largest layer: module docstring of layout_core.train.memory)
+  assert activations('unsharded') - activations('expert') == 2 * (buffers - buffers // 4)
+  assert activations('unsharded') == activations('data')  # 'data' is the batch's: no more

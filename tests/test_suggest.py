@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from layout_core.model import moe
 from layout_core.model.base import leaf_layers, num_parameters
 from layout_core.model.layers import TransformerBlock
 from layout_core.suggest import space
@@ -17,7 +18,7 @@ from layout_core.suggest.calibration import (Collective, Rates, load_margins, lo
 from layout_core.suggest.cost import ModelProfile, predict_step
 from layout_core.train import memory
 from plugins import gin_setup, plan as plan_lib
-from plugins.suggest.planner import Suggester
+from plugins.suggest.planner import Suggester, predict_plan
 from tests.conftest import REPO_ROOT, run_module, run_modules
 
 SMALL = ['configs/runs/train.gin', 'configs/models/lm_small.gin']
@@ -362,3 +363,82 @@ def test_what_it_cannot_suggest_for_exits_2_saying_why():
   assert seven.returncode == 2, seven.stderr[-2000:]
   assert ('no layout of 7 devices can run this config: the batch of 32 rows does not split '
           '7 ways') in seven.stderr and 'Traceback' not in seven.stderr, seven.stderr[-2000:]
+
+
+MOE = ['configs/runs/train.gin', 'configs/models/moe_tiny.gin']
+EXPERTS_OVER = "layout_rules.rules = [(r'.*/moe/w_.*', ('{}', 'unsharded', 'unsharded'))]"
+
+
+def test_a_routed_model_splits_its_experts_and_plans_each_split_through_gin():
+  """For a routed model the search also splits the experts: over the
+  batch's own axis (GShard) or over an `expert` axis of their own, and not
+  in the SPMD pipeline, which cannot route (exit 2's reason). One candidate
+  of each split, its bindings on the user's config, gives launch.train's
+  plan the memory and time the search computed, the experts' weights split
+  as the layout says."""
+  suggester = Suggester.from_plan(base_plan(MOE), num_devices=8, memory_gb=4,
+                                  margins=({}, 0.0))
+  result = suggester.run()
+  by_split = {}
+  for e in result.ranked:
+    by_split.setdefault((e.candidate.layout.experts, bool(e.candidate.layout.engine)), e)
+  assert set(by_split) == {('replicated', False), ('data', False), ('expert', False),
+                           ('replicated', True), ('data', True)}
+  assert any('SPMD pipeline' in reason for reason in result.refused)
+  for e in by_split.values():
+    plan = base_plan(MOE, bindings=suggester.bindings(e.candidate))
+    assert dict(plan.mesh_spec.shape) == e.candidate.layout.mesh_shape
+    estimate = memory.estimate_memory(
+        records=plan.records, params=plan.params,
+        input_shapes=[s for s, _ in plan.task.input_specs(plan.train.batch_size)],
+        config=plan.train, optimizer=plan.optimizer, mesh_axes=plan.mesh_spec.shape,
+        pipeline=plan.pipeline, stage_axis=plan.pipeline_config.stage_axis)
+    assert estimate.process_peak(1) == e.need, e.candidate.describe()
+    assert predict_plan(plan, rates=suggester.rates).seconds == pytest.approx(e.seconds)
+    experts = [r for r in plan.records if '/moe/w_' in r.path]
+    assert experts and {r.compute_spec[0] for r in experts} == {
+        e.candidate.layout.expert_axis or 'unsharded'}, e.candidate.describe()
+
+
+def test_the_expert_exchange_counts_bytes_and_calls_by_hand():
+  """At 1 byte/s, experts on the batch's own axis move a device's share of
+  each routed block's [rows, E, C, D] buffer 4 times (there and back,
+  forward and backward; 6 recomputed); on an axis of their own the block's
+  output is summed over it twice (the combine and its gradient); replicated,
+  nothing moves. At 1 FLOP/s the experts' matmuls run over every slot of
+  the buffer, split over the expert axis and the batch's."""
+  per_byte = Collective(0.0, 1.0)
+  rates = flat_rates(collectives={kind: {2: per_byte}
+                                  for kind in ('all_reduce', 'all_gather', 'all_to_all')})
+  replicated = base_plan(MOE)
+  layer = moe.routed_layers(replicated.params)[0]
+  blocks = len(moe.routed_layers(replicated.params))
+  rows, length, width = replicated.train.batch_size, 64, layer.input_dim
+  buffer = rows * layer.num_experts * length * width  # capacity_factor 0: C = S
+  gshard = base_plan(MOE, bindings=[EXPERTS_OVER.format('data')])
+  assert predict(gshard, rates).terms['expert exchange'] == pytest.approx(
+      blocks * 4 * buffer / 8 * 4)
+  assert predict(gshard, rates, remat='full').terms['expert exchange'] == pytest.approx(
+      blocks * 6 * buffer / 8 * 4)
+  own = base_plan(MOE, bindings=[EXPERTS_OVER.format('expert'),
+                                 "mesh.shape = {'expert': 4, 'data': 2}"])
+  assert predict(own, rates).terms['expert exchange'] == pytest.approx(
+      blocks * 2 * rows * length * width / 2 * 4)
+  assert predict(replicated, rates).terms['expert exchange'] == 0
+  # the experts' matmuls as executed: every slot through SwiGLU's 3 matrices,
+  # forward and backward, split over both axes; the dispatch and combine
+  # einsums on the rows; both at the calibrated share of the matmul rate;
+  # the rest of the block split over the batch alone
+  one = predict(base_plan(MOE, bindings=["mesh.shape = {'data': 1}"]), flat_rates())
+  experts = 3 * 2 * buffer * layer.hidden_dim * 3 * blocks
+  route = 3 * 2 * 2 * buffer * length * blocks
+  rest = one.terms['matmul'] - experts - route
+  for share in (1.0, 2.0):
+    assert predict(own, flat_rates(moe_matmul_share=share)).terms['matmul'] == pytest.approx(
+        rest / 2 + (experts / 8 + route / 2) / share)
+  assert predict(gshard, flat_rates()).terms['matmul'] == pytest.approx(
+      one.terms['matmul'] / 8)
+  # experts on the batch axis: each device's gradients are its own, not summed
+  whole = sum(r.bytes_per_device for r in gshard.records)
+  split = sum(r.bytes_per_device for r in gshard.records if '/moe/w_' in r.path)
+  assert predict(gshard, rates).terms['data all-reduce'] == whole - split > 0

@@ -143,6 +143,34 @@ def capacity(p, group_size: int) -> int:
   return max(1, min(group_size, slots))
 
 
+class BufferWork(NamedTuple):
+  """What a routed layer runs for one batch, as executed (its buffer of
+  E x C slots per row, filled or not), where `fprop_meta` counts the k
+  active experts a token uses (FLOPs for MFU)."""
+  active_flops: int       # the experts' matmuls a token's k choices need
+  expert_flops: int       # the experts' matmuls over every slot
+  route_flops: int        # the dispatch and combine einsums, on the rows
+  buffer_elements: int    # of the [G, E, C, D] buffer: what an exchange moves
+  active_slots: int       # token choices (G x S x k)
+  slots: int              # buffer slots (G x E x C)
+
+
+def buffer_work(p, x_shape) -> BufferWork:
+  """The work of layer `p` on x of `x_shape` [G rows, S, D]."""
+  rows, length = x_shape[0], num_elements(x_shape[1:-1])
+  per_slot = 2 * p.input_dim * p.hidden_dim * len(MoEFeedForward.matrices(p))
+  slots = rows * p.num_experts * capacity(p, length)
+  active = rows * length * p.experts_per_token
+  return BufferWork(active_flops=per_slot * active, expert_flops=per_slot * slots,
+                    route_flops=2 * 2 * slots * p.input_dim * length,
+                    buffer_elements=slots * p.input_dim, active_slots=active, slots=slots)
+
+
+def slot_elementwise(p) -> int:
+  """Elementwise FLOPs of one slot: its experts' activations and the output's weighting."""
+  return len(MoEFeedForward.matrices(p)) * p.hidden_dim + p.input_dim
+
+
 class Routing:
   """Where each token of [G, S] groups goes: `dispatch` [G, S, E, C] (1 where
   token s fills slot c of expert e), `combine` [G, S, E, C] (its router
@@ -153,8 +181,8 @@ class Routing:
     experts = logits.shape[-1]
     self.probs = tf.nn.softmax(logits) if router == 'softmax' else tf.sigmoid(logits)
     # The choices from top_k, their weights read back through the one-hots:
-    # top_k's own gradient indexes the whole tensor, wrong where DTensor
-    # splits the rows ("indices[255] = [1022] does not index into shape [128]").
+    # top_k's own gradient indexes the whole tensor, which fails where DTensor
+    # splits the rows (bench/limits/moe_routing_limit.py).
     _, index = tf.math.top_k(tf.stop_gradient(self.probs), k)      # [G, S, k]
     self.choice = tf.one_hot(index, experts, dtype=tf.float32)   # [G, S, k, E]
     top = tf.einsum('gske,gse->gsk', self.choice, self.probs)
@@ -179,8 +207,9 @@ class Routing:
     chosen = tf.reduce_sum(self.choice, axis=2)                   # [G, S, E]
     tokens_share = tf.reduce_mean(chosen, axis=[0, 1])            # f_e, sums to k
     # E * sum_e f_e P_e as a mean over tokens of E * sum_e f_e p_e(token) (the
-    # mean over the group dims of [G, S, E] did not compile under DTensor
-    # with the groups split: its gradient's Tile)
+    # mean over the group dims of [G, S, E] failed to compile its gradient's
+    # Tile inside a sub-mesh pipeline stage; not isolated:
+    # bench/limits/moe_routing_limit.py differentiates both forms)
     aux = experts * tf.reduce_mean(tf.einsum('gse,e->gs', self.probs,
                                              tf.stop_gradient(tokens_share)))
     z = tf.reduce_mean(tf.square(tf.reduce_logsumexp(self.logits, axis=-1)))
@@ -249,11 +278,9 @@ class MoEFeedForward(BaseLayer):
   @classmethod
   def fprop_meta(cls, p, x_shape):
     tokens = num_elements(x_shape[:-1])
-    matrices = len(cls.matrices(p))
-    active = 2 * tokens * p.experts_per_token * p.input_dim * p.hidden_dim * matrices
-    router = 2 * tokens * p.input_dim * p.num_experts
-    matmul = active + router
-    flops = matmul + tokens * p.experts_per_token * (matrices * p.hidden_dim + p.input_dim)
+    work = buffer_work(p, x_shape)
+    matmul = work.active_flops + 2 * tokens * p.input_dim * p.num_experts  # + the router
+    flops = matmul + work.active_slots * slot_elementwise(p)
     for child in cls.child_params(p).values():
       meta = child.cls.fprop_meta(child, x_shape)
       matmul += meta.matmul_flops

@@ -6,9 +6,10 @@
 
 `python bench/calibrate.py` measures them on this machine's virtual CPU mesh
 (matmul and elementwise rates per device with every device busy, the time of
-one collective per mesh-axis size and message size, and the fixed costs of a
-real training step's structure: per block run and device per engine, per
-tensor-parallel all-reduce, per FSDP and ZeRO-1 variable) and writes
+one collective of each kind (all-reduce, all-gather, all-to-all) per
+mesh-axis size and message size, and the fixed costs of a real training
+step's structure: per block run and device per engine, per routed block,
+per tensor-parallel all-reduce, per FSDP and ZeRO-1 variable) and writes
 `bench/results/calibration.json`; `load_rates` reads it (or the file its
 caller names: `launch.inspect --calibration`). Rates for another device type, or with no file, are
 nominal figures, and `stale_reason` says so, as it does for a file measured
@@ -53,7 +54,8 @@ class Rates:
   # dtype -> [(FLOPs per matmul call, FLOP/s)], ascending: rates grow with size.
   matmul: Mapping[str, Sequence[tuple[float, float]]]
   elementwise: Mapping[str, float]          # dtype -> element-ops/s per device
-  # kind ('all_reduce' | 'all_gather') -> {axis size: Collective}, within one host.
+  # kind ('all_reduce' | 'all_gather' | 'all_to_all') -> {axis size: Collective},
+  # within one host (a kind not measured: all_reduce's).
   collectives: Mapping[str, Mapping[int, Collective]]
   cross_host: Collective                     # any collective across hosts, per byte
   # Fixed costs of a training step, measured on tiny models (bench/calibrate.py):
@@ -76,6 +78,12 @@ class Rates:
   # one variable's own gradient sum per tick, with the SPMD engine's circular
   # repeats (cost.py's 'SPMD per-tick sums'); None: the all-reduce's latency
   spmd_sum_variable_s: float | None = None
+  # one routed block run per device its program spans, beyond a dense
+  # block's (routing, dispatch and combine's small ops); 0: not measured
+  moe_block_s: float = 0.0
+  # the share of `matmul`'s rate a routed layer's batched einsums (its
+  # experts', dispatch and combine) get, relative to a dense layer's
+  moe_matmul_share: float = 1.0
   source: str = 'nominal'    # where the figures come from
   measured: dict = dataclasses.field(default_factory=dict)  # provenance
 
@@ -284,7 +292,9 @@ def rates_from_json(data: dict, *, source: str) -> Rates:
                matmul_efficiency=data.get('matmul_efficiency', {}),
                collective_scale=data.get('collective_scale', {}),
                shared_bubble=data.get('shared_bubble', 0.0),
-               spmd_sum_variable_s=data.get('spmd_sum_variable_s'), source=source,
+               spmd_sum_variable_s=data.get('spmd_sum_variable_s'),
+               moe_block_s=data.get('moe_block_s', 0.0),
+               moe_matmul_share=data.get('moe_matmul_share', 1.0), source=source,
                measured=data.get('measured', {}))
 
 

@@ -16,6 +16,10 @@ What one optimizer step costs on the busiest device, from the plan alone
     and the compute dtype; its other FLOPs at the elementwise rate, those on
     the residual stream (a block's layer norms, residual adds, output bias)
     split over the batch only: every device of a tensor split repeats them;
+    a routed layer's experts as executed (every slot of its [rows, E, C, D]
+    buffer, not a token's k choices) split also where its experts are, its
+    dispatch and combine einsums on the rows, both at the calibrated share
+    of the matmul rate such batched einsums get (`moe_matmul_share`);
   * communication, each collective at the calibrated time for its kind, mesh
     axis size and message size (across hosts when the axis spans them):
     data-parallel gradient all-reduce per micro-step (with ZeRO-1 a
@@ -28,8 +32,12 @@ What one optimizer step costs on the busiest device, from the plan alone
     batch for them, bfloat16 outside a pipeline; else DTensor's, float32,
     the gradient summed per use); tensor parallelism's all-reduce of a split
     layer's output in the forward and of its input gradient in the backward
-    (two each for a Transformer block); a pipeline's shift of each
-    micro-batch's activations between stages, forward and backward;
+    (two each for a Transformer block); a routed layer's token exchange
+    (`bench/moe_exchange.py`): with its experts on the batch's own axis an
+    all-to-all of its buffer there and one back, forward and backward; on an
+    axis of their own, the combine's all-reduce and its gradient's; a
+    pipeline's shift of each micro-batch's activations between stages,
+    forward and backward;
   * the pipeline bubble: a stage idles for S - 1 of M + S - 1 slots
     (`PipelinePlan.bubble_fraction`) on devices of its own; where the devices
     share the host's cores (CPU) the sub-mesh engine's idle stages give their
@@ -38,10 +46,10 @@ What one optimizer step costs on the busiest device, from the plan alone
   * fixed costs, measured on real training steps of tiny models
     (`bench/calibrate.py`): per Transformer block run and device its program
     spans, per engine (x micro-batches or SPMD ticks x accumulation; x1.5
-    recomputed; a pipeline's shifts included), per tensor-parallel
-    all-reduce, FSDP-split and ZeRO-1 variable (an FSDP weight per gather:
-    again where its layer is recomputed), per variable the SPMD engine sums
-    each tick, and per step; collectives add their bytes over the
+    recomputed; a pipeline's shifts included; a routed block's more), per
+    tensor-parallel all-reduce, FSDP-split and ZeRO-1 variable (an FSDP
+    weight per gather: again where its layer is recomputed), per variable
+    the SPMD engine sums each tick, and per step; collectives add their bytes over the
     calibrated bandwidth. `bench/calibrate.py` fits each as what is left of
     its runs' measured time after this prediction of the rest.
 
@@ -58,6 +66,7 @@ from typing import Mapping, Sequence
 
 from layout_core.layout.rules import UNSHARDED
 from layout_core.layout.scope import bytes_at_use
+from layout_core.model import moe
 from layout_core.model.base import leaf_layers
 from layout_core.model.layers import FeedForward, LayerNorm, TransformerBlock
 from layout_core.suggest.calibration import Rates
@@ -79,6 +88,10 @@ class LeafProfile:
   block: bool = False       # a Transformer block: the unit of the calibrated fixed cost
   stream_flops: float = 0.0  # of other_flops, on the residual stream: not split by a
                              # tensor split (layer norms, residual adds, output bias)
+  expert_flops: float = 0.0  # of matmul_flops, a routed layer's experts' (as executed,
+                             # every slot of its buffer): split where its experts are
+  route_flops: float = 0.0   # of matmul_flops, its dispatch and combine einsums (on the rows)
+  buffer_elements: float = 0.0  # a routed layer's [rows, E, C, D] buffer, global batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,14 +112,36 @@ class ModelProfile:
         stream = 3.0 * math.prod(shapes[0]) + sum(
             c.cls.fprop_meta(c, *shapes).flops for c in p.cls.child_params(p).values()
             if c.cls is LayerNorm)
+      matmul, other = float(meta.matmul_flops), float(meta.flops - meta.matmul_flops)
+      routed = _routed_child(p)
+      work = routed and moe.buffer_work(routed, shapes[0])
+      if work:  # the buffer as executed, for the k active experts' FLOPs
+        matmul += work.expert_flops + work.route_flops - work.active_flops
+        other += (work.slots - work.active_slots) * moe.slot_elementwise(routed)
       leaves.append(LeafProfile(
-          path=path, matmul_flops=float(meta.matmul_flops),
-          other_flops=float(meta.flops - meta.matmul_flops),
+          path=path, matmul_flops=matmul, other_flops=other,
           out_elements=float(sum(math.prod(s) for s in meta.out_shapes)),
           matmuls=_block_matmuls(p) if block else (0 if p.cls is LayerNorm else 1),
-          tensor_reductions=2 if block else 1, block=block, stream_flops=stream))
+          # a tensor split's all-reduces: a block's attention and feed-forward
+          # outputs (a routed block's attention alone: the rules leave its experts'
+          # inner dims whole, `plugins.suggest.planner`), or the layer's
+          tensor_reductions=(1 if work else 2) if block else 1, block=block,
+          stream_flops=stream,
+          expert_flops=work.expert_flops if work else 0.0,
+          route_flops=work.route_flops if work else 0.0,
+          buffer_elements=work.buffer_elements if work else 0.0))
       shapes = meta.out_shapes
     return cls(leaves=tuple(leaves), batch_size=shapes and input_shapes[0][0])
+
+
+def _routed_child(p):
+  """A leaf's routed feed-forward params (a Transformer block's, or the
+  leaf itself), else None."""
+  if p.cls is moe.MoEFeedForward:
+    return p
+  if p.cls is TransformerBlock and getattr(p, 'moe', None) is not None:
+    return p.cls.child_params(p)[p.cls.ffn_name(p)]
+  return None
 
 
 def _block_matmuls(p) -> int:
@@ -135,7 +170,8 @@ def _owner_splits(records, leaves, mesh_axes, skip) -> dict[str, int]:
   """Leaf path -> how many ways its math is split by its weights' layouts
   (the largest split of any of its weights, over axes other than `skip`).
   Keyed with layer indices generalised (`block_#`): the SPMD engine stores a
-  stack's cells as the first cells' stacked variables."""
+  stack's cells as the first cells' stacked variables. `records`: the
+  weights to count (a routed layer's experts apart: `_is_expert`)."""
   paths = _leaf_paths(leaves)
   split: dict[str, int] = {}
   for r in records:
@@ -145,6 +181,22 @@ def _owner_splits(records, leaves, mesh_axes, skip) -> dict[str, int]:
     if leaf is not None:
       split[leaf] = max(split.get(leaf, 1), ways)
   return split
+
+
+def _is_expert(record) -> bool:
+  """A routed layer's expert weight ([E, ...]; its math split where they are)."""
+  return '/moe/w_' in record.path
+
+
+def _expert_axes(records, leaves) -> dict[str, str]:
+  """Leaf path (generalised) -> the mesh axis its experts are split over."""
+  paths = _leaf_paths(leaves)
+  found = {}
+  for r in records:
+    leaf = _leaf_of(r.path, paths) if _is_expert(r) else None
+    if leaf is not None and r.compute_spec and r.compute_spec[0] != UNSHARDED:
+      found[leaf] = r.compute_spec[0]
+  return found
 
 
 def _leaf_paths(leaves) -> list[str]:
@@ -178,16 +230,28 @@ class PlanFacts:
   # per device): how often it is gathered depends on its leaf (recomputed? in
   # a pipeline?), which the settings decide
   split_leaves: tuple = ()
+  # a routed leaf's (generalised path) experts: the ways their math is split
+  # (the batch's and stage axes aside), and the mesh axis that splits them
+  expert_splits: dict = dataclasses.field(default_factory=dict)
+  expert_axes: dict = dataclasses.field(default_factory=dict)
+  # of param_bytes, the weights a rule splits over the batch axis itself (a
+  # routed layer's experts, GShard): each device's gradient is its own, no sum
+  batch_split_bytes: int = 0
 
   @classmethod
   def of(cls, records, *, profile: ModelProfile, mesh_axes: Mapping[str, int],
-         skip_axes, hosts: int = 1) -> 'PlanFacts':
+         batch_axis: str, stage_axis: str, hosts: int = 1) -> 'PlanFacts':
     fullest = _fullest_stage_records(records)
     split = [r for r in fullest if r.use_spec is not None]
     block = next((l.path + '/' for l in profile.leaves if l.block), None)
     in_block = [r for r in records if block and r.path.startswith(block)]
     leaf_paths = _leaf_paths(profile.leaves)
-    return cls(splits=_owner_splits(records, profile.leaves, mesh_axes, set(skip_axes)),
+    skip = {batch_axis, stage_axis}
+    experts = [r for r in records if _is_expert(r)]
+    return cls(splits=_owner_splits([r for r in records if not _is_expert(r)],
+                                    profile.leaves, mesh_axes, skip),
+               expert_splits=_owner_splits(experts, profile.leaves, mesh_axes, skip),
+               expert_axes=_expert_axes(experts, profile.leaves),
                variables=len(fullest), param_bytes=sum(r.bytes_per_device for r in fullest),
                split_bytes=sum(r.bytes_per_device for r in split),
                at_use_bytes=sum(bytes_at_use(r, mesh_axes) for r in split),
@@ -195,7 +259,9 @@ class PlanFacts:
                                   for r in split),
                spans=frozenset(_spanning_axes(mesh_axes, hosts)),
                block_bytes=sum(r.bytes_per_device for r in in_block),
-               block_variables=len(in_block))
+               block_variables=len(in_block),
+               batch_split_bytes=sum(r.bytes_per_device for r in fullest
+                                     if r.use_spec is None and batch_axis in r.spec))
 
 
 def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int], config,
@@ -210,7 +276,7 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
   batch_axis = batch_axis_for(config, mesh_axes)
   data = mesh_axes.get(batch_axis, 1)
   facts = facts or PlanFacts.of(records, profile=profile, mesh_axes=mesh_axes,
-                                skip_axes=(batch_axis, stage_axis), hosts=hosts)
+                                batch_axis=batch_axis, stage_axis=stage_axis, hosts=hosts)
   stages = mesh_axes.get(stage_axis, 1) if pipeline else 1
   accum = config.grad_accum_steps
   dtype = config.compute_dtype
@@ -221,7 +287,8 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
   terms = dict.fromkeys(('matmul', 'elementwise', 'fixed per layer', 'update',
                          'data all-reduce', 'ZeRO-1 all-gather', 'ZeRO-1 fixed',
                          'FSDP gathers', 'FSDP fixed',
-                         'tensor all-reduce', 'pipeline shifts', 'pipeline bubble',
+                         'tensor all-reduce', 'expert exchange',
+                         'pipeline shifts', 'pipeline bubble',
                          'SPMD per-tick sums'), 0.0)
   stage_of = dict(getattr(pipeline, 'layer_stages', None) or {}) if pipeline else {}
   engine = getattr(pipeline, 'engine', '')
@@ -238,11 +305,21 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
     passes = 3 + (1 if remat else 0)
     stage = leaf_stage(stage_of, leaf.path)
     runs = micro if stage is not None else 1  # once per micro-batch inside a pipeline
-    mm = leaf.matmul_flops * scale / (data * split)
-    per_call = mm / max(leaf.matmuls, 1) / runs
-    part = parts.setdefault(stage, dict.fromkeys(('matmul', 'elementwise', 'tensor'), 0.0))
-    if mm:
-      part['matmul'] += passes * mm / rates.matmul_rate(dtype, max(per_call, 1.0))
+    general = _general(leaf.path)
+    routed = (leaf.expert_flops / facts.expert_splits.get(general, 1)
+              + leaf.route_flops) * scale / data
+    dense = (leaf.matmul_flops - leaf.expert_flops - leaf.route_flops) * scale / (data * split)
+    per_call = (dense + routed) / max(leaf.matmuls, 1) / runs
+    part = parts.setdefault(stage, dict.fromkeys(('matmul', 'elementwise', 'tensor',
+                                                  'exchange'), 0.0))
+    if dense + routed:
+      part['matmul'] += passes * (dense + routed / rates.moe_matmul_share) / rates.matmul_rate(
+          dtype, max(per_call, 1.0))
+    if leaf.buffer_elements:
+      part['exchange'] += runs * _expert_exchange(
+          leaf, axis=facts.expert_axes.get(general), batch_axis=batch_axis,
+          mesh_axes=mesh_axes, rates=rates, remat=remat, spans=spans,
+          scale=scale / data * width / runs)
     other = (leaf.other_flops - leaf.stream_flops) / split + leaf.stream_flops
     part['elementwise'] += passes * other * scale / data / rates.elementwise_rate(dtype)
     if split > 1:
@@ -258,12 +335,13 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
         block_runs, spanned = ticks / (stages * repeats), num_devices
       else:
         block_runs, spanned = micro, num_devices // stages
-      terms['fixed per layer'] += (rates.block_device_s[engine or 'plain'] * spanned
-                                   * block_runs * (1.5 if remat else 1.0))
+      terms['fixed per layer'] += ((rates.block_device_s[engine or 'plain']
+                                    + (rates.moe_block_s if leaf.buffer_elements else 0.0))
+                                   * spanned * block_runs * (1.5 if remat else 1.0))
   shared = parts.pop(None, {})
   share = _stage_share(parts, engine=engine, rates=rates, stages=stages)
   for name, term in (('matmul', 'matmul'), ('elementwise', 'elementwise'),
-                     ('tensor', 'tensor all-reduce')):
+                     ('tensor', 'tensor all-reduce'), ('exchange', 'expert exchange')):
     terms[term] += shared.get(name, 0.0) + share * sum(p[name] for p in parts.values())
   busy = sum(shared.values()) + share * sum(sum(p.values()) for p in parts.values())
   if parts:
@@ -308,6 +386,7 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
     unsplit = param_bytes - facts.split_bytes
   else:
     unsplit = param_bytes
+  unsplit -= facts.batch_split_bytes
   if engine == 'spmd' and repeats > 1 and data > 1 and not fsdp_axis:
     # With circular repeats a cell's weights are picked per tick by slot
     # masks, past which DTensor cannot move the batch's gradient sum: each
@@ -339,7 +418,8 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
                     + terms['SPMD per-tick sums'])
   for name in ('data all-reduce', 'FSDP gathers', 'FSDP fixed', 'pipeline shifts',
                'fixed per layer', 'SPMD per-tick sums',
-               'matmul', 'elementwise', 'tensor all-reduce', 'pipeline bubble'):
+               'matmul', 'elementwise', 'tensor all-reduce', 'expert exchange',
+               'pipeline bubble'):
     terms[name] *= accum
   # Once per step: the update, ZeRO-1's gather of the new parameters, the step's own.
   elements = param_bytes / 4 / state_split
@@ -352,6 +432,28 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
   seconds = (accum * per_micro_step + terms['update'] + terms['ZeRO-1 all-gather']
              + terms['ZeRO-1 fixed'])
   return StepCost(seconds=seconds, terms=terms)
+
+
+def _expert_exchange(leaf: LeafProfile, *, axis, batch_axis, mesh_axes, rates: Rates,
+                     remat: bool, spans, scale: float) -> float:
+  """Seconds a routed leaf's tokens take to reach their experts and come
+  back, per run (`bench/moe_exchange.py`): with its experts on the batch's
+  own axis, an all-to-all of the buffer there and one back, forward and
+  backward (twice more recomputed); on an axis of their own, one all-reduce
+  of the output over it in the forward (the combine) and one of the input's
+  gradient in the backward (again recomputed), as a tensor split's. `scale`
+  turns the global batch's elements into bytes per device and run."""
+  ways = mesh_axes.get(axis, 1) if axis else 1
+  if ways <= 1:
+    return 0.0
+  cross = axis in spans
+  if axis == batch_axis:
+    calls = 4 + (2 if remat else 0)
+    return calls * (rates.latency('all_to_all', ways) + rates.transfer(
+        'all_to_all', ways, leaf.buffer_elements * scale, cross_host=cross))
+  calls = 2 + (1 if remat else 0)
+  return calls * (rates.tensor_latency(ways) + rates.transfer(
+      'all_reduce', ways, leaf.out_elements * scale, cross_host=cross))
 
 
 def _stage_share(parts, *, engine, rates: Rates, stages: int) -> float:

@@ -2,12 +2,14 @@
 
     layouts = enumerate_layouts(num_devices=8, tensor_parallel=True, pipelines=True)
     layouts[0].describe()              # 'data=8'
-    Candidate(layouts[0], Settings()).bindings(tensor_rules=['layout_rules.rules = [...]'])
+    Candidate(layouts[0], Settings()).bindings(rules=['layout_rules.rules = [...]'])
 
 A `Layout` is how the devices are used: the mesh factorized over stage x
-data x model (in that order, so the model axis is innermost and stays on a
-host), what the data axis also splits (the optimizer state, ZeRO-1, or the
-parameters themselves, FSDP) and the pipeline engine. `Settings` are the knobs
+expert x data x model (in that order, so the model axis is innermost and
+stays on a host), what the data axis also splits (the optimizer state,
+ZeRO-1, or the parameters themselves, FSDP), where a routed model's experts
+live (replicated, split over the batch's own axis, or over an `expert` axis
+of their own) and the pipeline engine. `Settings` are the knobs
 that trade speed for memory within a layout: compute dtype, rematerialisation,
 gradient accumulation, and a pipeline's micro-batches and circular repeats.
 The suggester gives each layout the settings its cost model predicts fastest
@@ -23,6 +25,12 @@ STATES = ('replicated', 'zero1', 'fsdp')
 REMATS = ('none', 'block', 'full')
 DTYPES = ('float32', 'bfloat16')
 ENGINES = ('submesh', 'spmd')
+# Where a routed (MoE) model's experts live: on every device, split over the
+# batch's own axis 'data' (GShard: the tokens go to their experts by
+# all-to-all), or over an 'expert' axis of their own beside it (the batch
+# split over 'data' only: the dispatch a local slice, the combine an
+# all-reduce). docs/moe.md.
+EXPERT_SPLITS = ('replicated', 'data', 'expert')
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -33,12 +41,16 @@ class Layout:
   model: int = 1
   state: str = 'replicated'  # the data axis also splits: STATES
   engine: str = ''           # '' without a pipeline; else one of ENGINES
+  experts: str = 'replicated'  # a routed model's experts: EXPERT_SPLITS
+  expert: int = 1            # the 'expert' axis's size (experts == 'expert')
 
   @property
   def mesh_shape(self) -> dict[str, int]:
     """Ordered {axis: size}: stage outermost, model innermost; 'data' always
     (the batch axis), the others when larger than 1."""
     shape = {'stage': self.stage} if self.stage > 1 else {}
+    if self.expert > 1:
+      shape['expert'] = self.expert
     shape['data'] = self.data
     if self.model > 1:
       shape['model'] = self.model
@@ -46,7 +58,12 @@ class Layout:
 
   @property
   def num_devices(self) -> int:
-    return self.stage * self.data * self.model
+    return self.stage * self.expert * self.data * self.model
+
+  @property
+  def expert_axis(self) -> str | None:
+    """The mesh axis that splits the experts (None: replicated)."""
+    return None if self.experts == 'replicated' else self.experts
 
   @property
   def family(self) -> str:
@@ -58,6 +75,8 @@ class Layout:
     axes = ' x '.join(f'{axis}={size}' for axis, size in self.mesh_shape.items())
     extra = [] if self.state == 'replicated' else [self.state.replace('zero1', 'ZeRO-1')
                                                   .replace('fsdp', 'FSDP')]
+    if self.experts == 'data':
+      extra.append('experts over data')
     if self.engine:
       extra.append(f'{self.engine} pipeline')
     return axes + (f' ({", ".join(extra)})' if extra else '')
@@ -89,17 +108,20 @@ class Candidate:
   def describe(self) -> str:
     return f'{self.layout.describe()}; {self.settings.describe()}'
 
-  def bindings(self, *, tensor_rules: Sequence[str] = (), reset_pipeline: bool = False
+  def bindings(self, *, rules: Sequence[str] | None = None, reset_pipeline: bool = False
                ) -> list[str]:
-    """gin bindings that make a config run this candidate. `tensor_rules`:
-    the lines that bind the tensor-parallel rules (used when the model axis
-    is larger than 1; otherwise the rules are emptied); `reset_pipeline`:
-    also turn off a pipeline the config sets up, for a layout without one."""
+    """gin bindings that make a config run this candidate. `rules`: the
+    lines that bind this layout's rules (empty: the rules are emptied, every
+    variable replicated or split by FSDP alone; None: the config's own);
+    `reset_pipeline`: also turn off a pipeline the config sets up, for a
+    layout without one."""
     layout, settings = self.layout, self.settings
     shape = ', '.join(f"'{axis}': {size}" for axis, size in layout.mesh_shape.items())
     lines = [f'mesh.shape = {{{shape}}}']
-    lines += list(tensor_rules) if layout.model > 1 else ['layout_rules.rules = []']
-    lines += [f'train.fsdp = {layout.state == "fsdp"}',
+    if rules is not None:
+      lines += list(rules) or ['layout_rules.rules = []']
+    lines += ["train.batch_axis = 'data'",
+              f'train.fsdp = {layout.state == "fsdp"}',
               f'optimizer.shard_state = {layout.state == "zero1"}',
               f"train.compute_dtype = '{settings.compute_dtype}'",
               f"train.remat = '{settings.remat}'",
@@ -118,11 +140,16 @@ def divisors(n: int) -> list[int]:
 
 
 def enumerate_layouts(*, num_devices: int, tensor_parallel: bool, pipelines: bool,
-                      max_stages: int = 0, model_sizes: Sequence[int] = ()) -> list[Layout]:
-  """Every layout of `num_devices`: stage x data x model factorizations (a
-  model axis only with tensor rules, `model_sizes` when given; stages only
-  when the model pipelines, at most `max_stages`), each with every state split
-  the data axis allows and every pipeline engine."""
+                      max_stages: int = 0, model_sizes: Sequence[int] = (),
+                      num_experts: int = 0) -> list[Layout]:
+  """Every layout of `num_devices`: stage x expert x data x model
+  factorizations (a model axis only with tensor rules, `model_sizes` when
+  given; stages only when the model pipelines, at most `max_stages`), each
+  with every state split the data axis allows and every pipeline engine. A
+  routed model (`num_experts` > 0) also splits its experts where an axis's
+  size divides their number: over the data axis, or over an expert axis of
+  their own (not inside a pipeline's stages, which split experts over their
+  batch axis only)."""
   found = []
   for stage in divisors(num_devices) if pipelines else [1]:
     if stage > 1 and max_stages and stage > max_stages:
@@ -131,11 +158,30 @@ def enumerate_layouts(*, num_devices: int, tensor_parallel: bool, pipelines: boo
     for model in divisors(rest) if tensor_parallel else [1]:
       if model > 1 and model_sizes and model not in model_sizes:
         continue
-      data = rest // model
-      for state in STATES if data > 1 else STATES[:1]:
-        for engine in ENGINES if stage > 1 else ('',):
-          found.append(Layout(stage=stage, data=data, model=model, state=state, engine=engine))
+      for expert, experts in _expert_splits(rest // model, num_experts, pipeline=stage > 1):
+        data = rest // model // expert
+        for state in STATES if data > 1 else STATES[:1]:
+          for engine in ENGINES if stage > 1 else ('',):
+            found.append(Layout(stage=stage, data=data, model=model, state=state,
+                                engine=engine, experts=experts, expert=expert))
   return found
+
+
+def _expert_splits(devices: int, num_experts: int, *, pipeline: bool
+                   ) -> list[tuple[int, str]]:
+  """(expert axis size, EXPERT_SPLITS entry) for `devices` left to the
+  expert and data axes: replicated; over data where the data axis's size
+  divides the experts; over an expert axis of each size > 1 that does,
+  the rest (at least 2) on data. (An expert axis of every device would
+  leave the batch whole: each device would repeat every other layer's work,
+  which the experts over data do not.)"""
+  splits = [(1, 'replicated')]
+  if num_experts and devices > 1 and num_experts % devices == 0:
+    splits.append((1, 'data'))
+  if num_experts and not pipeline:
+    splits += [(e, 'expert') for e in divisors(devices)
+               if 1 < e < devices and num_experts % e == 0]
+  return splits
 
 
 def powers_of_two_dividing(n: int, *, limit: int) -> list[int]:

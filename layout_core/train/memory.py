@@ -35,7 +35,11 @@ model, per device (the fullest one) and in total (summed over the devices):
         the ffn (2 for gelu, which also keeps its input; 3 for a gated ffn: gate,
         up and their product), + 2 [b, t, d] dropout masks when dropout is on
         (grouped-query keys and values and RMSNorm's fewer statistics are
-        counted as full-width ones: an upper bound there);
+        counted as full-width ones: an upper bound there); a routed block,
+        in place of the ffn hidden, its buffers as they run (E x C slots a
+        row: the dispatched input, the experts' hidden and their output, 1/n
+        per device with the experts split n ways off the batch axis), its
+        dispatch and combine masks [b, t, E, C] and a shared expert's hidden;
       - LayerNorm: 3 x its output; FeedForward: hidden (x2 for gelu, x3 gated) + output;
         MultiHeadAttention: 4 [b, t, d] + probabilities + output; Dropout
         (rate > 0): mask + output; Embedding: its output;
@@ -98,6 +102,7 @@ import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
+from layout_core.model import moe
 from layout_core.model.base import LayerMeta, Sequential, frozen_meta, leaf_layers
 from layout_core.model.layers import (Dropout, Embedding, FeedForward, LayerNorm,
                                       MultiHeadAttention, Softmax, TransformerBlock)
@@ -280,14 +285,15 @@ def _activations(params, records, input_shapes, config, mesh_axes, pipeline, sta
                  remat_of):
   """({stage mesh name: bytes per device}, bytes on every device, notes)."""
   splits = {r.path: (tuple(r.compute_spec), mesh_axes) for r in records}
-  batch_split = mesh_axes.get(batch_axis_for(config, mesh_axes), 1)
+  batch_axis = batch_axis_for(config, mesh_axes)
+  batch_split = mesh_axes.get(batch_axis, 1)
   width = 2 if config.compute_dtype == 'bfloat16' else 4
   leaves, notes = [], []
   shapes = tuple(tuple(s) for s in input_shapes)
   for path, p in leaf_layers(params):
     meta = frozen_meta(p, shapes)
     leaves.append(_leaf(path, p, shapes, meta.out_shapes, splits, batch_split, width,
-                        remat_of[path], notes))
+                        remat_of[path], notes, batch_axis=batch_axis))
     shapes = meta.out_shapes
   stage_of = dict(getattr(pipeline, 'layer_stages', None) or {}) if pipeline else {}
   engine = getattr(pipeline, 'engine', '')
@@ -390,7 +396,23 @@ def _hidden_copies(kind: str, activation: str) -> int:
   return 2 if activation.startswith('gelu') else 1
 
 
-def _leaf(path, p, in_shapes, out_shapes, splits, batch_split, width, remat, notes) -> _Leaf:
+def _routed(p, path: str, x_shape, *, splits, batch_axis: str, size) -> int:
+  """Elements a routed layer keeps per device (the module docstring): its
+  [G, E, C, *] buffers split with the rows and, off the batch axis, with
+  the experts; its [G, S, E, C] masks with the rows."""
+  work = moe.buffer_work(p, x_shape)
+  spec, mesh_axes = splits.get(f'{path}/{moe.MoEFeedForward.matrices(p)[0]}',
+                               ((UNSHARDED,), {}))
+  experts = mesh_axes.get(spec[0], 1) if spec[0] not in (UNSHARDED, batch_axis) else 1
+  buffers = work.slots * (2 * p.input_dim + p.hidden_dim * _hidden_copies(p.kind, p.activation))
+  masks = 2 * work.slots * x_shape[1]
+  shared = sum(size(tuple(x_shape[:-1]) + (c.hidden_dim,)) * _hidden_copies(c.kind, c.activation)
+               for c in p.cls.child_params(p).values())
+  return size((buffers // experts + masks,)) + shared
+
+
+def _leaf(path, p, in_shapes, out_shapes, splits, batch_split, width, remat, notes,
+          batch_axis: str = '') -> _Leaf:
   """What one leaf layer keeps per device (see the module docstring)."""
   def size(shape):  # elements per device of a batch-major tensor
     return math.prod(shape) // batch_split
@@ -403,6 +425,9 @@ def _leaf(path, p, in_shapes, out_shapes, splits, batch_split, width, remat, not
     heads = _split(splits, f'{path}/attn/wq', 1)
     ffn = _split(splits, f'{path}/ffn/{"w_in" if p.ffn == "mlp" else "w_up"}', 1)
     hidden = size((b, t, p.ffn_dim)) // ffn * _hidden_copies(p.ffn, p.activation)
+    if getattr(p, 'moe', None) is not None:
+      hidden = _routed(p.cls.child_params(p)[p.cls.ffn_name(p)], f'{path}/moe', (b, t, d),
+                       splits=splits, batch_axis=batch_axis, size=size)
     elements = (8 * resid + (4 * resid + size((b, p.num_heads, t, t))) // heads + hidden
                 + (2 * resid if p.dropout_rate else 0))
     return _Leaf(path, elements * width, out, remat)

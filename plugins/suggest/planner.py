@@ -20,9 +20,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import re
 
 from layout_core.errors import ConfigError
-from layout_core.layout.rules import LayoutRules, axis_name
+from layout_core.layout.rules import UNSHARDED, LayoutRules, axis_name
+from layout_core.model import moe
 from layout_core.model.base import leaf_layers
 from layout_core.model.layers import TransformerBlock
 from layout_core.params import Params
@@ -34,6 +36,7 @@ from plugins.plan import RunPlan, build_plan
 
 GIB = 2**30
 TENSOR_AXIS = 'model'
+EXPERT_PATTERN = r'.*/moe/w_(gate|up|down|in|out)'  # a routed layer's expert weights
 MEGATRON_FILE = 'configs/layouts/megatron.gin'
 
 
@@ -70,6 +73,7 @@ class Suggester:
   rates: calibration.Rates
   tensor_rules: LayoutRules | None   # None: no tensor parallelism for this model
   tensor_lines: tuple[str, ...]      # the bindings that set them ('': the config's own)
+  num_experts: int = 0               # a routed model's experts per layer (0: dense)
   _plans: dict = dataclasses.field(default_factory=dict, repr=False)  # see _plan
   _records: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -100,7 +104,7 @@ class Suggester:
                                     margins=margins, default_margin=default),
                rates=calibration.load_rates(device_type=spec.device_type,
                                             path=calibration_file),
-               tensor_rules=rules, tensor_lines=lines)
+               tensor_rules=rules, tensor_lines=lines, num_experts=_num_experts(base.params))
 
   # -- the space ---------------------------------------------------------------
   def layouts(self) -> list[space.Layout]:
@@ -115,7 +119,7 @@ class Suggester:
     return space.enumerate_layouts(num_devices=self.num_devices,
                                    tensor_parallel=self.tensor_rules is not None,
                                    pipelines=bool(blocks), max_stages=len(blocks),
-                                   model_sizes=sizes)
+                                   model_sizes=sizes, num_experts=self.num_experts)
 
   def ladders(self, layout: space.Layout):
     """The settings tried in `layout`. No gradient accumulation on CPU: there
@@ -137,8 +141,28 @@ class Suggester:
 
   # -- one candidate -------------------------------------------------------------
   def bindings(self, candidate: space.Candidate) -> list[str]:
-    return candidate.bindings(tensor_rules=self.tensor_lines,
+    return candidate.bindings(rules=self._rules_of(candidate.layout)[1],
                               reset_pipeline=self.base.pipeline is not None)
+
+  def _rules_of(self, layout: space.Layout) -> tuple[LayoutRules, tuple[str, ...] | None]:
+    """The layout's rules, and the bindings that set them (None: the
+    config's own; empty: none). A routed model's rules are one for its
+    experts (dim 0 over the layout's expert axis, or replicated; their inner
+    dims whole), then with a model axis the tensor rules, less any that
+    would decide an expert weight or name an axis the layout lacks."""
+    tensor = layout.model > 1
+    if not self.num_experts:
+      if not tensor:
+        return LayoutRules([]), ()
+      return self.tensor_rules, self.tensor_lines or None
+    pairs = [(EXPERT_PATTERN, (layout.expert_axis or 'unsharded', 'unsharded', 'unsharded'))]
+    if tensor:
+      experts = [r.path for r in self.base.records if re.fullmatch(EXPERT_PATTERN, r.path)]
+      axes = set(layout.mesh_shape) | {UNSHARDED}
+      pairs += [(rule.pattern, rule.spec) for rule in self.tensor_rules.rules
+                if {axis_name(a) for a in rule.spec} <= axes
+                and not any(re.fullmatch(rule.pattern, path) for path in experts)]
+    return LayoutRules(pairs), (rules_binding(pairs),)
 
   def least_memory(self, layout: space.Layout) -> list[space.Candidate]:
     """The settings among which one needs the least memory in `layout`, one
@@ -196,7 +220,8 @@ class Suggester:
     plan = self._records_plan(layout, repeats)
     return cost.PlanFacts.of(plan.records, profile=self._profile,
                              mesh_axes=plan.mesh_spec.shape,
-                             skip_axes=('data', plan.pipeline_config.stage_axis),
+                             batch_axis='data',
+                             stage_axis=plan.pipeline_config.stage_axis,
                              hosts=self.hosts)
 
   @functools.cached_property
@@ -259,7 +284,7 @@ class Suggester:
   def _build(self, layout, accum, micro, repeats, layouts_of=None) -> RunPlan:
     base = self.base
     mesh_spec = dataclasses.replace(base.mesh_spec, shape=layout.mesh_shape)
-    rules = self.tensor_rules if layout.model > 1 else LayoutRules([])
+    rules = self._rules_of(layout)[0]
     train = dataclasses.replace(base.train, fsdp=layout.state == 'fsdp', grad_accum_steps=accum,
                                 batch_axis='data')
     optimizer = dataclasses.replace(base.optimizer, shard_state=layout.state == 'zero1')
@@ -273,6 +298,11 @@ class Suggester:
 
   def __hash__(self):  # the plan cache keys on the suggester too
     return id(self)
+
+
+def _num_experts(params) -> int:
+  """The most experts of any routed layer of the model (0: none routed)."""
+  return max((p.num_experts for p in moe.routed_layers(params)), default=0)
 
 
 def _budget_bytes(memory_gb: float | None, spec, *, devices: int, hosts: int) -> int:
