@@ -87,7 +87,9 @@ def test_the_installed_package_is_the_one_imported(installed, tmp_path):
   python, _ = installed
   where = run([python, '-c', 'import layout_core, configs; '
                'print(layout_core.__file__); print(configs.__file__)'], cwd=tmp_path)
-  assert REPO_ROOT not in where and where.count('/venv/lib/') == 2, where
+  paths = where.split()  # a path inside the checkout, not one that merely starts alike
+  assert not any(os.path.commonpath([p, REPO_ROOT]) == REPO_ROOT for p in paths), where
+  assert len(paths) == 2 and all('/venv/lib/' in p for p in paths), where
 
 
 def test_the_quickstart_trains_from_outside_the_checkout_as_from_inside(installed, tmp_path):
