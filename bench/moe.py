@@ -60,11 +60,12 @@ def bindings_of(width: int, steps: int) -> list[str]:
 def expert_bytes_per_device(setting: list[str], width: int) -> int:
   """The expert weights' bytes per device, with Adam's two moments (whole state)."""
   from layout_core.layout import scope  # pylint: disable=import-outside-toplevel
+  from layout_core.model import moe  # pylint: disable=import-outside-toplevel
   from plugins import gin_setup, plan as plan_lib  # pylint: disable=import-outside-toplevel
   with gin_setup.parsed_config(files=['configs/experiments/quickstart.gin'],
                                bindings=setting + bindings_of(width, 1), search_paths=[]):
     records = plan_lib.make_plan().records
-  experts = [r for r in records if '/moe/w_' in r.path]
+  experts = [r for r in records if moe.is_expert_weight(r.path)]
   return 3 * scope.bytes_per_device(experts)
 
 

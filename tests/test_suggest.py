@@ -184,7 +184,7 @@ def test_an_axis_spans_hosts_where_its_device_blocks_do_not_tile_a_host():
   devices over 2 hosts groups devices 4-7, across hosts 0 and 1, so the
   suggester offers no such axis and the cost model would price it at the
   cross-host rate."""
-  from layout_core.suggest.cost import _spanning_axes  # pylint: disable=import-outside-toplevel
+  from layout_core.suggest.facts import _spanning_axes  # pylint: disable=import-outside-toplevel
   assert _spanning_axes({'data': 3, 'model': 4}, hosts=2) == {'data', 'model'}
   assert _spanning_axes({'data': 3, 'model': 2}, hosts=2) == {'data', 'model'}  # 2-3
   assert _spanning_axes({'data': 2, 'model': 3}, hosts=2) == {'data'}

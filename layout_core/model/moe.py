@@ -43,7 +43,7 @@ from typing import Iterator, Mapping, NamedTuple
 from layout_core.errors import ConfigError
 from layout_core.lazy import dtensor, tf
 from layout_core.layout.rules import UNSHARDED
-from layout_core.layout.variables import Normal, Zeros
+from layout_core.layout.variables import Normal
 from layout_core.model.base import BaseLayer, Declared, LayerMeta, leaf_layers, num_elements
 from layout_core.model.layers import FeedForward, activate
 from layout_core.params import Params
@@ -346,15 +346,29 @@ def _relayout(x, mesh, lead: list[str]):
                                             mesh))
 
 
+def routed_child(p):
+  """The routed layer of leaf layer `p`: itself, a Transformer block's
+  'moe' child, or None (a dense layer)."""
+  if p.cls is MoEFeedForward:
+    return p
+  if getattr(p, 'moe', None) is not None:
+    return p.cls.child_params(p)['moe']
+  return None
+
+
+def is_expert_weight(path: str) -> bool:
+  """A routed layer's expert weight ([E, ...], split where the experts are)."""
+  return '/moe/w_' in path
+
+
 def _routed(params):
   """(block path, MoEFeedForward params) of every routed layer of a Params model."""
   if not isinstance(params, Params):
     return
   for path, p in leaf_layers(params):
-    if p.cls is MoEFeedForward:
-      yield path, p
-    elif getattr(p, 'moe', None) is not None:
-      yield path, p.cls.child_params(p)['moe']
+    routed = routed_child(p)
+    if routed is not None:
+      yield path, routed
 
 
 def routed_layers(params) -> list:
@@ -389,7 +403,7 @@ def check_submesh_layouts(records, *, batch_axis: str) -> None:
   layout (no `batch_split` in their context), and without the pin DTensor
   (TF 2.21) could not compile the combine's backward (EmitAllScatter); on
   the batch's own axis (GShard) it trains as one device does."""
-  other = [r for r in records if '/moe/w_' in r.path and r.spec
+  other = [r for r in records if is_expert_weight(r.path) and r.spec
            and (r.use_spec or r.spec)[0] not in (UNSHARDED, batch_axis)]
   if other:
     first = other[0]

@@ -61,15 +61,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Mapping, Sequence
 
-from layout_core.layout.rules import UNSHARDED
-from layout_core.layout.scope import bytes_at_use
 from layout_core.model import moe
 from layout_core.model.base import leaf_layers
 from layout_core.model.layers import FeedForward, LayerNorm, TransformerBlock
 from layout_core.suggest.calibration import Rates
+from layout_core.suggest.facts import PlanFacts, general
 from layout_core.train.config import batch_axis_for
 from layout_core.train.memory import leaf_stage
 
@@ -113,7 +111,7 @@ class ModelProfile:
             c.cls.fprop_meta(c, *shapes).flops for c in p.cls.child_params(p).values()
             if c.cls is LayerNorm)
       matmul, other = float(meta.matmul_flops), float(meta.flops - meta.matmul_flops)
-      routed = _routed_child(p)
+      routed = moe.routed_child(p)
       work = routed and moe.buffer_work(routed, shapes[0])
       if work:  # the buffer as executed, for the k active experts' FLOPs
         matmul += work.expert_flops + work.route_flops - work.active_flops
@@ -132,16 +130,6 @@ class ModelProfile:
           buffer_elements=work.buffer_elements if work else 0.0))
       shapes = meta.out_shapes
     return cls(leaves=tuple(leaves), batch_size=shapes and input_shapes[0][0])
-
-
-def _routed_child(p):
-  """A leaf's routed feed-forward params (a Transformer block's, or the
-  leaf itself), else None."""
-  if p.cls is moe.MoEFeedForward:
-    return p
-  if p.cls is TransformerBlock and getattr(p, 'moe', None) is not None:
-    return p.cls.child_params(p)[p.cls.ffn_name(p)]
-  return None
 
 
 def _block_matmuls(p) -> int:
@@ -164,104 +152,6 @@ class StepCost:
   def describe(self, top: int = 3) -> str:
     big = sorted(self.terms.items(), key=lambda kv: -kv[1])[:top]
     return ', '.join(f'{name} {value * 1e3:.0f} ms' for name, value in big if value > 0)
-
-
-def _owner_splits(records, leaves, mesh_axes, skip) -> dict[str, int]:
-  """Leaf path -> how many ways its math is split by its weights' layouts
-  (the largest split of any of its weights, over axes other than `skip`).
-  Keyed with layer indices generalised (`block_#`): the SPMD engine stores a
-  stack's cells as the first cells' stacked variables. `records`: the
-  weights to count (a routed layer's experts apart: `_is_expert`)."""
-  paths = _leaf_paths(leaves)
-  split: dict[str, int] = {}
-  for r in records:
-    ways = math.prod(mesh_axes.get(a, 1) for a in r.compute_spec
-                     if a != UNSHARDED and a not in skip)
-    leaf = _leaf_of(r.path, paths)
-    if leaf is not None:
-      split[leaf] = max(split.get(leaf, 1), ways)
-  return split
-
-
-def _is_expert(record) -> bool:
-  """A routed layer's expert weight ([E, ...]; its math split where they are)."""
-  return '/moe/w_' in record.path
-
-
-def _expert_axes(records, leaves) -> dict[str, str]:
-  """Leaf path (generalised) -> the mesh axis its experts are split over."""
-  paths = _leaf_paths(leaves)
-  found = {}
-  for r in records:
-    leaf = _leaf_of(r.path, paths) if _is_expert(r) else None
-    if leaf is not None and r.compute_spec and r.compute_spec[0] != UNSHARDED:
-      found[leaf] = r.compute_spec[0]
-  return found
-
-
-def _leaf_paths(leaves) -> list[str]:
-  """The leaves' generalised paths, longest first (for `_leaf_of`)."""
-  return sorted({_general(l.path) for l in leaves}, key=len, reverse=True)
-
-
-def _leaf_of(variable_path: str, leaf_paths: Sequence[str]) -> str | None:
-  """The generalised path of the leaf layer a variable belongs to (None: none)."""
-  key = _general(variable_path)
-  return next((leaf for leaf in leaf_paths if key.startswith(leaf + '/')), None)
-
-
-def _general(path: str) -> str:
-  return re.sub(r'_\d+(?=/|$)', '_#', path)
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanFacts:
-  """What the cost model reads from a plan's layout records, worked out once
-  per plan (the settings that do not change the plan vary around it)."""
-  splits: dict          # generalised leaf path -> ways its math is split
-  variables: int        # on the fullest stage
-  param_bytes: int      # per device, the fullest stage
-  split_bytes: int      # their stored bytes per device
-  at_use_bytes: int     # their gathered bytes per device (float32)
-  spans: frozenset      # mesh axes across hosts
-  block_bytes: int = 0      # the first Transformer block's parameters per device
-  block_variables: int = 0  # and how many variables it has
-  # each FSDP-split variable's (generalised leaf path or None, gathered bytes
-  # per device): how often it is gathered depends on its leaf (recomputed? in
-  # a pipeline?), which the settings decide
-  split_leaves: tuple = ()
-  # a routed leaf's (generalised path) experts: the ways their math is split
-  # (the batch's and stage axes aside), and the mesh axis that splits them
-  expert_splits: dict = dataclasses.field(default_factory=dict)
-  expert_axes: dict = dataclasses.field(default_factory=dict)
-  # of param_bytes, the weights a rule splits over the batch axis itself (a
-  # routed layer's experts, GShard): each device's gradient is its own, no sum
-  batch_split_bytes: int = 0
-
-  @classmethod
-  def of(cls, records, *, profile: ModelProfile, mesh_axes: Mapping[str, int],
-         batch_axis: str, stage_axis: str, hosts: int = 1) -> 'PlanFacts':
-    fullest = _fullest_stage_records(records)
-    split = [r for r in fullest if r.use_spec is not None]
-    block = next((l.path + '/' for l in profile.leaves if l.block), None)
-    in_block = [r for r in records if block and r.path.startswith(block)]
-    leaf_paths = _leaf_paths(profile.leaves)
-    skip = {batch_axis, stage_axis}
-    experts = [r for r in records if _is_expert(r)]
-    return cls(splits=_owner_splits([r for r in records if not _is_expert(r)],
-                                    profile.leaves, mesh_axes, skip),
-               expert_splits=_owner_splits(experts, profile.leaves, mesh_axes, skip),
-               expert_axes=_expert_axes(experts, profile.leaves),
-               variables=len(fullest), param_bytes=sum(r.bytes_per_device for r in fullest),
-               split_bytes=sum(r.bytes_per_device for r in split),
-               at_use_bytes=sum(bytes_at_use(r, mesh_axes) for r in split),
-               split_leaves=tuple((_leaf_of(r.path, leaf_paths), bytes_at_use(r, mesh_axes))
-                                  for r in split),
-               spans=frozenset(_spanning_axes(mesh_axes, hosts)),
-               block_bytes=sum(r.bytes_per_device for r in in_block),
-               block_variables=len(in_block),
-               batch_split_bytes=sum(r.bytes_per_device for r in fullest
-                                     if r.use_spec is None and batch_axis in r.spec))
 
 
 def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int], config,
@@ -300,13 +190,13 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
   parts: dict[int | None, dict[str, float]] = {}
   pipelined_blocks = 0
   for leaf in profile.leaves:
-    split = splits.get(_general(leaf.path), 1)
+    split = splits.get(general(leaf.path), 1)
     remat = remat_of.get(leaf.path, False)
     passes = 3 + (1 if remat else 0)
     stage = leaf_stage(stage_of, leaf.path)
     runs = micro if stage is not None else 1  # once per micro-batch inside a pipeline
-    general = _general(leaf.path)
-    routed = (leaf.expert_flops / facts.expert_splits.get(general, 1)
+    key = general(leaf.path)
+    routed = (leaf.expert_flops / facts.expert_splits.get(key, 1)
               + leaf.route_flops) * scale / data
     dense = (leaf.matmul_flops - leaf.expert_flops - leaf.route_flops) * scale / (data * split)
     per_call = (dense + routed) / max(leaf.matmuls, 1) / runs
@@ -317,7 +207,7 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
           dtype, max(per_call, 1.0))
     if leaf.buffer_elements:
       part['exchange'] += runs * _expert_exchange(
-          leaf, axis=facts.expert_axes.get(general), batch_axis=batch_axis,
+          leaf, axis=facts.expert_axes.get(key), batch_axis=batch_axis,
           mesh_axes=mesh_axes, rates=rates, remat=remat, spans=spans,
           scale=scale / data * width / runs)
     other = (leaf.other_flops - leaf.stream_flops) / split + leaf.stream_flops
@@ -361,8 +251,8 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
     # of a recomputed layer; a weight outside both (an embedding or softmax
     # under remat = 'block', outside the stages) once per micro-step.
     runs = (ticks / (stages * repeats) if engine == 'spmd' else micro) if stage_of else 1
-    recomputed = {_general(path) for path, again in remat_of.items() if again}
-    piped = {_general(l.path) for l in profile.leaves
+    recomputed = {general(path) for path, again in remat_of.items() if again}
+    piped = {general(l.path) for l in profile.leaves
              if leaf_stage(stage_of, l.path) is not None}
     uses = [(runs if leaf in piped else 1, 2 if leaf in recomputed else 1, nbytes)
             for leaf, nbytes in facts.split_leaves]
@@ -481,35 +371,8 @@ def _bubble(stage_sums, *, engine, pipeline, rates: Rates, stages: int) -> float
   return busy * fraction / (1.0 - fraction)
 
 
-def _fullest_stage_records(records):
-  """The records of the stage mesh that holds the most parameter bytes."""
-  by_mesh: dict[str, list] = {}
-  for r in records:
-    by_mesh.setdefault(r.mesh, []).append(r)
-  if len(by_mesh) <= 1:
-    return list(records)
-  return max(by_mesh.values(), key=lambda rs: sum(r.bytes_per_device for r in rs))
-
-
 def _boundary_elements(profile: ModelProfile, stage_of) -> float:
   """Elements of the activations that cross a stage boundary (global batch):
   the first pipelined leaf's input size, i.e. the widest residual stream."""
   inside = [l for l in profile.leaves if leaf_stage(stage_of, l.path) is not None]
   return max((l.out_elements for l in inside), default=0.0)
-
-
-def _spanning_axes(mesh_axes: Mapping[str, int], hosts: int) -> set[str]:
-  """Mesh axes whose collectives cross hosts (devices numbered in mesh order,
-  each host holding a contiguous block): an axis's groups are blocks of
-  (its size x the sizes inside it) devices, which stay within hosts only
-  where such blocks tile a host (12 devices on 2 hosts: model=4 groups
-  devices 4-7 across hosts 0 and 1)."""
-  if hosts <= 1:
-    return set()
-  per_host = math.prod(mesh_axes.values()) // hosts
-  spans, inner = set(), 1
-  for axis, size in reversed(list(mesh_axes.items())):
-    if size > 1 and per_host % (inner * size):
-      spans.add(axis)
-    inner *= size
-  return spans

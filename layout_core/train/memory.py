@@ -425,9 +425,10 @@ def _leaf(path, p, in_shapes, out_shapes, splits, batch_split, width, remat, not
     heads = _split(splits, f'{path}/attn/wq', 1)
     ffn = _split(splits, f'{path}/ffn/{"w_in" if p.ffn == "mlp" else "w_up"}', 1)
     hidden = size((b, t, p.ffn_dim)) // ffn * _hidden_copies(p.ffn, p.activation)
-    if getattr(p, 'moe', None) is not None:
-      hidden = _routed(p.cls.child_params(p)[p.cls.ffn_name(p)], f'{path}/moe', (b, t, d),
-                       splits=splits, batch_axis=batch_axis, size=size)
+    routed = moe.routed_child(p)
+    if routed is not None:
+      hidden = _routed(routed, f'{path}/moe', (b, t, d), splits=splits,
+                       batch_axis=batch_axis, size=size)
     elements = (8 * resid + (4 * resid + size((b, p.num_heads, t, t))) // heads + hidden
                 + (2 * resid if p.dropout_rate else 0))
     return _Leaf(path, elements * width, out, remat)

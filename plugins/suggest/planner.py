@@ -157,12 +157,17 @@ class Suggester:
       return self.tensor_rules, self.tensor_lines or None
     pairs = [(EXPERT_PATTERN, (layout.expert_axis or 'unsharded', 'unsharded', 'unsharded'))]
     if tensor:
-      experts = [r.path for r in self.base.records if re.fullmatch(EXPERT_PATTERN, r.path)]
       axes = set(layout.mesh_shape) | {UNSHARDED}
-      pairs += [(rule.pattern, rule.spec) for rule in self.tensor_rules.rules
-                if {axis_name(a) for a in rule.spec} <= axes
-                and not any(re.fullmatch(rule.pattern, path) for path in experts)]
+      pairs += [(rule.pattern, rule.spec) for rule in self._tensor_rules_off_experts
+                if {axis_name(a) for a in rule.spec} <= axes]
     return LayoutRules(pairs), (rules_binding(pairs),)
+
+  @functools.cached_property
+  def _tensor_rules_off_experts(self) -> list:
+    """The tensor rules that decide no expert weight (a routed model's)."""
+    experts = [r.path for r in self.base.records if re.fullmatch(EXPERT_PATTERN, r.path)]
+    return [rule for rule in self.tensor_rules.rules
+            if not any(re.fullmatch(rule.pattern, path) for path in experts)]
 
   def least_memory(self, layout: space.Layout) -> list[space.Candidate]:
     """The settings among which one needs the least memory in `layout`, one
