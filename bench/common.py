@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from layout_core.suggest.calibration import processor_name
+from layout_core.suggest.calibration import processor_name, vector_extensions
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results')
 
@@ -63,6 +63,9 @@ def provenance() -> dict:
           'commit': git('rev-parse', 'HEAD') + (' (with uncommitted changes)' if dirty else ''),
           'machine': {'host': platform.node(), 'cores': cores,
                       'processor': processor_name() or platform.machine(),
+                      # Two CPUs both named 'AMD EPYC' ran bfloat16 two orders of
+                      # magnitude apart: the flags tell them apart.
+                      'vector_extensions': vector_extensions(),
                       'load_average_at_start': os.getloadavg()}}
 
 

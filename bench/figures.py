@@ -180,6 +180,21 @@ def _split_slower(name: str, than: str) -> Callable[[Results], str]:
   return lambda r: times(r['split'][name]['ms_per_step'] / r['split'][than]['ms_per_step'])
 
 
+def _narrow(dtype: str | None, way: str, lowering: str = 'CollectiveGatherV2'
+            ) -> Callable[[Results], str]:
+  """bench/limits/narrow_gather_limit.py: the most bytes live at a call's peak
+  over the rows of `dtype` (None: any) gathered `way` under `lowering`."""
+  return lambda r: in_bytes(max(row['peak_bytes'] for row in r['lowerings'][lowering]['rows']
+                                if row['way'] == way and dtype in (None, row['dtype'])))
+
+
+def _before(r: Results, dtype: str) -> float:
+  """frozen_memory.json: a narrow base's FSDP peak over float32's, measured
+  before a narrow weight was widened ahead of its gather."""
+  peaks = r['before_widened_gather']['data=8 + FSDP']
+  return peaks[f'{dtype}_peak_gib'] / peaks['float32_peak_gib']
+
+
 def _large_logits(r) -> dict:
   """frozen_accuracy.json's logit errors of its largest model."""
   return r['logit_errors_by_layers'][max(r['logit_errors_by_layers'], key=int)]
@@ -316,10 +331,18 @@ FIGURES: dict[str, Figure] = {
                                   lambda r: f"{r['steps_lora_bf16 / steps_lora']:.2f}x"),
     'finetune.int8_speed': Figure('finetune.json',
                                   lambda r: f"{r['steps_lora_int8 / steps_lora']:.2f}x"),
+    'narrow_gather.float32': Figure('narrow_gather_limit.json', _narrow('float32', 'narrow')),
+    'narrow_gather.bf16': Figure('narrow_gather_limit.json', _narrow('bfloat16', 'narrow')),
+    'narrow_gather.int8': Figure('narrow_gather_limit.json', _narrow('int8', 'narrow')),
+    'narrow_gather.widened': Figure('narrow_gather_limit.json', _narrow(None, 'widened')),
     'frozen_memory.fsdp_bf16': Figure('frozen_memory.json', lambda r: times(
         r['meshes']['data=8 + FSDP']['bfloat16']['peak / float32'])),
     'frozen_memory.fsdp_int8': Figure('frozen_memory.json', lambda r: times(
         r['meshes']['data=8 + FSDP']['int8']['peak / float32'])),
+    'frozen_memory.before_bf16': Figure('frozen_memory.json', lambda r: times(
+        _before(r, 'bfloat16'))),
+    'frozen_memory.before_int8': Figure('frozen_memory.json', lambda r: times(
+        _before(r, 'int8'))),
     'frozen_memory.megatron_bf16': Figure('frozen_memory.json', lambda r: times(
         r['meshes']['2x4 Megatron']['bfloat16']['peak / float32'])),
     'frozen_memory.megatron_int8': Figure('frozen_memory.json', lambda r: times(

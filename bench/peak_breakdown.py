@@ -43,7 +43,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from bench.common import RESULTS, read_trace, write_json  # noqa: E402
-from bench.memory import SETTINGS, lm_bindings, rss_bytes  # noqa: E402
+from bench.memory import SETTINGS, lm_bindings  # noqa: E402
+from plugins.suggest.measure import rss_bytes  # noqa: E402
 
 GIB = 2**30
 

@@ -235,8 +235,12 @@ def _frozen_memory(r: Results) -> Rendered:
   shows = (f"On 2x4 Megatron the process peaks at {figure('frozen_memory.megatron_bf16', r)} "
            f"(bfloat16 base) and {figure('frozen_memory.megatron_int8', r)} (int8) of a float32 "
            f"base's; with FSDP on data=8 at {figure('frozen_memory.fsdp_bf16', r)} and "
-           f"{figure('frozen_memory.fsdp_int8', r)}: higher, though the frozen bytes per device "
-           'are a half and a quarter (a measured limit, docs/limits.md).')
+           f"{figure('frozen_memory.fsdp_int8', r)} (gathered as stored, on the same machine: "
+           f"{figure('frozen_memory.before_bf16', r)} and {figure('frozen_memory.before_int8', r)})"
+           ": there each layer's gathered float32 copy, "
+           'the same for every base, outweighs the frozen bytes saved (a half and a quarter of '
+           "a slice of the model per device; a narrow weight is gathered as float32, "
+           '"Gathering a narrow weight" below).')
   rows = [[mesh, dtype, in_bytes(row['frozen_bytes_per_device']), in_bytes(row['peak_bytes'])]
           for mesh, rows in r['meshes'].items() for dtype, row in rows.items()]
   return shows, _table(['mesh', 'frozen base', 'frozen bytes per device', 'process peak'],
@@ -512,6 +516,21 @@ def _moe_routing(r: Results) -> Rendered:
           "experts split or neither, two thread settings) give one device's gradient."), []
 
 
+def _narrow_gather(r: Results) -> Rendered:
+  default = {(row['dtype'], row['way']): in_bytes(row['peak_bytes'])
+             for row in r['lowerings']['default']['rows'] if row['function'] == 'forward'}
+  same = all(all(v.values()) for v in (l['same_values'] for l in r['lowerings'].values()))
+  return (f"Under CollectiveGatherV2 a float32 weight holds "
+          f"{figure('narrow_gather.float32', r)} at the call's peak; gathered as stored, a "
+          f"bfloat16 one {figure('narrow_gather.bf16', r)} and an int8 one "
+          f"{figure('narrow_gather.int8', r)} (a zero-padded all-reduce, int8's in 64-bit "
+          f"integers); widened to float32 on each slice first, at most "
+          f"{figure('narrow_gather.widened', r)}. Under the default lowering: bfloat16 "
+          f"{default[('bfloat16', 'narrow')]} either way, int8 {default[('int8', 'narrow')]} "
+          f"as stored and {default[('int8', 'widened')]} widened. "
+          + ('The values are the same either way.' if same else 'The values differ.')), []
+
+
 def _truncated(r: Results) -> Rendered:
   def cell(run: dict) -> str:
     return f"{run['records']} read, {outcome(run['error']) if run['error'] else 'no error'}"
@@ -760,6 +779,10 @@ SECTIONS: dict[str, dict[str, Section]] = {  # group -> results file -> its sect
             'Only replicated values between stages that span every client move.')),
         'submesh_residual.json': Section("Pinning the sub-mesh engine's residual stream",
                                          'lm_pipeline.gin, 3 steps.', _submesh_residual),
+        'narrow_gather_limit.json': Section(
+            'Gathering a narrow weight', 'One [1536, 6144] weight stored split over `data=8` '
+            'in float32, bfloat16 or int8, gathered and used in a matmul: bytes made in the '
+            'call and live at its peak (all devices).', _narrow_gather),
         'moe_routing_limit.json': Section("An MoE router's gradient on split rows",
                                           'Router probabilities [16, 32, 8] on `data=8`, '
                                           'against one device.', _moe_routing),
@@ -806,7 +829,9 @@ def script_of(r: Results, name: str) -> str:
 
 def _machine(r: Results) -> str:
   machine = r.get('machine') or {}
-  return f"{machine.get('cores', '?')} cores, {machine.get('processor', '?')}"
+  isa = machine.get('vector_extensions')  # recorded since 2026-12-07
+  return (f"{machine.get('cores', '?')} cores, {machine.get('processor', '?')}"
+          + (f" ({isa})" if isa else ''))
 
 
 def _measured(r: Results, name: str) -> str:

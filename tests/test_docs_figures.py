@@ -157,8 +157,9 @@ def test_the_page_reads_as_a_page():
   # page, 325 before the Hugging Face import's (#56), 340 before Grappler's passes, 343
   # before the import's garbage collection, 346 before opening streams, 349 before
   # bf16 einsums (#54), 356 before preference tuning (#75) and 366 before a frozen base in
-  # bfloat16 or int8 (#76: its accuracy and memory), 390 before mixture of experts (#74).
-  assert len(lines) <= 420, f'docs/performance.md has {len(lines)} lines: make it shorter'
+  # bfloat16 or int8 (#76: its accuracy and memory), 390 before mixture of experts (#74),
+  # 420 before gathering a narrow weight (#76).
+  assert len(lines) <= 425, f'docs/performance.md has {len(lines)} lines: make it shorter'
   assert lines[0] == '# Performance' and '## Summary' in lines[:8]
   headings = [line for line in lines if line.startswith('#')]
   assert len(headings) == len(set(headings)), 'two sections share a heading'

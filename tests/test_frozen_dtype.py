@@ -3,7 +3,8 @@
 In process: int8 quantization against a numpy reference of the same scheme;
 a LoRA run on an int8 or bfloat16 base computes exactly what the float32
 run computes on the dequantized weights (losses and gradient norms, so the
-backward's recomputed weight is the forward's); the frozen weights' bytes
+backward's recomputed weight is the forward's); FSDP gathers a narrow
+weight as float32, to its values; the frozen weights' bytes
 per device are half (bfloat16) and a quarter plus scales (int8) of
 float32's on `data=8` with FSDP and on 2x4 Megatron, as inspect's layout
 records count them; a float32 base read into a narrow one by
@@ -175,6 +176,31 @@ def test_frozen_bytes_per_device_are_half_and_a_quarter_plus_scales(mesh_name, r
       assert scales < 0.1 * measured['float32']
   assert measured['bfloat16'] * 2 == measured['float32']
   assert counted == measured
+
+
+@pytest.mark.parametrize('dtype', ['bfloat16', 'int8'])
+def test_fsdp_gathers_a_narrow_weight_as_float32_to_the_same_values(dtype, mesh_data8):
+  """A narrow weight is widened on its slice before FSDP's gather: TF lowers
+  a bfloat16 or int8 gather to a zero-padded all-reduce that held 1.8x and
+  3.6x a float32 gather's bytes (bench/limits/narrow_gather_limit.py). Every
+  relayout in the traced gather moves float32; the values are the stored
+  ones, in the dtype asked for (as stored when none is)."""
+  from layout_core.layout import fsdp  # pylint: disable=import-outside-toplevel
+  value = np.random.default_rng(0).normal(0, 40, (16, 24)).clip(-127, 127).round()
+  use = dtensor.Layout.replicated(mesh_data8, 2)
+  variable = dtensor.DVariable(dtensor.relayout(
+      dtensor.copy_to_mesh(tf.constant(value, dtype), use),
+      dtensor.Layout(['data', dtensor.UNSHARDED], mesh_data8)), trainable=False)
+  fsdp.set_use_layout(variable, use)
+  for asked, expected in ((tf.float32, tf.float32), (None, tf.as_dtype(dtype))):
+    gather = tf.function(lambda asked=asked: fsdp.at_use(variable, asked))
+    graph = gather.get_concrete_function().graph
+    moved = {op.inputs[0].dtype for op in graph.get_operations() if op.type == 'Relayout'}
+    assert moved == {tf.float32}
+    gathered = gather()
+    assert gathered.dtype == expected
+    np.testing.assert_array_equal(to_numpy(tf.cast(gathered, tf.float32)),
+                                  to_numpy(tf.cast(variable, tf.float32)))
 
 
 def test_init_from_a_float32_base_quantizes_it_on_the_mesh_and_names_it(mesh_2x4, tmp_path):

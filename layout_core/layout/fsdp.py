@@ -138,7 +138,8 @@ def gather(value, *, to, stored, dtype=None):
 def gather_all(values: Sequence, *, to: Sequence, stored: Sequence,
                dtypes: Sequence | None = None) -> list:
   """Each value (laid out as `stored[i]`) relaid to `to[i]`, several at once
-  with `gather_together`, then cast to `dtypes[i]` (None: as it is). Each
+  with `gather_together`, then cast to `dtypes[i]` (None: as it is; a
+  narrow value is gathered as float32, `_gathered_dtype`). Each
   gradient arrives in `to[i]` in that dtype, is relaid back to `stored[i]`
   (DTensor fuses the batch's sum and the split into one reduce-scatter) and
   only then cast back, on the slice.
@@ -161,10 +162,25 @@ def gather_all(values: Sequence, *, to: Sequence, stored: Sequence,
     def gradient(*grads):
       return [_cast(dtensor.relayout(dtensor.relayout(g, target), layout), x.dtype)
               for g, target, layout, x in zip(grads, to, stored, xs)]
-    gathered = ([dtensor.relayout(xs[0], to[0])] if len(xs) == 1
-                else gather_together(xs, stored, to))
-    return [_cast(g, d) for g, d in zip(gathered, dtypes)], gradient
+    wide = [_cast(x, _gathered_dtype(x.dtype)) for x in xs]
+    gathered = ([dtensor.relayout(wide[0], to[0])] if len(xs) == 1
+                else gather_together(wide, stored, to))
+    return [_cast(g, d or x.dtype) for g, d, x in zip(gathered, dtypes, xs)], gradient
   return list(relaid(*values))
+
+
+def _gathered_dtype(dtype):
+  """float32 for a narrow stored value (a frozen base in bfloat16 or int8,
+  `train.frozen_dtype`): it is widened on each device's slice and gathered
+  as float32, then cast as asked. TF lowers only 32- and 64-bit (and
+  float16) gathers to CollectiveGatherV2; a bfloat16 or int8 one stays a
+  zero-padded all-reduce, int8's in 64-bit integers. For one [1536, 6144]
+  weight over data=8, the bytes made in the call and live at its peak:
+  float32 300 MiB; bfloat16 540 MiB gathered as it is, 326 MiB widened
+  first; int8 1,080 MiB and 326 MiB. Under the all-reduce lowering widening
+  never held more (bench/limits/narrow_gather_limit.py); the values are
+  the same. None (as it is) for any other dtype."""
+  return tf.float32 if dtype in (tf.bfloat16, tf.int8) else None
 
 
 # -- per-replica weights: gathered and summed with all-to-alls ------------------------

@@ -111,7 +111,7 @@ def watch(command: Sequence[str], *, env: Mapping[str, str], kill_above: int,
     pid, status, usage = os.wait4(child.pid, os.WNOHANG)
     if pid:
       break
-    if _rss_bytes(child.pid) > kill_above:
+    if rss_bytes(child.pid) > kill_above:
       over = True
       child.kill()
       _, status, usage = os.wait4(child.pid, 0)
@@ -132,7 +132,7 @@ def error_line(stderr: str) -> str:
   return (lines[0] if lines else (stderr.strip().splitlines() or ['?'])[-1])[:300]
 
 
-def _rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int) -> int:
   try:
     with open(f'/proc/{pid}/status') as f:
       for line in f:
