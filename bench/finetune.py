@@ -95,6 +95,11 @@ def main() -> None:
       entry['largest_width'] = width
       entry['largest_parameters'] = (inspect(setting + lm_bindings(width, args.steps))[
           'parameters'] if width else None)
+      # Each width the search tried, and its peak: a width within a few MiB of
+      # the budget fits in one run and not the next, and moves every ratio.
+      entry['searched_peak_bytes'] = {
+          str(w): run['peak_bytes'] for (s, w), run in sorted(cache.items())
+          if s == tuple(setting) and w != args.width}
     results['settings'][name] = entry
   speed = {name: 0.0 for name in ('lora', 'lora_bf16', 'lora_int8')}
   for number in range(args.rounds):
