@@ -180,8 +180,8 @@ def _split_slower(name: str, than: str) -> Callable[[Results], str]:
   return lambda r: times(r['split'][name]['ms_per_step'] / r['split'][than]['ms_per_step'])
 
 
-def _narrow(dtype: str | None, way: str, lowering: str = 'CollectiveGatherV2'
-            ) -> Callable[[Results], str]:
+def narrow_peak(dtype: str | None, way: str, lowering: str = 'CollectiveGatherV2'
+                ) -> Callable[[Results], str]:
   """bench/limits/narrow_gather_limit.py: the most bytes live at a call's peak
   over the rows of `dtype` (None: any) gathered `way` under `lowering`."""
   return lambda r: in_bytes(max(row['peak_bytes'] for row in r['lowerings'][lowering]['rows']
@@ -331,10 +331,10 @@ FIGURES: dict[str, Figure] = {
                                   lambda r: f"{r['steps_lora_bf16 / steps_lora']:.2f}x"),
     'finetune.int8_speed': Figure('finetune.json',
                                   lambda r: f"{r['steps_lora_int8 / steps_lora']:.2f}x"),
-    'narrow_gather.float32': Figure('narrow_gather_limit.json', _narrow('float32', 'narrow')),
-    'narrow_gather.bf16': Figure('narrow_gather_limit.json', _narrow('bfloat16', 'narrow')),
-    'narrow_gather.int8': Figure('narrow_gather_limit.json', _narrow('int8', 'narrow')),
-    'narrow_gather.widened': Figure('narrow_gather_limit.json', _narrow(None, 'widened')),
+    'narrow_gather.float32': Figure('narrow_gather_limit.json', narrow_peak('float32', 'narrow')),
+    'narrow_gather.bf16': Figure('narrow_gather_limit.json', narrow_peak('bfloat16', 'narrow')),
+    'narrow_gather.int8': Figure('narrow_gather_limit.json', narrow_peak('int8', 'narrow')),
+    'narrow_gather.widened': Figure('narrow_gather_limit.json', narrow_peak(None, 'widened')),
     'frozen_memory.fsdp_bf16': Figure('frozen_memory.json', lambda r: times(
         r['meshes']['data=8 + FSDP']['bfloat16']['peak / float32'])),
     'frozen_memory.fsdp_int8': Figure('frozen_memory.json', lambda r: times(

@@ -39,14 +39,13 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from bench.common import RESULTS, write_json  # noqa: E402
-from bench.peak_breakdown import breakdown, memory_events  # noqa: E402
+from bench.peak_breakdown import live_at_peak  # noqa: E402
 
 
 def main() -> None:
@@ -100,11 +99,8 @@ def main() -> None:
       return tape.gradient(loss, w)
     grad = gradient()
     functions[name], gradients[name] = gradient, to_numpy(grad)
-    with tempfile.TemporaryDirectory() as logdir:
-      tf.profiler.experimental.start(logdir)
-      dtensor.unpack(gradient())[0].numpy()  # one slice: to_numpy would gather it
-      tf.profiler.experimental.stop()
-      found = breakdown(memory_events(logdir), min_bytes=2**20)
+    # One slice fetched: to_numpy would gather it.
+    found = live_at_peak(lambda: dtensor.unpack(gradient())[0].numpy(), min_bytes=2**20)
     results[name] = {
         'gradient_layout': list(dtensor.fetch_layout(grad).sharding_specs),
         'peak_bytes': found['made_in_call_live_at_peak_bytes'],

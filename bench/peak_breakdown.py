@@ -94,6 +94,17 @@ def breakdown(events, *, min_bytes: int) -> dict:
           'by_op': rows}
 
 
+def live_at_peak(call, *, min_bytes: int) -> dict:
+  """`breakdown` of one `call()` run under TensorFlow's profiler: the
+  allocator's peak in it and what was made in it and live then, by op."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  with tempfile.TemporaryDirectory() as logdir:
+    tf.profiler.experimental.start(logdir)
+    call()
+    tf.profiler.experimental.stop()
+    return breakdown(memory_events(logdir), min_bytes=min_bytes)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--width', type=int, default=1728)
@@ -117,11 +128,8 @@ def main() -> None:
       rows=engine.client_rows(plan.train.batch_size))))
   to_numpy(engine.loss_and_gradients(packed)[0])  # compiles
   before = tf.config.experimental.get_memory_info('CPU:0')['current']
-  with tempfile.TemporaryDirectory() as logdir:
-    tf.profiler.experimental.start(logdir)
-    to_numpy(engine.loss_and_gradients(packed)[0])
-    tf.profiler.experimental.stop()
-    result = breakdown(memory_events(logdir), min_bytes=int(args.min_mib * 2**20))
+  result = live_at_peak(lambda: to_numpy(engine.loss_and_gradients(packed)[0]),
+                        min_bytes=int(args.min_mib * 2**20))
   result = {'setting': args.setting, 'bindings': bindings, 'width': args.width,
             'parameters': plan.num_parameters, 'held_before_call_bytes': before,
             'rss_bytes': rss_bytes(os.getpid()),

@@ -26,7 +26,7 @@ import re
 from typing import Any, Callable
 
 from bench.figures import (CLOCKS, FIGURES, Results, figure, in_bytes, in_millions, in_ms, in_s,
-                           outcome, row_spread, times)
+                           narrow_peak, outcome, row_spread, times)
 from bench.report_layouts import (accumulation_section, calibration_section,
                                   spmd_repeats_section, suggest_moe_section,
                                   suggest_section)
@@ -517,9 +517,9 @@ def _moe_routing(r: Results) -> Rendered:
 
 
 def _narrow_gather(r: Results) -> Rendered:
-  default = {(row['dtype'], row['way']): in_bytes(row['peak_bytes'])
-             for row in r['lowerings']['default']['rows'] if row['function'] == 'forward'}
-  same = all(all(v.values()) for v in (l['same_values'] for l in r['lowerings'].values()))
+  default = {(dtype, way): narrow_peak(dtype, way, 'default')(r)
+             for dtype in ('bfloat16', 'int8') for way in ('narrow', 'widened')}
+  same = all(all(found['same_values'].values()) for found in r['lowerings'].values())
   return (f"Under CollectiveGatherV2 a float32 weight holds "
           f"{figure('narrow_gather.float32', r)} at the call's peak; gathered as stored, a "
           f"bfloat16 one {figure('narrow_gather.bf16', r)} and an int8 one "

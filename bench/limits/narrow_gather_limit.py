@@ -38,12 +38,12 @@ sys.path.insert(0, REPO)
 from bench.common import RESULTS, run_child, write_json  # pylint: disable=wrong-import-position
 
 _CHILD = r'''
-import json, sys, tempfile
+import json, sys
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 sys.path.insert(0, sys.argv[1])
-from bench.peak_breakdown import breakdown, memory_events
+from bench.peak_breakdown import live_at_peak
 from layout_core import tf_internals
 from layout_core.layout.mesh import MeshSpec, build_mesh
 collective_gather, d, f, b, t = sys.argv[2] == 'CollectiveGatherV2', *map(int, sys.argv[3:7])
@@ -86,11 +86,8 @@ for dtype in ('float32', 'bfloat16', 'int8'):
     for name, fn in (('forward', forward), ('backward', backward)):
       out = fn()
       outputs[(dtype, way, name)] = dtensor.unpack(out)[0].numpy()
-      with tempfile.TemporaryDirectory() as logdir:
-        tf.profiler.experimental.start(logdir)
-        dtensor.unpack(fn())[0].numpy()  # one slice: fetching it whole would gather it
-        tf.profiler.experimental.stop()
-        found = breakdown(memory_events(logdir), min_bytes=2**20)
+      # One slice fetched: fetching it whole would gather it.
+      found = live_at_peak(lambda: dtensor.unpack(fn())[0].numpy(), min_bytes=2**20)
       rows.append({'dtype': dtype, 'way': way, 'function': name,
                    'peak_bytes': found['made_in_call_live_at_peak_bytes'],
                    'by_op': [{'op': r['op'].split('/')[-1][-60:], 'bytes': r['bytes'],

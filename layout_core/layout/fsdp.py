@@ -174,12 +174,11 @@ def _gathered_dtype(dtype):
   `train.frozen_dtype`): it is widened on each device's slice and gathered
   as float32, then cast as asked. TF lowers only 32- and 64-bit (and
   float16) gathers to CollectiveGatherV2; a bfloat16 or int8 one stays a
-  zero-padded all-reduce, int8's in 64-bit integers. For one [1536, 6144]
-  weight over data=8, the bytes made in the call and live at its peak:
-  float32 300 MiB; bfloat16 540 MiB gathered as it is, 326 MiB widened
-  first; int8 1,080 MiB and 326 MiB. Under the all-reduce lowering widening
-  never held more (bench/limits/narrow_gather_limit.py); the values are
-  the same. None (as it is) for any other dtype."""
+  zero-padded all-reduce, int8's in 64-bit integers: for one weight over
+  data=8 that held 1.8x (bfloat16) and 3.5x (int8) the bytes of a float32
+  gather, and widened first about as many as float32; under the all-reduce
+  lowering widening never held more, and the values are the same
+  (bench/limits/narrow_gather_limit.py). None (as it is) for any other dtype."""
   return tf.float32 if dtype in (tf.bfloat16, tf.int8) else None
 
 
