@@ -12,7 +12,7 @@ device busy at once, in one fresh process:
     split tensor relaid out replicated) and all-to-all (a tensor split on
     one dim relaid split on another: an MoE layer's token exchange);
 
-then the step times of real `launch.train` runs (`RUNS`, subprocesses, each
+then the step times of real `launch.train` runs (`runs_for`, subprocesses, each
 the median of 3 processes): tiny LMs under each engine and split, whose
 time is the layout's structure (fixed costs per block run, per tensor
 all-reduce, per FSDP / ZeRO-1 variable, per SPMD tick and per-tick sum,
@@ -29,6 +29,7 @@ nominal 1 GB/s.
     python bench/calibrate.py [--out bench/results/calibration.json]
     python bench/calibrate.py --refit     # fit the stored times again: after a
                                           # change to the cost model, measuring nothing
+    python bench/calibrate.py --resume    # go on from a run that stopped
 
 The cost model reads the file (`layout_core/suggest/calibration.py`) and says
 when it is stale (another processor, core count or TensorFlow, or 90 days).
@@ -67,19 +68,20 @@ U = dtensor.UNSHARDED
 def mesh(shape):
   return dtensor.create_mesh(list(shape.items()), devices=devices, device_type='CPU')
 
-def timed(fn, *args, reps=20):
-  for _ in range(3):
-    out = fn(*args)
-  _ = [dtensor.unpack(o) for o in (out if isinstance(out, (list, tuple)) else [out])]
-  best = 1e9
-  for _ in range(5):
+def timed(fn, *args, reps=20, batch_s=0.25):
+  """Seconds per call: the best of 5 batches of up to `reps` calls, fewer
+  (down to 1) where a call takes longer than `batch_s / reps`: a large
+  matmul in a slow dtype."""
+  def run(count):
     start = time.perf_counter()
-    for _ in range(reps):
+    for _ in range(count):
       out = fn(*args)
     for o in (out if isinstance(out, (list, tuple)) else [out]):
       [t.numpy() for t in dtensor.unpack(o)]
-    best = min(best, (time.perf_counter() - start) / reps)
-  return best
+    return (time.perf_counter() - start) / count
+  run(2)  # traced and warm
+  reps = max(1, min(reps, int(batch_s / run(1))))
+  return min(run(reps) for _ in range(5))
 
 result = {'matmul': {}, 'elementwise': {},
           'collectives': {'all_reduce': {}, 'all_gather': {}, 'all_to_all': {}}}
@@ -199,41 +201,56 @@ def moe(expert_dim: int, capacity: float) -> tuple[str, ...]:
 class Run:
   """One measured `launch.train` configuration (quickstart.gin + bindings).
   `alone`: a one-device mesh, which has the host's cores to itself: its
-  prediction uses the per-device rates x 8 (`rates_for`)."""
+  prediction uses the per-device rates x 8 (`rates_for`). `steps`: each
+  process's, its first 4 not counted."""
   label: str
   bindings: tuple[str, ...]
   alone: bool = False
+  steps: int = 12
 
 
-# What the fixed costs are fitted to: tiny LMs (width 16, 8 heads: their FLOPs
-# and bytes are negligible, so what they take is what the layout's structure
-# costs); then what the micro-benchmarks miss, from a model whose matmuls and
-# weights dominate (width 512, 2 blocks, ffn 2048; neither of bench/suggest.py's).
-RUNS = (
-    Run('data=8, 1 block', (*TINY, 'transformer_lm.num_layers = 1')),
-    Run('data=8', tuple(TINY)),
-    *(Run(f'data={8 // m} x model={m}',
-          (*TINY, f"mesh.shape = {{'data': {8 // m}, 'model': {m}}}", MEGATRON))
-      for m in (2, 4, 8)),
-    Run('stage=2 x data=4, submesh', (*TINY, *PIPE)),
-    Run('stage=2 x data=4, spmd', (*TINY, *PIPE, "pipeline.engine = 'spmd'")),
-    Run('stage=2 x data=4, spmd, 2 repeats',
-        (*TINY, *PIPE, "pipeline.engine = 'spmd'", 'pipeline.circular_repeats = 2')),
-    Run('data=8, FSDP', (*TINY, 'train.fsdp = True')),
-    Run('data=8, ZeRO-1', (*TINY, 'optimizer.shard_state = True')),
-    Run('data=8, MoE', (*TINY, *moe(16, 0.0))),
-    *(Run(f'data=1, {dtype}', (*WIDE, "mesh.shape = {'data': 1}",
-                               f"train.compute_dtype = '{dtype}'"), alone=True)
-      for dtype in ('float32', 'bfloat16')),
-    Run('data', (*WIDE, "train.compute_dtype = 'bfloat16'")),
-    Run('fsdp', (*WIDE, "train.compute_dtype = 'bfloat16'", 'train.fsdp = True')),
-    Run('zero1', (*WIDE, "train.compute_dtype = 'bfloat16'", 'optimizer.shard_state = True')),
-    Run('moe', (*WIDE, "train.compute_dtype = 'bfloat16'", *moe(256, 1.0))),
-    Run('submesh', (*WIDE, "train.compute_dtype = 'bfloat16'",
-                    "mesh.shape = {'stage': 2, 'data': 4}", 'pipeline.num_stages = 2',
-                    'pipeline.num_micro_batches = 2')),
-)
-RUN = {run.label: run for run in RUNS}
+def runs_for(wide_dtype: str) -> tuple[Run, ...]:
+  """What the fixed costs are fitted to: tiny LMs (width 16, 8 heads: their
+  FLOPs and bytes are negligible, so what they take is what the layout's
+  structure costs); then what the micro-benchmarks miss, from a model whose
+  matmuls and weights dominate (width 512, 2 blocks, ffn 2048; neither of
+  bench/suggest.py's), in `wide_dtype`: the dtype whose one-device step is
+  faster here (`faster_dtype`), so that a collective's or the bubble's
+  share of the step is not lost in a slow dtype's matmuls. The bfloat16
+  one-device run takes 7 steps: without AVX-512 each is ~20 s."""
+  compute = f"train.compute_dtype = '{wide_dtype}'"
+  return (
+      Run('data=8, 1 block', (*TINY, 'transformer_lm.num_layers = 1')),
+      Run('data=8', tuple(TINY)),
+      *(Run(f'data={8 // m} x model={m}',
+            (*TINY, f"mesh.shape = {{'data': {8 // m}, 'model': {m}}}", MEGATRON))
+        for m in (2, 4, 8)),
+      Run('stage=2 x data=4, submesh', (*TINY, *PIPE)),
+      Run('stage=2 x data=4, spmd', (*TINY, *PIPE, "pipeline.engine = 'spmd'")),
+      Run('stage=2 x data=4, spmd, 2 repeats',
+          (*TINY, *PIPE, "pipeline.engine = 'spmd'", 'pipeline.circular_repeats = 2')),
+      Run('data=8, FSDP', (*TINY, 'train.fsdp = True')),
+      Run('data=8, ZeRO-1', (*TINY, 'optimizer.shard_state = True')),
+      Run('data=8, MoE', (*TINY, *moe(16, 0.0))),
+      *(Run(f'data=1, {dtype}', (*WIDE, "mesh.shape = {'data': 1}",
+                                 f"train.compute_dtype = '{dtype}'"), alone=True,
+            steps=7 if dtype == 'bfloat16' else 12)
+        for dtype in ('float32', 'bfloat16')),
+      Run('data', (*WIDE, compute)),
+      Run('fsdp', (*WIDE, compute, 'train.fsdp = True')),
+      Run('zero1', (*WIDE, compute, 'optimizer.shard_state = True')),
+      Run('moe', (*WIDE, compute, *moe(256, 1.0))),
+      Run('submesh', (*WIDE, compute, "mesh.shape = {'stage': 2, 'data': 4}",
+                      'pipeline.num_stages = 2', 'pipeline.num_micro_batches = 2')),
+  )
+
+
+def faster_dtype(seconds: dict[str, float]) -> str:
+  """The compute dtype whose one-device step of the larger model is faster:
+  measured as a whole step, since a matmul micro-benchmark can mislead (on
+  AVX2 alone bfloat16's `tf.matmul` ran at float32's rate while its
+  training step took 9x as long)."""
+  return min(('float32', 'bfloat16'), key=lambda dtype: seconds[f'data=1, {dtype}'])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,17 +347,18 @@ def fit(data: dict, seconds: dict[str, float]) -> dict:
   data = json.loads(json.dumps(data))
   for _, knobs in GROUPS:  # start from nothing: every fixed cost 0, every share 1
     for knob in knobs:
-      knob.set(data, 1.0 if knob.invert else (1.0 if knob.low > 0 else 0.0))
+      knob.set(data, 1.0 if knob.invert or knob.low > 0 else 0.0)
   data['spmd_tick_s'] = 0.0  # in the SPMD cell's cost (GROUPS)
-  plans = {run.label: plan_of(run) for run in RUNS}
+  runs = {run.label: run for run in runs_for(data.get('wide_dtype', 'bfloat16'))}
+  plans = {label: plan_of(run) for label, run in runs.items()}
   for _ in range(ROUNDS):
     for labels, knobs in GROUPS:
-      runs = [RUN[label] for label in labels]
+      group = [runs[label] for label in labels]
 
       def at(values):
         for knob, value in zip(knobs, values):
           knob.set(data, value)
-        return np.array([predict(run, data, plans[run.label]) for run in runs])
+        return np.array([predict(run, data, plans[run.label]) for run in group])
 
       base = at([0.0] * len(knobs))
       slopes = np.stack([at(np.eye(len(knobs))[j]) - base for j in range(len(knobs))], axis=1)
@@ -348,7 +366,7 @@ def fit(data: dict, seconds: dict[str, float]) -> dict:
       solved = np.linalg.solve(slopes, measured - base)
       at([knob.clamp(float(v)) for knob, v in zip(knobs, solved)])
   report = []
-  for run in RUNS:
+  for run in runs.values():
     predicted = predict(run, data, plans[run.label])
     report.append({'label': run.label, 'bindings': list(run.bindings),
                    'measured_s': seconds[run.label], 'predicted_s': predicted,
@@ -358,12 +376,46 @@ def fit(data: dict, seconds: dict[str, float]) -> dict:
   return data
 
 
+PARTIAL = os.path.join(RESULTS, '.calibrate.partial.json')  # a dotfile: not a result
+
+
+def measure_runs(data: dict, seconds: dict[str, float]) -> tuple[dict, dict[str, float]]:
+  """Each run's step seconds that `seconds` lacks, measured: the one-device
+  runs first, which choose the larger model's dtype (`faster_dtype`). After
+  each run the micro-benchmarks and every time so far are kept in
+  `PARTIAL`, so a stop (or a fit that fails) loses no measurement: --resume
+  goes on."""
+  seconds = dict(seconds)
+
+  def keep():
+    with open(PARTIAL, 'w') as f:
+      json.dump({'data': data, 'seconds': seconds}, f)
+
+  def measure(run: Run):
+    if run.label not in seconds:
+      seconds[run.label] = train_step_seconds(with_megatron(run.bindings), steps=run.steps)
+      print(f'{run.label:36s} {seconds[run.label] * 1e3:9.2f} ms a step', flush=True)
+      keep()
+
+  keep()
+  for run in runs_for('float32'):  # the one-device runs are the same for either dtype
+    if run.alone:
+      measure(run)
+  data.setdefault('wide_dtype', faster_dtype(seconds))
+  for run in runs_for(data['wide_dtype']):
+    measure(run)
+  return data, seconds
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--out', default=os.path.join(RESULTS, 'calibration.json'))
   parser.add_argument('--refit', action='store_true',
                       help='fit the rates again to the step times --out already holds '
                            '(after a change to the cost model), measuring nothing')
+  parser.add_argument('--resume', action='store_true',
+                      help='go on from a stopped run (bench/results/.calibrate.partial.json): '
+                           'its micro-benchmarks and step times kept, the rest measured')
   args = parser.parse_args()
   if args.refit:
     with open(args.out) as f:
@@ -373,6 +425,10 @@ def main() -> None:
     for key in ('runs', 'fit_error', 'tiny_step_seconds', 'efficiency_step_seconds'):
       data.pop(key, None)
     data['refit'] = provenance()['commit']
+  elif args.resume and os.path.exists(PARTIAL):
+    with open(PARTIAL) as f:
+      partial = json.load(f)
+    data, seconds = measure_runs(partial['data'], partial['seconds'])
   else:
     measured = run_child(CHILD, REPO)
     from layout_core.suggest.calibration import machine_facts  # noqa: E402
@@ -389,9 +445,11 @@ def main() -> None:
         'cross_host': {'latency_s': 1e-3, 'bytes_per_s': 1e9},
         'devices_share_cores': True,
     }
-    seconds = {run.label: train_step_seconds(with_megatron(run.bindings)) for run in RUNS}
+    data, seconds = measure_runs(data, {})
   data = fit(data, seconds)
   write_json(data, args.out)
+  if os.path.exists(PARTIAL):
+    os.remove(PARTIAL)
   print(json.dumps({k: v for k, v in data.items() if k not in ('collective_points', 'runs')},
                    indent=1))
   for run in data['runs']:

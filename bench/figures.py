@@ -195,6 +195,11 @@ def _before(r: Results, dtype: str) -> float:
   return peaks[f'{dtype}_peak_gib'] / peaks['float32_peak_gib']
 
 
+def _alone(r: Results, dtype: str) -> float:
+  """calibration.json: the one-device run's step seconds in `dtype`."""
+  return row_where(r['runs'], label=f'data=1, {dtype}')['measured_s']
+
+
 def _large_logits(r) -> dict:
   """frozen_accuracy.json's logit errors of its largest model."""
   return r['logit_errors_by_layers'][max(r['logit_errors_by_layers'], key=int)]
@@ -339,6 +344,9 @@ FIGURES: dict[str, Figure] = {
         r['meshes']['data=8 + FSDP']['bfloat16']['peak / float32'])),
     'frozen_memory.fsdp_int8': Figure('frozen_memory.json', lambda r: times(
         r['meshes']['data=8 + FSDP']['int8']['peak / float32'])),
+    # bench/calibrate.py: its one-device bfloat16 step over its float32 one
+    'calibrate.bf16_step': Figure('calibration.json', lambda r: '%.0fx' % (
+        _alone(r, 'bfloat16') / _alone(r, 'float32'))),
     'frozen_memory.before_bf16': Figure('frozen_memory.json', lambda r: times(
         _before(r, 'bfloat16'))),
     'frozen_memory.before_int8': Figure('frozen_memory.json', lambda r: times(

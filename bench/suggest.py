@@ -35,7 +35,9 @@ devices (no device touched). A candidate shared by budgets or passes trains once
     python bench/suggest.py --models lm_moe     # -> bench/results/suggest_moe.json
 
 --reuse keeps the trials of an earlier results file (or of a run that
-stopped: bench/results/.suggest.partial.json) whose bindings match.
+stopped: bench/results/.suggest.partial.json) whose bindings match, where
+they were measured on a machine like this one (processor, cores, vector
+extensions, TensorFlow).
 """
 
 from __future__ import annotations
@@ -136,6 +138,15 @@ def suggestions(model: dict, budget_gib: float, margins):
   return suggester, suggester.run()
 
 
+def this_machine() -> dict:
+  """What a step time depends on besides the candidate: --reuse keeps
+  another run's trials only where these match (a trial measured with
+  AVX-512 ran bfloat16 9x as fast as one without)."""
+  from layout_core.suggest.calibration import machine_facts  # pylint: disable=import-outside-toplevel
+  facts = machine_facts()
+  return {key: facts[key] for key in ('processor', 'cores', 'isa', 'tensorflow')}
+
+
 def key_of(bindings: list[str]) -> str:
   return '\n'.join(bindings)
 
@@ -157,7 +168,7 @@ def run_trial(model: dict, bindings: list[str], cache: dict, *, label: str) -> d
       break
   cache[key] = trial = combined(have, runs)
   with open(PARTIAL, 'w') as f:  # a crash loses no trial: --reuse reads it back
-    json.dump({'trials': cache}, f)
+    json.dump({'trials': cache, 'trials_machine': this_machine()}, f)
   each = ', '.join(f'{t * 1e3:.0f}' for t in trial['step_seconds_each'])
   print(f'  {label}: {"ok" if trial["ok"] else "FAILED " + trial["error"][:120]} '
         f'{trial["step_seconds"] * 1e3:.0f} ms/step ({each}), '
@@ -325,7 +336,12 @@ def main() -> None:
   for path in (args.out, PARTIAL) if args.reuse else ():
     if os.path.exists(path):
       with open(path) as f:
-        cache.update(json.load(f).get('trials', {}))
+        kept = json.load(f)
+      if kept.get('trials_machine') != this_machine():
+        print(f"--reuse: not {path}'s trials: measured on {kept.get('trials_machine')}, "
+              f'not on this {this_machine()}', flush=True)
+        continue
+      cache.update(kept.get('trials', {}))
   # Pass 1: the estimate without margins, every candidate it ranks trained:
   # its errors per family are the margins.
   raw = {}
@@ -344,7 +360,8 @@ def main() -> None:
   results = {'models': models, 'memory_margins': margins,
              'memory_error_signed': {'min': min(errors, default=None),
                                      'max': max(errors, default=None)},
-             'raw_candidates': raw, 'suggest_100b': time_100b(), 'trials': cache}
+             'raw_candidates': raw, 'suggest_100b': time_100b(), 'trials': cache,
+             'trials_machine': this_machine()}
   write_json(results, args.out)
 
 

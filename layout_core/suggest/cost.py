@@ -270,7 +270,10 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
       # DTensor's own collectives (float32 weights; inside a pipeline, whose
       # stages do not split the batch for FSDP): float32 gathered, and each
       # use's gradient reduced where it is made, as the data axis's sums are.
-      terms['FSDP gathers'] = (
+      # Both scaled by what FSDP's collectives measured in a real step (as the
+      # narrow branch above is): in float32 the calibration's FSDP run took
+      # less than data=8's, whose all-reduce the plain model prices.
+      terms['FSDP gathers'] = rates.collective_scale.get('fsdp', 1.0) * (
           rates.transfer('all_gather', data, gathered, cross_host=data_cross)
           + data_scale * rates.transfer('all_reduce', data, reduced, cross_host=data_cross))
     unsplit = param_bytes - facts.split_bytes
@@ -293,8 +296,11 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
   state_split = mesh_axes.get(state_axis, 1) if state_axis and not fsdp_axis else 1
   # With ZeRO-1 each device sums only the slice it updates: a reduce-scatter,
   # half a ring all-reduce's traffic (`Optimizer.sliced_gradients`).
+  # ZeRO-1's reduce-scatter is priced at what its runs measured (its scale,
+  # as its all-gather below).
   terms['data all-reduce'] = data_scale * rates.transfer(
-      'all_reduce', data, unsplit, cross_host=data_cross) / (2 if state_split > 1 else 1)
+      'all_reduce', data, unsplit, cross_host=data_cross) * (
+          rates.collective_scale.get('zero1', 1.0) / 2 if state_split > 1 else 1.0)
   if pipeline is not None and stages > 1:
     per = _boundary_elements(profile, stage_of) * scale / data * width / micro
     cross = stage_axis in spans

@@ -187,9 +187,9 @@ class Trainer:
         eta = (config.num_steps - done) / max(steps_per_sec, 1e-9)
         shown = ''.join(f'  {name} {float(to_numpy(metrics[name])):.4f}'
                         for name in self.task.console_metrics if name in metrics)
-        logging.info('step %d/%d  loss %.4f%s  lr %.2e  |g| %.3f  %.2f steps/s  '
+        logging.info('step %d/%d  loss %.4f%s  lr %.2e  |g| %.3f  %s steps/s  '
                      '%.0f %s/s  ETA %s', done, config.num_steps, loss_value, shown,
-                     float(to_numpy(lr)), float(to_numpy(grad_norm)), steps_per_sec,
+                     float(to_numpy(lr)), float(to_numpy(grad_norm)), _format_rate(steps_per_sec),
                      steps_per_sec * items_per_step, unit, _format_seconds(eta))
         self.writer.scalars(step=done, values={
             'train/loss': loss_value,
@@ -231,6 +231,13 @@ class Trainer:
     self.writer.scalars(step=step, values={
         'eval/loss': value, **{f'eval/{n}': v for n, v in metrics.items()}})
     return value
+
+
+def _format_rate(per_second: float) -> str:
+  """Steps a second to 2 decimals, 4 below 1 (never an exponent): the
+  step times read back from the log (`launch.inspect --suggest --measure`,
+  bench/calibrate.py) kept only 0.05 of a 20 s step, +-10%."""
+  return f'{per_second:.2f}' if per_second >= 1 else f'{per_second:.4f}'
 
 
 def _format_seconds(seconds: float) -> str:
