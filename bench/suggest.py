@@ -33,6 +33,15 @@ devices (no device touched). A candidate shared by budgets or passes trains once
     python bench/suggest.py [--models lm_small lm_wide] [--reuse]
                             [--out bench/results/suggest.json]
     python bench/suggest.py --models lm_moe     # -> bench/results/suggest_moe.json
+    python bench/suggest.py --estimate          # how long the trials would take here
+
+It first prints how long each model's trials will take by the cost model's
+own prediction. On a 2-core EPYC with AVX-512 the dense models' trials took
+66 minutes and lm_moe's 39, where that machine's calibration predicts 106
+and 53. On one with AVX2 alone, where a bfloat16 step takes 13x a float32
+one and the tighter budgets fit only bfloat16 candidates, its calibration
+predicts 160 (lm_small), 397 (lm_wide) and 352 (lm_moe): over 9 hours, even
+at the AVX-512 machine's over-prediction.
 
 --reuse keeps the trials of an earlier results file (or of a run that
 stopped: bench/results/.suggest.partial.json) whose bindings match, where
@@ -294,6 +303,26 @@ def in_turns(model: dict, first: list[str], second: list[str], rounds: int = 3) 
           'ratio': medians[0] / medians[1]}
 
 
+def estimate_minutes(name: str, model: dict) -> float:
+  """Minutes of trials `name` takes here, by the cost model's own prediction
+  (this machine's calibration): every candidate of pass 1 (and of pass 2,
+  with the margins of the checked-in results), `trials` processes of 11
+  steps and ~25 s of start-up each; in-turns reruns and hand-written
+  layouts not counted."""
+  margins = [({}, 0.0)]
+  shipped = os.path.join(RESULTS, MOE_RESULTS if name == 'lm_moe' else 'suggest.json')
+  if os.path.exists(shipped):
+    with open(shipped) as f:
+      kept = json.load(f)['memory_margins']
+    margins.append((kept, max(kept.values())))
+  seconds = {}
+  for budget in BUDGETS_GIB:
+    for margin in margins:
+      suggester, result = suggestions(model, budget, margin)
+      seconds.update({key_of(suggester.bindings(e.candidate)): e.seconds for e in result.ranked})
+  return sum(model['trials'] * (11 * step + 25) for step in seconds.values()) / 60
+
+
 def time_100b() -> dict:
   """Wall time of `launch.inspect --suggest` on the 100B config, 1,024 devices,
   on one host (every layout) and on 128 hosts of 8 (the model axis within one)."""
@@ -317,6 +346,9 @@ def main() -> None:
   parser.add_argument('--out', default='',
                       help=f'default: bench/results/suggest.json, or {MOE_RESULTS} for '
                            '--models lm_moe')
+  parser.add_argument('--estimate', action='store_true',
+                      help="print how long each model's trials would take here (the cost "
+                           "model's prediction) and stop")
   parser.add_argument('--only_100b', action='store_true',
                       help="time the 100B config's suggestion again, into --out")
   args = parser.parse_args()
@@ -331,6 +363,11 @@ def main() -> None:
     results['suggest_100b'] = time_100b()
     with open(args.out, 'w') as f:
       json.dump(results, f, indent=1)
+    return
+  for name in args.models:  # before hours of trials: what they will take
+    print(f'{name}: about {estimate_minutes(name, MODELS[name]):.0f} minutes of trials on this '
+          "machine, by the cost model's prediction", flush=True)
+  if args.estimate:
     return
   cache: dict = {}
   for path in (args.out, PARTIAL) if args.reuse else ():
