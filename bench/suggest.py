@@ -40,7 +40,7 @@ own prediction. On a 2-core EPYC with AVX-512 the dense models' trials took
 66 minutes and lm_moe's 39, where that machine's calibration predicts 106
 and 53. On one with AVX2 alone, where a bfloat16 step takes 13x a float32
 one and the tighter budgets fit only bfloat16 candidates, its calibration
-predicts 160 (lm_small), 397 (lm_wide) and 352 (lm_moe): over 9 hours, even
+predicts 159 (lm_small), 387 (lm_wide) and 344 (lm_moe): over 9 hours, even
 at the AVX-512 machine's over-prediction.
 
 --reuse keeps the trials of an earlier results file (or of a run that
