@@ -249,7 +249,7 @@ def faster_dtype(seconds: dict[str, float]) -> str:
   """The compute dtype whose one-device step of the larger model is faster:
   measured as a whole step, since a matmul micro-benchmark can mislead (on
   AVX2 alone bfloat16's `tf.matmul` ran at float32's rate while its
-  training step took 9x as long)."""
+  training step took 13x as long)."""
   return min(('float32', 'bfloat16'), key=lambda dtype: seconds[f'data=1, {dtype}'])
 
 

@@ -52,6 +52,7 @@ extensions, TensorFlow).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -65,6 +66,8 @@ sys.path.insert(0, REPO)
 from bench.common import MEGATRON, RESULTS, with_megatron, write_json  # noqa: E402
 
 GIB = 2**30
+STEPS, WARMUP = 8, 3  # each trial's timed steps, after its warm-up ones
+START_UP_S = 25  # a trial's process start-up and first compile, for --estimate
 BUDGETS_GIB = (1, 2, 4)
 # `trials`: processes per candidate, its step time their median. One
 # process's figure varies by 10-15%; lm_small's candidates lie within a few
@@ -147,10 +150,11 @@ def suggestions(model: dict, budget_gib: float, margins):
   return suggester, suggester.run()
 
 
+@functools.cache
 def this_machine() -> dict:
   """What a step time depends on besides the candidate: --reuse keeps
-  another run's trials only where these match (a trial measured with
-  AVX-512 ran bfloat16 9x as fast as one without)."""
+  another run's trials only where these match (without AVX-512 a bfloat16
+  step took 13x a float32 one; with it, about half)."""
   from layout_core.suggest.calibration import machine_facts  # pylint: disable=import-outside-toplevel
   facts = machine_facts()
   return {key: facts[key] for key in ('processor', 'cores', 'isa', 'tensorflow')}
@@ -171,7 +175,7 @@ def run_trial(model: dict, bindings: list[str], cache: dict, *, label: str) -> d
   runs = []  # the trials it lacks (an earlier file's count may be lower)
   for _ in range(model['trials'] - len(done)):
     runs.append(measure(files=model['files'], bindings=model['bindings'],
-                        candidate_bindings=bindings, steps=8, warmup=3, kill_above=KILL_ABOVE,
+                        candidate_bindings=bindings, steps=STEPS, warmup=WARMUP, kill_above=KILL_ABOVE,
                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')).as_dict())
     if not runs[-1]['ok']:
       break
@@ -293,7 +297,7 @@ def in_turns(model: dict, first: list[str], second: list[str], rounds: int = 3) 
   for _ in range(rounds):
     for index, bindings in enumerate((first, second)):
       trial = measure(files=model['files'], bindings=model['bindings'],
-                      candidate_bindings=bindings, steps=8, warmup=3, kill_above=KILL_ABOVE,
+                      candidate_bindings=bindings, steps=STEPS, warmup=WARMUP, kill_above=KILL_ABOVE,
                       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
       if trial.ok:
         times[index].append(trial.step_seconds)
@@ -306,9 +310,9 @@ def in_turns(model: dict, first: list[str], second: list[str], rounds: int = 3) 
 def estimate_minutes(name: str, model: dict) -> float:
   """Minutes of trials `name` takes here, by the cost model's own prediction
   (this machine's calibration): every candidate of pass 1 (and of pass 2,
-  with the margins of the checked-in results), `trials` processes of 11
-  steps and ~25 s of start-up each; in-turns reruns and hand-written
-  layouts not counted."""
+  with the margins of the checked-in results), `trials` processes of
+  WARMUP + STEPS steps and START_UP_S each; in-turns reruns and
+  hand-written layouts not counted."""
   margins = [({}, 0.0)]
   shipped = os.path.join(RESULTS, MOE_RESULTS if name == 'lm_moe' else 'suggest.json')
   if os.path.exists(shipped):
@@ -320,7 +324,8 @@ def estimate_minutes(name: str, model: dict) -> float:
     for margin in margins:
       suggester, result = suggestions(model, budget, margin)
       seconds.update({key_of(suggester.bindings(e.candidate)): e.seconds for e in result.ranked})
-  return sum(model['trials'] * (11 * step + 25) for step in seconds.values()) / 60
+  return sum(model['trials'] * ((WARMUP + STEPS) * step + START_UP_S)
+             for step in seconds.values()) / 60
 
 
 def time_100b() -> dict:

@@ -295,9 +295,8 @@ def predict_step(profile: ModelProfile, *, records, mesh_axes: Mapping[str, int]
         + facts.block_variables * per_variable)
   state_split = mesh_axes.get(state_axis, 1) if state_axis and not fsdp_axis else 1
   # With ZeRO-1 each device sums only the slice it updates: a reduce-scatter,
-  # half a ring all-reduce's traffic (`Optimizer.sliced_gradients`).
-  # ZeRO-1's reduce-scatter is priced at what its runs measured (its scale,
-  # as its all-gather below).
+  # half a ring all-reduce's traffic (`Optimizer.sliced_gradients`), scaled
+  # by what ZeRO-1's collectives measured in a real step, as its all-gather.
   terms['data all-reduce'] = data_scale * rates.transfer(
       'all_reduce', data, unsplit, cross_host=data_cross) * (
           rates.collective_scale.get('zero1', 1.0) / 2 if state_split > 1 else 1.0)
